@@ -1,0 +1,18 @@
+"""Paged-attention kernels (Triton) and their PyTorch references.
+
+Public API: :func:`attention` (device-agnostic entry point), :func:`paged_attention`
+(Triton kernel), :func:`paged_attention_reference`, :func:`write_kv`, :func:`copy_blocks`.
+"""
+
+from .api import attention
+from .cache_ops import copy_blocks, write_kv
+from .paged_attention import paged_attention
+from .reference import paged_attention_reference
+
+__all__ = [
+    "attention",
+    "copy_blocks",
+    "paged_attention",
+    "paged_attention_reference",
+    "write_kv",
+]

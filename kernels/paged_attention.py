@@ -1,0 +1,420 @@
+"""Triton paged attention for full and sliding-window layers: decode and chunked prefill.
+
+One kernel serves both: every program owns a *query tile* (up to ``BLOCK_M // GROUP``
+consecutive query tokens of one sequence, times the ``GROUP`` query heads sharing one KV
+head) and walks the key tiles of ``BLOCK_N`` positions that some query of its tile may see.
+With a window the walk starts at the tile holding ``first_query - W + 1``; keys before it
+are neither visited nor loaded. See ``docs/kernels.md`` for the layout, grid and formulas.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import (
+    HAS_TRITON,
+    cdiv,
+    check_device,
+    is_interpreted,
+    next_pow2,
+    require_triton,
+    sm_count,
+)
+from .reference import _check_common
+
+__all__ = ["paged_attention", "choose_num_splits", "launch_config"]
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+# A split should own at least this many key tiles, else the merge costs more than it saves.
+MIN_TILES_PER_SPLIT = 4
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from ._triton import tanh_f32
+
+    @triton.jit
+    def _paged_attn_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tiles_ptr,
+        block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+        scale, softcap, window, num_splits,
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_os, stride_ot, stride_oh, stride_od,
+        stride_ls, stride_lt, stride_lh,
+        stride_btb, stride_btp,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PAGE: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr,
+        SPLIT: tl.constexpr,
+        UPCAST: tl.constexpr,
+        COUNT_TILES: tl.constexpr,
+    ):
+        TOK: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
+        q_tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        pid2 = tl.program_id(2)
+        seq = pid2 // num_splits
+        split = pid2 % num_splits
+
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        tok0 = q_tile * TOK
+        if tok0 >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx = seq_len - q_len  # absolute position of the sequence's first query
+
+        rows = tl.arange(0, BLOCK_M)
+        r_tok = rows // GROUP
+        r_head = rows % GROUP
+        row_valid = (r_tok < TOK) & (tok0 + r_tok < q_len)
+        q_pos = ctx + tok0 + r_tok  # absolute position of each row's query
+        head = kvh * GROUP + r_head
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+
+        tok_idx = (q_start + tok0 + r_tok).to(tl.int64)
+        q_off = tok_idx[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd
+        q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+
+        # Keys some query of this tile may see: [k_lo, k_hi).
+        last_q = tl.minimum(ctx + tok0 + TOK, seq_len) - 1
+        k_hi = last_q + 1
+        k_lo = 0
+        if USE_WINDOW:
+            k_lo = tl.maximum(ctx + tok0 - window + 1, 0)
+        t_lo = k_lo // BLOCK_N
+        t_hi = (k_hi + BLOCK_N - 1) // BLOCK_N
+        if SPLIT:
+            per = (t_hi - t_lo + num_splits - 1) // num_splits
+            t_lo = t_lo + split * per
+            t_hi = tl.minimum(t_lo + per, t_hi)
+
+        if USE_SOFTCAP:
+            qk_scale = scale
+        else:
+            qk_scale = scale * 1.4426950408889634  # fold log2(e): softmax in base 2
+
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        bt_row = block_table_ptr + seq.to(tl.int64) * stride_btb
+        n_cols = tl.arange(0, BLOCK_N)
+        k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+
+        for t in range(t_lo, t_hi):
+            k_pos = t * BLOCK_N + n_cols
+            kv_valid = (k_pos >= k_lo) & (k_pos < k_hi)
+            blk = tl.load(bt_row + (k_pos // PAGE) * stride_btp, mask=kv_valid, other=0)
+            slot = k_pos % PAGE
+            k_base = blk.to(tl.int64) * stride_kb + slot.to(tl.int64) * stride_ks
+            v_base = blk.to(tl.int64) * stride_vb + slot.to(tl.int64) * stride_vs
+            kv_mask = kv_valid[None, :] & d_mask[:, None]
+            # K loaded transposed: [BLOCK_D, BLOCK_N].
+            k = tl.load(k_head + k_base[None, :] + d[:, None] * stride_kd, mask=kv_mask, other=0.0)
+            v = tl.load(
+                v_head + v_base[:, None] + d[None, :] * stride_vd,
+                mask=kv_valid[:, None] & d_mask[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+                s = tl.dot(q, k, input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
+            s = s * qk_scale
+            if USE_SOFTCAP:
+                s = softcap * tanh_f32(s / softcap) * 1.4426950408889634
+            vis = kv_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                vis = vis & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            if UPCAST:
+                acc += tl.dot(p, v, input_precision="ieee")
+            else:
+                acc += tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        if COUNT_TILES:
+            n_slot = ((seq * tl.num_programs(1) + kvh) * tl.num_programs(0) + q_tile)
+            tl.store(tiles_ptr + n_slot * num_splits + split, t_hi - t_lo)
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        o_off = (
+            split.to(tl.int64) * stride_os
+            + tok_idx[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + d[None, :] * stride_od
+        )
+        tl.store(
+            o_ptr + o_off,
+            out.to(o_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & d_mask[None, :],
+        )
+        if SPLIT:
+            # log2-sum-exp of this split's scores; -inf when it saw no key.
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            l_off = split.to(tl.int64) * stride_ls + tok_idx * stride_lt + head * stride_lh
+            tl.store(lse_ptr + l_off, lse, mask=row_valid)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        o_part_ptr, lse_ptr, out_ptr, num_splits, num_heads,
+        stride_ps, stride_pt, stride_ph, stride_pd,
+        stride_ls, stride_lt, stride_lh,
+        stride_ot, stride_oh, stride_od,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        # One program per query token, all its heads: out = sum_s w_s o_s / sum_s w_s with
+        # w_s = 2^(lse_s - max_s lse_s).
+        tok = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)
+        h_mask = h < num_heads
+        d = tl.arange(0, BLOCK_D)
+        hd_mask = h_mask[:, None] & (d[None, :] < HEAD_DIM)
+        l_row = lse_ptr + tok * stride_lt + h * stride_lh
+        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        for s in range(num_splits):
+            lse = tl.load(l_row + s * stride_ls, mask=h_mask, other=float("-inf"))
+            m = tl.maximum(m, lse)
+        m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key: output 0
+        den = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        o_row = o_part_ptr + tok * stride_pt + h[:, None] * stride_ph + d[None, :] * stride_pd
+        for s in range(num_splits):
+            lse = tl.load(l_row + s * stride_ls, mask=h_mask, other=float("-inf"))
+            w = tl.exp2(lse - m)
+            o = tl.load(o_row + s * stride_ps, mask=hd_mask, other=0.0)
+            acc += o * w[:, None]
+            den += w
+        den = tl.where(den == 0.0, 1.0, den)
+        out = acc / den[:, None]
+        tl.store(
+            out_ptr + tok * stride_ot + h[:, None] * stride_oh + d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=hd_mask,
+        )
+
+def launch_config(
+    group: int, head_dim: int, max_seqlen_q: int, block_m: int | None, block_n: int | None
+) -> tuple[int, int, int, int]:
+    """Tile sizes ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for one launch.
+
+    ``BLOCK_M`` counts tile *rows* = query tokens x query heads of one KV head.
+    """
+    if block_m is None:
+        if max_seqlen_q <= 1:
+            block_m = max(16, next_pow2(group))
+        else:
+            block_m = max(16, min(64, next_pow2(group * max_seqlen_q)), next_pow2(group))
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    if block_m < 16 or block_n < 16 or next_pow2(head_dim) < 16:
+        raise ValueError(
+            f"tl.dot needs tiles >= 16 in every dim, got BLOCK_M={block_m}, BLOCK_N={block_n}, "
+            f"BLOCK_D={next_pow2(head_dim)}"
+        )
+    if block_m & (block_m - 1) or block_n & (block_n - 1):
+        raise ValueError(f"BLOCK_M={block_m} and BLOCK_N={block_n} must be powers of two")
+    if block_m < group:
+        raise ValueError(f"BLOCK_M={block_m} must hold all {group} query heads of a KV head")
+    num_warps = 8 if block_m * next_pow2(head_dim) >= 128 * 128 else 4
+    return block_m, block_n, num_warps, 2
+
+
+def choose_num_splits(
+    num_programs: int, max_tiles: int, device: torch.device, interpreted: bool = False
+) -> int:
+    """Split-KV factor: 1 when the grid already fills the GPU, else enough splits to give
+    about two waves of programs, each split keeping at least ``MIN_TILES_PER_SPLIT`` tiles."""
+    if interpreted or device.type != "cuda":
+        return 1
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if num_programs >= sms:
+        return 1
+    want = cdiv(2 * sms, max(num_programs, 1))
+    return max(1, min(want, max_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def _validate_host(
+    q: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    num_blocks: int,
+    block_size: int,
+) -> None:
+    """Content checks that need the index tensors' values (run only on CPU: no GPU sync)."""
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    if cu[0] != 0 or cu[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens_q must run from 0 to total_q={q.shape[0]}, got {cu}")
+    for i, seq_len in enumerate(lens):
+        q_len = cu[i + 1] - cu[i]
+        if q_len < 0 or q_len > seq_len:
+            raise ValueError(f"sequence {i}: q_len {q_len} must be in [0, seq_len={seq_len}]")
+        if q_len > max_seqlen_q:
+            raise ValueError(f"sequence {i}: q_len {q_len} exceeds max_seqlen_q {max_seqlen_q}")
+        if cdiv(seq_len, block_size) > block_table.shape[1]:
+            raise ValueError(
+                f"sequence {i}: seq_len {seq_len} needs {cdiv(seq_len, block_size)} blocks, "
+                f"block_table has {block_table.shape[1]} columns"
+            )
+    if block_table.numel() and (block_table.min() < 0 or block_table.max() >= num_blocks):
+        raise ValueError(f"block_table holds ids outside [0, {num_blocks})")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    tile_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention over a block table, for decode and prefill over a cached prefix.
+
+    Same semantics as :func:`kernels.paged_attention_reference` (varlen queries by
+    ``cu_seqlens_q`` int32 ``[B+1]``; ``seq_lens`` int32 ``[B]`` counts every cached token of
+    a sequence including its new queries; ``block_table`` int32 ``[B, max_blocks]``; caches
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides). ``max_seqlen_q``
+    bounds the per-sequence query count. ``window`` None means full attention; ``softcap``
+    None or 0 disables the logit cap. Returns ``out`` (allocated like ``q`` when None).
+
+    Keyword-only tuning: ``num_splits`` forces the split-KV factor (None = heuristic);
+    ``block_m``/``block_n`` override tile rows / keys per tile; ``tile_counts`` (int32, at
+    least ``B * num_kv_heads * q_tiles * num_splits`` elements) receives the number of key
+    tiles each program visited, for tests that prove the loop is window-bounded.
+    """
+    require_triton()
+    _check_common(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, window)
+    check_device(_paged_attn_kernel, q, key_cache, value_cache, block_table, cu_seqlens_q,
+                 seq_lens)
+    for name, t in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q),
+                    ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"unsupported dtype {q.dtype}")
+    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+        raise TypeError(
+            f"q, key_cache, value_cache dtypes differ: {q.dtype}, {key_cache.dtype}, "
+            f"{value_cache.dtype}"
+        )
+    cu_seqlens_q = cu_seqlens_q.contiguous()
+    seq_lens = seq_lens.contiguous()
+    total_q, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    batch = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}")
+    if q.device.type == "cpu":
+        _validate_host(q, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, num_blocks,
+                       block_size)
+    if batch == 0 or total_q == 0:
+        return out
+    max_seqlen_q = max(int(max_seqlen_q), 1)
+    bm, bn, num_warps, num_stages = launch_config(group, head_dim, max_seqlen_q, block_m,
+                                                  block_n)
+    tok_per_tile = bm // group
+    q_tiles = cdiv(max_seqlen_q, tok_per_tile)
+    interpreted = is_interpreted(_paged_attn_kernel)
+
+    if num_splits is None:
+        max_kv = block_table.shape[1] * block_size
+        if window is not None:
+            max_kv = min(max_kv, window + tok_per_tile - 1)
+        max_tiles = cdiv(max_kv, bn) + 1
+        num_splits = choose_num_splits(batch * num_kv_heads * q_tiles, max_tiles, q.device,
+                                       interpreted)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    split = num_splits > 1
+    if split:
+        o_dst = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device)
+        lse = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32,
+                          device=q.device)
+        o_strides = o_dst.stride()
+        l_strides = lse.stride()
+    else:
+        o_dst, lse = out, out  # lse unused without splits
+        o_strides = (0, *out.stride())
+        l_strides = (0, 0, 0)
+    count = tile_counts is not None
+    if count:
+        need = batch * num_kv_heads * q_tiles * num_splits
+        if tile_counts.dtype != torch.int32 or tile_counts.numel() < need:
+            raise ValueError(f"tile_counts must be int32 with >= {need} elements")
+
+    grid = (q_tiles, num_kv_heads, batch * num_splits)
+    _paged_attn_kernel[grid](
+        q, key_cache, value_cache, o_dst, lse, tile_counts if count else seq_lens,
+        block_table, cu_seqlens_q, seq_lens,
+        float(scale), float(softcap or 0.0), int(window or 0), num_splits,
+        *q.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *o_strides,
+        *l_strides,
+        *block_table.stride(),
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        GROUP=group,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        PAGE=block_size,
+        USE_WINDOW=window is not None,
+        USE_SOFTCAP=bool(softcap),
+        SPLIT=split,
+        UPCAST=interpreted or q.dtype == torch.float32,
+        COUNT_TILES=count,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(total_q,)](
+            o_dst, lse, out, num_splits, num_heads,
+            *o_dst.stride(),
+            *lse.stride(),
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            BLOCK_D=max(16, next_pow2(head_dim)),
+            BLOCK_H=next_pow2(num_heads),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,154 @@
+"""PyTorch reference implementations: the semantics every kernel is tested against.
+
+Everything here is written for clarity, not speed: a Python loop over sequences, math in
+fp32. The reference reads only *legitimate* cache positions -- for sequence ``i`` the keys
+``max(0, first_query - W + 1) .. seq_len - 1`` -- so garbage (even NaN) anywhere else in
+the pages, in the null block or in table entries for dropped pages cannot reach its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "paged_attention_reference",
+    "write_kv_reference",
+    "copy_blocks_reference",
+    "visible_key_range",
+]
+
+
+def visible_key_range(seq_len: int, q_len: int, window: int | None) -> tuple[int, int]:
+    """Half-open range ``[lo, hi)`` of key positions some query of the sequence may see.
+
+    The queries are the last ``q_len`` positions of a sequence of ``seq_len`` tokens; with a
+    window ``W`` the query at ``q`` sees keys ``q - W < k <= q``.
+    """
+    first_q = seq_len - q_len
+    lo = 0 if window is None else max(0, first_q - window + 1)
+    return lo, seq_len
+
+
+def _softcap(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    if softcap is None or softcap == 0:
+        return s
+    return softcap * torch.tanh(s / softcap)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal, optionally windowed and soft-capped paged attention, computed in fp32.
+
+    ``q`` is ``[total_q, num_heads, head_dim]``; the queries of sequence ``i`` are the rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and sit at the last ``q_len_i`` absolute positions
+    of its ``seq_lens[i]`` cached tokens. ``key_cache``/``value_cache`` are
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``; position ``p`` of sequence ``i``
+    lives in block ``block_table[i, p // block_size]`` at slot ``p % block_size``. Query head
+    ``h`` uses KV head ``h // (num_heads // num_kv_heads)``. Returns a tensor shaped and
+    typed like ``q``.
+    """
+    _check_common(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, window)
+    num_heads = q.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_size = key_cache.shape[1]
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for i, seq_len in enumerate(lens):
+        q0, q1 = cu[i], cu[i + 1]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        lo, hi = visible_key_range(seq_len, q_len, window)
+        kpos = torch.arange(lo, hi, device=q.device)
+        blocks = block_table[i, kpos // block_size].long()
+        slots = kpos % block_size
+        k = key_cache[blocks, slots].float()  # [nk, Hkv, D]
+        v = value_cache[blocks, slots].float()
+        k = k.repeat_interleave(group, dim=1)  # [nk, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        qs = q[q0:q1].float()  # [nq, H, D]
+        s = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        s = _softcap(s, softcap)
+        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = kpos[None, :] <= qpos[:, None]
+        if window is not None:
+            mask &= kpos[None, :] > qpos[:, None] - window
+        s = torch.where(mask[None], s, torch.tensor(float("-inf"), device=q.device))
+        p = torch.softmax(s, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v)
+    return out.to(q.dtype)
+
+
+def _check_common(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None,
+) -> None:
+    if q.dim() != 3 or key_cache.dim() != 4 or value_cache.dim() != 4:
+        raise ValueError(
+            "expected q [T, H, D] and caches [num_blocks, block_size, num_kv_heads, D], got "
+            f"q {tuple(q.shape)}, key_cache {tuple(key_cache.shape)}"
+        )
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} and value_cache "
+            f"{tuple(value_cache.shape)} differ in shape"
+        )
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, cache {key_cache.shape[3]}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    batch = seq_lens.shape[0]
+    if cu_seqlens_q.shape != (batch + 1,) or block_table.dim() != 2:
+        raise ValueError(
+            f"expected cu_seqlens_q [B+1] and block_table [B, max_blocks] for B={batch}, got "
+            f"{tuple(cu_seqlens_q.shape)} and {tuple(block_table.shape)}"
+        )
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows, expected {batch}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be None or >= 1, got {window}")
+
+
+def write_kv_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Token-by-token reference of :func:`kernels.write_kv` (negative slots are skipped)."""
+    block_size = key_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        key_cache[slot // block_size, slot % block_size] = key[t]
+        value_cache[slot // block_size, slot % block_size] = value[t]
+
+
+def copy_blocks_reference(
+    caches: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]
+) -> None:
+    """Pair-by-pair reference of :func:`kernels.copy_blocks` on a flat list of tensors."""
+    for t in caches:
+        for src, dst in pairs:
+            t[dst] = t[src].clone()
