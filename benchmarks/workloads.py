@@ -1,0 +1,562 @@
+"""Seeded, token-level request workloads for the prefix-cache benchmarks.
+
+Every generator returns a :class:`Workload`: requests sorted by arrival, each carrying
+the exact prompt token ids, so a simulator or a real cache sees the same prefix
+structure the generator intended (shared system prompts, multi-turn chats, few-shot
+prefixes, unique prompts). Everything is deterministic for a given ``seed``.
+
+:func:`ideal_hit_tokens` gives the infinite-cache upper bound on prefix reuse for any
+list of requests, token-exact or rounded to whole blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "RequestSpec",
+    "Workload",
+    "IdealHits",
+    "WORKLOADS",
+    "arrival_times",
+    "heavy_tailed_lengths",
+    "tokens_to_tuple",
+    "shared_system_prompts",
+    "multi_turn_chat",
+    "few_shot",
+    "unique_prompts",
+    "mixed_default",
+    "make_workload",
+    "ideal_hit_tokens",
+]
+
+DEFAULT_VOCAB_SIZE = 32000
+
+ArrivalProcess = Literal["poisson", "fixed"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One request of a workload.
+
+    ``arrival`` is in seconds from the start of the workload. ``max_tokens`` is the
+    exact number of tokens the request decodes. ``output_token_ids``, when not None,
+    are the tokens the request is scripted to produce (``len == max_tokens``); a
+    simulator that feeds them as the decoded tokens makes later requests that quote
+    them (the next turn of a chat) hit on the blocks they fill.
+    """
+
+    request_id: str
+    arrival: float
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    cache_salt: str | None = None
+    output_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named list of requests, sorted by arrival."""
+
+    name: str
+    requests: list[RequestSpec]
+    description: str
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Total prompt tokens over all requests."""
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Total tokens to decode over all requests."""
+        return sum(r.max_tokens for r in self.requests)
+
+    @property
+    def duration(self) -> float:
+        """Arrival time of the last request, in seconds."""
+        return self.requests[-1].arrival if self.requests else 0.0
+
+
+# --------------------------------------------------------------------------- helpers
+
+_INTERN_MAX_VOCAB = 1 << 18
+
+
+@lru_cache(maxsize=4)
+def _int_table(vocab_size: int) -> np.ndarray:
+    return np.array(list(range(vocab_size)), dtype=object)
+
+
+def tokens_to_tuple(tokens: np.ndarray, vocab_size: int | None = None) -> tuple[int, ...]:
+    """Token ids as a tuple of Python ints.
+
+    With ``vocab_size`` given (and not huge), equal token ids share one int object, so
+    a long prompt costs one pointer per token instead of one int object per token.
+    """
+    arr = np.asarray(tokens, dtype=np.int64)
+    if vocab_size is not None and vocab_size <= _INTERN_MAX_VOCAB:
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
+            raise ValueError(f"token ids out of range for vocab_size={vocab_size}")
+        return tuple(_int_table(vocab_size)[arr])
+    return tuple(arr.tolist())
+
+
+def _rng(seed: int | np.random.Generator) -> np.random.Generator:
+    return seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+
+
+def _random_tokens(rng: np.random.Generator, n: int, vocab_size: int) -> np.ndarray:
+    return rng.integers(0, vocab_size, size=int(n), dtype=np.int64)
+
+
+def _uniform_lengths(
+    rng: np.random.Generator, n: int, bounds: tuple[int, int], what: str
+) -> np.ndarray:
+    lo, hi = int(bounds[0]), int(bounds[1])
+    if lo < 0 or hi < lo:
+        raise ValueError(f"{what} must be (low, high) with 0 <= low <= high, got {bounds}")
+    return rng.integers(lo, hi + 1, size=n, dtype=np.int64)
+
+
+def _check_common(num: int, vocab_size: int, what: str) -> None:
+    if num < 0:
+        raise ValueError(f"{what} must be >= 0, got {num}")
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+
+
+def arrival_times(
+    seed: int | np.random.Generator,
+    n: int,
+    rate: float,
+    process: ArrivalProcess = "poisson",
+) -> np.ndarray:
+    """``n`` non-decreasing arrival times in seconds, the first at 0.
+
+    ``rate`` is requests per second; ``math.inf`` puts every request at time 0.
+    ``"poisson"`` draws exponential gaps of mean ``1/rate``; ``"fixed"`` spaces
+    requests exactly ``1/rate`` apart.
+    """
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    if n <= 0:
+        return np.zeros(0, dtype=np.float64)
+    if math.isinf(rate):
+        return np.zeros(n, dtype=np.float64)
+    if process == "fixed":
+        return np.arange(n, dtype=np.float64) / rate
+    if process == "poisson":
+        gaps = _rng(seed).exponential(1.0 / rate, size=n - 1)
+        return np.concatenate(([0.0], np.cumsum(gaps)))
+    raise ValueError(f"unknown arrival process {process!r} (use 'poisson' or 'fixed')")
+
+
+def heavy_tailed_lengths(
+    seed: int | np.random.Generator,
+    n: int,
+    *,
+    median: float = 128,
+    sigma: float = 1.2,
+    low: int = 1,
+    high: int = 2048,
+) -> np.ndarray:
+    """``n`` integer lengths from a lognormal of the given median and log-sigma,
+    clipped to ``[low, high]``.
+
+    With the defaults, roughly 1 draw in 10 is over 4x the median and 1 in 100 over
+    16x, as in chat-style output lengths.
+    """
+    if median <= 0 or sigma < 0:
+        raise ValueError(f"need median > 0 and sigma >= 0, got {median}, {sigma}")
+    if low < 0 or high < low:
+        raise ValueError(f"need 0 <= low <= high, got {low}, {high}")
+    draws = _rng(seed).lognormal(mean=math.log(median), sigma=sigma, size=n)
+    return np.clip(np.rint(draws), low, high).astype(np.int64)
+
+
+def _finish(name: str, description: str, requests: list[RequestSpec]) -> Workload:
+    requests.sort(key=lambda r: r.arrival)
+    return Workload(name=name, requests=requests, description=description)
+
+
+# ------------------------------------------------------------------------ generators
+
+
+def shared_system_prompts(
+    num_requests: int = 200,
+    *,
+    num_prompts: int = 4,
+    system_lens: Sequence[int] = (200, 500, 1000, 2000),
+    user_len: tuple[int, int] = (16, 256),
+    output_median: float = 128,
+    output_sigma: float = 1.2,
+    output_max: int = 2048,
+    rate: float = 10.0,
+    arrival_process: ArrivalProcess = "poisson",
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+    name: str = "shared_system_prompts",
+) -> Workload:
+    """Requests that each start with one of ``num_prompts`` shared system prompts
+    (chosen uniformly) followed by a unique user message.
+
+    System prompt ``i`` has length ``system_lens[i % len(system_lens)]``.
+    """
+    _check_common(num_requests, vocab_size, "num_requests")
+    if num_prompts < 1 or not system_lens:
+        raise ValueError("need num_prompts >= 1 and at least one system length")
+    rng = np.random.default_rng(seed)
+    lens = [int(system_lens[i % len(system_lens)]) for i in range(num_prompts)]
+    systems = [_random_tokens(rng, n, vocab_size) for n in lens]
+    which = rng.integers(0, num_prompts, size=num_requests)
+    ulens = _uniform_lengths(rng, num_requests, user_len, "user_len")
+    users = np.split(_random_tokens(rng, ulens.sum(), vocab_size), np.cumsum(ulens)[:-1])
+    outs = heavy_tailed_lengths(
+        rng, num_requests, median=output_median, sigma=output_sigma, high=output_max
+    )
+    arrivals = arrival_times(rng, num_requests, rate, arrival_process)
+    requests = [
+        RequestSpec(
+            request_id=f"sys-{i:05d}",
+            arrival=float(arrivals[i]),
+            prompt_token_ids=tokens_to_tuple(
+                np.concatenate((systems[which[i]], users[i])), vocab_size
+            ),
+            max_tokens=int(outs[i]),
+        )
+        for i in range(num_requests)
+    ]
+    desc = (
+        f"{num_requests} requests over {num_prompts} shared system prompts of lengths {lens} "
+        f"+ unique user messages of {user_len[0]}..{user_len[1]} tokens; lognormal outputs "
+        f"(median {output_median}, sigma {output_sigma}, max {output_max}); "
+        f"{arrival_process} arrivals at {rate}/s; seed {seed}"
+    )
+    return _finish(name, desc, requests)
+
+
+def multi_turn_chat(
+    num_conversations: int = 20,
+    turns: int | tuple[int, int] = 4,
+    *,
+    system_len: int = 0,
+    user_len: tuple[int, int] = (32, 256),
+    output_median: float = 128,
+    output_sigma: float = 1.2,
+    output_max: int = 2048,
+    rate: float = 1.0,
+    arrival_process: ArrivalProcess = "poisson",
+    think_time: float = 5.0,
+    seconds_per_output_token: float = 0.02,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+    name: str = "multi_turn_chat",
+) -> Workload:
+    """Multi-turn conversations: the prompt of turn k+1 is the full prompt of turn k,
+    then turn k's output tokens, then a new user message.
+
+    Output tokens are scripted (``RequestSpec.output_token_ids``) so the next turn
+    literally contains them. ``turns`` is a count or an inclusive (low, high) range
+    drawn per conversation. Conversations start at ``rate`` per second; turn k+1
+    arrives ``max_tokens_k * seconds_per_output_token`` plus an exponential think
+    time of mean ``think_time`` after turn k. All conversations share one system
+    prompt of ``system_len`` tokens (none when 0).
+    """
+    _check_common(num_conversations, vocab_size, "num_conversations")
+    lo_t, hi_t = (turns, turns) if isinstance(turns, int) else (int(turns[0]), int(turns[1]))
+    if lo_t < 1 or hi_t < lo_t:
+        raise ValueError(f"turns must be >= 1 (or a (low, high) range), got {turns}")
+    if think_time < 0 or seconds_per_output_token < 0:
+        raise ValueError("think_time and seconds_per_output_token must be >= 0")
+    rng = np.random.default_rng(seed)
+    system = _random_tokens(rng, system_len, vocab_size)
+    starts = arrival_times(rng, num_conversations, rate, arrival_process)
+    n_turns = rng.integers(lo_t, hi_t + 1, size=num_conversations)
+    requests: list[RequestSpec] = []
+    for c in range(num_conversations):
+        nt = int(n_turns[c])
+        ulens = _uniform_lengths(rng, nt, user_len, "user_len")
+        outs = heavy_tailed_lengths(
+            rng, nt, median=output_median, sigma=output_sigma, high=output_max
+        )
+        user_toks = _random_tokens(rng, ulens.sum(), vocab_size)
+        out_toks = _random_tokens(rng, outs.sum(), vocab_size)
+        u_off = np.concatenate(([0], np.cumsum(ulens)))
+        o_off = np.concatenate(([0], np.cumsum(outs)))
+        gaps = rng.exponential(think_time, size=nt) if think_time > 0 else np.zeros(nt)
+        pieces: list[np.ndarray] = [system]
+        t = float(starts[c])
+        for k in range(nt):
+            if k > 0:
+                pieces.append(out_toks[o_off[k - 1] : o_off[k]])
+                # Strictly after the previous turn, even with zero think time.
+                t += max(outs[k - 1] * seconds_per_output_token + gaps[k], 1e-3)
+            pieces.append(user_toks[u_off[k] : u_off[k + 1]])
+            requests.append(
+                RequestSpec(
+                    request_id=f"chat-c{c:04d}-t{k:02d}",
+                    arrival=t,
+                    prompt_token_ids=tokens_to_tuple(np.concatenate(pieces), vocab_size),
+                    max_tokens=int(outs[k]),
+                    output_token_ids=tokens_to_tuple(out_toks[o_off[k] : o_off[k + 1]], vocab_size),
+                )
+            )
+    desc = (
+        f"{num_conversations} conversations of {turns} turns; each turn = previous prompt + "
+        f"previous output + new user message ({user_len[0]}..{user_len[1]} tokens); shared "
+        f"system prompt of {system_len} tokens; lognormal outputs (median {output_median}, "
+        f"sigma {output_sigma}, max {output_max}); conversations start at {rate}/s "
+        f"({arrival_process}), think time {think_time}s; seed {seed}"
+    )
+    return _finish(name, desc, requests)
+
+
+def few_shot(
+    num_requests: int = 100,
+    num_examples: int = 8,
+    *,
+    num_tasks: int = 1,
+    example_len: tuple[int, int] = (40, 200),
+    question_len: tuple[int, int] = (16, 128),
+    output_median: float = 64,
+    output_sigma: float = 1.2,
+    output_max: int = 1024,
+    rate: float = 10.0,
+    arrival_process: ArrivalProcess = "poisson",
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+    name: str = "few_shot",
+) -> Workload:
+    """Requests that share a prefix of ``num_examples`` worked examples, then ask a
+    unique question.
+
+    Each of ``num_tasks`` tasks has its own example prefix; requests pick a task
+    uniformly. Every prefix has an odd length, so it never ends on a block boundary
+    for any power-of-two block size and the block after it is shared only in part.
+    """
+    _check_common(num_requests, vocab_size, "num_requests")
+    if num_examples < 1 or num_tasks < 1:
+        raise ValueError("need num_examples >= 1 and num_tasks >= 1")
+    rng = np.random.default_rng(seed)
+    prefixes: list[np.ndarray] = []
+    for _ in range(num_tasks):
+        elens = _uniform_lengths(rng, num_examples, example_len, "example_len")
+        n = int(elens.sum())
+        n += 1 - n % 2  # odd: a trailing separator token when the examples sum to even
+        prefixes.append(_random_tokens(rng, n, vocab_size))
+    task = rng.integers(0, num_tasks, size=num_requests)
+    qlens = _uniform_lengths(rng, num_requests, question_len, "question_len")
+    qs = np.split(_random_tokens(rng, qlens.sum(), vocab_size), np.cumsum(qlens)[:-1])
+    outs = heavy_tailed_lengths(
+        rng, num_requests, median=output_median, sigma=output_sigma, high=output_max
+    )
+    arrivals = arrival_times(rng, num_requests, rate, arrival_process)
+    requests = [
+        RequestSpec(
+            request_id=f"fewshot-{i:05d}",
+            arrival=float(arrivals[i]),
+            prompt_token_ids=tokens_to_tuple(
+                np.concatenate((prefixes[task[i]], qs[i])), vocab_size
+            ),
+            max_tokens=int(outs[i]),
+        )
+        for i in range(num_requests)
+    ]
+    desc = (
+        f"{num_requests} requests over {num_tasks} few-shot prefixes of {num_examples} examples "
+        f"(prefix lengths {[len(p) for p in prefixes]}, not block-aligned) + unique questions "
+        f"of {question_len[0]}..{question_len[1]} tokens; lognormal outputs (median "
+        f"{output_median}, sigma {output_sigma}, max {output_max}); {arrival_process} arrivals "
+        f"at {rate}/s; seed {seed}"
+    )
+    return _finish(name, desc, requests)
+
+
+def unique_prompts(
+    num_requests: int = 100,
+    *,
+    prompt_len: tuple[int, int] = (64, 2048),
+    output_median: float = 128,
+    output_sigma: float = 1.2,
+    output_max: int = 2048,
+    rate: float = 10.0,
+    arrival_process: ArrivalProcess = "poisson",
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    seed: int = 0,
+    name: str = "unique_prompts",
+) -> Workload:
+    """Requests with independent random prompts: no intended sharing (two prompts
+    agree on their first token only by chance, about 1 in ``vocab_size``)."""
+    _check_common(num_requests, vocab_size, "num_requests")
+    rng = np.random.default_rng(seed)
+    plens = _uniform_lengths(rng, num_requests, prompt_len, "prompt_len")
+    ps = np.split(_random_tokens(rng, plens.sum(), vocab_size), np.cumsum(plens)[:-1])
+    outs = heavy_tailed_lengths(
+        rng, num_requests, median=output_median, sigma=output_sigma, high=output_max
+    )
+    arrivals = arrival_times(rng, num_requests, rate, arrival_process)
+    requests = [
+        RequestSpec(
+            request_id=f"unique-{i:05d}",
+            arrival=float(arrivals[i]),
+            prompt_token_ids=tokens_to_tuple(ps[i], vocab_size),
+            max_tokens=int(outs[i]),
+        )
+        for i in range(num_requests)
+    ]
+    desc = (
+        f"{num_requests} unique prompts of {prompt_len[0]}..{prompt_len[1]} tokens; lognormal "
+        f"outputs (median {output_median}, sigma {output_sigma}, max {output_max}); "
+        f"{arrival_process} arrivals at {rate}/s; seed {seed}"
+    )
+    return _finish(name, desc, requests)
+
+
+def mixed_default(
+    seed: int = 0,
+    num_requests: int = 300,
+    *,
+    rate: float = 10.0,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+) -> Workload:
+    """The classic comparison workload: about 1/3 shared-system-prompt requests, 27%
+    four-turn chats, 20% few-shot, 20% unique prompts, interleaved over
+    ``num_requests / rate`` seconds, with heavy-tailed outputs.
+
+    At the default size it holds under 300k prompt tokens.
+    """
+    if num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    turns = 4
+    n_conv = round(num_requests * 0.27) // turns
+    n_sys = min(round(num_requests / 3), num_requests - n_conv * turns)
+    rest = num_requests - n_sys - n_conv * turns
+    n_few = rest // 2
+    n_uni = rest - n_few
+    span = max(num_requests / rate, 1e-9)
+    seeds = [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(4)]
+    out = {"output_median": 100, "output_sigma": 1.2, "output_max": 2048}
+    parts = [
+        shared_system_prompts(
+            n_sys, rate=max(n_sys, 1) / span, vocab_size=vocab_size, seed=seeds[0], **out
+        ),
+        multi_turn_chat(
+            n_conv, turns, rate=max(n_conv, 1) / span, vocab_size=vocab_size, seed=seeds[1], **out
+        ),
+        few_shot(n_few, rate=max(n_few, 1) / span, vocab_size=vocab_size, seed=seeds[2], **out),
+        unique_prompts(
+            n_uni,
+            prompt_len=(64, 1280),
+            rate=max(n_uni, 1) / span,
+            vocab_size=vocab_size,
+            seed=seeds[3],
+            **out,
+        ),
+    ]
+    requests = [r for w in parts for r in w.requests]
+    desc = (
+        f"mixed: {n_sys} shared-system-prompt requests, {n_conv} chats x {turns} turns, "
+        f"{n_few} few-shot, {n_uni} unique; ~{rate} req/s overall; seed {seed}"
+    )
+    return _finish("mixed_default", desc, requests)
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "shared_system_prompts": shared_system_prompts,
+    "multi_turn_chat": multi_turn_chat,
+    "few_shot": few_shot,
+    "unique_prompts": unique_prompts,
+    "mixed_default": mixed_default,
+}
+
+
+def make_workload(name: str, seed: int = 0, **kw: object) -> Workload:
+    """Build the registered workload ``name`` with ``seed`` and generator keyword
+    arguments ``kw``."""
+    try:
+        factory = WORKLOADS[name]
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}") from None
+    return factory(seed=seed, **kw)
+
+
+# ----------------------------------------------------------------------- ideal bound
+
+
+class IdealHits(NamedTuple):
+    """Infinite-cache prefix reuse: total hit tokens, hit tokens per request (in the
+    order the requests were given) and total prompt tokens."""
+
+    total: int
+    per_request: list[int]
+    prompt_tokens: int
+
+    @property
+    def rate(self) -> float:
+        """Hit tokens / prompt tokens (0 for an empty workload)."""
+        return self.total / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    m = min(len(a), len(b))
+    if a[:m] == b[:m]:
+        return m
+    lo, hi = 0, m  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def ideal_hit_tokens(
+    requests: Sequence[RequestSpec],
+    block_size: int | None = None,
+    *,
+    include_outputs: bool = False,
+) -> IdealHits:
+    """Upper bound on prefix-cache hits with an infinite cache.
+
+    Requests are taken in arrival order (ties in the given order). A request's hit is
+    its longest common token prefix with any earlier request of the same
+    ``cache_salt``, capped at ``len(prompt) - 1`` (the last prompt token is always
+    computed). With ``block_size``, each hit is then rounded down to whole blocks (the
+    full-block caching ideal). With ``include_outputs``, an earlier request's cached
+    sequence is its prompt followed by its ``output_token_ids`` (when it has them).
+    """
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    per = [0] * len(requests)
+    seen: dict[str | None, list[tuple[int, ...]]] = {}
+    total = 0
+    for i in order:
+        r = requests[i]
+        p = r.prompt_token_ids
+        earlier = seen.setdefault(r.cache_salt, [])
+        pos = bisect_left(earlier, p)
+        # The closest earlier sequences in lexicographic order hold the longest LCP.
+        lcp = _lcp(p, earlier[pos]) if pos < len(earlier) else 0
+        if pos > 0:
+            lcp = max(lcp, _lcp(p, earlier[pos - 1]))
+        hit = max(0, min(lcp, len(p) - 1))
+        if block_size is not None:
+            hit -= hit % block_size
+        per[i] = hit
+        total += hit
+        if include_outputs and r.output_token_ids:
+            insort(earlier, p + r.output_token_ids)
+        else:
+            earlier.insert(pos, p)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    return IdealHits(total=total, per_request=per, prompt_tokens=prompt_tokens)
