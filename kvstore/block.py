@@ -1,0 +1,146 @@
+"""One physical KV page and the intrusive free list that is also the LRU eviction order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+
+class KVCacheBlock:
+    """One page of the pool: ref count, cached identity, and free-list links."""
+
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "group_id",
+        "block_hash",
+        "token_ids",
+        "serial",
+        "parent_serial",
+        "prev_free",
+        "next_free",
+    )
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Group whose layers this page's bytes belong to (set on allocation, kept while cached).
+        self.group_id = -1
+        # Set while the block is in the full-block hash index.
+        self.block_hash: int | None = None
+        # The token ids the block holds while it is indexed (full or a finished partial block).
+        self.token_ids: tuple[int, ...] | None = None
+        # Content identity of a full cached block; equal serials mean equal content and prefix.
+        self.serial = 0
+        # Serial of the block before it in the request that cached it (or the salt's root serial).
+        self.parent_serial = 0
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    @property
+    def is_null(self) -> bool:
+        """Whether this is the null block (block 0), the placeholder for dropped pages."""
+        return self.block_id == 0
+
+    @property
+    def is_cached(self) -> bool:
+        """Whether the block holds indexed content (full hash entry or partial entry)."""
+        return self.token_ids is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, group={self.group_id}, "
+            f"hash={'-' if self.block_hash is None else hex(self.block_hash)[:10]})"
+        )
+
+
+class FreeBlockQueue:
+    """Doubly linked list threaded through the blocks; head is evicted first."""
+
+    __slots__ = ("_head", "_tail", "_len")
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        self.append_n(blocks)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        node = self._head.next_free
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next_free
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the head (the next block to evict)."""
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("pop from an empty FreeBlockQueue")
+        self._unlink(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Remove and return the first n blocks, in order."""
+        if n > self._len:
+            raise IndexError(f"cannot pop {n} blocks from a queue of {self._len}")
+        out = []
+        node = self._head.next_free
+        for _ in range(n):
+            assert node is not None
+            out.append(node)
+            nxt = node.next_free
+            node.prev_free = node.next_free = None
+            node = nxt
+        self._head.next_free = node
+        assert node is not None
+        node.prev_free = self._head
+        self._len -= n
+        return out
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put a block at the tail (evicted last)."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self._len += 1
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put a block at the head (evicted first)."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        first = self._head.next_free
+        assert first is not None
+        first.prev_free = block
+        block.next_free = first
+        block.prev_free = self._head
+        self._head.next_free = block
+        self._len += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Append blocks at the tail, in order."""
+        for block in blocks:
+            self.append(block)
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink a block from anywhere in the queue."""
+        if block.prev_free is None or block.next_free is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        self._unlink(block)
+
+    def _unlink(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1

@@ -1,0 +1,302 @@
+"""The shared pool of pages: allocation, ref counts, LRU eviction and the prefix-cache indexes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+
+from sortedcontainers import SortedList
+
+from kvstore.block import FreeBlockQueue, KVCacheBlock
+from kvstore.hashing import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A full block entered the prefix cache."""
+
+    block_hash: BlockHash
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    group_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """A full block left the prefix cache (evicted or reset)."""
+
+    block_hash: BlockHash
+    group_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was dropped."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Counters since creation; `lookups` counts once per admission."""
+
+    lookups: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    partial_hits: int = 0
+    partial_hit_tokens: int = 0
+    copies_queued: int = 0
+    fork_copies: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over queried tokens."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """All counters plus the hit rate."""
+        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["hit_rate"] = self.hit_rate
+        return out
+
+
+class BlockPool:
+    """All pages of one cache, shared by every KV cache group.
+
+    Block 0 is the null block. Free blocks sit in an LRU queue; freed blocks that
+    hold cached content join its tail, blocks without content its head (they
+    cost nothing to reuse). Cached content stays findable until its block is
+    popped for reuse (lazy eviction).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 enable_events: bool = False) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        # (group, hash) -> blocks holding that full content.
+        self._hash_index: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
+        # (group, parent serial) -> sorted (token_ids, block_id) of full and partial children.
+        self._children: dict[tuple[int, int], SortedList] = {}
+        self._root_serials: dict[str | None, int] = {}
+        self._next_serial = 1
+        self._events: list[KVCacheEvent] = []
+        self.in_use_by_group: Counter[int] = Counter()
+        self.stats = CacheStats()
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can ever be allocated (all but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0 (cached or not)."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    # ---- allocation --------------------------------------------------------------------------
+    def get_new_blocks(self, n: int, group_id: int) -> list[KVCacheBlock]:
+        """Pop n blocks from the head of the free queue, evicting cached content they hold."""
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} blocks with {len(self.free_queue)} free")
+        blocks = self.free_queue.popleft_n(n)
+        for block in blocks:
+            if block.token_ids is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            block.group_id = group_id
+        if n:
+            self.in_use_by_group[group_id] += n
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each block (a hit or a pin); free ones leave the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                if block.block_id == 0:
+                    raise ValueError("the null block cannot be referenced")
+                self.free_queue.remove(block)
+                self.in_use_by_group[block.group_id] += 1
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per block, in the order given (callers pass deepest first)."""
+        queue = self.free_queue
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.in_use_by_group[block.group_id] -= 1
+                if block.token_ids is None:
+                    queue.appendleft(block)
+                else:
+                    queue.append(block)
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    def root_serial(self, cache_salt: str | None) -> int:
+        """The parent serial of first blocks under this salt."""
+        serial = self._root_serials.get(cache_salt)
+        if serial is None:
+            serial = self._root_serials[cache_salt] = self._next_serial
+            self._next_serial += 1
+        return serial
+
+    def find_cached(self, group_id: int, block_hash: BlockHash, token_ids: Sequence[int],
+                    parent_serial: int | None = None, serial: int | None = None
+                    ) -> KVCacheBlock | None:
+        """A full cached block with this hash whose stored tokens (and links, when given) match."""
+        candidates = self._hash_index.get((group_id, block_hash))
+        if not candidates:
+            return None
+        for block in candidates.values():
+            if (
+                (parent_serial is None or block.parent_serial == parent_serial)
+                and (serial is None or block.serial == serial)
+                and block.token_ids == tuple(token_ids)
+            ):
+                return block
+        return None
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash,
+                         token_ids: tuple[int, ...], parent_serial: int,
+                         parent_hash: BlockHash | None = None) -> int:
+        """Index a full block (in use by the caller); returns its content serial."""
+        if block.token_ids is not None:
+            raise RuntimeError(f"block {block.block_id} is already cached")
+        group = block.group_id
+        siblings = self._children.setdefault((group, parent_serial), SortedList())
+        # Same parent and same tokens means same content: share the serial so chains
+        # computed independently by concurrent requests link up.
+        i = siblings.bisect_left((token_ids,))
+        serial = 0
+        if i < len(siblings) and siblings[i][0] == token_ids:
+            twin = self.blocks[siblings[i][1]]
+            if twin.block_hash is not None:
+                serial = twin.serial
+        if serial == 0:
+            serial = self._next_serial
+            self._next_serial += 1
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        block.serial = serial
+        block.parent_serial = parent_serial
+        siblings.add((token_ids, block.block_id))
+        self._hash_index.setdefault((group, block_hash), {})[block.block_id] = block
+        if self.enable_events:
+            self._events.append(BlockStored(block_hash, parent_hash, token_ids, group))
+        return serial
+
+    def cache_partial_block(self, block: KVCacheBlock, token_ids: tuple[int, ...],
+                            parent_serial: int) -> None:
+        """Index a partially filled block by its tokens so later prompts can copy from it."""
+        if block.token_ids is not None:
+            raise RuntimeError(f"block {block.block_id} is already cached")
+        block.token_ids = token_ids
+        block.serial = 0
+        block.parent_serial = parent_serial
+        self._children.setdefault((block.group_id, parent_serial), SortedList()).add(
+            (token_ids, block.block_id))
+
+    def longest_partial_match(self, group_id: int, parent_serial: int,
+                              query: tuple[int, ...]) -> tuple[KVCacheBlock | None, int]:
+        """The indexed child of `parent_serial` sharing the longest token prefix with `query`."""
+        siblings = self._children.get((group_id, parent_serial))
+        if not siblings or not query:
+            return None, 0
+        # In sorted order the longest common prefix with `query` sits next to its insertion point.
+        i = siblings.bisect_left((query,))
+        best, best_len = None, 0
+        for j in (i - 1, i):
+            if 0 <= j < len(siblings):
+                tokens, block_id = siblings[j]
+                n = common_prefix_len(tokens, query)
+                if n > best_len:
+                    best, best_len = self.blocks[block_id], n
+        return best, best_len
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        """Drop a block's content from every index."""
+        key = (block.group_id, block.parent_serial)
+        siblings = self._children[key]
+        siblings.remove((block.token_ids, block.block_id))
+        if not siblings:
+            del self._children[key]
+        if block.block_hash is not None:
+            hkey = (block.group_id, block.block_hash)
+            same = self._hash_index[hkey]
+            del same[block.block_id]
+            if not same:
+                del self._hash_index[hkey]
+            if self.enable_events:
+                self._events.append(BlockRemoved(block.block_hash, block.group_id))
+        block.block_hash = None
+        block.token_ids = None
+        block.serial = 0
+        block.parent_serial = 0
+        self.stats.evictions += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached content; refuses (returns False) while any block is in use."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in self.blocks[1:]:
+            block.block_hash = None
+            block.token_ids = None
+            block.serial = 0
+            block.parent_serial = 0
+        self._hash_index.clear()
+        self._children.clear()
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the events recorded since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    # ---- introspection for tests -------------------------------------------------------------
+    def num_cached_blocks(self) -> int:
+        """Blocks in the full-block hash index."""
+        return sum(len(v) for v in self._hash_index.values())
+
+    def index_entries(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(group, parent_serial, tokens) of every indexed block id, for invariant checks."""
+        out = []
+        for (group, parent), siblings in self._children.items():
+            for tokens, block_id in siblings:
+                out.append((block_id, group, parent, tokens))
+        return out
+
+    def hash_entries(self) -> list[tuple[int, int, BlockHash]]:
+        """(block_id, group, hash) of every full-block index entry, for invariant checks."""
+        return [(bid, g, h) for (g, h), same in self._hash_index.items() for bid in same]
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix, by bisection on slice equality."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi+1] != b[:hi+1] (hi exclusive)
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

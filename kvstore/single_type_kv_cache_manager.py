@@ -1,0 +1,267 @@
+"""Per-group block tables: full attention keeps every block, sliding window drops old ones."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.block import KVCacheBlock
+from kvstore.block_pool import BlockPool
+from kvstore.request import Request
+from kvstore.specs import KVCacheSpec
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one KV cache group; all groups draw from one shared pool."""
+
+    def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int) -> None:
+        self.pool = pool
+        self.spec = spec
+        self.group_id = group_id
+        self.block_size = spec.block_size
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Serial of each request's last cached block (its next block's parent).
+        self.last_serial: dict[str, int] = {}
+
+    # ---- hits (pure) -------------------------------------------------------------------------
+    def find_longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
+        """Hit blocks for the longest prefix of at most `max_blocks` blocks valid for this type."""
+        raise NotImplementedError
+
+    def first_needed_position(self, num_computed_tokens: int) -> int:
+        """The earliest position the next query (at `num_computed_tokens`) can attend."""
+        return 0
+
+    def parent_serial_after(self, request: Request, hit_blocks: Sequence[KVCacheBlock]) -> int:
+        """The parent serial of the block that follows `hit_blocks`."""
+        return hit_blocks[-1].serial if hit_blocks else self.pool.root_serial(request.cache_salt)
+
+    # ---- allocation planning (pure) ----------------------------------------------------------
+    def num_skippable(self, request_id: str, num_computed_tokens: int) -> tuple[int, int]:
+        """(table entries that fall out of the window, how many of them would become free)."""
+        return 0, 0
+
+    def num_blocks_to_allocate(self, request_id: str, num_computed_tokens: int, num_tokens: int,
+                               hit_blocks: Sequence[KVCacheBlock] | None,
+                               partial_src: KVCacheBlock | None) -> int:
+        """Free blocks this allocation consumes: new pages, hits and pins taken off the queue."""
+        if hit_blocks is not None:  # admission
+            n = sum(1 for b in hit_blocks if b.ref_cnt == 0 and b.block_id != 0)
+            table_len = len(hit_blocks)
+            if partial_src is not None:
+                n += 1 + (partial_src.ref_cnt == 0)
+                table_len += 1
+        else:
+            table = self.req_to_blocks[request_id]
+            table_len = len(table)
+            n = sum(1 for b in self._blocks_to_write(table, num_computed_tokens, num_tokens)
+                    if b.ref_cnt > 1)
+        return n + max(0, cdiv(num_tokens, self.block_size) - table_len)
+
+    def num_resident_blocks(self, num_computed_tokens: int, num_tokens: int) -> int:
+        """Pages a request of `num_tokens` tokens holds in this group after allocation."""
+        skipped = self.first_needed_position(num_computed_tokens) // self.block_size
+        return cdiv(num_tokens, self.block_size) - skipped
+
+    def _blocks_to_write(self, table: list[KVCacheBlock], num_computed_tokens: int,
+                         num_tokens: int) -> list[KVCacheBlock]:
+        bs = self.block_size
+        return table[num_computed_tokens // bs: cdiv(num_tokens, bs)]
+
+    # ---- mutation (only after the coordinator has checked the plan fits) ---------------------
+    def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
+              partial_src: KVCacheBlock | None, copies: list[tuple[int, int]],
+              pins: list[KVCacheBlock]) -> None:
+        """Take the hit blocks and, for a partial hit, a private copy of the source block."""
+        rid = request.request_id
+        pool = self.pool
+        pool.touch(b for b in hit_blocks if b.block_id != 0)
+        table = list(hit_blocks)
+        if partial_src is not None:
+            pool.touch((partial_src,))
+            pins.append(partial_src)
+            dst = pool.get_new_blocks(1, self.group_id)[0]
+            copies.append((partial_src.block_id, dst.block_id))
+            table.append(dst)
+        self.req_to_blocks[rid] = table
+        self.num_cached_blocks[rid] = len(hit_blocks)
+        self.last_serial[rid] = self.parent_serial_after(request, hit_blocks)
+
+    def allocate(self, request: Request, num_tokens: int, copies: list[tuple[int, int]],
+                 pins: list[KVCacheBlock]) -> tuple[list[KVCacheBlock], int]:
+        """Cache what is computed, drop out-of-window pages, copy shared pages about to be
+        written, and append pages up to `num_tokens`; returns (new blocks, fork copies)."""
+        rid = request.request_id
+        pool = self.pool
+        table = self.req_to_blocks[rid]
+        num_computed = request.num_computed_tokens
+        self.cache_blocks(request, num_computed)
+        self.remove_skipped_blocks(rid, num_computed)
+        n_cow = 0
+        start = num_computed // self.block_size
+        for i, block in enumerate(self._blocks_to_write(table, num_computed, num_tokens), start):
+            if block.ref_cnt > 1:
+                # Shared with a fork: write into a private copy; our reference on the
+                # original becomes the copy's pin.
+                dst = pool.get_new_blocks(1, self.group_id)[0]
+                copies.append((block.block_id, dst.block_id))
+                pins.append(block)
+                table[i] = dst
+                n_cow += 1
+        n_new = cdiv(num_tokens, self.block_size) - len(table)
+        new_blocks = pool.get_new_blocks(n_new, self.group_id) if n_new > 0 else []
+        table.extend(new_blocks)
+        return new_blocks, n_cow
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Index the request's blocks that are full and computed."""
+        if not self.pool.enable_caching:
+            return
+        rid = request.request_id
+        bs = self.block_size
+        first = self.num_cached_blocks[rid]
+        last = num_computed_tokens // bs
+        if last <= first:
+            return
+        table = self.req_to_blocks[rid]
+        hashes = request.block_hashes
+        tokens = request.token_ids
+        parent_serial = self.last_serial[rid]
+        for i in range(first, last):
+            block = table[i]
+            if block.block_hash is not None:  # shared with a fork that cached it already
+                parent_serial = block.serial
+                continue
+            parent_serial = self.pool.cache_full_block(
+                block, hashes[i], tuple(tokens[i * bs:(i + 1) * bs]), parent_serial,
+                hashes[i - 1] if i else None)
+        self.num_cached_blocks[rid] = last
+        self.last_serial[rid] = parent_serial
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Replace pages no future query can attend with the null block (sliding window)."""
+
+    def free(self, request: Request) -> None:
+        """Index computed content (full blocks and the partial tail), then release the table."""
+        rid = request.request_id
+        table = self.req_to_blocks[rid]
+        num_computed = min(request.num_computed_tokens, len(table) * self.block_size)
+        self.cache_blocks(request, num_computed)
+        bs = self.block_size
+        tail = num_computed // bs
+        if self.pool.enable_caching and num_computed % bs and tail < len(table):
+            block = table[tail]
+            if block.ref_cnt == 1 and block.token_ids is None and block.block_id != 0:
+                self.pool.cache_partial_block(
+                    block, tuple(request.token_ids[tail * bs:num_computed]), self.last_serial[rid])
+        # Deepest first, so a chain's root is the last of it to be evicted.
+        self.pool.free_blocks(b for b in reversed(table) if b.block_id != 0)
+        del self.req_to_blocks[rid]
+        del self.num_cached_blocks[rid]
+        del self.last_serial[rid]
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every page of the parent."""
+        table = self.req_to_blocks[parent_id]
+        self.pool.touch(b for b in table if b.block_id != 0)
+        self.req_to_blocks[child_id] = list(table)
+        self.num_cached_blocks[child_id] = self.num_cached_blocks[parent_id]
+        self.last_serial[child_id] = self.last_serial[parent_id]
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Every block is kept; the hit is the longest run of cached blocks from the start."""
+
+    def find_longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
+        """Consecutive cached blocks from block 0, each linked to the one before."""
+        pool, g, bs = self.pool, self.group_id, self.block_size
+        hashes, tokens = request.block_hashes, request.token_ids
+        parent = pool.root_serial(request.cache_salt)
+        hits: list[KVCacheBlock] = []
+        for i in range(min(max_blocks, len(hashes))):
+            block = pool.find_cached(g, hashes[i], tokens[i * bs:(i + 1) * bs], parent_serial=parent)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block.serial
+        return hits
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Only the last W positions are kept; older pages return to the pool (still cached)."""
+
+    def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int) -> None:
+        super().__init__(pool, spec, group_id)
+        window = spec.sliding_window
+        if window is None:
+            raise ValueError("SlidingWindowManager needs a SlidingWindowSpec")
+        self.window = window
+
+    def first_needed_position(self, num_computed_tokens: int) -> int:
+        """The query at q attends q - W < k <= q."""
+        return max(0, num_computed_tokens - self.window + 1)
+
+    def find_longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
+        """The rightmost run of linked cached blocks covering one window before the hit end.
+
+        Blocks before the run are returned as the null block."""
+        pool, g, bs = self.pool, self.group_id, self.block_size
+        hashes, tokens = request.block_hashes, request.token_ids
+        n = min(max_blocks, len(hashes))
+        run: list[KVCacheBlock] = []  # run[0] is the leftmost block found so far
+        end = n  # run covers blocks [end - len(run), end)
+        for i in range(n - 1, -1, -1):
+            want = None if not run else run[0].parent_serial
+            block = pool.find_cached(g, hashes[i], tokens[i * bs:(i + 1) * bs], serial=want)
+            if block is None:
+                run, end = [], i
+                continue
+            run.insert(0, block)
+            # A hit of `end` blocks needs positions end*bs - W .. end*bs - 1 resident.
+            first_needed = max(0, end * bs - self.window) // bs
+            if i <= first_needed:
+                if i == 0 and block.parent_serial != pool.root_serial(request.cache_salt):
+                    run, end = [], i
+                    continue
+                return [pool.null_block] * i + run
+        return []
+
+    def num_skippable(self, request_id: str, num_computed_tokens: int) -> tuple[int, int]:
+        """(table entries that fall out of the window, how many of them would become free)."""
+        table = self.req_to_blocks[request_id]
+        n = n_free = 0
+        for i in range(min(len(table), self.first_needed_position(num_computed_tokens)
+                           // self.block_size) - 1, -1, -1):
+            block = table[i]
+            if block.block_id == 0:
+                break
+            n += 1
+            n_free += block.ref_cnt == 1
+        return n, n_free
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Replace pages no future query can attend with the null block, deepest freed first."""
+        table = self.req_to_blocks[request_id]
+        null = self.pool.null_block
+        removed = []
+        for i in range(min(len(table), self.first_needed_position(num_computed_tokens)
+                           // self.block_size) - 1, -1, -1):
+            block = table[i]
+            if block.block_id == 0:
+                break
+            removed.append(block)
+            table[i] = null
+        self.pool.free_blocks(removed)
+
+
+def make_manager(pool: BlockPool, spec: KVCacheSpec, group_id: int) -> SingleTypeKVCacheManager:
+    """The manager for a spec's attention type."""
+    if spec.sliding_window is None:
+        return FullAttentionManager(pool, spec, group_id)
+    return SlidingWindowManager(pool, spec, group_id)

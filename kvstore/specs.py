@@ -1,0 +1,141 @@
+"""KV cache specs per layer type, and the grouping of a model's layers over one shared pool."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """A layer that keeps every token's K/V."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
+
+    @property
+    def sliding_window(self) -> int | None:
+        """None: attends to the whole context."""
+        return None
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer: K and V."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """A layer whose query at q attends keys q - W < k <= q."""
+
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.window, int) or self.window <= 0:
+            raise ValueError(f"SlidingWindowSpec.window must be a positive int, got {self.window!r}")
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window W."""
+        return self.window
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table; layer_ids[j] uses the pages of slot j."""
+
+    spec: KVCacheSpec
+    layer_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The whole cache: groups over one pool of `num_blocks` blocks, `num_slots` pages each."""
+
+    num_blocks: int
+    groups: tuple[KVCacheGroup, ...]
+    num_slots: int
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block, the same in every group."""
+        return self.groups[0].spec.block_size
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer slot."""
+        return self.groups[0].spec.page_size_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id costs across all slots."""
+        return self.page_size_bytes * self.num_slots
+
+    @property
+    def num_padding_layers(self) -> int:
+        """Slots left unused by groups smaller than `num_slots`."""
+        return sum(self.num_slots - len(g.layer_ids) for g in self.groups)
+
+    def layer_to_group_slot(self) -> dict[int, tuple[int, int]]:
+        """layer id -> (group id, slot)."""
+        return {layer: (g, j) for g, group in enumerate(self.groups)
+                for j, layer in enumerate(group.layer_ids)}
+
+
+def group_layers(layer_specs: Sequence[KVCacheSpec]) -> tuple[tuple[KVCacheGroup, ...], int]:
+    """Group layers by spec into groups of equal size; returns the groups and the slot count."""
+    if not layer_specs:
+        raise ValueError("a cache needs at least one layer spec")
+    first = layer_specs[0]
+    for i, spec in enumerate(layer_specs):
+        if spec.block_size != first.block_size:
+            raise ValueError(
+                f"layer {i} has block_size {spec.block_size}, layer 0 has {first.block_size}: "
+                "all groups of one pool must use one block size")
+        if spec.page_size_bytes != first.page_size_bytes:
+            raise ValueError(
+                f"layer {i} pages are {spec.page_size_bytes} bytes, layer 0 pages are "
+                f"{first.page_size_bytes}: groups sharing slot tensors need equal page sizes")
+    by_spec: dict[KVCacheSpec, list[int]] = {}
+    for i, spec in enumerate(layer_specs):
+        by_spec.setdefault(spec, []).append(i)
+    # Every group gets as many layers as the smallest type has, so each block id's
+    # page in every slot is used; the largest types are split into several groups.
+    group_size = min(len(layers) for layers in by_spec.values())
+    groups = []
+    for spec, layers in by_spec.items():
+        for start in range(0, len(layers), group_size):
+            groups.append(KVCacheGroup(spec, tuple(layers[start:start + group_size])))
+    return tuple(groups), group_size
+
+
+def make_kv_cache_config(layer_specs: Sequence[KVCacheSpec], memory_bytes: int | None = None,
+                         num_blocks: int | None = None) -> KVCacheConfig:
+    """Group the layers and size the pool from a byte budget (or an explicit block count)."""
+    groups, num_slots = group_layers(layer_specs)
+    bytes_per_block = groups[0].spec.page_size_bytes * num_slots
+    if (memory_bytes is None) == (num_blocks is None):
+        raise ValueError("give exactly one of memory_bytes and num_blocks")
+    if num_blocks is None:
+        assert memory_bytes is not None
+        num_blocks = memory_bytes // bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"memory_bytes={memory_bytes} holds {num_blocks} blocks of {bytes_per_block} bytes; "
+                "need at least 2 (one is the null block)")
+    return KVCacheConfig(num_blocks=num_blocks, groups=groups, num_slots=num_slots)
