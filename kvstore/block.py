@@ -11,6 +11,7 @@ class KVCacheBlock:
     __slots__ = (
         "block_id",
         "ref_cnt",
+        "pin_cnt",
         "group_id",
         "block_hash",
         "token_ids",
@@ -23,6 +24,8 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        # References held by pending copies (included in ref_cnt).
+        self.pin_cnt = 0
         # Group whose layers this page's bytes belong to (set on allocation, kept while cached).
         self.group_id = -1
         # Set while the block is in the full-block hash index.

@@ -155,9 +155,19 @@ class KVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies the worker must run, for every layer, before the next
         forward; releases the pins of the previous batch."""
+        for block in self._pins_handed_out:
+            block.pin_cnt -= 1
         self.pool.free_blocks(self._pins_handed_out)
         self._pins_handed_out, self._pins = self._pins, []
-        copies, self._pending_copies = self._pending_copies, []
+        pending, self._pending_copies = self._pending_copies, []
+        copies = []
+        # A copy out of a block that an earlier copy of this batch fills reads that
+        # copy's source instead, so the batch can run as one gather and one scatter.
+        src_of: dict[int, int] = {}
+        for src, dst in pending:
+            src = src_of.get(src, src)
+            src_of[dst] = src
+            copies.append((src, dst))
         return copies
 
     @property

@@ -15,6 +15,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def is_shared(block: KVCacheBlock) -> bool:
+    """Whether another block table also holds this block (pins of pending copies aside)."""
+    return block.ref_cnt - block.pin_cnt > 1
+
+
 class SingleTypeKVCacheManager:
     """Block tables of one KV cache group; all groups draw from one shared pool."""
 
@@ -61,7 +66,7 @@ class SingleTypeKVCacheManager:
             table = self.req_to_blocks[request_id]
             table_len = len(table)
             n = sum(1 for b in self._blocks_to_write(table, num_computed_tokens, num_tokens)
-                    if b.ref_cnt > 1)
+                    if is_shared(b))
         return n + max(0, cdiv(num_tokens, self.block_size) - table_len)
 
     def num_resident_blocks(self, num_computed_tokens: int, num_tokens: int) -> int:
@@ -85,6 +90,7 @@ class SingleTypeKVCacheManager:
         table = list(hit_blocks)
         if partial_src is not None:
             pool.touch((partial_src,))
+            partial_src.pin_cnt += 1
             pins.append(partial_src)
             dst = pool.get_new_blocks(1, self.group_id)[0]
             copies.append((partial_src.block_id, dst.block_id))
@@ -106,11 +112,12 @@ class SingleTypeKVCacheManager:
         n_cow = 0
         start = num_computed // self.block_size
         for i, block in enumerate(self._blocks_to_write(table, num_computed, num_tokens), start):
-            if block.ref_cnt > 1:
+            if is_shared(block):
                 # Shared with a fork: write into a private copy; our reference on the
                 # original becomes the copy's pin.
                 dst = pool.get_new_blocks(1, self.group_id)[0]
                 copies.append((block.block_id, dst.block_id))
+                block.pin_cnt += 1
                 pins.append(block)
                 table[i] = dst
                 n_cow += 1

@@ -1,0 +1,75 @@
+"""The device side: K/V page tensors per layer slot, written by slot mapping, copied on write."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels import copy_blocks, write_kv
+from kvstore.specs import KVCacheConfig
+
+
+class PagedKVCache:
+    """K and V pages `[num_blocks, block_size, num_kv_heads, head_dim]` for every layer slot.
+
+    Layer `group.layer_ids[j]` of every group uses slot j; groups draw disjoint block
+    ids from the one pool, so they never touch each other's pages."""
+
+    def __init__(self, config: KVCacheConfig, device: torch.device | str = "cpu") -> None:
+        spec = config.groups[0].spec
+        self.config = config
+        self.dtype = spec.dtype
+        self.device = torch.device(device)
+        self.block_size = spec.block_size
+        shape = (config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                           for _ in range(config.num_slots)]
+        self.value_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                             for _ in range(config.num_slots)]
+        self.layer_to_group_slot = config.layer_to_group_slot()
+        self.copies_executed = 0
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held by all page tensors."""
+        return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)
+
+    def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) of a layer."""
+        _, slot = self._lookup(layer)
+        return self.key_caches[slot], self.value_caches[slot]
+
+    def group_of(self, layer: int) -> int:
+        """The KV cache group a layer belongs to."""
+        return self._lookup(layer)[0]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Store K/V `[T, num_kv_heads, head_dim]` at slots `block * block_size + offset`
+        (negative = padding, skipped)."""
+        k_cache, v_cache = self.layer_caches(layer)
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy page src onto page dst in every layer slot, for each (src, dst)."""
+        if not pairs:
+            return
+        copy_blocks(list(zip(self.key_caches, self.value_caches, strict=True)), pairs)
+        self.copies_executed += len(pairs)
+
+    def gather(self, layer: int, block_ids: Sequence[int], start: int, end: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, end) of a sequence with this block table."""
+        k_cache, v_cache = self.layer_caches(layer)
+        pos = torch.arange(start, end, device=self.device)
+        blocks = torch.as_tensor(list(block_ids), device=self.device)[pos // self.block_size]
+        offs = pos % self.block_size
+        return k_cache[blocks, offs], v_cache[blocks, offs]
+
+    def _lookup(self, layer: int) -> tuple[int, int]:
+        try:
+            return self.layer_to_group_slot[layer]
+        except KeyError:
+            raise ValueError(f"layer {layer} is not in this cache (layers "
+                             f"0..{len(self.layer_to_group_slot) - 1})") from None
