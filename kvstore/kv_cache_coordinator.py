@@ -94,11 +94,15 @@ class KVCacheCoordinator:
               pins: list[KVCacheBlock]) -> None:
         """Take a checked prefix hit in every group."""
         for g, manager in enumerate(self.managers):
-            manager.admit(request, computed.blocks[g], computed.partial_sources[g], copies, pins)
+            manager.take_hit(computed.blocks[g], computed.partial_sources[g], pins)
+        for g, manager in enumerate(self.managers):
+            manager.admit(request, computed.blocks[g], computed.partial_sources[g], copies)
 
     def allocate(self, request: Request, num_tokens: int, copies: list[tuple[int, int]],
                  pins: list[KVCacheBlock]) -> tuple[list[list[KVCacheBlock]], int]:
         """Grow every group's table to `num_tokens` tokens (the caller checked it fits)."""
+        for manager in self.managers:
+            manager.release_computed(request)
         out, n_cow = [], 0
         for manager in self.managers:
             new_blocks, n = manager.allocate(request, num_tokens, copies, pins)

@@ -81,8 +81,8 @@ class KVCacheManager:
         if not isinstance(num_lookahead_tokens, int) or num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}")
         admitting = rid not in self.requests
+        request.update_block_hashes(self.block_size, _hash_fn())
         if admitting:
-            request.update_block_hashes(self.block_size, _hash_fn())
             if computed is None:
                 computed = self._no_hit(request)
             self._check_computed(request, computed)
@@ -132,6 +132,7 @@ class KVCacheManager:
         if self.requests.get(request.request_id) is not request:
             raise ValueError(f"unknown request {request.request_id!r} (never admitted, or "
                              "already freed)")
+        request.update_block_hashes(self.block_size, _hash_fn())
         self.coordinator.free(request)
         del self.requests[request.request_id]
 

@@ -80,35 +80,44 @@ class SingleTypeKVCacheManager:
         return table[num_computed_tokens // bs: cdiv(num_tokens, bs)]
 
     # ---- mutation (only after the coordinator has checked the plan fits) ---------------------
-    def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
-              partial_src: KVCacheBlock | None, copies: list[tuple[int, int]],
-              pins: list[KVCacheBlock]) -> None:
-        """Take the hit blocks and, for a partial hit, a private copy of the source block."""
-        rid = request.request_id
-        pool = self.pool
-        pool.touch(b for b in hit_blocks if b.block_id != 0)
-        table = list(hit_blocks)
+    def take_hit(self, hit_blocks: list[KVCacheBlock], partial_src: KVCacheBlock | None,
+                 pins: list[KVCacheBlock]) -> None:
+        """Reference the hit blocks and pin the copy source (before any group pops new pages,
+        so none of them is evicted by the admission itself)."""
+        self.pool.touch(b for b in hit_blocks if b.block_id != 0)
         if partial_src is not None:
-            pool.touch((partial_src,))
+            self.pool.touch((partial_src,))
             partial_src.pin_cnt += 1
             pins.append(partial_src)
-            dst = pool.get_new_blocks(1, self.group_id)[0]
+
+    def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
+              partial_src: KVCacheBlock | None, copies: list[tuple[int, int]]) -> None:
+        """Start the table from the (already referenced) hit blocks and, for a partial hit,
+        a private copy of the source block."""
+        rid = request.request_id
+        table = list(hit_blocks)
+        if partial_src is not None:
+            dst = self.pool.get_new_blocks(1, self.group_id)[0]
             copies.append((partial_src.block_id, dst.block_id))
             table.append(dst)
         self.req_to_blocks[rid] = table
         self.num_cached_blocks[rid] = len(hit_blocks)
         self.last_serial[rid] = self.parent_serial_after(request, hit_blocks)
 
+    def release_computed(self, request: Request) -> None:
+        """Cache the blocks computed so far and drop pages out of the next query's window
+        (done for every group before any group allocates, so dropped pages can be reused)."""
+        self.cache_blocks(request, request.num_computed_tokens)
+        self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+
     def allocate(self, request: Request, num_tokens: int, copies: list[tuple[int, int]],
                  pins: list[KVCacheBlock]) -> tuple[list[KVCacheBlock], int]:
-        """Cache what is computed, drop out-of-window pages, copy shared pages about to be
-        written, and append pages up to `num_tokens`; returns (new blocks, fork copies)."""
+        """Copy shared pages about to be written and append pages up to `num_tokens`;
+        returns (new blocks, fork copies)."""
         rid = request.request_id
         pool = self.pool
         table = self.req_to_blocks[rid]
         num_computed = request.num_computed_tokens
-        self.cache_blocks(request, num_computed)
-        self.remove_skipped_blocks(rid, num_computed)
         n_cow = 0
         start = num_computed // self.block_size
         for i, block in enumerate(self._blocks_to_write(table, num_computed, num_tokens), start):

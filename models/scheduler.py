@@ -1,0 +1,198 @@
+"""Continuous batching over kvstore: admit by arrival, chunked prefill, decode, preempt by recompute.
+
+Shared by the engine (real model) and the benchmark simulator (token counts only)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.request import Request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Step budget and admission policy."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    # Naive reservation (the pre-paging design): a request reserves pages for its prompt
+    # and its whole max output when admitted.
+    reserve_full_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens [start, start + num_new_tokens)."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        """Position of the first token computed this step."""
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the request's last token (so a new one is sampled)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """A step: what to compute, the copies to run first, and who was preempted."""
+
+    scheduled: list[ScheduledRequest]
+    copies: list[tuple[int, int]]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed this step."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters over the scheduler's life."""
+
+    steps: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # tokens computed again after a preemption
+    computed_tokens: int = 0
+    finished: int = 0
+    peak_blocks_in_use: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Waiting queue by arrival, running list by admission; the newest running request is
+    preempted first when the pool is full."""
+
+    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None) -> None:
+        self.manager = manager
+        self.config = config or SchedulerConfig()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: dict[str, str] = {}  # request id -> finish reason
+        self.num_samples: dict[str, int] = {}  # request id -> n (forked at its first sample)
+        self._computed_before_preemption: dict[str, int] = {}
+        self.stats = SchedulerStats()
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request, n: int = 1) -> None:
+        """Queue a request; with n > 1 it forks into n samples at its first sampled token."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if request.max_tokens < 1:
+            raise ValueError(f"request {request.request_id!r} has max_tokens {request.max_tokens}; "
+                             "it must generate at least one token")
+        self.waiting.append(request)
+        if n > 1:
+            self.num_samples[request.request_id] = n
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work; running requests first, then waiting ones by arrival."""
+        budget = self.config.max_num_batched_tokens
+        manager = self.manager
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while manager.allocate_slots(request, num_new,
+                                         num_lookahead_tokens=self._lookahead(
+                                             request, request.num_computed_tokens + num_new)
+                                         ) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                computed = manager.get_computed_blocks(request)
+                num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
+                lookahead = self._lookahead(request, computed.num_computed_tokens + num_new)
+                if manager.allocate_slots(request, num_new, computed, lookahead) is None:
+                    break
+                self.waiting.popleft()
+                self.running.append(request)
+                scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                before = self._computed_before_preemption.pop(request.request_id, 0)
+                self.stats.recomputed_tokens += max(0, before - request.num_computed_tokens)
+        copies = manager.take_pending_copies()
+        self.stats.steps += 1
+        self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use,
+                                            manager.pool.num_usable_blocks
+                                            - manager.pool.num_free_blocks)
+        return SchedulerOutput(scheduled, copies, preempted)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance progress after the step ran; `sampled[rid]` holds the tokens sampled for
+        each request whose last token was computed (n tokens at a forking request's first
+        sample). Returns the requests that finished."""
+        done: list[Request] = []
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.stats.computed_tokens += item.num_new_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            tokens = sampled[request.request_id]
+            n = self.num_samples.pop(request.request_id, 1)
+            if len(tokens) != n:
+                raise ValueError(f"request {request.request_id!r} needs {n} sampled tokens, got "
+                                 f"{len(tokens)}")
+            family = [request]
+            for k in range(1, n):
+                child = request.fork(f"{request.request_id}#{k}")
+                self.manager.fork(request, child)
+                self.running.append(child)
+                family.append(child)
+            for member, token in zip(family, tokens, strict=True):
+                member.append_token_ids(token)
+                if member.num_output_tokens >= member.max_tokens:
+                    self.finish(member, "length")
+                    done.append(member)
+        return done
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Remove a running request and free its pages."""
+        self.running.remove(request)
+        self.manager.free(request)
+        self.finished[request.request_id] = reason
+        self.stats.finished += 1
+        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
+
+    def _preempt(self, request: Request) -> None:
+        self.manager.free(request)
+        self._computed_before_preemption[request.request_id] = request.num_computed_tokens
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.stats.preemptions += 1
+
+    def _lookahead(self, request: Request, num_tokens_after: int) -> int:
+        if not self.config.reserve_full_output:
+            return 0
+        return max(0, request.num_prompt_tokens + request.max_tokens - num_tokens_after)
