@@ -66,6 +66,7 @@ class SchedulerStats:
     steps: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0  # tokens computed again after a preemption
+    discarded_tokens: int = 0  # computed tokens a preemption threw away
     computed_tokens: int = 0
     finished: int = 0
     peak_blocks_in_use: int = 0
@@ -98,9 +99,27 @@ class Scheduler:
         if request.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r} has max_tokens {request.max_tokens}; "
                              "it must generate at least one token")
+        need = self.max_blocks_needed(request)
+        if need > self.manager.pool.num_usable_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} ({request.num_prompt_tokens} prompt + "
+                f"{request.max_tokens} output tokens) may need {need} blocks; the pool has "
+                f"{self.manager.pool.num_usable_blocks}")
         self.waiting.append(request)
         if n > 1:
             self.num_samples[request.request_id] = n
+
+    def max_blocks_needed(self, request: Request) -> int:
+        """Most pages the request can hold at once over its life, over all groups."""
+        bs = self.manager.block_size
+        total = request.num_prompt_tokens + request.max_tokens
+        need = 0
+        for group in self.manager.config.groups:
+            window = group.spec.sliding_window
+            tokens = total if window is None else min(
+                total, window + self.config.max_num_batched_tokens + bs)
+            need += -(-tokens // bs)
+        return need
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work; running requests first, then waiting ones by arrival."""
@@ -188,6 +207,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.manager.free(request)
         self._computed_before_preemption[request.request_id] = request.num_computed_tokens
+        self.stats.discarded_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
