@@ -168,11 +168,13 @@ def _normalize_pairs(pairs: Sequence[tuple[int, int]] | torch.Tensor) -> list[tu
     return out
 
 
-def _block_contiguous(t: torch.Tensor) -> bool:
-    """Whether each block ``t[b]`` is one dense run of elements."""
+def _block_dense(t: torch.Tensor) -> bool:
+    """Whether each page ``t[b]`` fills one dense run of ``t[0].numel()`` elements (in any
+    dimension order), so a page can be moved as a flat run."""
     expected = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
-        if size != 1 and stride != expected:
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape[1:], t.stride()[1:],
+                                                            strict=True) if sz != 1):
+        if stride != expected:
             return False
         expected *= size
     return True
@@ -225,7 +227,7 @@ def copy_blocks(
     # One launch per (element size, page numel) group; strided pages fall back to torch.
     groups: dict[tuple[int, int], list[torch.Tensor]] = {}
     for t in tensors:
-        if not _block_contiguous(t):
+        if not _block_dense(t):
             idx_s = torch.tensor(srcs, dtype=torch.long, device=device)
             idx_d = torch.tensor(dsts, dtype=torch.long, device=device)
             t.index_copy_(0, idx_d, t.index_select(0, idx_s))
