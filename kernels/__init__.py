@@ -6,8 +6,8 @@ Public API: :func:`attention` (device-agnostic entry point), :func:`paged_attent
 
 from .api import attention
 from .cache_ops import copy_blocks, write_kv
-from .paged_attention import paged_attention
 from .reference import paged_attention_reference
+from .triton_attention import paged_attention
 
 __all__ = [
     "attention",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON
-from .paged_attention import paged_attention
 from .reference import paged_attention_reference
+from .triton_attention import paged_attention
 
 __all__ = ["attention"]
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels import attention, paged_attention, paged_attention_reference
-from kernels.paged_attention import launch_config
 from kernels.reference import visible_key_range
 from kernels.testing import GRID, make_case, tolerance
+from kernels.triton_attention import launch_config
 
 needs_triton = pytest.mark.skipif(
     not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
