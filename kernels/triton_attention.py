@@ -9,6 +9,8 @@ are neither visited nor loaded. See ``docs/kernels.md`` for the layout, grid and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._triton import (
@@ -22,7 +24,7 @@ from ._triton import (
 )
 from .reference import _check_common
 
-__all__ = ["paged_attention", "choose_num_splits", "launch_config"]
+__all__ = ["paged_attention", "choose_num_splits", "launch_config", "launch_plan", "LaunchPlan"]
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -257,6 +259,64 @@ def choose_num_splits(
     return max(1, min(want, max_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one call is tiled and launched (see :func:`launch_plan`)."""
+
+    block_m: int  # tile rows = query tokens per tile x query heads per KV head
+    block_n: int  # key positions per tile
+    num_warps: int
+    num_stages: int
+    q_tiles: int  # grid axis 0: query tiles per sequence (early exit past q_len)
+    num_splits: int  # split-KV factor; grid axis 2 = batch * num_splits
+    group: int  # query heads per KV head, packed into the tile rows
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Query tokens per tile."""
+        return self.block_m // self.group
+
+
+def launch_plan(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_blocks: int,
+    batch: int,
+    max_seqlen_q: int,
+    window: int | None,
+    device: torch.device,
+    *,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    interpreted: bool = False,
+) -> LaunchPlan:
+    """Tile sizes, grid and split-KV factor for one :func:`paged_attention` call.
+
+    Decided on the host from shapes alone (no device sync): the longest key range a
+    program may walk is bounded by ``max_blocks * block_size`` and, with a window, by
+    ``W + tokens_per_tile - 1``.
+    """
+    group = num_heads // num_kv_heads
+    max_seqlen_q = max(int(max_seqlen_q), 1)
+    bm, bn, num_warps, num_stages = launch_config(group, head_dim, max_seqlen_q, block_m,
+                                                  block_n)
+    tok_per_tile = bm // group
+    q_tiles = cdiv(max_seqlen_q, tok_per_tile)
+    if num_splits is None:
+        max_kv = max_blocks * block_size
+        if window is not None:
+            max_kv = min(max_kv, window + tok_per_tile - 1)
+        max_tiles = cdiv(max_kv, bn) + 1
+        num_splits = choose_num_splits(batch * num_kv_heads * q_tiles, max_tiles, device,
+                                       interpreted)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return LaunchPlan(bm, bn, num_warps, num_stages, q_tiles, num_splits, group)
+
+
 def _validate_host(
     q: torch.Tensor,
     block_table: torch.Tensor,
@@ -348,22 +408,13 @@ def paged_attention(
                        block_size)
     if batch == 0 or total_q == 0:
         return out
-    max_seqlen_q = max(int(max_seqlen_q), 1)
-    bm, bn, num_warps, num_stages = launch_config(group, head_dim, max_seqlen_q, block_m,
-                                                  block_n)
-    tok_per_tile = bm // group
-    q_tiles = cdiv(max_seqlen_q, tok_per_tile)
+    plan = launch_plan(num_heads, num_kv_heads, head_dim, block_size, block_table.shape[1],
+                       batch, max_seqlen_q, window, q.device, num_splits=num_splits,
+                       block_m=block_m, block_n=block_n,
+                       interpreted=is_interpreted(_paged_attn_kernel))
+    bm, bn, num_warps, num_stages = plan.block_m, plan.block_n, plan.num_warps, plan.num_stages
+    q_tiles, num_splits = plan.q_tiles, plan.num_splits
     interpreted = is_interpreted(_paged_attn_kernel)
-
-    if num_splits is None:
-        max_kv = block_table.shape[1] * block_size
-        if window is not None:
-            max_kv = min(max_kv, window + tok_per_tile - 1)
-        max_tiles = cdiv(max_kv, bn) + 1
-        num_splits = choose_num_splits(batch * num_kv_heads * q_tiles, max_tiles, q.device,
-                                       interpreted)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     split = num_splits > 1
     if split:
         o_dst = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device)
