@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import xxhash
 
@@ -16,7 +17,12 @@ from models.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 @dataclass
 class SimResult:
-    """Figures of one replay."""
+    """Figures of one replay.
+
+    Token identity (holds for every replay): ``computed_tokens + hit_tokens ==
+    expected_tokens + discarded_tokens``, where ``expected_tokens`` is the sum over
+    requests of ``prompt + max_tokens - 1`` (the last sampled token is never fed back).
+    """
 
     num_requests: int
     prompt_tokens: int
@@ -33,10 +39,22 @@ class SimResult:
     steps: int
     peak_blocks: int
     copies: int
-    # Slots reserved but holding no token, summed over steps (naive reservation's waste).
+    # Slot-tokens allocated to running requests but holding no token yet, summed over
+    # steps and groups (naive reservation's waste; one slot-token = one position of
+    # one block id).
     idle_slot_steps: int
     # Mean of (blocks in use / usable blocks) over steps.
     mean_usage: float
+    # Hit tokens at each request's first admission (what an infinite cache bounds).
+    prompt_hit_tokens: int = 0
+    # Sum over requests of prompt + max_tokens - 1: the work with no cache and no preemption.
+    expected_tokens: int = 0
+    num_blocks: int = 0  # blocks in the pool, the null block included
+    bytes_per_block: int = 0  # bytes one block id costs over all layer slots
+    block_size: int = 0  # tokens per block
+    peak_idle_slots: int = 0  # most idle slot-tokens in any one step
+    finish_time: float = 0.0  # virtual clock when the last request finished (s)
+    free_blocks_at_end: int = 0
     timeline: list[dict[str, float]] = field(default_factory=list)
 
     @property
@@ -44,10 +62,87 @@ class SimResult:
         """Tokens served from the cache over tokens looked up, over all admissions."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
+    @property
+    def prompt_hit_rate(self) -> float:
+        """First-admission hit tokens over prompt tokens (comparable to `ideal_hit_tokens`)."""
+        return self.prompt_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks that can hold KV (all but the null block)."""
+        return max(0, self.num_blocks - 1)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the whole pool by the page-size formula (the null block included)."""
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        """Bytes of the most blocks in use at once."""
+        return self.peak_blocks * self.bytes_per_block
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one slot-token (one position of one block id, all layer slots)."""
+        return self.bytes_per_block // self.block_size if self.block_size else 0
+
+    @property
+    def mean_idle_slots(self) -> float:
+        """Idle reserved slot-tokens per step, on average."""
+        return self.idle_slot_steps / self.steps if self.steps else 0.0
+
+    @property
+    def mean_idle_bytes(self) -> float:
+        """Reserved-but-idle KV bytes per step, on average."""
+        return self.mean_idle_slots * self.bytes_per_slot
+
+    @property
+    def peak_idle_bytes(self) -> int:
+        """Most reserved-but-idle KV bytes in any one step."""
+        return self.peak_idle_slots * self.bytes_per_slot
+
+    @property
+    def mean_idle_fraction(self) -> float:
+        """Idle reserved slot-tokens over the pool's slot-tokens, averaged over steps."""
+        total = self.usable_blocks * self.block_size
+        return self.mean_idle_slots / total if total else 0.0
+
+    @property
+    def leaked_blocks(self) -> int:
+        """Blocks still in use after every request finished (0 unless something leaks)."""
+        return self.usable_blocks - self.free_blocks_at_end
+
+    def summary(self) -> dict[str, Any]:
+        """Every counter and derived figure, without the timeline (JSON-friendly)."""
+        out = {k: v for k, v in asdict(self).items() if k != "timeline"}
+        for name in ("hit_rate", "prompt_hit_rate", "usable_blocks", "kv_bytes", "peak_kv_bytes",
+                     "mean_idle_slots", "mean_idle_bytes", "peak_idle_bytes",
+                     "mean_idle_fraction", "leaked_blocks"):
+            out[name] = getattr(self, name)
+        return out
+
 
 def fake_token(request_id: str, position: int, vocab_size: int = 32000) -> int:
     """A deterministic stand-in for a sampled token."""
     return xxhash.xxh64_intdigest(f"{request_id}:{position}".encode()) % vocab_size
+
+
+def idle_slots(scheduler: Scheduler, output: SchedulerOutput) -> int:
+    """Slot-tokens of running requests' pages beyond what they will hold after this step,
+    over all groups (pages reserved ahead of use)."""
+    written = {id(s.request): s.request.num_computed_tokens + s.num_new_tokens
+               for s in output.scheduled}
+    bs = scheduler.manager.block_size
+    managers = scheduler.manager.coordinator.managers
+    idle = 0
+    for r in scheduler.running:
+        end = written.get(id(r), r.num_computed_tokens)
+        for m in managers:
+            table = m.req_to_blocks.get(r.request_id)
+            if table is not None:
+                idle += max(0, len(table) * bs - end)
+    return idle
 
 
 def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
@@ -56,20 +151,26 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
              record_timeline: bool = False,
              on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None) -> SimResult:
     """Replay requests in arrival order on a virtual clock (each step lasts `step_time`
-    seconds; an idle system jumps to the next arrival) until all have finished."""
+    seconds; an idle system jumps to the next arrival) until all have finished.
+
+    Decoded tokens are the requests' scripted outputs when they have them, else
+    deterministic stand-ins. `on_step` sees the scheduler right after each step was
+    scheduled (pages allocated, copies taken) and before it is applied. Raises
+    ValueError when a request can never fit the pool, RuntimeError if pages leak."""
     specs = workload.requests if isinstance(workload, Workload) else workload
     manager = KVCacheManager(config, enable_caching=enable_caching,
                              enable_partial_hits=enable_partial_hits)
     scheduler = Scheduler(manager, scheduler_config)
     pool = manager.pool
-    bs = config.block_size
     scripted = {s.request_id: s.output_token_ids for s in specs if s.output_token_ids}
-    pending = list(reversed(specs))  # pop() yields the earliest arrival
+    # pop() yields the earliest arrival; ties in the given order.
+    pending = list(reversed(sorted(specs, key=lambda s: s.arrival)))
     clock = 0.0
-    idle_slot_steps = 0
+    idle_slot_steps = peak_idle = 0
     usage_sum = 0.0
     timeline: list[dict[str, float]] = []
-    prompt_tokens = 0
+    prompt_tokens = expected_tokens = output_tokens = 0
+    first_hit: dict[str, int] = {}
     while pending or scheduler.has_unfinished:
         if not scheduler.has_unfinished and pending and pending[-1].arrival > clock:
             clock = pending[-1].arrival
@@ -80,7 +181,13 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
             scheduler.add_request(Request(spec.request_id, spec.prompt_token_ids, spec.cache_salt,
                                           spec.max_tokens))
             prompt_tokens += len(spec.prompt_token_ids)
+            output_tokens += spec.max_tokens
+            expected_tokens += len(spec.prompt_token_ids) + spec.max_tokens - 1
         output = scheduler.schedule()
+        for item in output.scheduled:
+            rid = item.request.request_id
+            if rid not in first_hit:  # admitted this step: progress is the hit length
+                first_hit[rid] = item.request.num_computed_tokens
         if on_step is not None:
             on_step(scheduler, output)
         sampled = {}
@@ -93,20 +200,23 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
                                          else fake_token(r.request_id, r.num_tokens)]
         in_use = pool.num_usable_blocks - pool.num_free_blocks
         usage_sum += in_use / pool.num_usable_blocks
-        held_tokens = sum(r.num_computed_tokens for r in scheduler.running) + output.num_tokens
-        idle_slot_steps += max(0, in_use * bs * len(config.groups) - held_tokens * len(config.groups))
+        idle = idle_slots(scheduler, output)
+        idle_slot_steps += idle
+        peak_idle = max(peak_idle, idle)
         if record_timeline:
             timeline.append({"step": scheduler.stats.steps, "time": clock, "blocks_in_use": in_use,
                              "running": len(scheduler.running), "waiting": len(scheduler.waiting),
-                             "tokens": output.num_tokens})
+                             "tokens": output.num_tokens, "idle_slots": idle})
         scheduler.update(output, sampled)
         clock += step_time
+    # The worker has run the last batch of copies: release the pins on their sources.
+    manager.take_pending_copies()
     stats, sstats = manager.stats, scheduler.stats
     if pool.num_free_blocks != pool.num_usable_blocks:
         raise RuntimeError("blocks leaked: the pool is not empty after every request finished")
     return SimResult(
         num_requests=len(specs), prompt_tokens=prompt_tokens,
-        output_tokens=sum(s.max_tokens for s in specs), queried_tokens=stats.queried_tokens,
+        output_tokens=output_tokens, queried_tokens=stats.queried_tokens,
         hit_tokens=stats.hit_tokens,
         partial_hit_tokens=stats.partial_hit_tokens, partial_hits=stats.partial_hits,
         computed_tokens=sstats.computed_tokens, recomputed_tokens=sstats.recomputed_tokens,
@@ -114,4 +224,8 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
         preemptions=sstats.preemptions, evictions=stats.evictions, steps=sstats.steps,
         peak_blocks=sstats.peak_blocks_in_use, copies=stats.copies_queued,
         idle_slot_steps=idle_slot_steps, mean_usage=usage_sum / max(1, sstats.steps),
-        timeline=timeline)
+        prompt_hit_tokens=sum(first_hit.values()), expected_tokens=expected_tokens,
+        num_blocks=config.num_blocks, bytes_per_block=config.bytes_per_block,
+        block_size=config.block_size,
+        peak_idle_slots=peak_idle, finish_time=clock,
+        free_blocks_at_end=pool.num_free_blocks, timeline=timeline)
