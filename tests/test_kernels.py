@@ -273,3 +273,23 @@ def test_memory_audit_reads_only_visible_positions(monkeypatch, q_lens, seq_lens
     cols = _elements_read(seen, table)
     read_cols = {(int(e) // table.stride(0), int(e) % table.stride(0)) for e in cols}
     assert read_cols <= legit_cols, f"block-table reads: {sorted(read_cols - legit_cols)[:5]}"
+
+
+def test_split_heuristic(monkeypatch):
+    """Split only when the grid underfills the GPU, and only the window-bounded range."""
+    import kernels.triton_attention as ta
+
+    monkeypatch.setattr(ta, "sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert ta.choose_num_splits(8, 2049, cuda) == 33  # B=1, 8 KV heads, 128k context
+    assert ta.choose_num_splits(132, 2049, cuda) == 1  # the grid fills the GPU
+    assert ta.choose_num_splits(128, 2049, cuda) == 3
+    assert ta.choose_num_splits(8, 65, cuda) == 16  # window 4096: few tiles to share
+    assert ta.choose_num_splits(8, 3, cuda) == 1  # short context: merging costs more
+    assert ta.choose_num_splits(8, 2049, torch.device("cpu")) == 1
+    plan = ta.launch_plan(64, 8, 128, 16, 8192, 1, 1, 4096, cuda)
+    assert (plan.block_m, plan.block_n, plan.q_tiles, plan.num_splits) == (16, 64, 1, 16)
+    plan = ta.launch_plan(64, 8, 128, 16, 8192, 1, 1, None, cuda)
+    assert plan.num_splits == 33
+    plan = ta.launch_plan(64, 8, 128, 16, 8192, 1, 1, None, cuda, num_splits=5)
+    assert plan.num_splits == 5
