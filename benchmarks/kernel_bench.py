@@ -106,10 +106,13 @@ def _time_eager(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> fl
     return times[len(times) // 2]
 
 
-def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> tuple[float, str]:
+def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor,
+            graph: bool = True) -> tuple[float, str]:
     """Milliseconds per call of ``fn`` with a cold L2, and how it was timed."""
     fn()  # compile / autotune / lazy init outside the timed region
     torch.cuda.synchronize()
+    if not graph:
+        return _time_eager(fn, iters, flush), "eager"
     try:
         return _time_graph(fn, iters, flush), "graph"
     except Exception:  # noqa: BLE001 - any capture failure: fall back to eager timing
@@ -200,12 +203,10 @@ def _window_mask(context: int, q_len: int, first_kept: int, window: int | None) 
 def sdpa_fn(batch: int, context: int, q_len: int, window: int | None) -> Callable[[], object]:
     q, k, v, first_kept = _dense_inputs(batch, context, q_len, window)
     n = k.shape[2]
-    if q_len == 1:
-        mask = None  # a decode query sees every gathered key
-    elif window is None and q_len == n:
-        mask = "causal"
-    else:
-        mask = _window_mask(context, q_len, first_kept, window)
+    causal = window is None and q_len == n and q_len > 1  # whole prompt: built-in causal
+    mask = None  # a decode query sees every gathered key
+    if q_len > 1 and not causal:
+        mask = _window_mask(context, q_len, first_kept, window)  # bottom-right aligned
     try:
         F.scaled_dot_product_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], enable_gqa=True)
         kw = {"enable_gqa": True}
@@ -213,7 +214,7 @@ def sdpa_fn(batch: int, context: int, q_len: int, window: int | None) -> Callabl
         k = k.repeat_interleave(HEADS // KV_HEADS, 1)
         v = v.repeat_interleave(HEADS // KV_HEADS, 1)
         kw = {}
-    if mask == "causal":
+    if causal:
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
     return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
 
@@ -261,12 +262,12 @@ def _fits(nbytes: int) -> bool:
 
 def _measure(rows: list[Row], row: Row, make: Callable[[], Callable[[], object] | None],
              iters: int, flush: torch.Tensor, nbytes: int, flops: float,
-             copy_bw: float) -> None:
+             copy_bw: float, graph: bool = True) -> None:
     try:
         fn = make()
         if fn is None:
             return  # library not installed
-        row.ms, row.timing = time_ms(fn, iters, flush)
+        row.ms, row.timing = time_ms(fn, iters, flush, graph)
         if row.ms > 0:
             if row.kind == "decode":
                 row.gbps = nbytes / (row.ms * 1e-3) / 1e9
@@ -300,14 +301,21 @@ def run_bench(args: argparse.Namespace) -> dict:
                         (1, 16384, 512), (1, 65536, 2048), (8, 32768, 512)]
         iters = 20
     windows = (None, 4096)
+    print(f"GQA {HEADS}:{KV_HEADS}, head_dim {HEAD_DIM}, {DTYPE}, block_size {BLOCK_SIZE}; "
+          "decode: needed K/V bytes / time; prefill: 4*pairs*D*H / time")
+    print(f"{'kind':7s} {'batch':6s} {'context':11s} {'q':8s} {'window':7s} {'impl':11s} "
+          f"{'time':>12s}  metric")
 
     def triton_case(kind: str, b: int, ctx: int, ql: int, w: int | None):
+        n_iter = iters if kind == "decode" else max(3, iters // 4)
         nbytes = needed_kv_bytes(b, ctx, ql, w)
         flops = 4.0 * b * visible_pairs(ctx, ql, w) * HEAD_DIM * HEADS
         row = Row(kind, "triton", b, ctx, ql, w)
         plan = launch_plan(HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, math.ceil(ctx / BLOCK_SIZE),
                            b, ql, w, torch.device("cuda"))
         row.num_splits = plan.num_splits
+        row.extra = {"block_m": plan.block_m, "block_n": plan.block_n,
+                     "num_warps": plan.num_warps, "q_tiles": plan.q_tiles}
         state: dict = {}
 
         def make():
@@ -316,16 +324,16 @@ def run_bench(args: argparse.Namespace) -> dict:
             return lambda: paged_attention(p.q, p.kc, p.vc, p.table, p.cu, p.seq_lens, ql,
                                            scale, w)
 
-        _measure(rows, row, make, iters, flush, nbytes, flops, copy_bw)
+        _measure(rows, row, make, n_iter, flush, nbytes, flops, copy_bw)
         if kind == "decode" and "p" in state:
             _measure(rows, Row(kind, "flashinfer", b, ctx, ql, w),
-                     lambda: flashinfer_decode_fn(state["p"], w), iters, flush, nbytes, flops,
-                     copy_bw)
+                     lambda: flashinfer_decode_fn(state["p"], w), n_iter, flush, nbytes, flops,
+                     copy_bw, graph=False)  # its plain wrapper is not made for capture
         state.clear()
         torch.cuda.empty_cache()
         for impl, mk in (("sdpa", sdpa_fn), ("flash_attn", flash_attn_fn)):
             _measure(rows, Row(kind, impl, b, ctx, ql, w), lambda mk=mk: mk(b, ctx, ql, w),
-                     iters, flush, nbytes, flops, copy_bw)
+                     n_iter, flush, nbytes, flops, copy_bw)
         _print_group(rows, kind, b, ctx, ql, w)
 
     for w in windows:
