@@ -1,0 +1,213 @@
+"""The worker side of one engine step: copies, a flat ragged batch, paged attention, logits.
+
+A step's work arrives as a :class:`~models.scheduler.SchedulerOutput`. The runner
+
+1. runs the step's copy-on-write block copies on the device cache (before any write),
+2. lays every scheduled request's new tokens out one request after another (prefill
+   chunks and decodes alike), with per-group block tables and slot mappings,
+3. runs the model with an :data:`~models.model.AttentionFn` that, for layer ``i``,
+   writes the new K/V into the pages of the layer's group and reads the whole visible
+   context back through :func:`kernels.attention`,
+4. returns the logits of the last token of every request whose step ends its known
+   tokens (the ones that sample).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kernels
+from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.paged_kv_cache import PagedKVCache
+from models.model import AttentionFn, DecoderModel
+from models.scheduler import SchedulerOutput
+
+__all__ = ["BatchInputs", "ModelRunner", "ModelRunnerOutput", "build_batch"]
+
+_BACKENDS = ("reference", "triton", "auto")
+
+
+@dataclass
+class BatchInputs:
+    """A step's flat ragged batch, on the cache's device.
+
+    Sequence ``i`` owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of ``input_ids`` and
+    ``positions``; its queries are the last of its ``seq_lens[i]`` tokens. Per KV cache
+    group ``g``: ``block_tables[g]`` (int32 ``[B, max_blocks]``, rows padded with the null
+    block) and ``slot_mappings[g]`` (int64 ``[T]``, the page slot each new token's K/V goes
+    to). ``logits_indices`` are the rows whose logits are needed, one per id in
+    ``sample_request_ids``.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seqlen_q: int
+    block_tables: list[torch.Tensor]
+    slot_mappings: list[torch.Tensor]
+    logits_indices: torch.Tensor
+    sample_request_ids: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed in this batch."""
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Next-token logits of the requests that sample this step: row ``i`` is for
+    ``request_ids[i]`` (``[N, vocab]``, in scheduling order)."""
+
+    request_ids: list[str]
+    logits: torch.Tensor
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """request id -> its logits row."""
+        return {rid: self.logits[i] for i, rid in enumerate(self.request_ids)}
+
+
+def build_batch(output: SchedulerOutput, manager: KVCacheManager, block_size: int,
+                num_groups: int, device: torch.device | str = "cpu") -> BatchInputs:
+    """Lay out a scheduler step as a flat ragged batch with per-group tables and slots.
+
+    Reads each request's progress *before* the step (``request.num_computed_tokens``), so
+    call it before ``Scheduler.update``. Raises RuntimeError if a new token would land in
+    the null block (a block table that does not cover the step)."""
+    sched = output.scheduled
+    b = len(sched)
+    starts = np.fromiter((s.start for s in sched), dtype=np.int64, count=b)
+    lens = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=b)
+    cu = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    total = int(cu[-1])
+    seq_of_token = np.repeat(np.arange(b), lens)
+    positions = np.arange(total, dtype=np.int64) - cu[:-1][seq_of_token] + starts[seq_of_token]
+    if b:
+        input_ids = np.concatenate([
+            np.asarray(s.request.token_ids[s.start:s.start + s.num_new_tokens], dtype=np.int64)
+            for s in sched])
+    else:
+        input_ids = np.zeros(0, dtype=np.int64)
+    # Per-group block tables, padded to the longest with the null block (id 0).
+    tables = [manager.block_table(s.request.request_id) for s in sched]
+    block_tables: list[np.ndarray] = []
+    slot_mappings: list[np.ndarray] = []
+    offsets = positions % block_size
+    block_index = positions // block_size
+    for g in range(num_groups):
+        rows = [t[g] for t in tables]
+        widths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=b)
+        width = int(widths.max()) if b else 0
+        table = np.zeros((b, max(width, 1)), dtype=np.int32)
+        if b:
+            filled = np.arange(table.shape[1])[None, :] < widths[:, None]
+            table[filled] = np.fromiter((x for r in rows for x in r), dtype=np.int32,
+                                        count=int(widths.sum()))
+            if (block_index >= widths[seq_of_token]).any():
+                raise RuntimeError(f"group {g}: a block table does not cover the step's tokens")
+        blocks = table[seq_of_token, block_index].astype(np.int64)
+        if (blocks == 0).any():
+            bad = int(np.flatnonzero(blocks == 0)[0])
+            raise RuntimeError(
+                f"group {g}: token at position {int(positions[bad])} of request "
+                f"{sched[int(seq_of_token[bad])].request.request_id!r} maps to the null block")
+        block_tables.append(table)
+        slot_mappings.append(blocks * block_size + offsets)
+    samples = np.fromiter((s.samples for s in sched), dtype=bool, count=b)
+    logits_indices = cu[1:][samples] - 1
+
+    def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+    return BatchInputs(
+        input_ids=dev(input_ids, torch.int64),
+        positions=dev(positions, torch.int64),
+        cu_seqlens_q=dev(cu, torch.int32),
+        seq_lens=dev(starts + lens, torch.int32),
+        max_seqlen_q=int(lens.max()) if b else 0,
+        block_tables=[dev(t, torch.int32) for t in block_tables],
+        slot_mappings=[dev(s, torch.int64) for s in slot_mappings],
+        logits_indices=dev(logits_indices, torch.int64),
+        sample_request_ids=[s.request.request_id for s, keep in zip(sched, samples, strict=True)
+                            if keep],
+    )
+
+
+class ModelRunner:
+    """Runs scheduler steps of a :class:`DecoderModel` over a :class:`PagedKVCache`.
+
+    ``attention_backend`` is passed to :func:`kernels.attention`: ``"reference"`` (PyTorch),
+    ``"triton"`` (the paged-attention kernel; on CPU only under ``TRITON_INTERPRET=1``) or
+    ``"auto"`` (Triton on CUDA, the reference elsewhere)."""
+
+    def __init__(self, model: DecoderModel, cache: PagedKVCache,
+                 attention_backend: str = "reference") -> None:
+        if attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_BACKENDS}, "
+                             f"got {attention_backend!r}")
+        self.model = model
+        self.cache = cache
+        self.attention_backend = attention_backend
+        self.num_groups = len(cache.config.groups)
+        check_cache_matches_model(model, cache)
+        self._group_of = [cache.group_of(i) for i in range(model.config.num_layers)]
+        self._windows = [model.layer_window(i) for i in range(model.config.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput, manager: KVCacheManager) -> ModelRunnerOutput:
+        """Run one step: its copies, then the forward over its tokens; call before
+        ``Scheduler.update``. Returns the logits of the requests that sample."""
+        self.cache.copy_blocks(output.copies)
+        vocab = self.model.config.vocab_size
+        if not output.scheduled:
+            return ModelRunnerOutput([], torch.empty(0, vocab, device=self.cache.device))
+        batch = build_batch(output, manager, self.cache.block_size, self.num_groups,
+                            self.cache.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.attention_fn(batch))
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return ModelRunnerOutput(batch.sample_request_ids, logits)
+
+    def attention_fn(self, batch: BatchInputs) -> AttentionFn:
+        """The AttentionFn of one batch: write the layer's new K/V, then paged attention."""
+        cache, model, backend = self.cache, self.model, self.attention_backend
+
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                      ) -> torch.Tensor:
+            g = self._group_of[layer]
+            cache.write(layer, k, v, batch.slot_mappings[g])
+            key_cache, value_cache = cache.layer_caches(layer)
+            return kernels.attention(
+                q, key_cache, value_cache, batch.block_tables[g], batch.cu_seqlens_q,
+                batch.seq_lens, batch.max_seqlen_q, model.attn_scale,
+                window=self._windows[layer], softcap=model.attn_softcap, backend=backend)
+
+        return attention
+
+
+def check_cache_matches_model(model: DecoderModel, cache: PagedKVCache) -> None:
+    """Raise ValueError unless every layer's cache group fits the layer (window, heads,
+    head dim, dtype)."""
+    c = model.config
+    layer_to_group = cache.config.layer_to_group_slot()
+    if sorted(layer_to_group) != list(range(c.num_layers)):
+        raise ValueError(f"the cache holds layers {sorted(layer_to_group)}, the model has "
+                         f"{c.num_layers}")
+    problems: list[str] = []
+    for i in range(c.num_layers):
+        spec = cache.config.groups[layer_to_group[i][0]].spec
+        want: Sequence[tuple[str, object, object]] = (
+            ("window", spec.sliding_window, model.layer_window(i)),
+            ("num_kv_heads", spec.num_kv_heads, c.num_kv_heads),
+            ("head_dim", spec.head_dim, c.head_dim),
+            ("dtype", spec.dtype, c.dtype),
+        )
+        problems += [f"layer {i}: cache {name} {got} vs model {exp}"
+                     for name, got, exp in want if got != exp]
+    if problems:
+        raise ValueError("KV cache config does not match the model: " + "; ".join(problems))
