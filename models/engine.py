@@ -1,0 +1,530 @@
+"""A minimal LLM engine over kvstore: the worked example of embedding the cache layer.
+
+Per step: ``Scheduler.schedule`` (which asks the ``KVCacheManager`` for prefix hits and
+pages, and takes the pending copies) -> ``ModelRunner.execute`` (copies, K/V writes and
+paged attention on the ``PagedKVCache``) -> sampling -> ``Scheduler.update`` (progress,
+forks for ``n > 1``, frees of finished requests). See ``docs/engine.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.paged_kv_cache import PagedKVCache
+from kvstore.request import Request, as_token_list
+from kvstore.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    make_kv_cache_config,
+)
+from models.model import DecoderModel
+from models.runner import ModelRunner, ModelRunnerOutput
+from models.scheduler import Scheduler, SchedulerConfig
+
+__all__ = [
+    "CompletionOutput",
+    "EngineStats",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "kv_cache_specs",
+]
+
+# The scheduler names the k-th sample of a forking request "<id>#<k>" (k >= 1).
+_FORK_SEP = "#"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request.
+
+    ``temperature == 0`` is greedy (argmax); otherwise tokens are drawn from
+    ``softmax(logits / temperature)`` with a generator seeded by ``seed`` (random when
+    None). ``n > 1`` yields ``n`` samples that share the prompt's pages (forked at the
+    first sampled token). A sample stops after ``max_tokens`` tokens or at a token in
+    ``stop_token_ids``. ``return_logits`` keeps each chosen step's full logits row.
+    """
+
+    max_tokens: int
+    n: int = 1
+    temperature: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    return_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class CompletionOutput:
+    """One sample: its generated tokens, why it stopped, and per token the log-probability
+    under the model's distribution (before temperature); ``logits`` ``[len, vocab]`` when
+    asked for."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float]
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: its prompt and its ``n`` samples. ``num_cached_tokens`` is the
+    prefix-cache hit (full and partial) at its first admission."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """Whether every sample has finished."""
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass
+class EngineStats:
+    """Cache, scheduler and worker counters of one engine, merged."""
+
+    steps: int
+    computed_tokens: int
+    lookups: int
+    queried_tokens: int
+    hit_tokens: int
+    partial_hits: int
+    partial_hit_tokens: int
+    evictions: int
+    preemptions: int
+    recomputed_tokens: int
+    copies_queued: int
+    copies_executed: int
+    fork_copies: int
+    peak_blocks_in_use: int
+    num_blocks: int
+    finished: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over queried tokens."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """Every counter plus the hit rate."""
+        out: dict[str, float] = dict(self.__dict__)
+        out["hit_rate"] = self.hit_rate
+        return out
+
+
+@dataclass
+class _Sample:
+    """Engine-side state of one running sequence (the parent or a forked child)."""
+
+    group: _Group
+    index: int
+    generator: torch.Generator | None
+    logprobs: list[float] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Drawn:
+    """One step's draw for a sampling request: n tokens, their logprobs, the logits row."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    logits: torch.Tensor | None
+
+
+@dataclass
+class _Group:
+    """Engine-side state of one added request and its samples."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    samples: list[_Sample | None]
+    requests: list[Request | None]
+    num_cached_tokens: int | None = None
+
+
+def kv_cache_specs(model: DecoderModel, block_size: int) -> list[KVCacheSpec]:
+    """Per layer, the KV cache spec of a model: full attention or its sliding window."""
+    c = model.config
+    specs: list[KVCacheSpec] = []
+    for i in range(c.num_layers):
+        window = model.layer_window(i)
+        if window is None:
+            specs.append(FullAttentionSpec(block_size, c.num_kv_heads, c.head_dim, c.dtype))
+        else:
+            specs.append(SlidingWindowSpec(block_size, c.num_kv_heads, c.head_dim, c.dtype,
+                                           window=window))
+    return specs
+
+
+def _fork_seed(seed: int, k: int) -> int:
+    """A distinct, reproducible seed for the k-th sample of a seeded request."""
+    return (seed * 0x9E3779B97F4A7C15 + k * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+
+
+class LLMEngine:
+    """Continuous batching with prefix caching over one model and one paged KV cache.
+
+    Give the pool size as ``num_blocks`` (including the null block) or ``memory_bytes``.
+    ``max_num_batched_tokens`` bounds the tokens of one step (longer prompts are
+    prefilled in chunks); ``attention_backend`` is ``"reference"``, ``"triton"`` or
+    ``"auto"`` (see :class:`~models.runner.ModelRunner`).
+    """
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        num_blocks: int | None = None,
+        memory_bytes: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        enable_partial_hits: bool = True,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        attention_backend: str = "reference",
+        device: torch.device | str | None = None,
+    ) -> None:
+        if device is None:
+            device = next(model.parameters()).device
+        self.model = model.eval()
+        self.config: KVCacheConfig = make_kv_cache_config(
+            kv_cache_specs(model, block_size), memory_bytes=memory_bytes, num_blocks=num_blocks)
+        self.manager = KVCacheManager(self.config, enable_caching=enable_prefix_caching,
+                                      enable_partial_hits=enable_partial_hits)
+        self.cache = PagedKVCache(self.config, device=device)
+        self.scheduler = Scheduler(self.manager, SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))
+        self.runner = ModelRunner(model, self.cache, attention_backend)
+        self._groups: dict[str, _Group] = {}
+        self._samples: dict[str, _Sample] = {}  # running sequence id -> its state
+        self._ids = itertools.count()
+        self._idle_steps = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+                    sampling: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
+        """Queue a prompt; returns its request id (generated when not given)."""
+        if isinstance(prompt_token_ids, torch.Tensor):
+            prompt_token_ids = prompt_token_ids.tolist()
+        prompt = as_token_list(prompt_token_ids, "prompt_token_ids")
+        vocab = self.model.config.vocab_size
+        if prompt and max(prompt) >= vocab:
+            raise ValueError(f"token id {max(prompt)} is outside the vocabulary ({vocab})")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if _FORK_SEP in request_id:
+            raise ValueError(f"request id {request_id!r} must not contain {_FORK_SEP!r}")
+        if request_id in self._groups:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        request = Request(request_id, prompt, cache_salt=cache_salt,
+                          max_tokens=sampling.max_tokens)
+        seed = sampling.seed
+        if sampling.temperature > 0 and seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        group = _Group(request_id, prompt, sampling, [None] * sampling.n, [None] * sampling.n)
+        group.samples[0] = self._new_sample(group, 0, seed)
+        group.requests[0] = request
+        self.scheduler.add_request(request, sampling.n)
+        self._groups[request_id] = group
+        self._samples[request_id] = group.samples[0]  # type: ignore[assignment]
+        return request_id
+
+    def _new_sample(self, group: _Group, index: int, seed: int | None) -> _Sample:
+        gen = None
+        if group.params.temperature > 0:
+            assert seed is not None
+            gen = torch.Generator().manual_seed(seed if index == 0 else _fork_seed(seed, index))
+        return _Sample(group, index, gen)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request waits or runs."""
+        return self.scheduler.has_unfinished
+
+    # ---- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; returns the requests that finished in it."""
+        output = self.scheduler.schedule()
+        if not output.scheduled:
+            self.runner.execute(output, self.manager)  # still runs the copies
+            self._idle_steps += 1
+            if self.scheduler.has_unfinished and self._idle_steps > 2:
+                raise RuntimeError("the scheduler made no progress for 3 steps; is the pool "
+                                   "too small for the waiting requests?")
+            return []
+        self._idle_steps = 0
+        for item in output.scheduled:
+            group = self._groups[item.request.request_id.split(_FORK_SEP)[0]]
+            if group.num_cached_tokens is None:
+                group.num_cached_tokens = item.start
+        result = self.runner.execute(output, self.manager)
+        drawn = self._sample(result)
+        finished = self.scheduler.update(output, {rid: d.tokens for rid, d in drawn.items()})
+        reasons = {r.request_id: "length" for r in finished}
+        done = {r.request_id: r for r in finished}
+        for rid, d in drawn.items():
+            self._record(rid, d, reasons, done)
+        return self._collect(reasons)
+
+    def _sample(self, result: ModelRunnerOutput) -> dict[str, _Drawn]:
+        """n tokens for a forking request's first sample, one for every other sampler."""
+        if not result.request_ids:
+            return {}
+        logits = result.logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        greedy = logits.argmax(dim=-1).tolist()
+        drawn: dict[str, _Drawn] = {}
+        for i, rid in enumerate(result.request_ids):
+            sample = self._samples[rid]
+            params = sample.group.params
+            n = self.scheduler.num_samples.get(rid, 1)
+            if params.temperature == 0:
+                tokens = [greedy[i]] * n
+            else:
+                probs = torch.softmax(logits[i].cpu() / params.temperature, dim=-1)
+                tokens = torch.multinomial(probs, n, replacement=True,
+                                           generator=sample.generator).tolist()
+            drawn[rid] = _Drawn(tokens, logprobs[i, tokens].tolist(),
+                                logits[i].clone() if params.return_logits else None)
+        return drawn
+
+    def _record(self, rid: str, drawn: _Drawn, reasons: dict[str, str],
+                done: dict[str, Request]) -> None:
+        """Attach the step's sampled tokens to the sample(s) of `rid` (adopting the forked
+        children at a first sample with n > 1) and finish samples that hit a stop token."""
+        sample = self._samples[rid]
+        group = sample.group
+        family = [(rid, sample)]
+        if len(drawn.tokens) > 1:
+            seed = sample.generator.initial_seed() if sample.generator is not None else None
+            for k in range(1, len(drawn.tokens)):
+                child_id = f"{rid}{_FORK_SEP}{k}"
+                child = self._new_sample(group, k, seed)
+                group.samples[k] = child
+                group.requests[k] = self._find_child(child_id, done)
+                self._samples[child_id] = child
+                family.append((child_id, child))
+        for k, (member_id, member) in enumerate(family):
+            member.logprobs.append(drawn.logprobs[k])
+            if drawn.logits is not None:
+                member.logits.append(drawn.logits)
+            if member_id in reasons:
+                member.finish_reason = reasons[member_id]
+            elif drawn.tokens[k] in group.params.stop_token_ids:
+                request = group.requests[member.index]
+                assert request is not None
+                self.scheduler.finish(request, "stop")
+                member.finish_reason = reasons[member_id] = "stop"
+
+    def _find_child(self, request_id: str, done: dict[str, Request]) -> Request:
+        if request_id in done:
+            return done[request_id]
+        for r in self.scheduler.running:
+            if r.request_id == request_id:
+                return r
+        raise RuntimeError(f"forked sample {request_id!r} not found among the scheduler's "
+                           "requests (did its fork naming change?)")
+
+    def _collect(self, reasons: dict[str, str]) -> list[RequestOutput]:
+        """RequestOutputs of groups whose last sample finished this step."""
+        done = []
+        for member_id in reasons:
+            sample = self._samples.pop(member_id)
+            group = sample.group
+            if group.request_id not in self._groups:
+                continue
+            if all(s is not None and s.finish_reason is not None for s in group.samples):
+                done.append(self._make_output(group))
+                del self._groups[group.request_id]
+        return done
+
+    @staticmethod
+    def _make_output(group: _Group) -> RequestOutput:
+        outputs = []
+        for sample, request in zip(group.samples, group.requests, strict=True):
+            assert sample is not None and request is not None
+            outputs.append(CompletionOutput(
+                index=sample.index,
+                token_ids=request.token_ids[request.num_prompt_tokens:],
+                finish_reason=sample.finish_reason,
+                logprobs=sample.logprobs,
+                logits=torch.stack(sample.logits) if sample.logits else None,
+            ))
+        return RequestOutput(group.request_id, group.prompt, outputs, group.num_cached_tokens or 0)
+
+    def generate(self, prompts: Sequence[Sequence[int] | np.ndarray | torch.Tensor],
+                 sampling: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Run the prompts to completion (with whatever else is queued); outputs in input
+        order."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) \
+            else list(sampling)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids) and self.has_unfinished_requests:
+            for out in self.step():
+                results[out.request_id] = out
+        return [results[i] for i in ids if i in results]
+
+    # ---- stats -------------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        """Merged counters of the cache manager, the scheduler and the device cache."""
+        m, s = self.manager.stats, self.scheduler.stats
+        return EngineStats(
+            steps=s.steps, computed_tokens=s.computed_tokens, lookups=m.lookups,
+            queried_tokens=m.queried_tokens, hit_tokens=m.hit_tokens,
+            partial_hits=m.partial_hits, partial_hit_tokens=m.partial_hit_tokens,
+            evictions=m.evictions, preemptions=s.preemptions,
+            recomputed_tokens=s.recomputed_tokens, copies_queued=m.copies_queued,
+            copies_executed=self.cache.copies_executed, fork_copies=m.fork_copies,
+            peak_blocks_in_use=s.peak_blocks_in_use, num_blocks=self.config.num_blocks,
+            finished=s.finished)
+
+    def describe(self) -> dict[str, Any]:
+        """The cache layout: groups (window, layers), slots, block size and bytes."""
+        return {
+            "num_blocks": self.config.num_blocks,
+            "block_size": self.config.block_size,
+            "num_slots": self.config.num_slots,
+            "padding_layers": self.config.num_padding_layers,
+            "bytes_per_block": self.config.bytes_per_block,
+            "cache_bytes": self.cache.num_bytes,
+            "groups": [(g.spec.sliding_window, g.layer_ids) for g in self.config.groups],
+        }
+
+
+# ---- the `kvstore generate` demo -----------------------------------------------------------
+
+DEMO_MODELS = ("llama", "mistral", "gemma2", "gemma3")
+
+
+def randomize_weights_(model: DecoderModel, seed: int = 0) -> DecoderModel:
+    """Re-initialise every parameter with seeded noise at a scale that gives peaked
+    attention and varied tokens (default inits make tiny random models near-uniform)."""
+    g = torch.Generator().manual_seed(seed)
+    gemma = model.config.gemma_norm
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g).to(p.dtype)
+            if "norm" in name:
+                p.copy_((0.0 if gemma else 1.0) + 0.2 * noise)
+            elif "embed_tokens" in name:
+                # Gemma scales embeddings by sqrt(hidden): undo it, or the residual stream
+                # is all embedding and a tied head keeps predicting the input token.
+                scale = model.config.hidden_size ** -0.5 if model.config.scale_embeddings else 1.0
+                p.copy_(noise * scale)
+            else:
+                p.copy_(noise * 2.0 / p.shape[-1] ** 0.5)
+    return model
+
+
+def build_demo_model(name: str = "gemma3", checkpoint: str | None = None, seed: int = 0,
+                     device: torch.device | str = "cpu") -> DecoderModel:
+    """A tiny random-initialised preset (``llama``, ``mistral``, ``gemma2``, ``gemma3``), or
+    the model of a local HF checkpoint dir when ``checkpoint`` is given."""
+    from models.model import PRESETS, load_checkpoint_dir
+
+    if checkpoint is not None:
+        return load_checkpoint_dir(checkpoint, device=device)
+    if name not in DEMO_MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {DEMO_MODELS}")
+    model = randomize_weights_(DecoderModel(PRESETS[f"tiny_{name}"]()), seed)
+    return model.to(device).eval()
+
+
+def demo_prompts(vocab_size: int, block_size: int, seed: int = 0) -> list[list[int]]:
+    """Built-in prompts: three share a 'system prompt' (one of them only up to mid-block,
+    for a partial hit), one shares nothing."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(0, vocab_size, (n,), generator=g).tolist()
+
+    system = rand(3 * block_size + block_size // 2)
+    return [
+        system + rand(5),
+        system + rand(block_size + 3),
+        system[: 2 * block_size + block_size // 2 + 1] + rand(4),
+        rand(2 * block_size + 1),
+    ]
+
+
+@dataclass
+class DemoResult:
+    """What ``kvstore generate`` prints: the prompts' outputs, merged stats, cache layout."""
+
+    model_name: str
+    outputs: list[RequestOutput]
+    stats: EngineStats
+    layout: dict[str, Any]
+
+
+def run_generate_demo(model: DecoderModel, prompts: Sequence[Sequence[int]],
+                      sampling: SamplingParams, model_name: str = "", **engine_kwargs: Any
+                      ) -> DemoResult:
+    """Run the first prompt alone, then the rest as one batch (which hit its cached
+    prefix), on a fresh engine built with ``engine_kwargs``."""
+    engine = LLMEngine(model, **engine_kwargs)
+    outputs = engine.generate(prompts[:1], sampling) + engine.generate(prompts[1:], sampling)
+    return DemoResult(model_name, outputs, engine.stats, engine.describe())
+
+
+def render_demo(result: DemoResult, console: Any = None) -> None:
+    """Print the demo's per-prompt outputs, cache statistics and layout as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    outs = Table(title=f"generated tokens ({result.model_name})")
+    for col in ("request", "prompt", "cached", "sample", "tokens", "finish"):
+        outs.add_column(col, justify="right" if col in ("prompt", "cached", "sample") else "left")
+    for out in result.outputs:
+        for s in out.outputs:
+            outs.add_row(out.request_id, str(len(out.prompt_token_ids)),
+                         str(out.num_cached_tokens), str(s.index),
+                         " ".join(map(str, s.token_ids)), s.finish_reason or "")
+    console.print(outs)
+    stats = Table(title="cache statistics")
+    stats.add_column("counter")
+    stats.add_column("value", justify="right")
+    for key, value in result.stats.as_dict().items():
+        stats.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    console.print(stats)
+    layout = Table(title="cache layout")
+    layout.add_column("group", justify="right")
+    layout.add_column("window", justify="right")
+    layout.add_column("layers")
+    for g, (window, layers) in enumerate(result.layout["groups"]):
+        layout.add_row(str(g), "full" if window is None else str(window),
+                       ", ".join(map(str, layers)))
+    console.print(layout)
+    console.print(
+        f"{result.layout['num_blocks']} blocks of {result.layout['block_size']} tokens, "
+        f"{result.layout['num_slots']} layer slot(s), {result.layout['bytes_per_block']} bytes "
+        f"per block, {result.layout['padding_layers']} padding slot(s)")
