@@ -1,0 +1,341 @@
+"""The engine (scheduler + runner over kvstore) against HuggingFace transformers, CPU only.
+
+HF models are built and re-initialised exactly as in ``test_models_hf`` (tiny configs,
+eager attention, fp32, no EOS). For every generated sequence we run HF once over the
+whole final sequence (prompt + our tokens): by causality, row ``P - 1 + k`` is HF's
+next-token logits after our first ``k`` tokens, i.e. what HF greedy decoding computes at
+step ``k``. Our logits must match those rows, and our greedy token must be HF's argmax
+wherever HF's top-2 gap exceeds ``TIE_GAP`` (so, absent near-ties, our sequence *is* HF's
+greedy sequence). Most cases use the reference attention backend; one small case per
+style runs the Triton kernel under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from test_models_hf import PRESETS, build_pair  # noqa: E402
+
+from kvstore.cli import main as cli_main  # noqa: E402
+from kvstore.paged_kv_cache import PagedKVCache  # noqa: E402
+from kvstore.specs import make_kv_cache_config  # noqa: E402
+from models.engine import LLMEngine, RequestOutput, SamplingParams, kv_cache_specs  # noqa: E402
+from models.model import DecoderModel, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
+from models.runner import ModelRunner  # noqa: E402
+
+STYLES = list(PRESETS)
+ATOL = 1e-4
+TIE_GAP = 1e-3
+BLOCK = 4  # small pages, so short prompts span several blocks and windows drop pages
+
+
+@pytest.fixture(scope="module")
+def pairs() -> dict:
+    return {style: build_pair(make()) for style, make in PRESETS.items()}
+
+
+def tokens(n: int, seed: int, vocab: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def window_of(model: DecoderModel) -> int:
+    return model.config.sliding_window or 8
+
+
+def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, n=n, return_logits=True)
+
+
+@torch.no_grad()
+def check_against_hf(hf: torch.nn.Module, out: RequestOutput) -> None:
+    """Every sample's logits and greedy tokens agree with HF along the sample's sequence."""
+    prompt = out.prompt_token_ids
+    p = len(prompt)
+    for sample in out.outputs:
+        assert sample.logits is not None
+        gen = sample.token_ids
+        assert len(gen) == sample.logits.shape[0] == len(sample.logprobs)
+        seq = torch.tensor(prompt + gen)
+        ref = hf(seq[None]).logits[0, p - 1 : p - 1 + len(gen)]
+        torch.testing.assert_close(sample.logits, ref, atol=ATOL, rtol=1e-4)
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > TIE_GAP
+        hf_choice = ref.argmax(dim=-1)
+        ours = torch.tensor(gen)
+        assert torch.equal(ours[clear], hf_choice[clear]), (ours.tolist(), hf_choice.tolist())
+
+
+def sample_tokens(outs: list[RequestOutput]) -> list[list[list[int]]]:
+    return [[s.token_ids for s in o.outputs] for o in outs]
+
+
+def make_engine(model: DecoderModel, **kw) -> LLMEngine:
+    kw.setdefault("num_blocks", 256)
+    kw.setdefault("block_size", BLOCK)
+    return LLMEngine(model, **kw)
+
+
+# ---------------------------------------------------------------------------- HF parity
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_shared_prefix_batch_matches_hf(style: str, pairs: dict) -> None:
+    """One batch of prompts sharing a prefix (plus an unrelated one and one longer than the
+    window), prefilled in chunks; caching on and off give the same tokens."""
+    hf, model = pairs[style]
+    w = window_of(model)
+    prefix = tokens(w + 3, seed=10)
+    prompts = [
+        prefix + tokens(5, seed=11),
+        prefix + tokens(2, seed=12),
+        prefix[: w - 1],
+        tokens(7, seed=13),
+        prefix + tokens(w + 6, seed=14),  # > 2 windows long
+    ]
+    results = []
+    for caching in (True, False):
+        engine = make_engine(model, enable_prefix_caching=caching, max_num_batched_tokens=24)
+        results.append(engine.generate(prompts, greedy(6)))
+        assert engine.manager.usage == 0.0
+    cached, uncached = results
+    assert sample_tokens(cached) == sample_tokens(uncached)
+    for out, prompt in zip(cached, prompts, strict=True):
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].finish_reason == "length"
+        check_against_hf(hf, out)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_prefix_hit_after_finish_matches_hf(style: str, pairs: dict) -> None:
+    """A request arriving after another has finished reuses its cached prefix."""
+    hf, model = pairs[style]
+    w = window_of(model)
+    first = tokens(2 * w + 5, seed=20)
+    second = first[: 2 * w] + tokens(3, seed=21)
+    outs = {}
+    for caching in (True, False):
+        engine = make_engine(model, enable_prefix_caching=caching)
+        a = engine.generate([first], greedy(5))[0]
+        assert engine.stats.hit_tokens == 0
+        b = engine.generate([second], greedy(5))[0]
+        outs[caching] = (a, b)
+        if caching:
+            assert engine.stats.hit_tokens >= 2 * w - BLOCK
+            assert b.num_cached_tokens == engine.stats.hit_tokens
+        else:
+            assert engine.stats.hit_tokens == 0
+    assert sample_tokens(outs[True]) == sample_tokens(outs[False])
+    for out in outs[True]:
+        check_against_hf(hf, out)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_partial_hit_matches_hf(style: str, pairs: dict) -> None:
+    """A prompt sharing a prefix that ends mid-block copies the cached block (CoW) and
+    computes only the rest; its outputs still match HF."""
+    hf, model = pairs[style]
+    w = window_of(model)
+    first = tokens(w + 2 * BLOCK + 3, seed=30)
+    shared = w + BLOCK + 2  # ends mid-block
+    second = first[:shared] + [(first[shared] + 1) % 256] + tokens(2, seed=31)
+    engine = make_engine(model)
+    a = engine.generate([first], greedy(4))[0]
+    b = engine.generate([second], greedy(4))[0]
+    stats = engine.stats
+    assert stats.partial_hits > 0
+    assert stats.hit_tokens == b.num_cached_tokens == shared
+    assert stats.copies_executed >= stats.partial_hits
+    check_against_hf(hf, a)
+    check_against_hf(hf, b)
+    # The prompt ending on a block boundary: full blocks alone would recompute a block;
+    # a partial hit recomputes only the last token.
+    third = first[: 3 * BLOCK]
+    c = engine.generate([third], greedy(3))[0]
+    assert c.num_cached_tokens == 3 * BLOCK - 1
+    check_against_hf(hf, c)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_fork_matches_hf(style: str, pairs: dict) -> None:
+    """n > 1 greedy samples share the prompt's pages, copy the shared partial block on
+    first write, and are identical."""
+    hf, model = pairs[style]
+    w = window_of(model)
+    prompt = tokens(w + BLOCK + 1, seed=40)  # not on a block boundary
+    assert len(prompt) % BLOCK
+    engine = make_engine(model)
+    out = engine.generate([prompt], greedy(6, n=3))[0]
+    assert len(out.outputs) == 3
+    assert [s.index for s in out.outputs] == [0, 1, 2]
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids
+    assert engine.stats.fork_copies > 0
+    assert engine.stats.copies_executed >= engine.stats.fork_copies
+    check_against_hf(hf, out)
+    assert engine.manager.usage == 0.0
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_preemption_and_eviction_match_hf(style: str, pairs: dict) -> None:
+    """A pool that cannot hold every running request: preemption (recompute) and eviction
+    of cached pages happen, and tokens equal those of a roomy pool."""
+    hf, model = pairs[style]
+    w = window_of(model)
+    # Short prompts are all admitted at once, then outgrow the pool while decoding.
+    lens = [5, 3, 6, 2, 7, 4, 2 * w + 1]
+    prompts = [tokens(n, seed=50 + i) for i, n in enumerate(lens)]
+    prompts[1] = prompts[0][:2] + prompts[1][2:]  # a shared prefix
+    max_tokens = w + 2
+    probe = make_engine(model)
+    groups = len(probe.config.groups)
+    longest = max(lens) + max_tokens
+    # Room for the longest request alone (window groups hold fewer pages than this).
+    num_blocks = 1 + groups * -(-longest // BLOCK)
+    small = make_engine(model, num_blocks=num_blocks, max_num_batched_tokens=32)
+    outs = small.generate(prompts, greedy(max_tokens))
+    stats = small.stats
+    assert stats.preemptions > 0
+    assert stats.evictions > 0
+    assert stats.recomputed_tokens > 0
+    roomy = probe.generate(prompts, greedy(max_tokens))
+    assert probe.stats.preemptions == 0
+    assert sample_tokens(outs) == sample_tokens(roomy)
+    for out in outs:
+        check_against_hf(hf, out)
+    assert small.manager.usage == 0.0
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_triton_kernel_matches_hf(style: str, pairs: dict) -> None:
+    """The Triton paged-attention kernel (interpreted on CPU) in the engine: a prompt longer
+    than the window, then a partial prefix hit."""
+    hf, model = pairs[style]
+    w = window_of(model)
+    first = tokens(w + 3, seed=60)
+    second = first[: BLOCK + 2] + tokens(2, seed=61)
+    engine = make_engine(model, attention_backend="triton")
+    a = engine.generate([first], greedy(3))[0]
+    b = engine.generate([second], greedy(3))[0]
+    assert engine.stats.hit_tokens == BLOCK + 2
+    check_against_hf(hf, a)
+    check_against_hf(hf, b)
+
+
+@pytest.mark.parametrize("window", [1, BLOCK, 2 * BLOCK, 64])
+def test_window_edges_match_hf(window: int) -> None:
+    """W = 1, W a multiple of the block size, W beyond the sequence, with a prefix hit."""
+    cfg = dataclasses.replace(tiny_mistral(), sliding_window=window, num_layers=2,
+                              layer_types=("sliding_attention",) * 2)
+    hf, model = build_pair(cfg, seed=5)
+    first = tokens(3 * BLOCK + 2, seed=70)
+    second = first[: 2 * BLOCK + 1] + tokens(3, seed=71)
+    engine = make_engine(model)
+    outs = engine.generate([first], greedy(5)) + engine.generate([second], greedy(5))
+    assert engine.stats.hit_tokens > 0
+    for out in outs:
+        check_against_hf(hf, out)
+
+
+# ---------------------------------------------------------------------------- engine API
+
+
+def test_seeded_sampling_is_reproducible(pairs: dict) -> None:
+    _, model = pairs["gemma3"]
+    prompt = tokens(11, seed=80)
+    params = SamplingParams(max_tokens=6, n=4, temperature=1.5, seed=123)
+    runs = []
+    for caching in (True, False):
+        engine = make_engine(model, enable_prefix_caching=caching)
+        runs.append(sample_tokens(engine.generate([prompt], params)))
+    assert runs[0] == runs[1]
+    samples = runs[0][0]
+    assert len(samples) == 4 and len({tuple(s) for s in samples}) > 1
+    other = make_engine(model).generate([prompt], dataclasses.replace(params, seed=124))
+    assert sample_tokens(other) != runs[0]
+
+
+def test_stop_tokens_and_outputs_in_order(pairs: dict) -> None:
+    _, model = pairs["llama"]
+    prompts = [tokens(n, seed=90 + n) for n in (9, 3, 14)]
+    engine = make_engine(model)
+    free = engine.generate(prompts, SamplingParams(max_tokens=6))
+    assert [o.prompt_token_ids for o in free] == prompts
+    stop = free[0].outputs[0].token_ids[2]
+    params = [SamplingParams(max_tokens=6, stop_token_ids=(stop,)), SamplingParams(max_tokens=1),
+              SamplingParams(max_tokens=6)]
+    outs = engine.generate(prompts, params)
+    first = outs[0].outputs[0]
+    cut = free[0].outputs[0].token_ids.index(stop) + 1
+    assert first.token_ids == free[0].outputs[0].token_ids[:cut]
+    assert first.finish_reason == "stop"
+    assert outs[1].outputs[0].token_ids == free[1].outputs[0].token_ids[:1]
+    assert outs[2].outputs[0].token_ids == free[2].outputs[0].token_ids
+    assert engine.manager.usage == 0.0
+    assert not engine.has_unfinished_requests
+
+
+def test_fork_with_single_token(pairs: dict) -> None:
+    _, model = pairs["gemma2"]
+    engine = make_engine(model)
+    out = engine.generate([tokens(6, seed=95)], SamplingParams(max_tokens=1, n=3))[0]
+    assert [len(s.token_ids) for s in out.outputs] == [1, 1, 1]
+    assert engine.manager.usage == 0.0
+
+
+def test_engine_rejects_bad_input(pairs: dict) -> None:
+    _, model = pairs["llama"]
+    engine = make_engine(model)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request([1, 999], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="a")
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="a")
+    with pytest.raises(ValueError, match="#"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="b#1")
+
+
+def test_runner_rejects_mismatched_cache() -> None:
+    mistral = DecoderModel(tiny_mistral())
+    config = make_kv_cache_config(kv_cache_specs(mistral, BLOCK), num_blocks=8)
+    with pytest.raises(ValueError, match="does not match the model"):
+        ModelRunner(DecoderModel(tiny_llama()), PagedKVCache(config))
+
+
+def test_memory_bytes_sizing() -> None:
+    model = DecoderModel(tiny_gemma3())
+    engine = LLMEngine(model, memory_bytes=1 << 20, block_size=BLOCK)
+    assert engine.config.num_blocks == (1 << 20) // engine.config.bytes_per_block
+    assert engine.describe()["num_slots"] == 1
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_cli_generate_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["generate", "--model", "llama", "--max-tokens", "3", "--block-size", "4",
+                     "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "hit_tokens" in out and "preemptions" in out
+
+
+def test_cli_generate_from_checkpoint(pairs: dict, tmp_path, capsys: pytest.CaptureFixture[str]
+                                     ) -> None:
+    hf, _ = pairs["gemma2"]
+    hf.save_pretrained(tmp_path)
+    assert cli_main(["generate", "--checkpoint", str(tmp_path), "--max-tokens", "2", "--n", "2",
+                     "--device", "cpu", "--backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert "fork_copies" in out and "0, 2" in out and "1, 3" in out  # Gemma-2's two groups
+
+
+def test_cli_without_subcommand_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    cli_main([])
+    assert "generate" in capsys.readouterr().out
