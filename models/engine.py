@@ -288,6 +288,10 @@ class LLMEngine:
         done = {r.request_id: r for r in finished}
         for rid, d in drawn.items():
             self._record(rid, d, reasons, done)
+        if not self.scheduler.has_unfinished:
+            # Idle: this step's copies have run, so release their sources' pins now rather
+            # than at the next schedule (nothing can have queued new copies).
+            self.cache.copy_blocks(self.manager.take_pending_copies())
         return self._collect(reasons)
 
     def _sample(self, result: ModelRunnerOutput) -> dict[str, _Drawn]:
