@@ -33,6 +33,7 @@ def _attn_configs() -> list[tuple[str, dict, dict]]:
         ("bf16", 128, False, False, False, False, 16, 64),  # decode, GQA 8
         ("bf16", 128, True, False, True, False, 16, 64),  # windowed split-KV decode
         ("bf16", 128, True, True, False, False, 64, 64),  # prefill, window + softcap
+        ("bf16", 128, False, False, False, False, 128, 64),  # long prefill, 8 warps
         ("fp16", 80, False, True, True, False, 64, 32),  # padded head dim
         ("fp32", 64, True, False, False, True, 16, 32),  # fp32: ieee dots
         ("bf16", 256, False, False, False, False, 64, 32),
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs = []
     for name, const, types in _attn_configs():
-        jobs.append((name, triton_attention._paged_attn_kernel, const, types, 4))
+        warps = 8 if const["BLOCK_M"] * const["BLOCK_D"] >= 128 * 128 else 4
+        jobs.append((name, triton_attention._paged_attn_kernel, const, types, warps))
     jobs.append(("merge bf16 d=128", triton_attention._merge_splits_kernel,
                  dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=32),
                  {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"}, 4))

@@ -229,13 +229,14 @@ def launch_config(
         if max_seqlen_q <= 1:
             block_m = max(16, next_pow2(group))
         else:
-            block_m = max(16, min(64, next_pow2(group * max_seqlen_q)), next_pow2(group))
+            cap = 128 if head_dim <= 128 else 64  # rows per tile for prefill
+            block_m = max(16, min(cap, next_pow2(group * max_seqlen_q)), next_pow2(group))
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
-    if block_m < 16 or block_n < 16 or next_pow2(head_dim) < 16:
+    # BLOCK_D = max(16, next_pow2(head_dim)) is >= 16 by construction (masked padding).
+    if block_m < 16 or block_n < 16:
         raise ValueError(
-            f"tl.dot needs tiles >= 16 in every dim, got BLOCK_M={block_m}, BLOCK_N={block_n}, "
-            f"BLOCK_D={next_pow2(head_dim)}"
+            f"tl.dot needs tiles >= 16 in every dim, got BLOCK_M={block_m}, BLOCK_N={block_n}"
         )
     if block_m & (block_m - 1) or block_n & (block_n - 1):
         raise ValueError(f"BLOCK_M={block_m} and BLOCK_N={block_n} must be powers of two")

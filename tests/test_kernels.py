@@ -152,6 +152,11 @@ def test_noncontiguous_layouts():
     torch.testing.assert_close(out, _ref(case), atol=2e-5, rtol=2e-5)
 
 
+def test_tiny_head_dim_is_padded_to_a_dot_tile():
+    case = make_case([1, 3], [21, 9], 4, 2, 8, 16, 5)
+    torch.testing.assert_close(_run(case, block_n=16), _ref(case), atol=2e-5, rtol=2e-5)
+
+
 def test_max_seqlen_q_upper_bound_and_preallocated_out():
     case = make_case([2, 5], [10, 50], 4, 4, 64, 16, None)
     out = torch.full_like(case.q, 7.0)
@@ -197,9 +202,11 @@ def test_bad_inputs_raise_clear_errors():
 def test_launch_config_respects_dot_minimum():
     assert launch_config(8, 128, 1, None, None)[:2] == (16, 64)
     assert launch_config(32, 128, 1, None, None)[0] == 32
-    assert launch_config(5, 80, 100, None, None)[0] == 64
+    assert launch_config(5, 80, 100, None, None)[0] == 128
+    assert launch_config(8, 256, 100, None, None)[:2] == (64, 32)
+    assert launch_config(4, 64, 3, None, None)[0] == 16
     with pytest.raises(ValueError):
-        launch_config(8, 8, 1, None, None)  # head_dim 8 pads to BLOCK_D 8 < 16
+        launch_config(8, 64, 1, None, 8)
     with pytest.raises(ValueError):
         launch_config(8, 64, 1, 8, None)
 
