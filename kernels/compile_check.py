@@ -2,52 +2,87 @@
 
 ``python -m kernels.compile_check [--arch 90 80]`` lowers each kernel through Triton's
 full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled ``ptxas``), so code
-that only the interpreter accepts is caught on a CPU-only machine. Must run with
-``TRITON_INTERPRET`` unset (the kernels have to be compiled JIT functions). Exit code 0
-when every configuration compiles, 1 otherwise, 2 when it cannot run here.
+that only the interpreter accepts is caught on a CPU-only machine. Arguments are
+specialised the way the JIT specialises a real call (16-byte aligned pointers, strides
+divisible by 16 marked so, unit strides folded to constants), and when the bundled
+``cuobjdump`` is present the register count and stack (spill) bytes of each cubin are
+printed. Must run with ``TRITON_INTERPRET`` unset. Exit code 0 when every configuration
+compiles, 1 otherwise, 2 when it cannot run here.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 _PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
 
-def _signature(fn, constexprs: dict, types: dict) -> dict:
-    sig = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        else:
-            sig[name] = types.get(name, "i32")
-    return sig
+def _attn_configs() -> list[tuple[str, dict, dict, set, int]]:
+    """(name, constexprs, arg types, args divisible by 16, (num_warps, num_stages))."""
+    from .triton_attention import launch_config
 
-
-def _attn_configs() -> list[tuple[str, dict, dict]]:
     out = []
-    for dt, d, window, cap, split, upcast, bm, bn in [
-        ("bf16", 128, False, False, False, False, 16, 64),  # decode, GQA 8
-        ("bf16", 128, True, False, True, False, 16, 64),  # windowed split-KV decode
-        ("bf16", 128, True, True, False, False, 64, 64),  # prefill, window + softcap
-        ("bf16", 128, False, False, False, False, 128, 64),  # long prefill, 8 warps
-        ("fp16", 80, False, True, True, False, 64, 32),  # padded head dim
-        ("fp32", 64, True, False, False, True, 16, 32),  # fp32: ieee dots
-        ("bf16", 256, False, False, False, False, 64, 32),
+    for dt, d, group, window, cap, split, max_q in [
+        ("bf16", 128, 8, False, False, False, 1),  # decode, GQA 8:1
+        ("bf16", 128, 8, True, False, True, 1),  # windowed split-KV decode
+        ("bf16", 128, 8, True, True, False, 8),  # short chunk, window + softcap
+        ("bf16", 128, 8, False, False, False, 4096),  # long prefill
+        ("fp16", 80, 5, False, True, True, 100),  # padded head dim, GQA 5:1
+        ("fp32", 64, 4, True, False, False, 1),  # fp32: ieee dots
+        ("bf16", 256, 8, False, False, False, 4096),
+        ("bf16", 256, 8, False, False, False, 1),
     ]:
-        const = dict(HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), GROUP=8,
+        bm, bn, warps, stages = launch_config(group, d, max_q, None, None)
+        const = dict(HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), GROUP=group,
                      BLOCK_M=bm, BLOCK_N=bn, PAGE=16, USE_WINDOW=window, USE_SOFTCAP=cap,
-                     SPLIT=split, UPCAST=upcast, COUNT_TILES=False)
+                     SPLIT=split, UPCAST=dt == "fp32", COUNT_TILES=False)
+        # unit strides: the JIT turns an int argument equal to 1 into a constant
+        for name in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_btp"):
+            const[name] = 1
+        if split:
+            const["stride_lh"] = 1
         types = {"q_ptr": _PTR[dt], "k_ptr": _PTR[dt], "v_ptr": _PTR[dt],
                  "o_ptr": "*fp32" if split else _PTR[dt], "lse_ptr": "*fp32",
                  "tiles_ptr": "*i32", "block_table_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
                  "seq_lens_ptr": "*i32", "scale": "fp32", "softcap": "fp32"}
-        out.append((f"attn {dt} d={d} win={window} cap={cap} split={split} bm={bm} bn={bn}",
-                    const, types))
+        div16 = {n for n in types if n.endswith("_ptr")} | {
+            "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
+            "stride_vs", "stride_vh", "stride_os", "stride_ot", "stride_oh", "stride_ls",
+            "stride_lt"}
+        if d % 16:
+            div16 -= {"stride_qt", "stride_qh", "stride_kh", "stride_vh", "stride_oh",
+                      "stride_ot", "stride_ks", "stride_vs", "stride_kb", "stride_vb"}
+        out.append((f"attn {dt} d={d} group={group} win={window} cap={cap} split={split} "
+                    f"bm={bm} bn={bn} warps={warps}", const, types, div16, (warps, stages)))
     return out
+
+
+def _signature(fn, constexprs: dict, types: dict) -> dict:
+    return {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+
+
+def _attrs(fn, constexprs: dict, div16: set) -> dict:
+    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+            if n in div16 and n not in constexprs}
+
+
+def _resource_usage(cubin: bytes, cuobjdump: Path) -> str:
+    if not cuobjdump.exists():
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True,
+                             text=True, check=False).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    return f" regs={m.group(1)} stack={m.group(2)}B" if m else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,30 +102,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from . import cache_ops, triton_attention
 
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     jobs = []
-    for name, const, types in _attn_configs():
-        warps = 8 if const["BLOCK_M"] * const["BLOCK_D"] >= 128 * 128 else 4
-        jobs.append((name, triton_attention._paged_attn_kernel, const, types, warps))
-    jobs.append(("merge bf16 d=128", triton_attention._merge_splits_kernel,
-                 dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=32),
-                 {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"}, 4))
+    for name, const, types, div16, launch in _attn_configs():
+        jobs.append((name, triton_attention._paged_attn_kernel, const, types, div16, launch))
+    jobs.append(("merge bf16 d=128 heads=64", triton_attention._merge_splits_kernel,
+                 dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16),
+                 {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"}, set(), (4, 3)))
     jobs.append(("write_kv bf16", cache_ops._write_kv_kernel,
                  dict(HEAD_DIM=128, PAGE=16, BLOCK_H=8, BLOCK_D=128),
                  {"key_ptr": "*bf16", "value_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
-                  "slot_ptr": "*i64"}, 4))
+                  "slot_ptr": "*i64"}, set(), (4, 3)))
     for elem in (1, 2, 4, 8):
         jobs.append((f"copy_blocks elem={elem}", cache_ops._copy_blocks_kernel,
                      dict(ELEM_BYTES=elem, CHUNK=4096),
                      {"ptrs_ptr": "*i64", "block_strides_ptr": "*i64", "src_ptr": "*i64",
-                      "dst_ptr": "*i64", "block_numel": "i32"}, 4))
+                      "dst_ptr": "*i64", "block_numel": "i32"}, set(), (4, 3)))
     failed = 0
     for arch in args.arch:
         target = GPUTarget("cuda", arch, 32)
-        for name, fn, const, types, warps in jobs:
+        for name, fn, const, types, div16, (warps, stages) in jobs:
             try:
-                src = ASTSource(fn, _signature(fn, const, types), const)
-                k = triton.compile(src, target=target, options={"num_warps": warps})
-                print(f"ok   sm_{arch} {name}: shared={k.metadata.shared} B")
+                src = ASTSource(fn, _signature(fn, const, types), const,
+                                _attrs(fn, const, div16))
+                k = triton.compile(src, target=target, options={"num_warps": warps,
+                                                                 "num_stages": stages})
+                usage = _resource_usage(k.asm["cubin"], cuobjdump)
+                print(f"ok   sm_{arch} {name}: shared={k.metadata.shared}B{usage}")
             except Exception:  # noqa: BLE001 - report every failure, keep going
                 failed += 1
                 print(f"FAIL sm_{arch} {name}")

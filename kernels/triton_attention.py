@@ -188,10 +188,10 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         BLOCK_H: tl.constexpr,
     ):
-        # One program per query token, all its heads: out = sum_s w_s o_s / sum_s w_s with
+        # One program per (query token, BLOCK_H heads): out = sum_s w_s o_s / sum_s w_s with
         # w_s = 2^(lse_s - max_s lse_s).
         tok = tl.program_id(0).to(tl.int64)
-        h = tl.arange(0, BLOCK_H)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = h < num_heads
         d = tl.arange(0, BLOCK_D)
         hd_mask = h_mask[:, None] & (d[None, :] < HEAD_DIM)
@@ -242,7 +242,8 @@ def launch_config(
         raise ValueError(f"BLOCK_M={block_m} and BLOCK_N={block_n} must be powers of two")
     if block_m < group:
         raise ValueError(f"BLOCK_M={block_m} must hold all {group} query heads of a KV head")
-    num_warps = 8 if block_m * next_pow2(head_dim) >= 128 * 128 else 4
+    # 8 warps once the fp32 accumulator reaches 64 x 128 (keeps ptxas under 255 registers)
+    num_warps = 8 if block_m * max(16, next_pow2(head_dim)) >= 64 * 128 else 4
     return block_m, block_n, num_warps, 2
 
 
@@ -459,14 +460,15 @@ def paged_attention(
         num_stages=num_stages,
     )
     if split:
-        _merge_splits_kernel[(total_q,)](
+        block_h = min(16, next_pow2(num_heads))
+        _merge_splits_kernel[(total_q, cdiv(num_heads, block_h))](
             o_dst, lse, out, num_splits, num_heads,
             *o_dst.stride(),
             *lse.stride(),
             *out.stride(),
             HEAD_DIM=head_dim,
             BLOCK_D=max(16, next_pow2(head_dim)),
-            BLOCK_H=next_pow2(num_heads),
+            BLOCK_H=block_h,
             num_warps=4,
         )
     return out
