@@ -58,7 +58,8 @@ def paged_attention_reference(
     ``h`` uses KV head ``h // (num_heads // num_kv_heads)``. Returns a tensor shaped and
     typed like ``q``.
     """
-    _check_common(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, window)
+    _check_common(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, window,
+                  softcap)
     num_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -100,7 +101,9 @@ def _check_common(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     window: int | None,
+    softcap: float | None = None,
 ) -> None:
+    """Shape and argument checks shared by the reference and the kernel wrapper."""
     if q.dim() != 3 or key_cache.dim() != 4 or value_cache.dim() != 4:
         raise ValueError(
             "expected q [T, H, D] and caches [num_blocks, block_size, num_kv_heads, D], got "
@@ -127,6 +130,8 @@ def _check_common(
         raise ValueError(f"block_table has {block_table.shape[0]} rows, expected {batch}")
     if window is not None and window < 1:
         raise ValueError(f"window must be None or >= 1, got {window}")
+    if softcap is not None and softcap < 0:
+        raise ValueError(f"softcap must be None, 0 (off) or > 0, got {softcap}")
 
 
 def write_kv_reference(

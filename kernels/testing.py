@@ -18,6 +18,8 @@ from .reference import visible_key_range
 
 @dataclass
 class Case:
+    """One poisoned paged batch and the attention arguments that go with it."""
+
     q: torch.Tensor
     key_cache: torch.Tensor
     value_cache: torch.Tensor
@@ -30,6 +32,7 @@ class Case:
     softcap: float | None
 
     def args(self) -> tuple:
+        """The six leading tensor arguments of the attention functions."""
         return (self.q, self.key_cache, self.value_cache, self.block_table, self.cu_seqlens_q,
                 self.seq_lens)
 
@@ -136,5 +139,6 @@ TOL = {
 
 
 def tolerance(dtype: torch.dtype, device: torch.device | str) -> tuple[float, float]:
+    """(atol, rtol) for comparing a kernel output of ``dtype`` with the reference."""
     kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
     return TOL[kind][dtype]

@@ -381,7 +381,8 @@ def paged_attention(
     tiles each program visited, for tests that prove the loop is window-bounded.
     """
     require_triton()
-    _check_common(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, window)
+    _check_common(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, window,
+                  softcap)
     check_device(_paged_attn_kernel, q, key_cache, value_cache, block_table, cu_seqlens_q,
                  seq_lens)
     for name, t in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q),

@@ -182,6 +182,8 @@ def test_bad_inputs_raise_clear_errors():
     a = case.args()
     with pytest.raises(ValueError, match="window"):
         paged_attention(*a, 1, case.scale, 0)
+    with pytest.raises(ValueError, match="softcap"):
+        paged_attention(*a, 1, case.scale, None, -1.0)
     with pytest.raises(ValueError, match=">= 16"):
         paged_attention(*a, 1, case.scale, block_n=8)
     with pytest.raises(TypeError, match="int32"):
