@@ -89,6 +89,8 @@ class FreeBlockQueue:
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Remove and return the first n blocks, in order."""
+        if n < 0:
+            raise ValueError(f"cannot pop a negative number of blocks ({n})")
         if n > self._len:
             raise IndexError(f"cannot pop {n} blocks from a queue of {self._len}")
         out = []

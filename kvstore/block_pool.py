@@ -90,6 +90,8 @@ class BlockPool:
         self._next_serial = 1
         self._events: list[KVCacheEvent] = []
         self.in_use_by_group: Counter[int] = Counter()
+        # Bumped whenever cached content is dropped; lookups taken at the same epoch are current.
+        self.cache_epoch = 0
         self.stats = CacheStats()
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -111,6 +113,8 @@ class BlockPool:
     # ---- allocation --------------------------------------------------------------------------
     def get_new_blocks(self, n: int, group_id: int) -> list[KVCacheBlock]:
         """Pop n blocks from the head of the free queue, evicting cached content they hold."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} blocks with {len(self.free_queue)} free")
         blocks = self.free_queue.popleft_n(n)
@@ -249,6 +253,7 @@ class BlockPool:
         block.serial = 0
         block.parent_serial = 0
         self.stats.evictions += 1
+        self.cache_epoch += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content; refuses (returns False) while any block is in use."""
@@ -261,6 +266,7 @@ class BlockPool:
             block.parent_serial = 0
         self._hash_index.clear()
         self._children.clear()
+        self.cache_epoch += 1
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True

@@ -20,6 +20,7 @@ class ComputedBlocks:
     partial_sources: tuple[KVCacheBlock | None, ...]
     num_full_hit_tokens: int
     num_partial_tokens: int
+    cache_epoch: int = -1
 
     @property
     def num_computed_tokens(self) -> int:
@@ -71,7 +72,35 @@ class KVCacheCoordinator:
                     break
             if num_partial == 0:
                 sources = [None] * len(self.managers)
-        return ComputedBlocks(request.request_id, tuple(hits), tuple(sources), full, num_partial)
+        return ComputedBlocks(request.request_id, tuple(hits), tuple(sources), full, num_partial,
+                              self.pool.cache_epoch)
+
+    def is_current(self, request: Request, computed: ComputedBlocks) -> bool:
+        """Whether a lookup's blocks still hold what it found (nothing evicted since, or
+        every hit block and copy source still holds the request's content, linked)."""
+        if computed.cache_epoch == self.pool.cache_epoch:
+            return True
+        bs = self.block_size
+        tokens, hashes = request.token_ids, request.block_hashes
+        full = computed.num_full_hit_tokens
+        for g, manager in enumerate(self.managers):
+            prev = None
+            for i, block in enumerate(computed.blocks[g]):
+                if block.block_id == 0:
+                    continue
+                if (block.block_hash != hashes[i] or block.group_id != g
+                        or block.token_ids != tuple(tokens[i * bs:(i + 1) * bs])
+                        or (prev is not None and block.parent_serial != prev.serial)):
+                    return False
+                prev = block
+            src = computed.partial_sources[g]
+            if src is not None:
+                n = computed.num_partial_tokens
+                if (src.token_ids is None or src.group_id != g
+                        or src.parent_serial != manager.parent_serial_after(request, computed.blocks[g])
+                        or src.token_ids[:n] != tuple(tokens[full:full + n])):
+                    return False
+        return True
 
     def num_blocks_needed(self, request: Request, num_computed_tokens: int, num_tokens: int,
                           computed: ComputedBlocks | None) -> tuple[int, int, int]:
@@ -96,7 +125,7 @@ class KVCacheCoordinator:
         for g, manager in enumerate(self.managers):
             manager.take_hit(computed.blocks[g], computed.partial_sources[g], pins)
         for g, manager in enumerate(self.managers):
-            manager.admit(request, computed.blocks[g], computed.partial_sources[g], copies)
+            manager.admit(request, computed.blocks[g], computed.partial_sources[g], copies, pins)
 
     def allocate(self, request: Request, num_tokens: int, copies: list[tuple[int, int]],
                  pins: list[KVCacheBlock]) -> tuple[list[list[KVCacheBlock]], int]:

@@ -207,17 +207,9 @@ class KVCacheManager:
                              f"{request.request_id!r}")
         if computed.num_computed_tokens >= request.num_tokens:
             raise ValueError("a hit must leave at least one token to compute")
-        hashes = request.block_hashes
-        for blocks in computed.blocks:
-            for i, block in enumerate(blocks):
-                if block.block_id != 0 and block.block_hash != hashes[i]:
-                    raise ValueError(f"stale computed blocks for {request.request_id!r}: block "
-                                     f"{block.block_id} was evicted since the lookup")
-        for src in computed.partial_sources:
-            if src is not None and src.token_ids is None:
-                raise ValueError(f"stale computed blocks for {request.request_id!r}: copy source "
-                                 f"{src.block_id} was evicted since the lookup")
-
+        if not self.coordinator.is_current(request, computed):
+            raise ValueError(f"stale computed blocks for {request.request_id!r}: cached content "
+                             "was evicted since the lookup; look it up again")
 
 def _hash_fn():
     # Looked up at call time so tests can force collisions by patching kvstore.hashing.hash_block.

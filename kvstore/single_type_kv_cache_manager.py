@@ -91,18 +91,29 @@ class SingleTypeKVCacheManager:
             pins.append(partial_src)
 
     def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
-              partial_src: KVCacheBlock | None, copies: list[tuple[int, int]]) -> None:
+              partial_src: KVCacheBlock | None, copies: list[tuple[int, int]],
+              pins: list[KVCacheBlock]) -> None:
         """Start the table from the (already referenced) hit blocks and, for a partial hit,
         a private copy of the source block."""
         rid = request.request_id
         table = list(hit_blocks)
         if partial_src is not None:
-            dst = self.pool.get_new_blocks(1, self.group_id)[0]
-            copies.append((partial_src.block_id, dst.block_id))
+            dst = self._copy_destination(partial_src, copies, pins)
             table.append(dst)
         self.req_to_blocks[rid] = table
         self.num_cached_blocks[rid] = len(hit_blocks)
         self.last_serial[rid] = self.parent_serial_after(request, hit_blocks)
+
+    def _copy_destination(self, src: KVCacheBlock, copies: list[tuple[int, int]],
+                          pins: list[KVCacheBlock]) -> KVCacheBlock:
+        """A fresh page that will receive a copy of `src`, pinned like the source until the
+        copy has been handed out, so it is neither reused nor given a second copy before."""
+        dst = self.pool.get_new_blocks(1, self.group_id)[0]
+        self.pool.touch((dst,))
+        dst.pin_cnt += 1
+        pins.append(dst)
+        copies.append((src.block_id, dst.block_id))
+        return dst
 
     def release_computed(self, request: Request) -> None:
         """Cache the blocks computed so far and drop pages out of the next query's window
@@ -124,11 +135,9 @@ class SingleTypeKVCacheManager:
             if is_shared(block):
                 # Shared with a fork: write into a private copy; our reference on the
                 # original becomes the copy's pin.
-                dst = pool.get_new_blocks(1, self.group_id)[0]
-                copies.append((block.block_id, dst.block_id))
                 block.pin_cnt += 1
                 pins.append(block)
-                table[i] = dst
+                table[i] = self._copy_destination(block, copies, pins)
                 n_cow += 1
         n_new = cdiv(num_tokens, self.block_size) - len(table)
         new_blocks = pool.get_new_blocks(n_new, self.group_id) if n_new > 0 else []
@@ -173,7 +182,7 @@ class SingleTypeKVCacheManager:
         tail = num_computed // bs
         if self.pool.enable_caching and num_computed % bs and tail < len(table):
             block = table[tail]
-            if block.ref_cnt == 1 and block.token_ids is None and block.block_id != 0:
+            if block.ref_cnt - block.pin_cnt == 1 and block.token_ids is None and block.block_id != 0:
                 self.pool.cache_partial_block(
                     block, tuple(request.token_ids[tail * bs:num_computed]), self.last_serial[rid])
         # Deepest first, so a chain's root is the last of it to be evicted.
