@@ -244,6 +244,22 @@ def test_window_edges_match_hf(window: int) -> None:
         check_against_hf(hf, out)
 
 
+def test_partial_hit_does_not_block_a_request_that_fits_the_pool(pairs: dict) -> None:
+    """A request as large as the whole pool must be admitted once the pool is idle.
+
+    Known failure (KVCacheManager, not the engine): `get_computed_blocks` offers a partial
+    hit whose copy needs the source page pinned *and* a fresh destination, one page more
+    than the request itself holds; `allocate_slots` then returns None on every step while
+    the same admission without the partial part fits, so the scheduler waits forever."""
+    _, model = pairs["llama"]
+    engine = make_engine(model, num_blocks=5)  # 4 usable pages of 4 tokens
+    first = tokens(15, seed=100)
+    engine.generate([first], greedy(1))  # leaves 3 full cached pages + a cached partial page
+    second = first[:14] + [(first[14] + 1) % 256]  # 15 + 1 tokens: exactly the pool
+    out = engine.generate([second], greedy(1))[0]
+    assert out.num_cached_tokens >= 12
+
+
 # ---------------------------------------------------------------------------- engine API
 
 
