@@ -173,7 +173,7 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
     first_hit: dict[str, int] = {}
     while pending or scheduler.has_unfinished:
         if not scheduler.has_unfinished and pending and pending[-1].arrival > clock:
-            clock = pending[-1].arrival
+            clock = float(pending[-1].arrival)
         while pending and pending[-1].arrival <= clock:
             spec = pending.pop()
             if spec.max_tokens < 1:
