@@ -1,0 +1,280 @@
+"""``kvstore viz``: the pool's block layout, step by step, for a small built-in scenario.
+
+Each step prints one cell per block (block 0, the null block, is left out)::
+
+    [A][A][*][*][b][.][ ][+]
+
+- ``A``..``Z``: in use by that request alone (requests are lettered by arrival);
+- ``*``: in use by more than one request (a shared prefix);
+- ``+``: the destination of a copy-on-write queued this step (partial prefix hit);
+- ``=``: held only as the source of a pending copy;
+- ``a``..``z``: free but cached: a full block written by that request, still findable by
+  a prefix hit until it is evicted;
+- ``.``: free but cached partial block (a copy-on-write source only);
+- blank: free, holding nothing.
+
+A PNG shows the same over time: block id against step, coloured by owning request,
+hatched where a block is free but cached, marked for shared and copied blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.simulator import SimResult, simulate
+from benchmarks.workloads import RequestSpec
+from kvstore.specs import FullAttentionSpec, make_kv_cache_config
+from models.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+__all__ = ["LEGEND", "PoolSnapshot", "PoolRecorder", "demo_scenario", "run_viz", "render_row",
+           "plot_layout", "add_viz_parser"]
+
+LEGEND = ("A-Z in use by one request | * shared | + copy destination (CoW) | = pinned copy "
+          "source | a-z free, cached full block (writer) | . free, cached partial block | "
+          "blank free")
+
+
+def _letter(i: int) -> str:
+    return string.ascii_uppercase[i % 26]
+
+
+@dataclass
+class PoolSnapshot:
+    """The pool after one step was scheduled: one cell code per block id 1..N-1."""
+
+    step: int
+    cells: list[str]
+    owners: list[str]  # owning request letter per block ('' when none or shared)
+    writers: list[str]  # letter of the request that wrote the block's content ('' if none)
+    running: list[str]
+    waiting: list[str]
+    events: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        """The ASCII map of this step."""
+        return render_row(self.cells)
+
+
+def render_row(cells: Sequence[str]) -> str:
+    """Cells as ``[A][ ][*]...``."""
+    return "".join(f"[{c}]" for c in cells)
+
+
+class PoolRecorder:
+    """An `on_step` hook for :func:`benchmarks.simulator.simulate` that snapshots the pool."""
+
+    def __init__(self, letters: dict[str, str]) -> None:
+        self.letters = letters
+        self.snapshots: list[PoolSnapshot] = []
+        self._writer: dict[int, str] = {}
+        self._seen: set[str] = set()
+        self._prev_running: set[str] = set()
+
+    def __call__(self, scheduler: Scheduler, output: SchedulerOutput) -> None:
+        """Record the state right after `output` was scheduled."""
+        manager = scheduler.manager
+        pool = manager.pool
+        owners: dict[int, set[str]] = {}
+        for rid in manager.requests:
+            for table in manager.block_table(rid):
+                for bid in table:
+                    if bid:
+                        owners.setdefault(bid, set()).add(self.letters.get(rid, "?"))
+        copy_dst = {dst for _, dst in output.copies}
+        cells, own, wrote = [], [], []
+        for block in pool.blocks[1:]:
+            bid = block.block_id
+            who = owners.get(bid, set())
+            if len(who) == 1 and block.token_ids is None:
+                self._writer[bid] = next(iter(who))  # fresh page: its owner writes it
+            writer = self._writer.get(bid, "") if block.token_ids is not None or who else ""
+            if bid in copy_dst:
+                c = "+"
+            elif len(who) > 1:
+                c = "*"
+            elif len(who) == 1:
+                c = next(iter(who))
+            elif block.ref_cnt > 0:
+                c = "="
+            elif block.token_ids is not None:
+                c = writer.lower() if block.block_hash is not None and writer else "."
+            else:
+                c = " "
+            cells.append(c)
+            own.append(next(iter(who)) if len(who) == 1 else "")
+            wrote.append(writer)
+        events = []
+        for item in output.scheduled:
+            r = item.request
+            rid = r.request_id
+            if rid not in self._seen:
+                self._seen.add(rid)
+                events.append(f"{self.letters.get(rid, '?')} admitted, hit {r.num_computed_tokens}")
+        running = {self.letters.get(r.request_id, "?") for r in scheduler.running}
+        for p in output.preempted:
+            events.append(f"{self.letters.get(p.request_id, '?')} preempted")
+        for src, dst in output.copies:
+            events.append(f"copy {src}->{dst}")
+        done = sorted(self._prev_running - running - {
+            self.letters.get(p.request_id, "?") for p in output.preempted})
+        if done:
+            events.append("finished " + ",".join(done))
+        self._prev_running = running
+        self.snapshots.append(PoolSnapshot(
+            step=len(self.snapshots) + 1, cells=cells, owners=own, writers=wrote,
+            running=sorted(running),
+            waiting=[self.letters.get(r.request_id, "?") for r in scheduler.waiting],
+            events=events))
+
+
+def demo_scenario(block_size: int = 4) -> list[RequestSpec]:
+    """A handful of requests that show sharing, a partial hit, evictions and a re-hit.
+
+    A and B share a two-block system prompt S; C repeats A's prompt but diverges inside
+    A's last prompt block (a partial hit, so a copy); D is long and unique, so it evicts
+    cached blocks; E comes back to S after D."""
+    bs = block_size
+    s = tuple(range(100, 100 + 2 * bs))  # two full blocks
+    a = (s + tuple(range(200, 200 + bs - 1)))
+    b = (s + tuple(range(300, 300 + bs + 1)))
+    c = a[: 2 * bs + bs // 2] + tuple(range(400, 400 + bs))
+    d = tuple(range(500, 500 + 7 * bs))
+    e = s + tuple(range(600, 600 + 2))
+    return [
+        RequestSpec("A", 0.0, a, 4),
+        RequestSpec("B", 1.0, b, 3),
+        RequestSpec("C", 6.0, c, 2),
+        RequestSpec("D", 9.0, d, 3),
+        RequestSpec("E", 15.0, e, 2),
+    ]
+
+
+def run_viz(num_blocks: int = 13, block_size: int = 4, max_num_batched_tokens: int = 8,
+            enable_caching: bool = True, enable_partial_hits: bool = True,
+            requests: Sequence[RequestSpec] | None = None) -> tuple[PoolRecorder, SimResult]:
+    """Replay the scenario (one full-attention layer) and record the pool at every step."""
+    reqs = list(requests) if requests is not None else demo_scenario(block_size)
+    letters = {r.request_id: _letter(i)
+               for i, r in enumerate(sorted(reqs, key=lambda r: r.arrival))}
+    config = make_kv_cache_config([FullAttentionSpec(block_size, 1, 8)], num_blocks=num_blocks)
+    recorder = PoolRecorder(letters)
+    result = simulate(reqs, config, enable_caching=enable_caching,
+                      enable_partial_hits=enable_partial_hits,
+                      scheduler_config=SchedulerConfig(max_num_batched_tokens, 16),
+                      step_time=1.0, on_step=recorder)
+    return recorder, result
+
+
+def plot_layout(snapshots: Sequence[PoolSnapshot], path: str | Path, title: str = "") -> None:
+    """Block id against step: colour = owning request, hatched = free but cached,
+    ``*`` = shared, ``+`` = copy destination."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    letters = sorted({c for s in snapshots for c in s.owners + s.writers if c})
+    cmap = plt.get_cmap("tab10" if len(letters) <= 10 else "tab20")
+    color = {c: cmap(i % cmap.N) for i, c in enumerate(letters)}
+    n_blocks = len(snapshots[0].cells) if snapshots else 0
+    fig, ax = plt.subplots(figsize=(max(6, 0.28 * len(snapshots) + 2), max(3, 0.3 * n_blocks + 1.5)))
+    for s in snapshots:
+        x = s.step - 0.5
+        for i, cell in enumerate(s.cells):
+            y = i + 0.5  # block id i + 1
+            owner, writer = s.owners[i], s.writers[i]
+            if cell in ("*", "=") or (cell == "+" and not owner):
+                ax.add_patch(Rectangle((x, y), 1, 1, color="0.35"))
+            elif owner:
+                ax.add_patch(Rectangle((x, y), 1, 1, color=color[owner]))
+            elif cell != " ":
+                face = color.get(writer, "0.7")
+                ax.add_patch(Rectangle((x, y), 1, 1, facecolor=face, alpha=0.35, edgecolor="none"))
+                ax.add_patch(Rectangle((x, y), 1, 1, fill=False, hatch="///", edgecolor="0.3",
+                                       lw=0))
+            if cell in ("*", "+", "="):
+                ax.text(x + 0.5, y + 0.5, cell, ha="center", va="center", fontsize=9,
+                        color="white", fontweight="bold")
+    ax.set_xlim(0.5, len(snapshots) + 0.5)
+    ax.set_ylim(0.5, n_blocks + 0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("block id")
+    ax.set_title(title or "Pool layout over time")
+    handles = [Patch(color=color[c], label=f"request {c}") for c in letters]
+    handles += [Patch(color="0.35", label="shared (*) / copy (+)"),
+                Patch(facecolor="0.8", hatch="///", edgecolor="0.3", label="free, cached")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def add_viz_parser(subparsers: Any) -> None:
+    """Register ``viz`` on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "viz", help="draw the block pool's layout step by step (ASCII and PNG)",
+        description="Replay a small built-in scenario through the real scheduler and cache "
+                    "and draw the pool after every step.")
+    p.add_argument("--num-blocks", type=int, default=13, help="pool size incl. the null block")
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-partial-hits", action="store_true")
+    p.add_argument("--out", default="results/viz/pool_layout.png", help="PNG path")
+    p.add_argument("--no-png", action="store_true", help="print the ASCII map only")
+    p.set_defaults(func=run_viz_command)
+
+
+def run_viz_command(args: argparse.Namespace) -> int:
+    """Print the per-step ASCII map and write the PNG."""
+    try:
+        recorder, result = run_viz(args.num_blocks, args.block_size, args.max_num_batched_tokens,
+                                   not args.no_prefix_caching, not args.no_partial_hits)
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    width = len(recorder.snapshots[0].cells) * 3 if recorder.snapshots else 0
+    print(f"pool of {args.num_blocks - 1} blocks x {args.block_size} tokens (block 0, the null "
+          "block, not shown)")
+    print(f"legend: {LEGEND}")
+    print(f"{'step':>4}  {'blocks 1..' + str(args.num_blocks - 1):<{width}}  running / waiting  events")
+    for s in recorder.snapshots:
+        print(f"{s.step:>4}  {s.render()}  {''.join(s.running) or '-':>7} / "
+              f"{''.join(s.waiting) or '-':<7} {'; '.join(s.events)}")
+    print(f"hits {result.hit_tokens} of {result.queried_tokens} tokens ({result.partial_hit_tokens} "
+          f"by partial hits, {result.copies} copies), {result.evictions} evictions, "
+          f"{result.preemptions} preemptions, {result.steps} steps")
+    if not args.no_png:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        plot_layout(recorder.snapshots, out,
+                    f"Pool layout: {args.num_blocks - 1} blocks x {args.block_size} tokens")
+        print(f"wrote {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.viz [options]``: the same as ``kvstore viz``."""
+    parser = argparse.ArgumentParser(prog="kvstore")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_viz_parser(sub)
+    import sys
+
+    args_list = list(argv) if argv is not None else sys.argv[1:]
+    if not args_list or args_list[0] != "viz":
+        args_list = ["viz", *args_list]
+    args = parser.parse_args(args_list)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
