@@ -1,0 +1,238 @@
+"""The Mooncake pool replay against its oracle, the sweep, and the bench / viz commands."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.bench import add_bench_parser, load_bench_workload
+from benchmarks.mooncake_replay import gap_analysis, pool_replay, run_mooncake_replay
+from benchmarks.sweep import (
+    MODEL_SHAPES,
+    default_budgets,
+    format_bytes,
+    parse_pool_sizes,
+    parse_size,
+    run_sweep,
+)
+from benchmarks.traces import MooncakeRequest, mooncake_lru_replay
+from benchmarks.viz import add_viz_parser, demo_scenario, run_viz
+
+BT = 512
+
+
+def _req(ts: int, ids: list[int], input_length: int | None = None, out: int = 10) -> MooncakeRequest:
+    n = input_length if input_length is not None else len(ids) * BT - 100
+    return MooncakeRequest(ts, n, out, tuple(ids))
+
+
+HAND_TRACE = [
+    _req(0, [0, 1, 2]),
+    _req(1, [0, 1, 3, 4]),
+    _req(2, [0, 5]),
+    _req(3, [0, 1, 2, 6, 7]),
+    _req(4, [8, 9, 10, 11, 12, 13]),  # longer than a 4-block pool
+    _req(5, [0, 1, 3]),
+    _req(6, [8, 9]),
+    _req(7, [0, 1, 2, 6], input_length=4 * BT),  # whole prompt cached: hit capped at input
+]
+
+
+def _same(pool: dict, oracle: dict) -> None:
+    assert pool["per_request_hit_tokens"] == oracle["per_request_hit_tokens"]
+    assert pool["hit_tokens"] == oracle["hit_tokens"]
+    assert pool["hit_blocks"] == oracle["hit_blocks"]
+    assert pool["evictions"] == oracle["evictions"]
+    assert pool["token_hit_rate"] == oracle["token_hit_rate"]
+    assert pool["link_breaks"] == 0
+
+
+@pytest.mark.parametrize("cap", [None, 0, 1, 2, 3, 4, 5, 8, 100])
+def test_pool_replay_equals_oracle_on_hand_trace(cap):
+    _same(pool_replay(HAND_TRACE, cap), mooncake_lru_replay(HAND_TRACE, cap))
+
+
+def test_pool_replay_hand_values():
+    """Unbounded: each request hits its longest previously seen prefix, in whole blocks."""
+    res = pool_replay(HAND_TRACE, None)
+    assert res["per_request_hit_tokens"] == [0, 2 * BT, BT, 3 * BT, 0, 3 * BT - 100, 2 * BT - 100,
+                                             4 * BT]
+    assert res["evictions"] == 0
+    # A 5-block pool: request 4 keeps only its first 5 blocks, freed deepest first, so
+    # request 5 evicts 12, 11, 10 and request 6 still hits 8 and 9.
+    small = pool_replay(HAND_TRACE, 5)
+    assert small["per_request_hit_tokens"][6] == 2 * BT - 100
+    # A 3-block pool: request 5 evicts all of 8, 9, 10.
+    assert pool_replay(HAND_TRACE, 3)["per_request_hit_tokens"][6] == 0
+
+
+def _random_trace(rng: random.Random, n: int) -> list[MooncakeRequest]:
+    """Prefix-chained ids: each request walks a random path of a growing tree."""
+    children: dict[int | None, list[int]] = {}
+    next_id = 0
+    rows = []
+    for i in range(n):
+        parent, ids = None, []
+        depth = rng.randint(1, 9)
+        for _ in range(depth):
+            kids = children.setdefault(parent, [])
+            if kids and rng.random() < 0.7:
+                h = rng.choice(kids)
+            else:
+                h = next_id
+                next_id += 1
+                kids.append(h)
+            ids.append(h)
+            parent = h
+        length = (len(ids) - 1) * BT + rng.randint(1, BT)
+        rows.append(MooncakeRequest(rng.randint(0, 50) if rng.random() < 0.3 else i,
+                                    length, rng.randint(1, 300), tuple(ids)))
+    return rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 60),
+       cap=st.one_of(st.none(), st.integers(0, 40)))
+def test_pool_replay_equals_oracle_on_random_traces(seed, n, cap):
+    rows = _random_trace(random.Random(seed), n)
+    _same(pool_replay(rows, cap), mooncake_lru_replay(rows, cap))
+
+
+def test_pool_capped_at_distinct_ids_is_exact():
+    rows = _random_trace(random.Random(7), 200)
+    distinct = len({h for r in rows for h in r.hash_ids})
+    big = pool_replay(rows, distinct * 10)
+    assert big["pool_blocks"] == distinct and big["evictions"] == 0
+    _same(big, mooncake_lru_replay(rows, distinct * 10))
+
+
+def test_gap_analysis_counts_continued_partial_blocks():
+    # Turn 2 repeats turn 1's input (1.5 blocks) + output (100) + more: its block 1 holds
+    # turn 1's partial block (256 tokens), now full, under a new id.
+    t1 = MooncakeRequest(0, BT + 256, 100, (0, 1))
+    t2 = MooncakeRequest(1, 3 * BT, 50, (0, 2, 3))
+    g = gap_analysis([t1, t2])
+    assert g["token_ceiling"] == BT / (BT + 256 + 3 * BT)
+    assert g["continuing_requests"] == 1
+    assert g["ceiling_with_partial_tails"] == (BT + 256) / (BT + 256 + 3 * BT)
+    assert g["ceiling_with_tails_and_outputs"] == (BT + 356) / (BT + 256 + 3 * BT)
+    res = pool_replay([t1, t2], None)
+    assert res["partial_tail_tokens"] == 256
+
+
+def test_run_mooncake_replay_writes_figure(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    with open(trace, "w") as f:
+        for r in _random_trace(random.Random(1), 80):
+            f.write(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)})
+                    + "\n")
+    paper = tmp_path / "paper.csv"
+    paper.write_text("workload,capacity_tokens,capacity_blocks_512,source,token_hit_rate,"
+                     "block_hit_rate\nsynthetic,10240,20,test,0.3,\n")
+    res = run_mooncake_replay(tmp_path / "out", ["synthetic"], capacities=[2048, 10240, 102400],
+                              trace_paths={"synthetic": trace}, paper_path=paper, log=lambda *a: None)
+    for ext in ("png", "json", "csv"):
+        assert (tmp_path / "out" / f"mooncake_hit_rate.{ext}").stat().st_size > 0
+    assert all(r["agree"] for r in res["curves"]["synthetic"])
+    assert res["comparison"][0]["capacity_tokens"] == 10240
+
+
+# ----------------------------------------------------------------------------- sweep
+
+
+def test_sizes():
+    assert parse_size("1GiB") == 1 << 30
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_pool_sizes("512MiB,1GiB", 4096) == [1 << 30, 512 << 20]
+    assert parse_pool_sizes("4000,2000", 4096) == [4000 * 4096, 2000 * 4096]
+    with pytest.raises(ValueError):
+        parse_size("12 parsecs")
+    with pytest.raises(ValueError):
+        parse_pool_sizes("1", 4096)
+    assert format_bytes(3 << 30) == "3 GiB"
+    assert MODEL_SHAPES["llama-3-8b"].bytes_per_token == 128 * 1024
+
+
+def test_sweep_end_points():
+    """The largest default budget holds everything (no eviction, no preemption); the
+    smallest still runs the largest request; naive idles more than paged."""
+    w = load_bench_workload("mixed_default", limit=16, seed=1)
+    shape = MODEL_SHAPES["tiny"]
+    budgets = default_budgets(w, shape, 16, 3)
+    res = run_sweep(w, shape=shape, block_size=16, budgets=budgets, jobs=1)
+    first = [r for r in res.rows if r["point"] == 0]
+    assert all(r["feasible"] and r["evictions"] == 0 and r["preemptions"] == 0 for r in first)
+    assert all(r["feasible"] for r in res.rows)
+    by = {(r["policy"], r["point"]): r for r in res.rows}
+    assert by["naive", 0]["mean_idle_bytes"] > by["paged", 0]["mean_idle_bytes"]
+    assert by["partial", 0]["vs_unbounded"] == pytest.approx(1.0)
+    assert by["prefix", 0]["prompt_hit_rate"] <= res.meta["ideal_block_hit_rate"] + 1e-12
+    assert set(res.unbounded) == {"prefix", "partial", "hybrid"}
+    assert "naive_vs_paged" in res.findings
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    add_viz_parser(sub)
+    return parser
+
+
+def test_bench_quick_writes_json_csv_png(tmp_path):
+    out = tmp_path / "bench"
+    args = _parser().parse_args(["bench", "--quick", "--workload", "mixed_default", "--limit", "12",
+                                 "--model-shape", "tiny", "--jobs", "1", "--out", str(out)])
+    assert args.func(args) == 0
+    for name in ("hit_rate_vs_pool", "cost_vs_pool", "paged_vs_naive"):
+        for ext in ("png", "json", "csv"):
+            assert (out / f"{name}.{ext}").stat().st_size > 0
+    data = json.loads((out / "sweep.json").read_text())
+    assert data["meta"]["num_requests"] == 12
+    assert len(data["rows"]) == 4 * 5
+    with open(out / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["policy"] for r in rows} == {"naive", "paged", "prefix", "partial", "hybrid"}
+    fig = json.loads((out / "hit_rate_vs_pool.json").read_text())
+    assert fig["rows"] and "ideal_token_hit_rate" in fig
+
+
+def test_bench_rejects_bad_arguments(tmp_path):
+    p = _parser()
+    args = p.parse_args(["bench", "--policies", "naive,bogus", "--out", str(tmp_path)])
+    assert args.func(args) == 2
+    args = p.parse_args(["bench", "--pool-sizes", "12 parsecs", "--out", str(tmp_path)])
+    assert args.func(args) == 2
+
+
+def test_viz_prints_ascii_map(tmp_path, capsys):
+    png = tmp_path / "layout.png"
+    args = _parser().parse_args(["viz", "--out", str(png)])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "[A][A]" in text  # A's first blocks
+    assert "[*][*]" in text  # A and B share the system prompt
+    assert "[+]" in text  # C's partial hit copies A's last prompt block
+    assert "[a]" in text and "[.]" in text  # cached-free full and partial blocks
+    assert "[E]" in text and "E admitted, hit 8" in text  # the root survived D's evictions
+    assert png.stat().st_size > 0
+
+
+def test_viz_snapshots():
+    recorder, result = run_viz()
+    letters = {c for s in recorder.snapshots for c in s.cells}
+    assert {"A", "B", "C", "D", "E", "*", "+"} <= letters
+    assert result.evictions > 0 and result.copies == 1
+    assert len(recorder.snapshots) == result.steps
+    assert len(demo_scenario()) == 5
