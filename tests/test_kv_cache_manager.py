@@ -1,0 +1,1019 @@
+"""KVCacheManager: a scheduler-like state machine over a simulated device, plus unit tests of
+the hit cap, salts, forced hash collisions, stats, bad input and stale lookups."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from invariants import check_manager
+
+from kvstore import hashing
+from kvstore.block import KVCacheBlock
+from kvstore.block_pool import common_prefix_len
+from kvstore.kv_cache_coordinator import ComputedBlocks
+from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.request import Request
+from kvstore.specs import FullAttentionSpec, KVCacheConfig, make_kv_cache_config
+
+BS = 4
+SPEC_A = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=8)
+SPEC_B = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_dim=4)  # same page bytes as A
+
+
+def config(num_blocks: int, groups: int = 1) -> KVCacheConfig:
+    """Full attention with one group (two identical layers) or two groups (distinct specs)."""
+    specs = [SPEC_A, SPEC_A] if groups == 1 else [SPEC_A, SPEC_B]
+    cfg = make_kv_cache_config(specs, num_blocks=num_blocks)
+    assert len(cfg.groups) == groups
+    return cfg
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def degenerate_hash(parent: int, tokens: Sequence[int]) -> int:
+    return 0
+
+
+def parent_only_hash(parent: int, tokens: Sequence[int]) -> int:
+    return parent  # ignores the tokens: every block of a salt hashes to its root
+
+
+@contextmanager
+def patched_hash(fn: Callable[[int, Sequence[int]], int]) -> Iterator[None]:
+    original = hashing.hash_block
+    hashing.hash_block = fn
+    try:
+        yield
+    finally:
+        hashing.hash_block = original
+
+
+def snapshot(m: KVCacheManager) -> dict[str, Any]:
+    """Everything observable about the manager and its pool."""
+    pool = m.pool
+    return {
+        "blocks": [(b.ref_cnt, b.pin_cnt, b.group_id, b.block_hash, b.token_ids, b.serial,
+                    b.parent_serial) for b in pool.blocks],
+        "queue": [b.block_id for b in pool.free_queue],
+        "hash_entries": sorted(pool.hash_entries()),
+        "index_entries": sorted(pool.index_entries()),
+        "in_use_by_group": {g: n for g, n in pool.in_use_by_group.items() if n},
+        "stats": m.stats.as_dict(),
+        "requests": {rid: (id(r), r.num_computed_tokens, m.block_table(rid))
+                     for rid, r in m.requests.items()},
+        "cached": [(dict(s.num_cached_blocks), dict(s.last_serial))
+                   for s in m.coordinator.managers],
+        "pending": list(m._pending_copies),
+        "pins": [b.block_id for b in m.pinned_blocks],
+    }
+
+
+def tables(m: KVCacheManager, request: Request) -> list[list[KVCacheBlock]]:
+    return [s.req_to_blocks[request.request_id] for s in m.coordinator.managers]
+
+
+class Device:
+    """Simulated KV pages: entry (group, tokens[:p + 1]) is what position p holds."""
+
+    def __init__(self) -> None:
+        self.pages: dict[int, list[Any]] = {}
+
+    def run_copies(self, copies: list[tuple[int, int]]) -> None:
+        assert len({d for _, d in copies}) == len(copies), "two copies into one block"
+        # One gather, then one scatter (the batch contract of take_pending_copies).
+        data = [list(self.pages.get(s, [None] * BS)) for s, _ in copies]
+        for (_, dst), page in zip(copies, data, strict=True):
+            self.pages[dst] = page
+
+    def forward(self, m: KVCacheManager, r: Request, n: int) -> None:
+        """Write positions [computed, computed + n) of `r`, then advance it."""
+        start = r.num_computed_tokens
+        for g, table in enumerate(tables(m, r)):
+            for p in range(start, start + n):
+                block = table[p // BS]
+                assert block.block_id != 0
+                assert block.block_hash is None, f"cached full block {block.block_id} written"
+                assert block.ref_cnt - block.pin_cnt == 1, f"shared block {block.block_id} written"
+                page = self.pages.setdefault(block.block_id, [None] * BS)
+                page[p % BS] = (g, tuple(r.token_ids[:p + 1]))
+        r.num_computed_tokens = start + n
+
+    def check_request(self, m: KVCacheManager, r: Request) -> None:
+        """Reading r's KV through its tables gives what a dense cache would hold."""
+        for g, table in enumerate(tables(m, r)):
+            for p in range(r.num_computed_tokens):
+                got = self.pages.get(table[p // BS].block_id, [None] * BS)[p % BS]
+                assert got == (g, tuple(r.token_ids[:p + 1])), (
+                    f"{r.request_id} group {g} position {p}: block {table[p // BS].block_id} "
+                    f"holds {got}")
+
+    def check_cached(self, m: KVCacheManager) -> None:
+        """Every indexed block holds computed KV of its own tokens (after some prefix)."""
+        for block_id, group, _parent, tokens in m.pool.index_entries():
+            page = self.pages.get(block_id)
+            assert page is not None and page[0] is not None, f"block {block_id} cached unwritten"
+            base = page[0][1][:-1]
+            assert len(base) % BS == 0
+            for i in range(len(tokens)):
+                assert page[i] == (group, base + tokens[:i + 1]), f"block {block_id} slot {i}"
+
+
+def brute_force_hit(m: KVCacheManager, r: Request) -> tuple[int, int]:
+    """(full-block hit tokens, partial tokens) by scanning every block of the pool."""
+    pool, bs = m.pool, m.block_size
+    max_tokens = r.num_tokens - 1
+    root = pool.root_serial(r.cache_salt)
+    groups = range(len(m.coordinator.managers))
+    chains: list[list[KVCacheBlock]] = []
+    for g in groups:
+        chain: list[KVCacheBlock] = []
+        parent = root
+        while len(chain) < max_tokens // bs:
+            i = len(chain)
+            want = tuple(r.token_ids[i * bs:(i + 1) * bs])
+            found = [b for b in pool.blocks[1:] if b.group_id == g and b.block_hash is not None
+                     and b.block_hash == r.block_hashes[i] and b.parent_serial == parent
+                     and b.token_ids == want]
+            if not found:
+                break
+            chain.append(found[0])
+            parent = found[0].serial
+        chains.append(chain)
+    k = min(len(c) for c in chains)
+    full = k * bs
+    if not m.enable_partial_hits or max_tokens <= full:
+        return full, 0
+    query = tuple(r.token_ids[full:min(full + bs - 1, max_tokens)])
+    best = len(query)
+    for g in groups:
+        parent = chains[g][k - 1].serial if k else root
+        best = min(best, max((common_prefix_len(b.token_ids, query) for b in pool.blocks[1:]
+                              if b.group_id == g and b.token_ids is not None
+                              and b.parent_serial == parent), default=0))
+    return full, best
+
+
+def check_hit_blocks(m: KVCacheManager, r: Request, computed: ComputedBlocks) -> None:
+    """Hit blocks hold exactly r's tokens and link by serial to the salt's root; a copy
+    source holds r's next tokens under the last hit block."""
+    pool, bs = m.pool, m.block_size
+    root = pool.root_serial(r.cache_salt)
+    full = computed.num_full_hit_tokens
+    assert full % bs == 0
+    assert computed.num_computed_tokens < r.num_tokens, "hit covers the last token"
+    for g, blocks in enumerate(computed.blocks):
+        assert len(blocks) == full // bs
+        parent = root
+        for i, b in enumerate(blocks):
+            assert b.block_hash is not None and b.group_id == g
+            assert b.token_ids == tuple(r.token_ids[i * bs:(i + 1) * bs]), "wrong content"
+            assert b.parent_serial == parent, "hit chain broken"
+            parent = b.serial
+        src = computed.partial_sources[g]
+        n = computed.num_partial_tokens
+        if n == 0:
+            assert src is None
+            continue
+        assert src is not None and src.token_ids is not None and src.group_id == g
+        assert src.parent_serial == parent
+        assert src.token_ids[:n] == tuple(r.token_ids[full:full + n]), "wrong partial content"
+
+
+# =============================================================================================
+# State machine
+# =============================================================================================
+
+PREFIXES = (
+    (1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
+    (1, 2, 3, 4, 5, 6, 11, 12),
+    (7, 7, 7, 7, 7, 7, 7),
+)
+SALTS = (None, "tenant-a", "tenant-b")
+MAX_TOKENS = 14
+
+
+@st.composite
+def prompts(draw: st.DrawFn) -> list[int]:
+    prefix = draw(st.sampled_from(PREFIXES))
+    prefix = prefix[:draw(st.integers(0, len(prefix)))]
+    suffix = draw(st.lists(st.integers(0, 3), min_size=0 if prefix else 1, max_size=6))
+    return list(prefix) + suffix
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """A scheduler driving one KVCacheManager; a simulated device checks every byte read."""
+
+    GROUPS = 1
+    NUM_BLOCKS = 8  # 7 usable; a request grows to at most 5 blocks per group
+    PARTIAL = True
+    HASH: Callable[[int, Sequence[int]], int] | None = None
+    EARLY_LOOKUPS = False  # allocate with lookups made steps earlier (possibly stale)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._original_hash = hashing.hash_block
+        if self.HASH is not None:
+            hashing.hash_block = type(self).HASH  # type: ignore[assignment]
+        self.m = KVCacheManager(config(self.NUM_BLOCKS, self.GROUPS),
+                                enable_partial_hits=self.PARTIAL)
+        self.device = Device()
+        self.waiting: dict[str, Request] = {}
+        self.running: dict[str, Request] = {}
+        self.early: dict[str, ComputedBlocks] = {}
+        self.counter = 0
+        self.admissions = 0
+
+    def teardown(self) -> None:
+        hashing.hash_block = self._original_hash
+        self.teardown_events()
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def pick(self, data: st.DataObject, pool: dict[str, Request]) -> Request:
+        return pool[data.draw(st.sampled_from(sorted(pool)), label="request")]
+
+    def after_allocation(self, r: Request, n: int) -> None:
+        """The step: the worker runs the copies, then the forward writes n tokens."""
+        self.device.run_copies(self.m.take_pending_copies())
+        self.device.forward(self.m, r, n)
+
+    def try_admit(self, r: Request, data: st.DataObject) -> None:
+        m = self.m
+        computed = self.early.pop(r.request_id, None)
+        stale = computed is not None
+        if computed is None:
+            before = snapshot(m)
+            computed = m.get_computed_blocks(r)
+            assert snapshot(m) == before, "get_computed_blocks changed state"
+            assert (computed.num_full_hit_tokens, computed.num_partial_tokens) == \
+                brute_force_hit(m, r)
+            check_hit_blocks(m, r, computed)
+        n = data.draw(st.integers(1, r.num_tokens - computed.num_computed_tokens), label="chunk")
+        before = snapshot(m)
+        try:
+            out = m.allocate_slots(r, n, computed)
+        except ValueError as e:
+            event("admission: stale lookup rejected")
+            assert stale, f"fresh lookup rejected: {e}"
+            assert "stale" in str(e)
+            assert snapshot(m) == before
+            return
+        if out is None:
+            event("admission: pool full")
+            assert snapshot(m) == before, "a refused allocation changed state"
+            return
+        kind = ("partial" if computed.num_partial_tokens
+                else "full" if computed.num_full_hit_tokens else "no")
+        event(f"admission: {kind} hit{' (stale lookup)' if stale else ''}")
+        self.admissions += 1
+        assert m.stats.lookups == self.admissions
+        assert r.num_computed_tokens == computed.num_computed_tokens
+        # The hit is in the table and still holds the content it was found with.
+        for g, table in enumerate(tables(m, r)):
+            assert table[:len(computed.blocks[g])] == computed.blocks[g]
+            src = computed.partial_sources[g]
+            if src is not None:
+                assert src.pin_cnt >= 1 and src.ref_cnt >= 1
+                assert src.group_id == g
+        check_hit_blocks(m, r, computed)
+        del self.waiting[r.request_id]
+        self.running[r.request_id] = r
+        self.after_allocation(r, n)
+
+    # ---- rules -------------------------------------------------------------------------------
+    @rule(prompt=prompts(), salt=st.sampled_from(SALTS), data=st.data())
+    def arrive(self, prompt: list[int], salt: str | None, data: st.DataObject) -> None:
+        self.counter += 1
+        r = Request(f"r{self.counter}", prompt, cache_salt=salt)
+        self.waiting[r.request_id] = r
+        self.try_admit(r, data)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def admit_waiting(self, data: st.DataObject) -> None:
+        self.try_admit(self.pick(data, self.waiting), data)
+
+    @precondition(lambda self: self.EARLY_LOOKUPS and self.waiting)
+    @rule(data=st.data())
+    def lookup_early(self, data: st.DataObject) -> None:
+        """Look up now, allocate with this result later (the cache may change meanwhile)."""
+        r = self.pick(data, self.waiting)
+        before = snapshot(self.m)
+        lookups = self.m.stats.lookups
+        self.early[r.request_id] = self.m.get_computed_blocks(r)
+        assert snapshot(self.m) == before and self.m.stats.lookups == lookups
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """A chunk of prefill, or one decode token (or finish at the length cap)."""
+        r = self.pick(data, self.running)
+        if r.num_computed_tokens == r.num_tokens:
+            if r.num_tokens >= MAX_TOKENS:
+                self.finish(r)
+                return
+            r.append_token_ids(data.draw(st.integers(0, 3), label="token"))
+            n = 1
+        else:
+            n = data.draw(st.integers(1, r.num_tokens - r.num_computed_tokens), label="chunk")
+        before = snapshot(self.m)
+        out = self.m.allocate_slots(r, n)
+        if out is None:
+            event("step: pool full")
+            assert snapshot(self.m) == before, "a refused allocation changed state"
+            # Like a scheduler: preempt someone (maybe r itself) to make room.
+            self.preempt_request(self.pick(data, self.running))
+            return
+        assert [len(b) for b in out] == [cdiv(r.num_computed_tokens + n, BS)
+                                         - cdiv(r.num_computed_tokens, BS)] * self.GROUPS
+        self.after_allocation(r, n)
+
+    def finish(self, r: Request) -> None:
+        m = self.m
+        old_queue = [b.block_id for b in m.pool.free_queue]
+        held = [list(t) for t in tables(m, r)]
+        shared_tail = [t[r.num_computed_tokens // BS].ref_cnt > 1
+                       if r.num_computed_tokens % BS else True for t in held]
+        m.free(r)
+        del self.running[r.request_id]
+        # Freed pages join the queue deepest first: content to the tail, none to the head.
+        expected = list(old_queue)
+        for table in held:
+            for b in reversed(table):
+                if b.ref_cnt == 0:
+                    if b.token_ids is not None:
+                        expected.append(b.block_id)
+                    else:
+                        expected.insert(0, b.block_id)
+        assert [b.block_id for b in m.pool.free_queue] == expected, "free order"
+        # Everything computed stays cached: full blocks, and an unshared partial tail.
+        n_full = r.num_computed_tokens // BS
+        for g, table in enumerate(held):
+            for i in range(n_full):
+                assert table[i].token_ids == tuple(r.token_ids[i * BS:(i + 1) * BS])
+                assert table[i].block_hash == r.block_hashes[i]
+            if not shared_tail[g]:
+                assert table[n_full].token_ids == tuple(r.token_ids[n_full * BS:
+                                                                    r.num_computed_tokens])
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        self.finish(self.pick(data, self.running))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        self.preempt_request(self.pick(data, self.running))
+
+    def preempt_request(self, r: Request) -> None:
+        self.finish(r)
+        r.num_computed_tokens = 0
+        self.waiting[r.request_id] = r
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def free_unknown(self, data: st.DataObject) -> None:
+        r = self.pick(data, self.waiting)
+        before = snapshot(self.m)
+        with pytest.raises(ValueError):
+            self.m.free(r)
+        assert snapshot(self.m) == before
+
+    @rule()
+    def idle_step(self) -> None:
+        assert self.m.take_pending_copies() == []
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        before = snapshot(self.m)
+        ok = self.m.reset_prefix_cache()
+        assert ok == (not self.running and not self.m.pinned_blocks)
+        if ok:
+            assert self.m.pool.num_cached_blocks() == 0 and not self.m.pool.index_entries()
+        else:
+            assert snapshot(self.m) == before
+
+    # ---- invariants --------------------------------------------------------------------------
+    def teardown_events(self) -> None:
+        s = self.m.stats
+        event(f"evictions: {'0' if not s.evictions else '1-4' if s.evictions < 5 else '5+'}")
+        event(f"partial hits: {min(s.partial_hits, 4)}")
+
+    @invariant()
+    def consistent(self) -> None:
+        m = self.m
+        check_manager(m)
+        assert set(m.requests) == set(self.running)
+        for r in self.running.values():
+            for table in tables(m, r):
+                assert len(table) == cdiv(r.num_computed_tokens, BS), "tables cover the tokens"
+            self.device.check_request(m, r)
+        self.device.check_cached(m)
+        if not self.running and not m.pinned_blocks:
+            assert m.pool.num_free_blocks == m.pool.num_usable_blocks
+
+
+STATEFUL = settings(max_examples=60, stateful_step_count=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+                    report_multiple_bugs=False)
+
+
+class OneGroupMachine(ManagerMachine):
+    pass
+
+
+class TwoGroupMachine(ManagerMachine):
+    GROUPS = 2
+    NUM_BLOCKS = 12
+
+
+class FullBlockHitsOnlyMachine(ManagerMachine):
+    PARTIAL = False
+
+
+class CollidingHashMachine(ManagerMachine):
+    GROUPS = 2
+    NUM_BLOCKS = 12
+    HASH = staticmethod(degenerate_hash)
+
+
+class StaleLookupMachine(ManagerMachine):
+    EARLY_LOOKUPS = True
+
+
+TestOneGroup = OneGroupMachine.TestCase
+TestOneGroup.settings = STATEFUL
+TestTwoGroups = TwoGroupMachine.TestCase
+TestTwoGroups.settings = STATEFUL
+TestFullBlockHitsOnly = FullBlockHitsOnlyMachine.TestCase
+TestFullBlockHitsOnly.settings = STATEFUL
+TestCollidingHash = CollidingHashMachine.TestCase
+TestCollidingHash.settings = STATEFUL
+TestStaleLookups = StaleLookupMachine.TestCase
+TestStaleLookups.settings = STATEFUL
+
+
+# =============================================================================================
+# Unit tests
+# =============================================================================================
+
+
+class Driver:
+    """A minimal scheduler + simulated device around one manager, checking as it goes."""
+
+    def __init__(self, m: KVCacheManager) -> None:
+        self.m = m
+        self.device = Device()
+
+    def lookup(self, r: Request) -> ComputedBlocks:
+        computed = self.m.get_computed_blocks(r)
+        check_hit_blocks(self.m, r, computed)
+        return computed
+
+    def admit(self, r: Request, n: int | None = None,
+              computed: ComputedBlocks | None = None) -> ComputedBlocks | None:
+        """Admit and compute n tokens (default: the whole prompt); None if it does not fit."""
+        if computed is None:
+            computed = self.lookup(r)
+        if n is None:
+            n = r.num_tokens - computed.num_computed_tokens
+        if self.m.allocate_slots(r, n, computed) is None:
+            return None
+        self.run(r, n)
+        return computed
+
+    def step(self, r: Request, n: int = 1) -> bool:
+        if self.m.allocate_slots(r, n) is None:
+            return False
+        self.run(r, n)
+        return True
+
+    def decode(self, r: Request, token: int) -> bool:
+        r.append_token_ids(token)
+        return self.step(r, 1)
+
+    def run(self, r: Request, n: int) -> None:
+        self.device.run_copies(self.m.take_pending_copies())
+        self.device.forward(self.m, r, n)
+        self.check()
+
+    def complete(self, r: Request) -> ComputedBlocks:
+        computed = self.admit(r)
+        assert computed is not None
+        self.m.free(r)
+        self.check()
+        return computed
+
+    def check(self) -> None:
+        check_manager(self.m)
+        for r in self.m.requests.values():
+            self.device.check_request(self.m, r)
+        self.device.check_cached(self.m)
+
+
+def ids(blocks: Sequence[KVCacheBlock]) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+# ---- the one-token cap -----------------------------------------------------------------------
+
+
+def test_fully_cached_prompt_hits_all_but_the_last_token_with_partial_hits() -> None:
+    d = Driver(KVCacheManager(config(10)))
+    a = Request("a", list(range(8)))
+    d.complete(a)
+    a_blocks = [b for b in d.m.pool.blocks if b.is_cached]
+    assert len(a_blocks) == 2
+    b = Request("b", list(range(8)))
+    computed = d.lookup(b)
+    assert (computed.num_full_hit_tokens, computed.num_partial_tokens) == (4, 3)
+    assert d.m.allocate_slots(b, 1, computed) is not None
+    assert b.num_computed_tokens == 7
+    src = computed.partial_sources[0]
+    assert src is not None and src.token_ids == (4, 5, 6, 7)
+    table = tables(d.m, b)[0]
+    assert table[0] is computed.blocks[0][0] and table[1] is not src
+    copies = d.m.take_pending_copies()
+    assert copies == [(src.block_id, table[1].block_id)]
+    d.device.run_copies(copies)
+    assert d.m.stats.partial_hits == 1 and d.m.stats.partial_hit_tokens == 3
+    assert d.m.stats.hit_tokens == 7 and d.m.stats.queried_tokens == 16
+    d.device.forward(d.m, b, 1)
+    d.check()
+
+
+def test_block_boundary_prompt_recomputes_last_block_without_partial_hits() -> None:
+    d = Driver(KVCacheManager(config(10), enable_partial_hits=False))
+    d.complete(Request("a", list(range(8))))
+    b = Request("b", list(range(8)))
+    computed = d.lookup(b)
+    assert computed.num_computed_tokens == 4 and computed.partial_sources == (None,)
+    old_second = [blk for blk in d.m.pool.blocks if blk.token_ids == (4, 5, 6, 7)]
+    assert d.admit(b, computed=computed) is not None
+    table = tables(d.m, b)[0]
+    assert table[0] is computed.blocks[0][0]
+    assert table[1] not in old_second, "last block must be recomputed in a fresh block"
+    assert d.m.take_pending_copies() == []
+    # Not on a boundary: all full blocks hit.
+    c = Request("c", list(range(10)))
+    d.complete(c)
+    e = Request("e", list(range(10)))
+    assert d.lookup(e).num_computed_tokens == 8
+
+
+@pytest.mark.parametrize(("partial", "expected"), [(True, 3), (False, 0)])
+def test_single_block_prompt(partial: bool, expected: int) -> None:
+    d = Driver(KVCacheManager(config(6), enable_partial_hits=partial))
+    d.complete(Request("a", [5, 6, 7, 8]))
+    again = Request("b", [5, 6, 7, 8])
+    assert d.lookup(again).num_computed_tokens == expected
+    assert d.admit(again) is not None
+    one = Request("c", [5])
+    assert d.lookup(one).num_computed_tokens == 0
+
+
+# ---- salts -----------------------------------------------------------------------------------
+
+
+def test_salts_isolate_and_same_salt_shares() -> None:
+    d = Driver(KVCacheManager(config(20)))
+    prompt = list(range(10))
+    a = Request("a", prompt, cache_salt="A")
+    b = Request("b", prompt, cache_salt="B")
+    n = Request("n", prompt)
+    for r in (a, b, n):
+        computed = d.admit(r)
+        assert computed is not None and computed.num_computed_tokens == 0, r
+    ta, tb, tn = (set(ids(tables(d.m, r)[0])) for r in (a, b, n))
+    assert not (ta & tb) and not (ta & tn) and not (tb & tn)
+    assert d.decode(a, 11)  # a's full blocks are cached at its next allocation
+    a2 = Request("a2", prompt + [99], cache_salt="A")
+    computed = d.admit(a2)
+    assert computed is not None and computed.num_computed_tokens == 8
+    assert ids(tables(d.m, a2)[0])[:2] == ids(tables(d.m, a)[0])[:2]
+    for r in (a, b, n, a2):
+        d.m.free(r)
+    # Cached but unreferenced: still isolated, partial stretch included.
+    for salt, other in (("A", "B"), ("B", None), (None, "A")):
+        probe = Request(f"p-{salt}-{other}", prompt[:3], cache_salt=other)
+        computed = d.lookup(probe)
+        assert all(src is None or src.parent_serial == d.m.pool.root_serial(other)
+                   for src in computed.partial_sources)
+    c = Request("c", prompt[:6], cache_salt="C")
+    assert d.lookup(c).num_computed_tokens == 0
+    for salt in ("A", "B", None):
+        assert d.lookup(Request(f"q{salt}", prompt[:6], cache_salt=salt)).num_computed_tokens == 5
+
+
+# ---- forced collisions -----------------------------------------------------------------------
+
+X, Y, Z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
+
+
+@pytest.mark.parametrize("hash_fn", [degenerate_hash, parent_only_hash])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_forced_collisions_never_return_wrong_content(
+        hash_fn: Callable[[int, Sequence[int]], int], groups: int) -> None:
+    with patched_hash(hash_fn):
+        d = Driver(KVCacheManager(config(40, groups)))
+        computed_prefixes: set[tuple[int, ...]] = set()
+        prompts = [X + Y + [0], Y + X + [0], X + X + [0], Y + Y + X, X + Z + Y + [0],
+                   Z + X + [0], X + Y + Z + [1], Y + X + Z + [2], Z + Z + Z, X + [3, 3],
+                   Y + X + [1, 2], X + Y + Z + X + [7], X + Y + [1, 2]]
+        live: list[Request] = []
+        for k, prompt in enumerate(prompts):
+            r = Request(f"r{k}", prompt)
+            computed = d.admit(r)
+            assert computed is not None
+            hit = tuple(prompt[:computed.num_computed_tokens])
+            assert not hit or hit in computed_prefixes, f"{prompt}: hit {hit} never computed"
+            computed_prefixes.update(tuple(prompt[:i]) for i in range(1, len(prompt) + 1))
+            live.append(r)
+            if k % 3 != 2:  # keep some live, so hits land on blocks in use too
+                d.m.free(live.pop())
+                d.check()
+        assert d.m.stats.hit_tokens > 0
+        for r in live:
+            d.m.free(r)
+        d.check()
+
+
+def test_degenerate_hash_shared_block_in_different_positions() -> None:
+    with patched_hash(degenerate_hash):
+        d = Driver(KVCacheManager(config(20)))
+        d.complete(Request("a", X + Y + [0]))
+        r = Request("b", Y + X + [0])
+        computed = d.lookup(r)
+        assert computed.num_computed_tokens == 0  # Y at position 0 was never computed
+        assert computed.partial_sources == (None,)
+        r2 = Request("c", X + X + [0])
+        computed = d.lookup(r2)
+        assert computed.num_computed_tokens == 4  # X at position 1 (after X) was never computed
+        assert d.admit(r2, computed=computed) is not None
+
+
+# ---- stats -----------------------------------------------------------------------------------
+
+
+def test_lookups_count_once_per_admission_not_per_retry() -> None:
+    d = Driver(KVCacheManager(config(3)))  # two usable blocks
+    a = Request("a", list(range(7)))
+    assert d.admit(a) is not None
+    assert d.decode(a, 7)  # caches a's first block
+    assert d.m.stats.lookups == 1 and d.m.stats.queried_tokens == 7
+    b = Request("b", [0, 1, 2, 3, 9])
+    for _ in range(3):
+        before = snapshot(d.m)
+        computed = d.m.get_computed_blocks(b)
+        assert computed.num_computed_tokens == 4
+        assert d.m.allocate_slots(b, 1, computed) is None
+        assert snapshot(d.m) == before
+    assert d.m.stats.lookups == 1 and d.m.stats.queried_tokens == 7 and d.m.stats.hit_tokens == 0
+    d.m.free(a)
+    assert d.admit(b) is not None
+    assert d.m.stats.lookups == 2 and d.m.stats.queried_tokens == 12
+    assert d.m.stats.hit_tokens == 4
+    # Steps of a running request are not lookups.
+    assert d.decode(b, 1)
+    assert d.m.stats.lookups == 2
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def busy() -> tuple[Driver, Request, Request]:
+    """A manager with cached content, a live request `a` mid-prefill, and a freed one."""
+    d = Driver(KVCacheManager(config(8)))
+    freed = Request("freed", [7, 7, 7, 7, 7, 1])
+    d.complete(freed)
+    a = Request("a", [7, 7, 7, 7, 7, 2, 3, 4, 5, 6])
+    assert d.admit(a, n=3) is not None  # hit 5, computed 8 of 10
+    d.m.take_pending_copies()
+    d.m.take_pending_copies()
+    return d, a, freed
+
+
+BAD_COUNTS: list[Any] = [0, -1, 1.0, "1", None, 2**70 * 1.0]
+
+
+def test_bad_input_raises_and_changes_nothing(busy: tuple[Driver, Request, Request]) -> None:
+    d, a, freed = busy
+    m = d.m
+    fresh = Request("fresh", [1, 2, 3])
+    usable = m.pool.num_usable_blocks
+    huge = Request("huge", list(range(BS * usable + 1)))
+    clone = Request("a", a.token_ids)  # another request object under a live id
+    other = Request("other", [7, 7, 7, 7, 7, 9])
+    other_computed = m.get_computed_blocks(other)
+    assert other_computed.num_computed_tokens > 0
+    a_computed = ComputedBlocks("a", ([],), (None,), 0, 0)
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("free unknown", lambda: m.free(Request("ghost", [1]))),
+        ("double free", lambda: m.free(freed)),
+        ("free non-request", lambda: m.free("a")),  # type: ignore[arg-type]
+        ("free clone of live id", lambda: m.free(clone)),
+        ("lookup clone of live id", lambda: m.get_computed_blocks(clone)),
+        ("allocate clone of live id", lambda: m.allocate_slots(clone, 1)),
+        ("lookup non-request", lambda: m.get_computed_blocks(None)),  # type: ignore[arg-type]
+        ("allocate non-request", lambda: m.allocate_slots([1, 2], 1)),  # type: ignore[arg-type]
+        ("running: too many tokens", lambda: m.allocate_slots(a, 3)),
+        ("new: too many tokens", lambda: m.allocate_slots(fresh, 4)),
+        ("new: too many after hit", lambda: m.allocate_slots(other, 2, other_computed)),
+        ("negative lookahead", lambda: m.allocate_slots(a, 1, num_lookahead_tokens=-1)),
+        ("more than the whole pool", lambda: m.allocate_slots(huge, huge.num_tokens)),
+        ("lookahead beyond the pool", lambda: m.allocate_slots(
+            a, 1, num_lookahead_tokens=BS * usable)),
+        ("computed of another request", lambda: m.allocate_slots(fresh, 1, other_computed)),
+        ("computed for a running request", lambda: m.allocate_slots(a, 1, a_computed)),
+    ]
+    for count in BAD_COUNTS:
+        calls.append((f"running: num_new_tokens={count!r}", lambda c=count: m.allocate_slots(a, c)))
+        calls.append((f"new: num_new_tokens={count!r}", lambda c=count: m.allocate_slots(fresh, c)))
+    for what, call in calls:
+        before = snapshot(m)
+        with pytest.raises((ValueError, TypeError)):
+            call()
+            pytest.fail(f"{what}: no error")
+        assert snapshot(m) == before, f"{what} changed the pool"
+        check_manager(m)
+    # Everything still works afterwards.
+    assert d.step(a, 2)
+    assert d.admit(fresh) is not None
+    assert d.admit(other, computed=other_computed) is not None
+
+
+def test_request_needing_more_than_the_pool_is_an_error_not_a_wait() -> None:
+    m = KVCacheManager(config(4, groups=2))  # 3 usable blocks; 2 groups
+    r = Request("r", list(range(5)))  # 2 blocks per group = 4 > 3
+    before = snapshot(m)
+    with pytest.raises(ValueError):
+        m.allocate_slots(r, 5, m.get_computed_blocks(r))
+    assert snapshot(m) == before
+    assert m.allocate_slots(r, 4) is not None  # 1 block per group fits
+    check_manager(m)
+
+
+@pytest.mark.parametrize("tokens", [
+    [1.5, 2.0], [1, -1], [[1, 2], [3, 4]], [[1], [2, 3]], [], "abc", 5, [2**70],
+])
+def test_bad_token_ids_rejected(tokens: Any) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        Request("r", tokens)
+
+
+@pytest.mark.parametrize("tokens", [1.5, -1, [1.5], [-2], [[1]], [2**70], "x"])
+def test_bad_appended_token_ids_rejected(busy: tuple[Driver, Request, Request],
+                                         tokens: Any) -> None:
+    d, a, _ = busy
+    before = (list(a.token_ids), snapshot(d.m))
+    with pytest.raises((ValueError, TypeError)):
+        a.append_token_ids(tokens)
+    assert (list(a.token_ids), snapshot(d.m)) == before
+
+
+def test_bad_request_ids_rejected() -> None:
+    for rid in ("", None, 3):
+        with pytest.raises((ValueError, TypeError)):
+            Request(rid, [1])  # type: ignore[arg-type]
+
+
+# ---- stale lookups ---------------------------------------------------------------------------
+
+
+def test_stale_full_hit_evicted_is_rejected() -> None:
+    d = Driver(KVCacheManager(config(4)))  # three usable blocks
+    d.complete(Request("a", list(range(9))))  # 2 full blocks + 1 partial, all cached
+    b = Request("b", list(range(8)) + [50])
+    computed = d.lookup(b)
+    assert computed.num_computed_tokens == 8
+    filler = Request("f", [60] * 12)
+    assert d.admit(filler) is not None  # pops every free block: a's content is evicted
+    d.m.free(filler)
+    before = snapshot(d.m)
+    with pytest.raises(ValueError, match="stale"):
+        d.m.allocate_slots(b, 1, computed)
+    assert snapshot(d.m) == before
+    assert d.admit(b) is not None  # a fresh lookup works
+
+
+def test_stale_partial_source_evicted_is_rejected() -> None:
+    d = Driver(KVCacheManager(config(3)))  # two usable blocks
+    d.complete(Request("a", [1, 2, 3]))
+    b = Request("b", [1, 2, 3, 4])
+    computed = d.lookup(b)
+    src = computed.partial_sources[0]
+    assert computed.num_partial_tokens == 3 and src is not None
+    filler = Request("f", [8] * 6)
+    assert d.admit(filler, n=5) is not None  # both blocks, src evicted and in use uncached
+    assert src.token_ids is None
+    before = snapshot(d.m)
+    with pytest.raises(ValueError, match="stale"):
+        d.m.allocate_slots(b, 1, computed)
+    assert snapshot(d.m) == before
+
+
+def allocate_stale_or_reject(d: Driver, r: Request, computed: ComputedBlocks) -> None:
+    """A stale lookup must either be rejected without changes, or give correct content."""
+    before = snapshot(d.m)
+    try:
+        out = d.m.allocate_slots(r, r.num_tokens - computed.num_computed_tokens, computed)
+    except ValueError:
+        assert snapshot(d.m) == before
+        return
+    assert out is not None
+    d.run(r, r.num_tokens - computed.num_computed_tokens)  # the device check reads r's KV
+    check_hit_blocks(d.m, r, computed)
+
+
+def test_stale_partial_source_recached_with_other_content() -> None:
+    d = Driver(KVCacheManager(config(3)))  # two usable blocks
+    d.complete(Request("a", [1, 2, 3]))  # block 1: partial (1, 2, 3)
+    b = Request("b", [1, 2, 3, 4])
+    computed = d.lookup(b)
+    src = computed.partial_sources[0]
+    assert src is not None and src.token_ids == (1, 2, 3)
+    # Block 1 is evicted, reused, and cached again holding other tokens.
+    d.complete(Request("x", [8, 8, 8, 8, 8]))
+    assert src.token_ids is not None and src.token_ids != (1, 2, 3)
+    allocate_stale_or_reject(d, b, computed)
+
+
+def test_stale_partial_source_recached_under_another_salt() -> None:
+    d = Driver(KVCacheManager(config(3)))  # two usable blocks
+    d.complete(Request("a", [1, 2, 3]))
+    b = Request("b", [1, 2, 3, 4])
+    computed = d.lookup(b)
+    src = computed.partial_sources[0]
+    assert src is not None
+    y = Request("y", [6])
+    assert d.admit(y) is not None  # takes the empty block; the next pop is the source
+    d.complete(Request("x", [1, 2, 3], cache_salt="tenant"))
+    d.m.free(y)
+    assert src.token_ids == (1, 2, 3)
+    assert src.parent_serial == d.m.pool.root_serial("tenant")
+    # Same tokens, but now another tenant's block: salt isolation forbids using it.
+    allocate_stale_or_reject(d, b, computed)
+
+
+@pytest.mark.parametrize("hash_fn", [None, degenerate_hash])
+def test_stale_full_hit_recached_with_other_content(
+        hash_fn: Callable[[int, Sequence[int]], int] | None) -> None:
+    with patched_hash(hash_fn or hashing.hash_block):
+        d = Driver(KVCacheManager(config(4)))  # three usable blocks
+        d.complete(Request("p", [1, 2, 3, 4, 5]))
+        q = Request("q", [1, 2, 3, 4, 6])
+        computed = d.lookup(q)
+        assert computed.num_computed_tokens == 4
+        # Every block is reused; the hit block (evicted last) is cached again holding
+        # r's third block.
+        d.complete(Request("r", [9] * 12))
+        assert computed.blocks[0][0].token_ids == (9, 9, 9, 9)
+        allocate_stale_or_reject(d, q, computed)
+
+
+# ---- ordering --------------------------------------------------------------------------------
+
+
+def test_request_chain_is_evicted_tail_first() -> None:
+    d = Driver(KVCacheManager(config(5)))  # four usable blocks
+    a = Request("a", list(range(13)))  # 3 full blocks + 1 token
+    assert d.admit(a) is not None
+    chain = list(tables(d.m, a)[0])
+    d.m.free(a)
+    d.check()
+    assert [b.block_id for b in d.m.pool.free_queue] == ids(chain[::-1]), "not deepest first"
+    assert all(b.is_cached for b in chain)
+    # Two small requests evict the two deepest blocks; the root and its child remain.
+    for k in range(2):
+        d.complete(Request(f"f{k}", [90 + k]))
+    assert chain[0].is_cached and chain[1].is_cached
+    probe = Request("probe", list(range(12)) + [77])
+    computed = d.lookup(probe)
+    assert computed.num_full_hit_tokens == 8
+    assert computed.blocks[0] == chain[:2]
+
+
+def test_freed_blocks_without_content_are_reused_first() -> None:
+    d = Driver(KVCacheManager(config(6)))  # five usable blocks
+    a = Request("a", list(range(8)))
+    assert d.admit(a) is not None
+    a0, a1 = tables(d.m, a)[0]
+    d.m.free(a)
+    b = Request("b", [50] * 9)
+    # 2 tokens computed in 3 blocks (the rest is lookahead).
+    assert d.m.allocate_slots(b, 2, d.lookup(b), num_lookahead_tokens=7) is not None
+    d.run(b, 2)
+    b0, b1, b2 = tables(d.m, b)[0]
+    d.m.free(b)  # b0 holds 2 computed tokens (indexed), b1 and b2 hold nothing
+    d.check()
+    assert b0.token_ids == (50, 50) and b1.token_ids is None and b2.token_ids is None
+    assert [blk.block_id for blk in d.m.pool.free_queue] == ids([b1, b2, a1, a0, b0])
+    c = Request("c", [60] * 8)
+    assert d.admit(c) is not None
+    assert tables(d.m, c)[0] == [b1, b2]
+    assert a0.is_cached and a1.is_cached and b0.is_cached
+
+
+def test_two_group_admission_takes_hits_before_popping() -> None:
+    """Group 0's copy target must not be popped from group 1's (free) hit or copy source."""
+    d = Driver(KVCacheManager(config(7, groups=2)))  # six usable blocks
+    a = Request("a", [1, 2, 3, 4, 5, 6])
+    c = Request("c", [9, 9, 9, 9])
+    assert d.admit(a) is not None and d.admit(c) is not None
+    d.m.free(a)
+    d.m.free(c)
+    d.m.take_pending_copies()
+    b = Request("b", [1, 2, 3, 4, 5, 6, 7])
+    computed = d.lookup(b)
+    assert (computed.num_full_hit_tokens, computed.num_partial_tokens) == (4, 2)
+    assert d.admit(b, computed=computed) is not None
+    check_hit_blocks(d.m, b, computed)
+    for g, src in enumerate(computed.partial_sources):
+        assert src is not None and src.group_id == g and src.token_ids == (5, 6)
+
+
+# ---- preemption, exhaustion, reset, copies ---------------------------------------------------
+
+
+def test_preempted_request_rehits_its_own_blocks() -> None:
+    d = Driver(KVCacheManager(config(8)))
+    r = Request("r", [1, 2, 3, 4, 5, 6])
+    assert d.admit(r, n=4) is not None
+    assert d.step(r, 2)
+    for t in (7, 8, 9):
+        assert d.decode(r, t)
+    assert r.num_computed_tokens == 9
+    d.m.free(r)
+    r.num_computed_tokens = 0
+    computed = d.lookup(r)
+    assert computed.num_full_hit_tokens == 8 and computed.num_partial_tokens == 0
+    assert d.admit(r, computed=computed) is not None
+    assert r.num_computed_tokens == 9
+
+
+def test_exhausted_pool_changes_nothing() -> None:
+    d = Driver(KVCacheManager(config(8, groups=2), enable_events=True))  # 7 usable blocks
+    d.complete(Request("a", list(range(6))))  # cached: 2 blocks per group
+    b = Request("b", [40] * 8)
+    assert d.admit(b, n=4) is not None  # 1 block per group
+    f = Request("f", [0, 1, 2, 3, 50, 50, 50, 50])
+    assert d.admit(f) is not None  # 1 hit + 1 new per group; some cached content evicted
+    assert d.m.pool.num_free_blocks == 1
+    d.m.take_events()
+    c = Request("c", list(range(6)) + [1, 2, 3])
+    computed = d.m.get_computed_blocks(c)
+    assert computed.num_computed_tokens > 0
+    cases = [(c, c.num_tokens - computed.num_computed_tokens, computed), (b, 4, None)]
+    for r, n, comp in cases:
+        before = snapshot(d.m)
+        assert d.m.allocate_slots(r, n, comp) is None
+        assert snapshot(d.m) == before and d.m.take_events() == []
+    d.check()
+
+
+def test_reset_prefix_cache_refuses_while_in_use_or_pinned() -> None:
+    d = Driver(KVCacheManager(config(8)))
+    d.complete(Request("a", [1, 2, 3, 4, 5, 6]))
+    b = Request("b", [1, 2, 3, 4, 5, 6, 7])
+    assert d.admit(b) is not None  # partial hit: the source stays pinned one more batch
+    before = snapshot(d.m)
+    assert d.m.reset_prefix_cache() is False and snapshot(d.m) == before
+    d.m.free(b)
+    assert d.m.pinned_blocks
+    before = snapshot(d.m)
+    assert d.m.reset_prefix_cache() is False and snapshot(d.m) == before
+    assert d.m.take_pending_copies() == []
+    assert not d.m.pinned_blocks
+    assert d.m.reset_prefix_cache() is True
+    assert d.m.pool.num_cached_blocks() == 0 and d.m.pool.index_entries() == []
+    assert d.lookup(Request("c", [1, 2, 3, 4, 5, 6, 7])).num_computed_tokens == 0
+    d.check()
+
+
+def test_take_pending_copies_releases_the_previous_batch() -> None:
+    m = KVCacheManager(config(8))
+    d = Driver(m)
+    d.complete(Request("a", [1, 2, 3]))
+    b = Request("b", [1, 2, 3, 4])
+    computed = m.get_computed_blocks(b)
+    src = computed.partial_sources[0]
+    assert src is not None
+    assert m.allocate_slots(b, 1, computed) is not None
+    assert src.pin_cnt == 1 and src.ref_cnt == 1 and src not in list(m.pool.free_queue)
+    copies = m.take_pending_copies()
+    assert copies == [(src.block_id, tables(m, b)[0][0].block_id)]
+    assert src.pin_cnt == 1, "released before the worker ran the copy"
+    check_manager(m)
+    assert m.take_pending_copies() == []
+    assert src.pin_cnt == 0 and src.ref_cnt == 0 and src.is_cached
+    assert list(m.pool.free_queue)[-1] is src
+    check_manager(m)
