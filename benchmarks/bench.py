@@ -235,9 +235,11 @@ def write_figures(result: SweepResult, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     _plot_metric(axes[0], data, "steps", policies)
     axes[0].set_title("steps to finish the workload")
-    _plot_metric(axes[1], data, "mean_idle_bytes", policies, scale=2**20)
-    axes[1].set_title("reserved but idle KV, mean per step (MiB)")
-    axes[1].set_yscale("symlog")
+    axes[0].set_yscale("log")
+    _plot_metric(axes[1], [d for d in data if d["mean_idle_bytes"] > 0], "mean_idle_bytes",
+                 policies, scale=2**20)
+    axes[1].set_title("reserved but idle KV, mean per step (MiB, log)")
+    axes[1].set_yscale("log")
     _plot_metric(axes[2], data, "peak_kv_bytes", policies, scale=2**30)
     axes[2].set_title("peak KV in use (GiB)")
     for ax in axes:
@@ -296,6 +298,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console()
+    if not console.is_terminal:  # piped or captured: room for the whole table
+        console = Console(width=max(console.width, 150))
     t0 = time.perf_counter()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
@@ -363,22 +367,26 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _print_findings(result: SweepResult, console: Any) -> None:
     f = result.findings
-    for name in ("prefix", "partial", "hybrid"):
+    for name in result.meta["policies"]:
         info = f.get(name)
         if not info:
             continue
-        console.print(
-            f"[bold]{name}[/bold]: unbounded hit {_pct(info['unbounded_prompt_hit_rate'])}; "
-            f"first preemption at {info['first_preemption_label'] or 'none'}; hit rate below half "
-            f"of unbounded at {info['hit_collapse_label'] or 'no budget swept'}; recompute > "
-            f"cache hits at {info['recompute_dominates_label'] or 'no budget swept'}")
+        parts = [f"first preemption at {info['first_preemption']['label'] or 'none'}",
+                 f"recompute >= 25% of work at {info['thrash']['label'] or 'none'}"]
+        if "unbounded_prompt_hit_rate" in info:
+            parts = [f"unbounded hit {_pct(info['unbounded_prompt_hit_rate'])}",
+                     f"hit < 95% of unbounded at {info['hit_below_95pct']['label'] or 'none'}",
+                     f"< 50% at {info['hit_below_50pct']['label'] or 'none'}",
+                     f"recompute > hits at {info['recompute_exceeds_hits']['label'] or 'none'}",
+                     *parts]
+        console.print(f"[bold]{name}[/bold]: " + "; ".join(parts))
     for c in f.get("naive_vs_paged", []):
-        if c["steps_ratio"] > 1.0 or c is f["naive_vs_paged"][0]:
-            console.print(
-                f"naive vs paged @ {c['budget_label']}: steps {c['steps_naive']} vs "
-                f"{c['steps_paged']} (x{c['steps_ratio']:.2f}), idle reserved "
-                f"{format_bytes(c['mean_idle_bytes_naive'])} vs "
-                f"{format_bytes(c['mean_idle_bytes_paged'])} per step")
+        console.print(
+            f"naive vs paged @ {c['budget_label']}: steps {c['steps_naive']} vs "
+            f"{c['steps_paged']} (x{c['steps_ratio']:.2f}), idle reserved "
+            f"{format_bytes(c['mean_idle_bytes_naive'])} vs "
+            f"{format_bytes(c['mean_idle_bytes_paged'])} per step, computed "
+            f"{_count(c['computed_naive'])} vs {_count(c['computed_paged'])} tokens")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -430,47 +430,50 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
 
 
 def find_tension(result: SweepResult) -> dict[str, Any]:
-    """Where caching stops paying, read off the rows.
+    """Where caching stops paying, read off the rows (budgets largest first).
 
-    Per caching policy: the largest budget whose first-admission hit rate is below half
-    the unbounded one ("hit rate collapsed"), the largest budget where tokens recomputed
-    after preemptions exceed tokens the cache served at first admission ("recompute
-    dominates"), and, per budget, the compute caching saves against paged without
-    caching. For naive vs paged: steps and idle reserved memory per budget."""
+    Per policy: the first budget with a preemption, and the first where tokens
+    recomputed after preemptions are at least a quarter of all computed tokens
+    ("thrash"). Per caching policy also: the first budget whose first-admission hit rate
+    is below 95% and below 50% of the unbounded replay's, the first where recomputed
+    tokens exceed the tokens the cache served at first admission, and per budget the
+    compute saved against paged without caching. For naive vs paged: steps and idle
+    reserved memory per budget."""
     out: dict[str, Any] = {}
     rows = [r for r in result.rows if r.get("feasible")]
     budgets = sorted({r["budget_bytes"] for r in rows}, reverse=True)
     by = {(r["policy"], r["budget_bytes"]): r for r in rows}
-    for name, ref in result.unbounded.items():
-        if not ref.get("feasible"):
-            continue
-        base = ref["prompt_hit_rate"]
-        collapse = next((b for b in budgets if (r := by.get((name, b)))
-                         and r["prompt_hit_rate"] < 0.5 * base), None)
-        dominate = next((b for b in budgets if (r := by.get((name, b)))
-                         and r["recomputed_tokens"] > r["prompt_hit_tokens"]), None)
-        first_preempt = next((b for b in budgets if (r := by.get((name, b)))
-                              and r["preemptions"] > 0), None)
-        savings = []
-        for b in budgets:
-            r, p = by.get((name, b)), by.get(("paged", b))
-            if r and p:
-                savings.append({"budget_bytes": b, "budget_label": format_bytes(b),
-                                "computed_paged": p["computed_tokens"],
-                                "computed": r["computed_tokens"],
-                                "saved_vs_paged": p["computed_tokens"] - r["computed_tokens"],
-                                "saved_frac": 1 - r["computed_tokens"] / p["computed_tokens"],
-                                "steps_paged": p["steps"], "steps": r["steps"]})
-        out[name] = {
-            "unbounded_prompt_hit_rate": base,
-            "hit_collapse_budget": collapse,
-            "hit_collapse_label": format_bytes(collapse) if collapse else None,
-            "recompute_dominates_budget": dominate,
-            "recompute_dominates_label": format_bytes(dominate) if dominate else None,
-            "first_preemption_budget": first_preempt,
-            "first_preemption_label": format_bytes(first_preempt) if first_preempt else None,
-            "savings_vs_paged": savings,
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+
+    def first(name: str, pred: Any) -> dict[str, Any]:
+        b = next((b for b in budgets if (r := by.get((name, b))) and pred(r)), None)
+        return {"budget_bytes": b, "label": format_bytes(b) if b else None}
+
+    for name in policies:
+        info: dict[str, Any] = {
+            "first_preemption": first(name, lambda r: r["preemptions"] > 0),
+            "thrash": first(name, lambda r: r["recomputed_tokens"] >= 0.25 * r["computed_tokens"]),
         }
+        ref = result.unbounded.get(name)
+        if ref is not None and ref.get("feasible"):
+            base = ref["prompt_hit_rate"]
+            info["unbounded_prompt_hit_rate"] = base
+            info["hit_below_95pct"] = first(name, lambda r, b=base: r["prompt_hit_rate"] < 0.95 * b)
+            info["hit_below_50pct"] = first(name, lambda r, b=base: r["prompt_hit_rate"] < 0.5 * b)
+            info["recompute_exceeds_hits"] = first(
+                name, lambda r: r["recomputed_tokens"] > r["prompt_hit_tokens"])
+            savings = []
+            for b in budgets:
+                r, p = by.get((name, b)), by.get(("paged", b))
+                if r and p:
+                    savings.append({"budget_bytes": b, "budget_label": format_bytes(b),
+                                    "computed_paged": p["computed_tokens"],
+                                    "computed": r["computed_tokens"],
+                                    "saved_vs_paged": p["computed_tokens"] - r["computed_tokens"],
+                                    "saved_frac": 1 - r["computed_tokens"] / p["computed_tokens"],
+                                    "steps_paged": p["steps"], "steps": r["steps"]})
+            info["savings_vs_paged"] = savings
+        out[name] = info
     cmp = []
     for b in budgets:
         n, p = by.get(("naive", b)), by.get(("paged", b))
@@ -484,6 +487,8 @@ def find_tension(result: SweepResult) -> dict[str, Any]:
                         "mean_idle_frac_paged": p["mean_idle_fraction"],
                         "peak_kv_bytes_naive": n["peak_kv_bytes"],
                         "peak_kv_bytes_paged": p["peak_kv_bytes"],
+                        "computed_naive": n["computed_tokens"],
+                        "computed_paged": p["computed_tokens"],
                         "preemptions_paged": p["preemptions"]})
     out["naive_vs_paged"] = cmp
     return out
