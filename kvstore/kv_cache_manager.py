@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool, CacheStats, KVCacheEvent
 from kvstore.kv_cache_coordinator import ComputedBlocks, KVCacheCoordinator
@@ -72,8 +74,10 @@ class KVCacheManager:
         """Pages for `num_new_tokens` more tokens (plus lookahead), per group.
 
         For a new request pass its `get_computed_blocks` result (or None for no hit): on
-        success its `num_computed_tokens` becomes the hit length. Returns the new blocks
-        per group, or None when the pool cannot hold them; then nothing has changed."""
+        success its `num_computed_tokens` becomes the hit length (the full-block part alone
+        when the partial block's copy is what would not fit; the new tokens then start there).
+        Returns the new blocks per group, or None when the pool cannot hold them; then
+        nothing has changed."""
         self._check_request(request)
         rid = request.request_id
         if not isinstance(num_new_tokens, int) or num_new_tokens <= 0:
@@ -106,7 +110,19 @@ class KVCacheManager:
                 f"request {rid!r} needs {resident} blocks for {num_tokens} tokens but the whole "
                 f"pool has {self.pool.num_usable_blocks}")
         if need > self.pool.num_free_blocks + released:
-            return None
+            if not (admitting and computed is not None and computed.num_partial_tokens):
+                return None
+            # A partial hit costs a pinned source page on top of the request's own pages;
+            # when only that makes it not fit, admit on the full-block hit alone (the
+            # request then computes the partial block's tokens itself).
+            computed = replace(computed, partial_sources=(None,) * len(computed.partial_sources),
+                               num_partial_tokens=0)
+            num_computed = computed.num_computed_tokens
+            num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
+            need, released, resident = self.coordinator.num_blocks_needed(
+                request, num_computed, num_tokens, computed)
+            if need > self.pool.num_free_blocks + released:
+                return None
         copies_before = len(self._pending_copies)
         if admitting:
             assert computed is not None
