@@ -314,7 +314,8 @@ class Sim:
                                 f"tokens={req.token_ids} hit={hit} n={n}")
                 if mgr.allocate_slots(req, n, computed) is None:
                     continue
-                assert req.num_computed_tokens == hit
+                # The full-block hit alone when only the partial copy's page did not fit.
+                assert req.num_computed_tokens in (hit, computed.num_full_hit_tokens)
                 self.waiting.remove(req)
                 self.running.append(req)
                 batch[req.request_id] = (req, n)

@@ -3,6 +3,7 @@ the hit cap, salts, forced hash collisions, stats, bad input and stale lookups."
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -274,7 +275,12 @@ class ManagerMachine(RuleBasedStateMachine):
         event(f"admission: {kind} hit{' (stale lookup)' if stale else ''}")
         self.admissions += 1
         assert m.stats.lookups == self.admissions
-        assert r.num_computed_tokens == computed.num_computed_tokens
+        if r.num_computed_tokens != computed.num_computed_tokens:
+            # Admitted on the full-block hit alone: only the partial copy's page did not fit.
+            event("admission: partial part dropped for room")
+            assert computed.num_partial_tokens and r.num_computed_tokens == computed.num_full_hit_tokens
+            computed = dataclasses.replace(
+                computed, partial_sources=(None,) * len(computed.partial_sources), num_partial_tokens=0)
         # The hit is in the table and still holds the content it was found with.
         for g, table in enumerate(tables(m, r)):
             assert table[:len(computed.blocks[g])] == computed.blocks[g]
