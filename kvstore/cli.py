@@ -71,8 +71,22 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# Subcommand registrars, in help order; `bench` and `viz` add theirs here.
-_SUBCOMMANDS: list[Callable[[SubparsersAction], None]] = [_add_generate]
+def _add_bench(subparsers: SubparsersAction) -> None:
+    """``kvstore bench``: the prefix-reuse sweep against pool size (the main job)."""
+    from benchmarks.bench import add_bench_parser
+
+    add_bench_parser(subparsers)
+
+
+def _add_viz(subparsers: SubparsersAction) -> None:
+    """``kvstore viz``: the pool's block layout, as text per step and as a PNG over time."""
+    from benchmarks.viz import add_viz_parser
+
+    add_viz_parser(subparsers)
+
+
+# Subcommand registrars, in help order.
+_SUBCOMMANDS: list[Callable[[SubparsersAction], None]] = [_add_bench, _add_viz, _add_generate]
 
 
 def build_parser() -> argparse.ArgumentParser:
