@@ -183,7 +183,7 @@ class BlockPool:
         if block.token_ids is not None:
             raise RuntimeError(f"block {block.block_id} is already cached")
         group = block.group_id
-        siblings = self._children.setdefault((group, parent_serial), SortedList())
+        siblings = self._siblings(group, parent_serial)
         # Same parent and same tokens means same content: share the serial so chains
         # computed independently by concurrent requests link up.
         i = siblings.bisect_left((token_ids,))
@@ -200,7 +200,10 @@ class BlockPool:
         block.serial = serial
         block.parent_serial = parent_serial
         siblings.add((token_ids, block.block_id))
-        self._hash_index.setdefault((group, block_hash), {})[block.block_id] = block
+        same = self._hash_index.get((group, block_hash))
+        if same is None:
+            same = self._hash_index[(group, block_hash)] = {}
+        same[block.block_id] = block
         if self.enable_events:
             self._events.append(BlockStored(block_hash, parent_hash, token_ids, group))
         return serial
@@ -213,8 +216,14 @@ class BlockPool:
         block.token_ids = token_ids
         block.serial = 0
         block.parent_serial = parent_serial
-        self._children.setdefault((block.group_id, parent_serial), SortedList()).add(
-            (token_ids, block.block_id))
+        self._siblings(block.group_id, parent_serial).add((token_ids, block.block_id))
+
+    def _siblings(self, group_id: int, parent_serial: int) -> SortedList:
+        key = (group_id, parent_serial)
+        siblings = self._children.get(key)
+        if siblings is None:
+            siblings = self._children[key] = SortedList()
+        return siblings
 
     def longest_partial_match(self, group_id: int, parent_serial: int,
                               query: tuple[int, ...]) -> tuple[KVCacheBlock | None, int]:
@@ -281,8 +290,8 @@ class BlockPool:
         """Blocks in the full-block hash index."""
         return sum(len(v) for v in self._hash_index.values())
 
-    def index_entries(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        """(group, parent_serial, tokens) of every indexed block id, for invariant checks."""
+    def index_entries(self) -> list[tuple[int, int, int, tuple[int, ...]]]:
+        """(block_id, group, parent_serial, tokens) of every indexed block, for invariant checks."""
         out = []
         for (group, parent), siblings in self._children.items():
             for tokens, block_id in siblings:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kvstore import hashing
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool, CacheStats, KVCacheEvent
 from kvstore.kv_cache_coordinator import ComputedBlocks, KVCacheCoordinator
@@ -58,7 +59,7 @@ class KVCacheManager:
         self._check_request(request)
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already admitted")
-        request.update_block_hashes(self.block_size, _hash_fn())
+        request.update_block_hashes(self.block_size, hashing.hash_block)
         if not self.enable_caching:
             n = len(self.coordinator.managers)
             return ComputedBlocks(request.request_id, tuple([] for _ in range(n)),
@@ -85,7 +86,7 @@ class KVCacheManager:
         if not isinstance(num_lookahead_tokens, int) or num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}")
         admitting = rid not in self.requests
-        request.update_block_hashes(self.block_size, _hash_fn())
+        request.update_block_hashes(self.block_size, hashing.hash_block)
         if admitting:
             if computed is None:
                 computed = self._no_hit(request)
@@ -103,6 +104,9 @@ class KVCacheManager:
                 f"request {rid!r}: {num_computed} computed + {num_new_tokens} new tokens exceeds "
                 f"its {request.num_tokens} tokens")
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
+        if not admitting and all(m.is_noop(request, num_tokens) for m in self.coordinator.managers):
+            # Most decode steps: the pages exist, nothing to cache, drop or copy.
+            return [[] for _ in self.coordinator.managers]
         need, released, resident = self.coordinator.num_blocks_needed(
             request, num_computed, num_tokens, computed if admitting else None)
         if resident > self.pool.num_usable_blocks:
@@ -148,7 +152,7 @@ class KVCacheManager:
         if self.requests.get(request.request_id) is not request:
             raise ValueError(f"unknown request {request.request_id!r} (never admitted, or "
                              "already freed)")
-        request.update_block_hashes(self.block_size, _hash_fn())
+        request.update_block_hashes(self.block_size, hashing.hash_block)
         self.coordinator.free(request)
         del self.requests[request.request_id]
 
@@ -226,9 +230,3 @@ class KVCacheManager:
         if not self.coordinator.is_current(request, computed):
             raise ValueError(f"stale computed blocks for {request.request_id!r}: cached content "
                              "was evicted since the lookup; look it up again")
-
-def _hash_fn():
-    # Looked up at call time so tests can force collisions by patching kvstore.hashing.hash_block.
-    from kvstore import hashing
-
-    return hashing.hash_block

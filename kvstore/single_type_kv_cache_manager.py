@@ -74,6 +74,21 @@ class SingleTypeKVCacheManager:
         skipped = self.first_needed_position(num_computed_tokens) // self.block_size
         return cdiv(num_tokens, self.block_size) - skipped
 
+    def is_noop(self, request: Request, num_tokens: int) -> bool:
+        """Whether growing to `num_tokens` needs nothing: no new page, nothing newly full to
+        cache, no shared page to copy, no page leaving the window."""
+        rid = request.request_id
+        table = self.req_to_blocks[rid]
+        bs = self.block_size
+        num_computed = request.num_computed_tokens
+        if -(-num_tokens // bs) > len(table):
+            return False
+        if self.pool.enable_caching and num_computed // bs > self.num_cached_blocks[rid]:
+            return False
+        if any(is_shared(b) for b in self._blocks_to_write(table, num_computed, num_tokens)):
+            return False
+        return self.num_skippable(rid, num_computed)[0] == 0
+
     def _blocks_to_write(self, table: list[KVCacheBlock], num_computed_tokens: int,
                          num_tokens: int) -> list[KVCacheBlock]:
         bs = self.block_size
@@ -132,13 +147,19 @@ class SingleTypeKVCacheManager:
         n_cow = 0
         start = num_computed // self.block_size
         for i, block in enumerate(self._blocks_to_write(table, num_computed, num_tokens), start):
-            if is_shared(block):
-                # Shared with a fork: write into a private copy; our reference on the
-                # original becomes the copy's pin.
-                block.pin_cnt += 1
-                pins.append(block)
-                table[i] = self._copy_destination(block, copies, pins)
-                n_cow += 1
+            if not is_shared(block):
+                continue
+            if i * self.block_size >= num_computed:
+                # Shared but holding no computed token yet: a fresh page will do.
+                table[i] = pool.get_new_blocks(1, self.group_id)[0]
+                pool.free_blocks((block,))
+                continue
+            # Shared with a fork: write into a private copy; our reference on the
+            # original becomes the copy's pin.
+            block.pin_cnt += 1
+            pins.append(block)
+            table[i] = self._copy_destination(block, copies, pins)
+            n_cow += 1
         n_new = cdiv(num_tokens, self.block_size) - len(table)
         new_blocks = pool.get_new_blocks(n_new, self.group_id) if n_new > 0 else []
         table.extend(new_blocks)
@@ -248,8 +269,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 run, end = [], i
                 continue
             run.insert(0, block)
-            # A hit of `end` blocks needs positions end*bs - W .. end*bs - 1 resident.
-            first_needed = max(0, end * bs - self.window) // bs
+            # A hit of `end` blocks: the next query (at end*bs) needs the keys before it
+            # that are inside its window.
+            first_needed = self.first_needed_position(end * bs) // bs
             if i <= first_needed:
                 if i == 0 and block.parent_serial != pool.root_serial(request.cache_salt):
                     run, end = [], i
