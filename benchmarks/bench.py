@@ -39,6 +39,7 @@ __all__ = [
     "run_bench",
     "print_table",
     "write_figures",
+    "markdown_tables",
     "main",
 ]
 
@@ -250,6 +251,61 @@ def write_figures(result: SweepResult, out: Path) -> list[Path]:
     return written
 
 
+def _size(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.0f} MiB"
+
+
+def markdown_tables(result: SweepResult) -> str:
+    """The sweep's two summary tables (hit rate and cost; paged vs naive) as Markdown."""
+    by = {(r["policy"], r["point"]): r for r in result.rows if r.get("feasible")}
+    points = sorted({r["point"] for r in result.rows})
+    caching = [p for p in result.meta["policies"] if POLICIES[p].enable_caching]
+    lines = ["| KV budget | blocks | " + " | ".join(f"{p} hit" for p in caching)
+             + " | vs ideal | partial-hit tokens | evictions | preemptions | recomputed | computed |",
+             "|---" * (8 + len(caching)) + "|"]
+    show = [p for p in ("paged", "partial") if p in result.meta["policies"]]
+    for i in points:
+        rows = [by.get((p, i)) for p in result.meta["policies"]]
+        first = next((r for r in rows if r), None)
+        if first is None:
+            continue
+        ref = by.get(("partial", i)) or by.get((caching[0], i)) if caching else None
+
+        def cell(key: str, fmt: str = "{:,}", pols: Sequence[str] = show, i: int = i) -> str:
+            vals = [by.get((p, i)) for p in pols]
+            return " / ".join("-" if v is None else fmt.format(v[key]) for v in vals)
+
+        blocks = " / ".join(str(by[(p, i)]["num_blocks"]) for p in ("partial", "hybrid")
+                            if (p, i) in by) or str(first["num_blocks"])
+        hits = " | ".join("-" if (p, i) not in by else f"{100 * by[(p, i)]['prompt_hit_rate']:.1f}%"
+                          for p in caching)
+        lines.append(
+            f"| {first['budget_label']} | {blocks} | {hits} | "
+            f"{_pct(ref['vs_ideal']) if ref else '-'} | "
+            f"{ref['partial_hit_tokens'] if ref else '-'} | {ref['evictions'] if ref else '-'} | "
+            f"{cell('preemptions')} | {cell('recomputed_tokens')} | {cell('computed_tokens')} |")
+    lines.append("")
+    lines.append(f"Blocks: partial / hybrid layouts. Preemptions, recomputed and computed: "
+                 f"{' / '.join(show)}. vs ideal, partial-hit tokens, evictions: partial.")
+    lines.append("")
+    lines += ["| KV budget | steps naive | steps paged | steps partial | naive / paged | idle reserved "
+              "naive (mean, % of pool) | idle reserved paged | peak in use naive / paged / partial "
+              "| computed naive / paged |",
+              "|---" * 9 + "|"]
+    for i in points:
+        n, pa, pt = by.get(("naive", i)), by.get(("paged", i)), by.get(("partial", i))
+        if not (n and pa and pt):
+            continue
+        lines.append(
+            f"| {pt['budget_label']} | {n['steps']} | {pa['steps']} | {pt['steps']} | "
+            f"{n['steps'] / pa['steps']:.2f} | {_size(n['mean_idle_bytes'])} "
+            f"({100 * n['mean_idle_fraction']:.1f}%) | {_size(pa['mean_idle_bytes'])} "
+            f"({100 * pa['mean_idle_fraction']:.2f}%) | {_size(n['peak_kv_bytes'])} / "
+            f"{_size(pa['peak_kv_bytes'])} / {_size(pt['peak_kv_bytes'])} | "
+            f"{n['computed_tokens']:,} / {pa['computed_tokens']:,} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------------- CLI
 
 
@@ -351,6 +407,7 @@ def run_bench(args: argparse.Namespace) -> int:
     _write_json(out / "sweep.json", result.as_dict())
     _write_csv(out / "sweep.csv", result.rows + list(result.unbounded.values()))
     written = write_figures(result, out)
+    (out / "tables.md").write_text(markdown_tables(result), encoding="utf-8")
     if args.workload.startswith("mooncake") and not args.no_mooncake_curve:
         from benchmarks.mooncake_replay import run_mooncake_replay
 
@@ -359,7 +416,7 @@ def run_bench(args: argparse.Namespace) -> int:
         run_mooncake_replay(out, [name], limit=args.limit, trace_paths=paths, quick=args.quick,
                             log=console.print)
         written += [out / f"mooncake_hit_rate.{ext}" for ext in ("png", "json", "csv")]
-    console.print(f"wrote {len(written) + 2} files to {out}/ (sweep.json, sweep.csv, "
+    console.print(f"wrote {len(written) + 3} files to {out}/ (sweep.json, sweep.csv, tables.md, "
                   f"{', '.join(sorted({p.name for p in written if p.suffix == '.png'}))} ...) "
                   f"in {time.perf_counter() - t0:.1f}s with {result.meta['jobs']} jobs")
     return 0

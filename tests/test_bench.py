@@ -206,6 +206,10 @@ def test_bench_quick_writes_json_csv_png(tmp_path):
     assert {r["policy"] for r in rows} == {"naive", "paged", "prefix", "partial", "hybrid"}
     fig = json.loads((out / "hit_rate_vs_pool.json").read_text())
     assert fig["rows"] and "ideal_token_hit_rate" in fig
+    tables = (out / "tables.md").read_text()
+    assert tables.count("| KV budget |") == 2
+    header, sep = tables.splitlines()[:2]
+    assert header.count("|") == sep.count("|")
 
 
 def test_bench_rejects_bad_arguments(tmp_path):
