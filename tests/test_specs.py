@@ -1,0 +1,286 @@
+"""KV cache specs and the grouping of a model's layers over one shared pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    group_layers,
+    make_kv_cache_config,
+)
+
+BS, HEADS, DIM = 16, 4, 64
+
+
+def full(dtype: torch.dtype = torch.float16) -> FullAttentionSpec:
+    return FullAttentionSpec(BS, HEADS, DIM, dtype)
+
+
+def sliding(window: int, dtype: torch.dtype = torch.float16) -> SlidingWindowSpec:
+    return SlidingWindowSpec(BS, HEADS, DIM, dtype, window=window)
+
+
+def gemma3_layers(num_layers: int = 26, window: int = 512) -> list[KVCacheSpec]:
+    """Every 6th layer full, the rest sliding (Gemma 3's 5:1 pattern)."""
+    return [full() if (i + 1) % 6 == 0 else sliding(window) for i in range(num_layers)]
+
+
+def check_partition(config: KVCacheConfig, specs: list[KVCacheSpec]) -> None:
+    """Every layer in exactly one group, of its own spec; no group larger than num_slots."""
+    seen: list[int] = []
+    for group in config.groups:
+        assert 0 < len(group.layer_ids) <= config.num_slots
+        for layer in group.layer_ids:
+            assert specs[layer] == group.spec
+        seen.extend(group.layer_ids)
+    assert sorted(seen) == list(range(len(specs)))
+    mapping = config.layer_to_group_slot()
+    assert len(mapping) == len(specs)
+    for layer, (g, slot) in mapping.items():
+        assert config.groups[g].layer_ids[slot] == layer
+    assert config.num_padding_layers == sum(config.num_slots - len(g.layer_ids)
+                                            for g in config.groups)
+
+
+# ---- page sizes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "itemsize"),
+                         [(torch.float16, 2), (torch.bfloat16, 2), (torch.float32, 4)])
+@pytest.mark.parametrize(("bs", "heads", "dim"), [(16, 4, 64), (1, 1, 1), (32, 8, 128), (4, 2, 80)])
+def test_page_size_bytes(dtype: torch.dtype, itemsize: int, bs: int, heads: int, dim: int) -> None:
+    expected = 2 * bs * heads * dim * itemsize
+    assert FullAttentionSpec(bs, heads, dim, dtype).page_size_bytes == expected
+    assert SlidingWindowSpec(bs, heads, dim, dtype, window=7).page_size_bytes == expected
+
+
+def test_spec_windows_and_defaults() -> None:
+    assert FullAttentionSpec(16, 4, 64).dtype == torch.float16
+    assert FullAttentionSpec(16, 4, 64).sliding_window is None
+    assert sliding(128).sliding_window == 128
+    # Specs are values: equal fields group together, a different window is a different spec.
+    assert sliding(128) == sliding(128)
+    assert sliding(128) != sliding(256)
+    assert full() != SlidingWindowSpec(BS, HEADS, DIM, torch.float16, window=1)
+
+
+# ---- grouping ----------------------------------------------------------------------------------
+
+
+def test_gemma3_like_grouping() -> None:
+    specs = gemma3_layers(26)
+    config = make_kv_cache_config(specs, num_blocks=100)
+    check_partition(config, specs)
+    full_layers = [5, 11, 17, 23]
+    # The smallest type (4 full layers) sets the group size; 22 sliding layers need 6 groups.
+    assert config.num_slots == 4
+    full_groups = [g for g in config.groups if g.spec.sliding_window is None]
+    sw_groups = [g for g in config.groups if g.spec.sliding_window is not None]
+    assert len(full_groups) == 1 and full_groups[0].layer_ids == tuple(full_layers)
+    assert len(sw_groups) == 6
+    assert sorted(len(g.layer_ids) for g in sw_groups) == [2, 4, 4, 4, 4, 4]
+    assert config.num_padding_layers == 2
+    assert config.block_size == BS
+    assert config.page_size_bytes == 2 * BS * HEADS * DIM * 2
+    assert config.bytes_per_block == config.page_size_bytes * 4
+    # Layer order is kept inside a group.
+    for g in config.groups:
+        assert list(g.layer_ids) == sorted(g.layer_ids)
+
+
+def test_gemma3_exact_multiple_has_no_padding() -> None:
+    specs = gemma3_layers(24)  # 20 sliding + 4 full: 5:1 exactly
+    config = make_kv_cache_config(specs, num_blocks=10)
+    check_partition(config, specs)
+    assert config.num_slots == 4
+    assert len(config.groups) == 6
+    assert config.num_padding_layers == 0
+
+
+def test_gemma2_alternating() -> None:
+    specs: list[KVCacheSpec] = [sliding(4096) if i % 2 == 0 else full() for i in range(42)]
+    config = make_kv_cache_config(specs, num_blocks=10)
+    check_partition(config, specs)
+    assert config.num_slots == 21
+    assert len(config.groups) == 2
+    assert config.num_padding_layers == 0
+    by_window = {g.spec.sliding_window: g.layer_ids for g in config.groups}
+    assert by_window[4096] == tuple(range(0, 42, 2))
+    assert by_window[None] == tuple(range(1, 42, 2))
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_single_type_is_one_group(kind: str) -> None:
+    specs: list[KVCacheSpec] = [full() if kind == "full" else sliding(64) for _ in range(12)]
+    config = make_kv_cache_config(specs, num_blocks=10)
+    check_partition(config, specs)
+    assert len(config.groups) == 1
+    assert config.num_slots == 12
+    assert config.groups[0].layer_ids == tuple(range(12))
+    assert config.num_padding_layers == 0
+
+
+def test_single_layer() -> None:
+    config = make_kv_cache_config([sliding(3)], num_blocks=5)
+    assert config.num_slots == 1 and len(config.groups) == 1
+    assert config.num_padding_layers == 0
+
+
+def test_two_windows_and_full() -> None:
+    # 6 layers of window 128, 3 of window 1024, 3 full: groups of 3.
+    specs: list[KVCacheSpec] = []
+    for i in range(12):
+        specs.append(full() if i % 4 == 3 else sliding(1024) if i % 4 == 1 else sliding(128))
+    config = make_kv_cache_config(specs, num_blocks=10)
+    check_partition(config, specs)
+    assert config.num_slots == 3
+    windows = sorted((g.spec.sliding_window or 0) for g in config.groups)
+    assert windows == [0, 128, 128, 1024]
+    assert config.num_padding_layers == 0
+
+
+def test_uneven_types_report_padding() -> None:
+    # 7 windowed (W=8), 3 windowed (W=32), 2 full: groups of 2 -> 4 + 2 + 1 groups, one padded each
+    # for the two odd types.
+    specs: list[KVCacheSpec] = [sliding(8)] * 7 + [sliding(32)] * 3 + [full()] * 2
+    config = make_kv_cache_config(specs, num_blocks=10)
+    check_partition(config, specs)
+    assert config.num_slots == 2
+    assert len(config.groups) == 4 + 2 + 1
+    assert config.num_padding_layers == 1 + 1
+
+
+def test_group_layers_matches_config() -> None:
+    specs = gemma3_layers(26)
+    groups, num_slots = group_layers(specs)
+    config = make_kv_cache_config(specs, num_blocks=7)
+    assert groups == config.groups and num_slots == config.num_slots
+
+
+def test_manager_gets_one_sub_manager_per_group() -> None:
+    config = make_kv_cache_config(gemma3_layers(26, window=64), num_blocks=50)
+    manager = KVCacheManager(config)
+    managers = manager.coordinator.managers
+    assert len(managers) == len(config.groups) == 7
+    for g, (sub, group) in enumerate(zip(managers, config.groups, strict=True)):
+        assert sub.group_id == g
+        assert getattr(sub, "window", None) == group.spec.sliding_window
+    assert manager.group_usage() == [0.0] * 7
+
+
+# ---- sizing from a byte budget -----------------------------------------------------------------
+
+
+def test_num_blocks_from_memory_budget() -> None:
+    specs = gemma3_layers(26)
+    page = 2 * BS * HEADS * DIM * 2
+    per_block = page * 4  # four slots
+    config = make_kv_cache_config(specs, memory_bytes=per_block * 1000)
+    assert config.num_blocks == 1000
+    assert config.bytes_per_block == per_block
+    # The budget is rounded down to whole blocks.
+    assert make_kv_cache_config(specs, memory_bytes=per_block * 1000 - 1).num_blocks == 999
+    assert make_kv_cache_config(specs, memory_bytes=per_block * 2).num_blocks == 2
+
+
+def test_memory_budget_uses_slot_count_not_layer_count() -> None:
+    # 42 alternating layers: 21 slots, so one block id costs 21 pages, not 42.
+    specs: list[KVCacheSpec] = [sliding(4096, torch.bfloat16) if i % 2 == 0 else full(torch.bfloat16)
+                                for i in range(42)]
+    page = 2 * BS * HEADS * DIM * 2
+    config = make_kv_cache_config(specs, memory_bytes=page * 21 * 64)
+    assert config.num_blocks == 64
+
+
+def test_explicit_num_blocks() -> None:
+    config = make_kv_cache_config([full()], num_blocks=123)
+    assert config.num_blocks == 123
+
+
+def test_memory_budget_too_small() -> None:
+    specs = gemma3_layers(26)
+    per_block = 2 * BS * HEADS * DIM * 2 * 4
+    with pytest.raises(ValueError, match="at least 2"):
+        make_kv_cache_config(specs, memory_bytes=per_block * 2 - 1)
+    with pytest.raises(ValueError):
+        make_kv_cache_config(specs, memory_bytes=0)
+
+
+def test_budget_or_count_exactly_one() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        make_kv_cache_config([full()])
+    with pytest.raises(ValueError, match="exactly one"):
+        make_kv_cache_config([full()], memory_bytes=1 << 20, num_blocks=10)
+
+
+def test_pool_of_fewer_than_two_blocks_is_rejected() -> None:
+    for n in (1, 0, -3):
+        with pytest.raises(ValueError):
+            KVCacheManager(make_kv_cache_config([full()], num_blocks=n))
+
+
+# ---- mismatches and bad sizes ------------------------------------------------------------------
+
+
+def test_mismatched_block_size_names_layers() -> None:
+    specs: list[KVCacheSpec] = [full(), sliding(64), full(), SlidingWindowSpec(32, HEADS, DIM, window=64)]
+    with pytest.raises(ValueError, match=r"layer 3.*block_size 32.*layer 0.*16"):
+        make_kv_cache_config(specs, num_blocks=10)
+
+
+def test_mismatched_page_size_names_layers() -> None:
+    # Same block size, twice the heads: pages twice as large.
+    specs: list[KVCacheSpec] = [full(), sliding(64), SlidingWindowSpec(BS, 2 * HEADS, DIM, window=64)]
+    with pytest.raises(ValueError, match=r"layer 2.*\b32768\b.*layer 0.*\b16384\b"):
+        make_kv_cache_config(specs, num_blocks=10)
+    # A dtype change alone changes the page size too.
+    with pytest.raises(ValueError, match="layer 1"):
+        make_kv_cache_config([full(torch.float16), full(torch.float32)], num_blocks=10)
+    # Bytes are compared, so an fp32 layer with half the heads of an fp16 layer is allowed.
+    ok = make_kv_cache_config(
+        [full(torch.float16), FullAttentionSpec(BS, HEADS // 2, DIM, torch.float32)], num_blocks=10)
+    assert ok.page_size_bytes == 2 * BS * HEADS * DIM * 2
+
+
+def test_mismatch_is_raised_for_budget_sizing_too() -> None:
+    with pytest.raises(ValueError, match="layer 1"):
+        make_kv_cache_config([full(), FullAttentionSpec(8, HEADS, DIM)], memory_bytes=1 << 30)
+
+
+def test_empty_layer_list() -> None:
+    with pytest.raises(ValueError):
+        make_kv_cache_config([], num_blocks=10)
+
+
+@pytest.mark.parametrize("window", [0, -1, -128, 2.5, "8", None])
+def test_invalid_window(window: object) -> None:
+    with pytest.raises(ValueError, match="window"):
+        SlidingWindowSpec(BS, HEADS, DIM, window=window)  # type: ignore[arg-type]
+
+
+def test_window_is_required() -> None:
+    # The default (0) is not a valid window: a sliding spec must say how wide it is.
+    with pytest.raises(ValueError, match="window"):
+        SlidingWindowSpec(BS, HEADS, DIM)
+
+
+@pytest.mark.parametrize("field", ["block_size", "num_kv_heads", "head_dim"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, "4", None])
+def test_invalid_sizes(field: str, value: object) -> None:
+    kwargs: dict[str, object] = {"block_size": BS, "num_kv_heads": HEADS, "head_dim": DIM}
+    kwargs[field] = value
+    with pytest.raises(ValueError, match=field):
+        FullAttentionSpec(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=field):
+        SlidingWindowSpec(**kwargs, window=8)  # type: ignore[arg-type]
+
+
+def test_window_of_one_and_huge_window_are_valid() -> None:
+    assert sliding(1).sliding_window == 1
+    assert sliding(1 << 20).sliding_window == 1 << 20
