@@ -108,7 +108,7 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
         return out
     pool = BlockPool(pool_blocks + 1, enable_caching=True)
     root = pool.root_serial(None)
-    find, touch = pool.find_cached, pool.touch
+    find, cached, touch = pool.find_cached, pool.cached_blocks, pool.touch
     hit_tokens = hit_blocks = link_breaks = unlinked = tail_tokens = 0
     per_request: list[int] = []
     last_full: dict[int, MooncakeRequest] = {}  # id of a request's last full block -> request
@@ -124,12 +124,13 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
             table.append(block)
             parent = block.serial
             k += 1
-        if k < len(keep) and find(0, keep[k], (keep[k],)) is not None:
+        if k < len(keep) and cached(0, keep[k], (keep[k],)):
             link_breaks += 1
         tail_tokens += _continued_tail(req, k, last_full, block_tokens,
-                                       lambda h: find(0, h, (h,)) is not None)
+                                       lambda h: bool(cached(0, h, (h,))))
         for h in keep[k:]:  # after the run: present blocks are reused, missing ones computed
-            block = find(0, h, (h,))
+            same = cached(0, h, (h,))
+            block = same[0] if same else None
             unlinked += block is not None
             table.append(block)
         touch(b for b in table if b is not None)

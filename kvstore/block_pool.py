@@ -156,25 +156,35 @@ class BlockPool:
         """The parent serial of first blocks under this salt."""
         serial = self._root_serials.get(cache_salt)
         if serial is None:
-            serial = self._root_serials[cache_salt] = self._next_serial
-            self._next_serial += 1
+            serial = self._root_serials[cache_salt] = self.new_serial()
         return serial
 
     def find_cached(self, group_id: int, block_hash: BlockHash, token_ids: Sequence[int],
-                    parent_serial: int | None = None, serial: int | None = None
-                    ) -> KVCacheBlock | None:
-        """A full cached block with this hash whose stored tokens (and links, when given) match."""
+                    parent_serial: int) -> KVCacheBlock | None:
+        """A full cached block with this hash, these stored tokens and this parent."""
         candidates = self._hash_index.get((group_id, block_hash))
         if not candidates:
             return None
+        token_ids = tuple(token_ids)
         for block in candidates.values():
-            if (
-                (parent_serial is None or block.parent_serial == parent_serial)
-                and (serial is None or block.serial == serial)
-                and block.token_ids == tuple(token_ids)
-            ):
+            if block.parent_serial == parent_serial and block.token_ids == token_ids:
                 return block
         return None
+
+    def cached_blocks(self, group_id: int, block_hash: BlockHash,
+                      token_ids: Sequence[int]) -> list[KVCacheBlock]:
+        """Every full cached block with this hash and these stored tokens, whatever its parent."""
+        candidates = self._hash_index.get((group_id, block_hash))
+        if not candidates:
+            return []
+        token_ids = tuple(token_ids)
+        return [b for b in candidates.values() if b.token_ids == token_ids]
+
+    def new_serial(self) -> int:
+        """A serial no cached block has: the parent of blocks that follow unknown content."""
+        serial = self._next_serial
+        self._next_serial += 1
+        return serial
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash,
                          token_ids: tuple[int, ...], parent_serial: int,
@@ -193,8 +203,7 @@ class BlockPool:
             if twin.block_hash is not None:
                 serial = twin.serial
         if serial == 0:
-            serial = self._next_serial
-            self._next_serial += 1
+            serial = self.new_serial()
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.serial = serial

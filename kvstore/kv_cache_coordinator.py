@@ -123,7 +123,8 @@ class KVCacheCoordinator:
               pins: list[KVCacheBlock]) -> None:
         """Take a checked prefix hit in every group."""
         for g, manager in enumerate(self.managers):
-            manager.take_hit(computed.blocks[g], computed.partial_sources[g], pins)
+            manager.take_hit(computed.blocks[g], computed.partial_sources[g],
+                             computed.num_computed_tokens, pins)
         for g, manager in enumerate(self.managers):
             manager.admit(request, computed.blocks[g], computed.partial_sources[g], copies, pins)
 

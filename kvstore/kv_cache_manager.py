@@ -130,9 +130,9 @@ class KVCacheManager:
         copies_before = len(self._pending_copies)
         if admitting:
             assert computed is not None
+            request.num_computed_tokens = num_computed
             self.coordinator.admit(request, computed, self._pending_copies, self._pins)
             self.requests[rid] = request
-            request.num_computed_tokens = num_computed
             stats = self.stats
             stats.lookups += 1
             stats.queried_tokens += request.num_tokens

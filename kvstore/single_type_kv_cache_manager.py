@@ -44,8 +44,21 @@ class SingleTypeKVCacheManager:
         return 0
 
     def parent_serial_after(self, request: Request, hit_blocks: Sequence[KVCacheBlock]) -> int:
-        """The parent serial of the block that follows `hit_blocks`."""
-        return hit_blocks[-1].serial if hit_blocks else self.pool.root_serial(request.cache_salt)
+        """The parent serial of the block that follows `hit_blocks` (a fresh, unmatched one
+        when the last hit block is absent: nothing can be linked under unknown content)."""
+        if not hit_blocks:
+            return self.pool.root_serial(request.cache_salt)
+        last = hit_blocks[-1]
+        return self.pool.new_serial() if last.block_id == 0 else last.serial
+
+    def kept_hit_blocks(self, hit_blocks: Sequence[KVCacheBlock],
+                        num_computed_tokens: int) -> list[KVCacheBlock]:
+        """The hit as the table starts: blocks the next query cannot see become null."""
+        k = self.first_needed_position(num_computed_tokens) // self.block_size
+        if k == 0:
+            return list(hit_blocks)
+        k = min(k, len(hit_blocks))
+        return [self.pool.null_block] * k + list(hit_blocks[k:])
 
     # ---- allocation planning (pure) ----------------------------------------------------------
     def num_skippable(self, request_id: str, num_computed_tokens: int) -> tuple[int, int]:
@@ -57,7 +70,8 @@ class SingleTypeKVCacheManager:
                                partial_src: KVCacheBlock | None) -> int:
         """Free blocks this allocation consumes: new pages, hits and pins taken off the queue."""
         if hit_blocks is not None:  # admission
-            n = sum(1 for b in hit_blocks if b.ref_cnt == 0 and b.block_id != 0)
+            n = sum(1 for b in self.kept_hit_blocks(hit_blocks, num_computed_tokens)
+                    if b.ref_cnt == 0 and b.block_id != 0)
             table_len = len(hit_blocks)
             if partial_src is not None:
                 n += 1 + (partial_src.ref_cnt == 0)
@@ -96,10 +110,11 @@ class SingleTypeKVCacheManager:
 
     # ---- mutation (only after the coordinator has checked the plan fits) ---------------------
     def take_hit(self, hit_blocks: list[KVCacheBlock], partial_src: KVCacheBlock | None,
-                 pins: list[KVCacheBlock]) -> None:
-        """Reference the hit blocks and pin the copy source (before any group pops new pages,
-        so none of them is evicted by the admission itself)."""
-        self.pool.touch(b for b in hit_blocks if b.block_id != 0)
+                 num_computed_tokens: int, pins: list[KVCacheBlock]) -> None:
+        """Reference the kept hit blocks and pin the copy source (before any group pops new
+        pages, so none of them is evicted by the admission itself)."""
+        self.pool.touch(b for b in self.kept_hit_blocks(hit_blocks, num_computed_tokens)
+                        if b.block_id != 0)
         if partial_src is not None:
             self.pool.touch((partial_src,))
             partial_src.pin_cnt += 1
@@ -111,7 +126,7 @@ class SingleTypeKVCacheManager:
         """Start the table from the (already referenced) hit blocks and, for a partial hit,
         a private copy of the source block."""
         rid = request.request_id
-        table = list(hit_blocks)
+        table = self.kept_hit_blocks(hit_blocks, request.num_computed_tokens)
         if partial_src is not None:
             dst = self._copy_destination(partial_src, copies, pins)
             table.append(dst)
@@ -254,30 +269,43 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return max(0, num_computed_tokens - self.window + 1)
 
     def find_longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
-        """The rightmost run of linked cached blocks covering one window before the hit end.
-
-        Blocks before the run are returned as the null block."""
+        """The longest hit whose next query's window is cached: null blocks, then a run of
+        linked cached blocks covering the keys that query can see before itself."""
         pool, g, bs = self.pool, self.group_id, self.block_size
         hashes, tokens = request.block_hashes, request.token_ids
-        n = min(max_blocks, len(hashes))
-        run: list[KVCacheBlock] = []  # run[0] is the leftmost block found so far
-        end = n  # run covers blocks [end - len(run), end)
-        for i in range(n - 1, -1, -1):
-            want = None if not run else run[0].parent_serial
-            block = pool.find_cached(g, hashes[i], tokens[i * bs:(i + 1) * bs], serial=want)
-            if block is None:
-                run, end = [], i
-                continue
-            run.insert(0, block)
-            # A hit of `end` blocks: the next query (at end*bs) needs the keys before it
-            # that are inside its window.
-            first_needed = self.first_needed_position(end * bs) // bs
-            if i <= first_needed:
-                if i == 0 and block.parent_serial != pool.root_serial(request.cache_salt):
-                    run, end = [], i
-                    continue
-                return [pool.null_block] * i + run
+        root = pool.root_serial(request.cache_salt)
+        end = min(max_blocks, len(hashes))  # the candidate hit ends before block `end`
+        # chains[i]: cached blocks at i from which a serial-linked chain reaches end - 1.
+        chains: dict[int, list[KVCacheBlock]] = {}
+        for i in range(end - 1, -2, -1):
+            start = self.first_needed_position(end * bs) // bs
+            if i < start:
+                return self._pick_run(chains, start, end)
+            candidates = pool.cached_blocks(g, hashes[i], tokens[i * bs:(i + 1) * bs])
+            if i == 0:
+                candidates = [b for b in candidates if b.parent_serial == root]
+            linked = candidates
+            if i + 1 in chains:
+                wanted = {b.parent_serial for b in chains[i + 1]}
+                linked = [b for b in candidates if b.serial in wanted]
+            if linked:
+                chains[i] = linked
+            else:
+                # The run to the right is broken here: block i may end a shorter hit.
+                chains = {i: candidates} if candidates else {}
+                end = i + 1 if candidates else i
         return []
+
+    def _pick_run(self, chains: dict[int, list[KVCacheBlock]], start: int,
+                  end: int) -> list[KVCacheBlock]:
+        """Null blocks before `start`, then one linked block per position up to `end`."""
+        run: list[KVCacheBlock] = []
+        for i in range(start, end):
+            options = chains[i]
+            if run:
+                options = [b for b in options if b.parent_serial == run[-1].serial]
+            run.append(options[0])
+        return [self.pool.null_block] * start + run
 
     def num_skippable(self, request_id: str, num_computed_tokens: int) -> tuple[int, int]:
         """(table entries that fall out of the window, how many of them would become free)."""

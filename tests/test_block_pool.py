@@ -334,24 +334,22 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     # ---- queries (pure) ----------------------------------------------------------------------
     @rule(data=st.data(), group=st.sampled_from(GROUPS), block_hash=st.integers(0, 2),
-          random_tokens=st.tuples(*[TOKENS] * BS), check_parent=st.booleans(),
-          check_serial=st.booleans())
+          random_tokens=st.tuples(*[TOKENS] * BS))
     def find_cached(self, data: st.DataObject, group: int, block_hash: int,
-                    random_tokens: tuple[int, ...], check_parent: bool, check_serial: bool) -> None:
+                    random_tokens: tuple[int, ...]) -> None:
         fulls = [c for c in self.content.values() if c[3] is not None]
         tokens = random_tokens
         if fulls and data.draw(st.booleans(), label="existing tokens"):
             tokens = data.draw(st.sampled_from(fulls), label="entry")[2]
-        parent = data.draw(st.sampled_from(sorted(self.serials)), label="parent") if check_parent \
-            else None
-        serial = data.draw(st.sampled_from(sorted(self.serials)), label="serial") if check_serial \
-            else None
+        parent = data.draw(st.sampled_from(sorted(self.serials)), label="parent")
         before = pool_snapshot(self.pool)
-        got = self.pool.find_cached(group, block_hash, list(tokens), parent, serial)
+        got = self.pool.find_cached(group, block_hash, list(tokens), parent)
+        every = self.pool.cached_blocks(group, block_hash, list(tokens))
         assert pool_snapshot(self.pool) == before
-        ok = {i for i, c in self.content.items()
-              if c[0] == group and c[3] == block_hash and c[2] == tokens
-              and (parent is None or c[1] == parent) and (serial is None or c[4] == serial)}
+        matching = {i for i, c in self.content.items()
+                    if c[0] == group and c[3] == block_hash and c[2] == tokens}
+        assert {b.block_id for b in every} == matching
+        ok = {i for i in matching if self.content[i][1] == parent}
         if ok:
             assert got is not None and got.block_id in ok
         else:
@@ -495,7 +493,7 @@ def test_hit_on_free_cached_block_pulls_it_out_of_the_middle() -> None:
     pool.free_blocks([y])
     assert queue_ids(pool) == [x.block_id, a.block_id, y.block_id]
     assert a.block_hash is not None and a.token_ids is not None
-    assert pool.find_cached(0, a.block_hash, a.token_ids) is a  # lazily evicted: still there
+    assert pool.cached_blocks(0, a.block_hash, a.token_ids) == [a]  # lazily evicted: still there
     pool.touch([a])
     assert a.ref_cnt == 1 and a.is_cached
     assert queue_ids(pool) == [x.block_id, y.block_id]
@@ -537,7 +535,7 @@ def test_lazy_eviction_drops_index_entries_and_emits_events() -> None:
     # Reuse both (in group 0): evicted on pop.
     got = pool.get_new_blocks(2, 0)
     assert got == [b, a]
-    assert pool.find_cached(1, 111, ta) is None
+    assert pool.cached_blocks(1, 111, ta) == []
     assert pool.longest_partial_match(1, sa, (5, 6)) == (None, 0)
     assert pool.hash_entries() == [] and pool.index_entries() == []
     assert pool.take_events() == [BlockRemoved(111, 1)]  # partial blocks are not announced
@@ -617,8 +615,8 @@ def test_equal_content_under_one_parent_shares_a_serial() -> None:
     assert pool.cache_full_block(c, 7, t, pool.root_serial("x")) != sa  # other parent
     assert pool.cache_full_block(d, 8, full(1, 1, 2, 3), root) != sa  # other tokens
     assert pool.find_cached(0, 7, t, parent_serial=root) in (a, b)
-    assert pool.find_cached(0, 7, t, serial=sa) in (a, b)
-    assert pool.find_cached(1, 7, t) is None  # other group
+    assert [x for x in pool.cached_blocks(0, 7, t) if x.serial == sa] == [a, b]
+    assert pool.cached_blocks(1, 7, t) == []  # other group
     check_pool(pool, Counter({a.block_id: 1, b.block_id: 1, c.block_id: 1, d.block_id: 1}))
 
 
@@ -628,9 +626,9 @@ def test_find_cached_verifies_tokens_on_hash_collision() -> None:
     a, b = pool.get_new_blocks(2, 0)
     pool.cache_full_block(a, 0, full(1, 2, 3, 4), root)
     pool.cache_full_block(b, 0, full(4, 3, 2, 1), root)
-    assert pool.find_cached(0, 0, [1, 2, 3, 4]) is a
-    assert pool.find_cached(0, 0, [4, 3, 2, 1]) is b
-    assert pool.find_cached(0, 0, [1, 1, 1, 1]) is None
+    assert pool.cached_blocks(0, 0, [1, 2, 3, 4]) == [a]
+    assert pool.cached_blocks(0, 0, [4, 3, 2, 1]) == [b]
+    assert pool.cached_blocks(0, 0, [1, 1, 1, 1]) == []
     assert pool.find_cached(0, 0, [1, 2, 3, 4], parent_serial=root + 1000) is None
 
 
