@@ -80,7 +80,8 @@ def load_bench_workload(name: str, trace: str | Path | None = None, limit: int |
 # ------------------------------------------------------------------------------ output
 
 
-def _write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Rows of dicts as CSV; the columns are the union of their keys, in first-seen order."""
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
@@ -190,7 +191,7 @@ def write_figures(result: SweepResult, out: Path) -> list[Path]:
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=110)
         plt.close(fig)
-        _write_csv(out / f"{name}.csv", data)
+        write_csv(out / f"{name}.csv", data)
         _write_json(out / f"{name}.json", {"figure": name, **extra, "rows": data})
         written.extend(out / f"{name}.{ext}" for ext in ("png", "json", "csv"))
 
@@ -405,7 +406,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print_table(result, console)
     _print_findings(result, console)
     _write_json(out / "sweep.json", result.as_dict())
-    _write_csv(out / "sweep.csv", result.rows + list(result.unbounded.values()))
+    write_csv(out / "sweep.csv", result.rows + list(result.unbounded.values()))
     written = write_figures(result, out)
     (out / "tables.md").write_text(markdown_tables(result), encoding="utf-8")
     if args.workload.startswith("mooncake") and not args.no_mooncake_curve:

@@ -16,13 +16,13 @@ and a CSV.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench import write_csv
 from benchmarks.traces import (
     MOONCAKE_BLOCK_TOKENS,
     MooncakeRequest,
@@ -297,16 +297,6 @@ def plot_curves(curves: dict[str, list[dict[str, Any]]],
     plt.close(fig)
 
 
-def _write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-
-
 def run_mooncake_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACES),
                         capacities: Sequence[int] | None = None, limit: int | None = None,
                         trace_paths: dict[str, str | Path] | None = None,
@@ -342,7 +332,7 @@ def run_mooncake_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACE
         for cap, rate in paper.get(name, []):
             table.append({"trace": name, "source": "paper_fig9", "capacity_tokens": cap,
                           "token_hit_rate": rate})
-    _write_csv(out / "mooncake_hit_rate.csv", table)
+    write_csv(out / "mooncake_hit_rate.csv", table)
     result = {"capacities_tokens": caps, "limit": limit, "curves": curves, "gap": gaps,
               "paper_points": {k: v for k, v in paper.items() if k in curves},
               "comparison": compare_with_paper(curves, paper)}

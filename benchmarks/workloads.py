@@ -190,6 +190,23 @@ def _finish(name: str, description: str, requests: list[RequestSpec]) -> Workloa
 # ------------------------------------------------------------------------ generators
 
 
+def _prefixed_requests(id_prefix: str, prefixes: Sequence[np.ndarray], which: np.ndarray,
+                       suffixes: Sequence[np.ndarray], outs: np.ndarray, arrivals: np.ndarray,
+                       vocab_size: int) -> list[RequestSpec]:
+    """Request i = prefixes[which[i]] + suffixes[i], decoding outs[i] tokens."""
+    return [
+        RequestSpec(
+            request_id=f"{id_prefix}-{i:05d}",
+            arrival=float(arrivals[i]),
+            prompt_token_ids=tokens_to_tuple(
+                np.concatenate((prefixes[which[i]], suffixes[i])), vocab_size
+            ),
+            max_tokens=int(outs[i]),
+        )
+        for i in range(len(suffixes))
+    ]
+
+
 def shared_system_prompts(
     num_requests: int = 200,
     *,
@@ -223,17 +240,7 @@ def shared_system_prompts(
         rng, num_requests, median=output_median, sigma=output_sigma, high=output_max
     )
     arrivals = arrival_times(rng, num_requests, rate, arrival_process)
-    requests = [
-        RequestSpec(
-            request_id=f"sys-{i:05d}",
-            arrival=float(arrivals[i]),
-            prompt_token_ids=tokens_to_tuple(
-                np.concatenate((systems[which[i]], users[i])), vocab_size
-            ),
-            max_tokens=int(outs[i]),
-        )
-        for i in range(num_requests)
-    ]
+    requests = _prefixed_requests("sys", systems, which, users, outs, arrivals, vocab_size)
     desc = (
         f"{num_requests} requests over {num_prompts} shared system prompts of lengths {lens} "
         f"+ unique user messages of {user_len[0]}..{user_len[1]} tokens; lognormal outputs "
@@ -359,17 +366,7 @@ def few_shot(
         rng, num_requests, median=output_median, sigma=output_sigma, high=output_max
     )
     arrivals = arrival_times(rng, num_requests, rate, arrival_process)
-    requests = [
-        RequestSpec(
-            request_id=f"fewshot-{i:05d}",
-            arrival=float(arrivals[i]),
-            prompt_token_ids=tokens_to_tuple(
-                np.concatenate((prefixes[task[i]], qs[i])), vocab_size
-            ),
-            max_tokens=int(outs[i]),
-        )
-        for i in range(num_requests)
-    ]
+    requests = _prefixed_requests("fewshot", prefixes, task, qs, outs, arrivals, vocab_size)
     desc = (
         f"{num_requests} requests over {num_tasks} few-shot prefixes of {num_examples} examples "
         f"(prefix lengths {[len(p) for p in prefixes]}, not block-aligned) + unique questions "
