@@ -94,12 +94,12 @@ class Scheduler:
 
     def add_request(self, request: Request, n: int = 1) -> None:
         """Queue a request; with n > 1 it forks into n samples at its first sampled token."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+        if not 1 <= n <= self.config.max_num_seqs:
+            raise ValueError(f"n must be in 1..max_num_seqs={self.config.max_num_seqs}, got {n}")
         if request.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r} has max_tokens {request.max_tokens}; "
                              "it must generate at least one token")
-        need = self.max_blocks_needed(request)
+        need = self.max_blocks_needed(request, n)
         if need > self.manager.pool.num_usable_blocks:
             raise ValueError(
                 f"request {request.request_id!r} ({request.num_prompt_tokens} prompt + "
@@ -109,8 +109,9 @@ class Scheduler:
         if n > 1:
             self.num_samples[request.request_id] = n
 
-    def max_blocks_needed(self, request: Request) -> int:
-        """Most pages the request can hold at once over its life, over all groups."""
+    def max_blocks_needed(self, request: Request, n: int = 1) -> int:
+        """Most pages the request (and its n - 1 forks, which share the prompt's pages) can
+        hold at once over its life, over all groups."""
         bs = self.manager.block_size
         total = request.num_prompt_tokens + request.max_tokens
         need = 0
@@ -118,7 +119,9 @@ class Scheduler:
             window = group.spec.sliding_window
             tokens = total if window is None else min(
                 total, window + self.config.max_num_batched_tokens + bs)
-            need += -(-tokens // bs)
+            # Each fork owns the pages its outputs fill, plus a copy of the shared last page.
+            own = min(tokens, request.max_tokens + bs)
+            need += -(-tokens // bs) + (n - 1) * (-(-own // bs) + 1)
         return need
 
     def schedule(self) -> SchedulerOutput:
@@ -147,8 +150,13 @@ class Scheduler:
                 continue
             break
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            # A request that will fork holds its samples' seats from admission on.
+            seats = sum(self.num_samples.get(r.request_id, 1) for r in self.running)
+            while self.waiting and budget > 0:
                 request = self.waiting[0]
+                n = self.num_samples.get(request.request_id, 1)
+                if seats + n > self.config.max_num_seqs:
+                    break
                 computed = manager.get_computed_blocks(request)
                 num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
                 lookahead = self._lookahead(request, computed.num_computed_tokens + num_new)
@@ -156,6 +164,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 self.running.append(request)
+                seats += n
                 scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
                 before = self._computed_before_preemption.pop(request.request_id, 0)

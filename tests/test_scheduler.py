@@ -1,0 +1,77 @@
+"""The continuous-batching scheduler over the real manager: budgets, admission, preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from invariants import check_manager
+
+from kvstore import FullAttentionSpec, KVCacheManager, Request, make_kv_cache_config
+from models.scheduler import Scheduler, SchedulerConfig
+
+BS = 4
+
+
+def make(num_blocks: int, **kw: int) -> Scheduler:
+    spec = FullAttentionSpec(BS, 1, 8, torch.float32)
+    manager = KVCacheManager(make_kv_cache_config([spec], num_blocks=num_blocks))
+    return Scheduler(manager, SchedulerConfig(**kw))
+
+
+def run_step(s: Scheduler, token: int = 7) -> list[tuple[str, int]]:
+    out = s.schedule()
+    check_manager(s.manager)
+    sampled = {x.request.request_id: [token] * s.num_samples.get(x.request.request_id, 1)
+               for x in out.scheduled if x.samples}
+    s.update(out, sampled)
+    return [(x.request.request_id, x.num_new_tokens) for x in out.scheduled]
+
+
+def test_chunked_prefill_respects_the_token_budget() -> None:
+    s = make(64, max_num_batched_tokens=6)
+    s.add_request(Request("a", list(range(10)), max_tokens=2))
+    s.add_request(Request("b", list(range(100, 103)), max_tokens=1))
+    assert run_step(s) == [("a", 6)]
+    assert run_step(s) == [("a", 4), ("b", 2)]  # a finishes its prompt, b starts
+    assert run_step(s) == [("a", 1), ("b", 1)]  # a decodes, b finishes its prompt
+    assert s.finished == {"a": "length", "b": "length"}  # a sampled twice: done
+
+
+def test_newest_running_request_is_preempted_first_and_recomputed() -> None:
+    s = make(5, max_num_batched_tokens=64)  # 4 usable blocks
+    s.add_request(Request("old", list(range(7)), max_tokens=6))
+    s.add_request(Request("new", list(range(50, 57)), max_tokens=6))
+    run_step(s)  # both admitted: 2 + 2 blocks
+    steps = 0
+    while "old" not in s.finished:
+        run_step(s)
+        steps += 1
+        assert steps < 50
+    assert s.stats.preemptions >= 1
+    assert s.stats.discarded_tokens > 0
+    while s.has_unfinished:
+        run_step(s)
+    assert s.finished == {"old": "length", "new": "length"}
+    pool = s.manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+def test_forks_take_their_seats_at_admission() -> None:
+    s = make(64, max_num_seqs=3)
+    s.add_request(Request("a", list(range(5)), max_tokens=2), n=3)
+    s.add_request(Request("b", list(range(9, 14)), max_tokens=2))
+    assert run_step(s) == [("a", 5)]  # b waits: a's three samples fill max_num_seqs
+    assert len(s.running) == 3
+    assert {r.request_id for r in s.running} == {"a", "a#1", "a#2"}
+    assert all(r.token_ids == list(range(5)) + [7] for r in s.running)
+
+
+def test_bad_requests_are_rejected_up_front() -> None:
+    s = make(5, max_num_seqs=2)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        s.add_request(Request("a", [1, 2], max_tokens=1), n=3)
+    with pytest.raises(ValueError, match="at least one token"):
+        s.add_request(Request("b", [1, 2], max_tokens=0))
+    with pytest.raises(ValueError, match="blocks"):
+        s.add_request(Request("c", list(range(20)), max_tokens=1))  # 6 blocks > 4
+    assert not s.has_unfinished
