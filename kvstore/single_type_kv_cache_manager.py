@@ -95,7 +95,7 @@ class SingleTypeKVCacheManager:
         table = self.req_to_blocks[rid]
         bs = self.block_size
         num_computed = request.num_computed_tokens
-        if -(-num_tokens // bs) > len(table):
+        if cdiv(num_tokens, bs) > len(table):
             return False
         if self.pool.enable_caching and num_computed // bs > self.num_cached_blocks[rid]:
             return False
