@@ -18,8 +18,8 @@ class KVCacheManager:
     Per step, the scheduler calls `get_computed_blocks` then `allocate_slots` for a new
     request (or `allocate_slots` alone for a running one), hands `take_pending_copies()`
     to the worker, which runs those copies before the forward pass, and after the step
-    advances `request.num_computed_tokens`. Pins that keep copy sources alive are
-    released by the next `take_pending_copies()` call, so the worker must have run a
+    advances `request.num_computed_tokens`. Pins that keep copy sources and destinations
+    alive are released by the next `take_pending_copies()` call, so the worker must have run a
     batch of copies before it asks for the next one.
     """
 
@@ -33,8 +33,9 @@ class KVCacheManager:
         self.coordinator = KVCacheCoordinator(config, self.pool)
         self.requests: dict[str, Request] = {}
         self._pending_copies: list[tuple[int, int]] = []
-        self._pins: list[KVCacheBlock] = []  # sources of copies not yet handed out
-        self._pins_handed_out: list[KVCacheBlock] = []  # sources of the last batch handed out
+        # Sources and destinations of copies not yet handed out, and of the last batch.
+        self._pins: list[KVCacheBlock] = []
+        self._pins_handed_out: list[KVCacheBlock] = []
 
     @property
     def stats(self) -> CacheStats:
@@ -55,15 +56,14 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The request's longest cached prefix in every group; changes nothing.
 
-        Call `allocate_slots` with the result before any other allocation."""
+        Pass the result to `allocate_slots`; if cached content it names is evicted in
+        between, `allocate_slots` rejects it as stale."""
         self._check_request(request)
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already admitted")
         request.update_block_hashes(self.block_size, hashing.hash_block)
         if not self.enable_caching:
-            n = len(self.coordinator.managers)
-            return ComputedBlocks(request.request_id, tuple([] for _ in range(n)),
-                                  (None,) * n, 0, 0)
+            return self._no_hit(request)
         # At least one token is computed so the model yields logits.
         return self.coordinator.find_longest_hit(request, request.num_tokens - 1,
                                                  self.enable_partial_hits)
@@ -193,7 +193,7 @@ class KVCacheManager:
 
     @property
     def pinned_blocks(self) -> list[KVCacheBlock]:
-        """Copy sources currently held by pins (one entry per pin)."""
+        """Copy sources and destinations currently held by pins (one entry per pin)."""
         return self._pins + self._pins_handed_out
 
     # ---- views -------------------------------------------------------------------------------
