@@ -77,8 +77,9 @@ class KVCacheManager:
         For a new request pass its `get_computed_blocks` result (or None for no hit): on
         success its `num_computed_tokens` becomes the hit length (the full-block part alone
         when the partial block's copy is what would not fit; the new tokens then start there).
-        Returns the new blocks per group, or None when the pool cannot hold them; then
-        nothing has changed."""
+        Returns the blocks appended to each group's table (pages that replace shared ones,
+        and copy destinations at admission, are in `block_table` only), or None when the
+        pool cannot hold them; then nothing has changed."""
         self._check_request(request)
         rid = request.request_id
         if not isinstance(num_new_tokens, int) or num_new_tokens <= 0:
