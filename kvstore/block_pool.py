@@ -73,11 +73,13 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 enable_events: bool = False) -> None:
+                 enable_events: bool = False, index_partial_blocks: bool = True) -> None:
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        # Whether finished requests' partially filled last blocks are indexed (for partial hits).
+        self.index_partial_blocks = enable_caching and index_partial_blocks
         self.enable_events = enable_events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]

@@ -29,7 +29,8 @@ class KVCacheManager:
         self.block_size = config.block_size
         self.enable_caching = enable_caching
         self.enable_partial_hits = enable_caching and enable_partial_hits
-        self.pool = BlockPool(config.num_blocks, enable_caching, enable_events)
+        self.pool = BlockPool(config.num_blocks, enable_caching, enable_events,
+                              index_partial_blocks=self.enable_partial_hits)
         self.coordinator = KVCacheCoordinator(config, self.pool)
         self.requests: dict[str, Request] = {}
         self._pending_copies: list[tuple[int, int]] = []

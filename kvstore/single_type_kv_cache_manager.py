@@ -216,7 +216,7 @@ class SingleTypeKVCacheManager:
         self.cache_blocks(request, num_computed)
         bs = self.block_size
         tail = num_computed // bs
-        if self.pool.enable_caching and num_computed % bs and tail < len(table):
+        if self.pool.index_partial_blocks and num_computed % bs and tail < len(table):
             block = table[tail]
             if block.ref_cnt - block.pin_cnt == 1 and block.token_ids is None and block.block_id != 0:
                 self.pool.cache_partial_block(

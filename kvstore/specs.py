@@ -20,7 +20,7 @@ class FullAttentionSpec:
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
 
     @property
@@ -43,7 +43,7 @@ class SlidingWindowSpec(FullAttentionSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.window, int) or self.window <= 0:
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window <= 0:
             raise ValueError(f"SlidingWindowSpec.window must be a positive int, got {self.window!r}")
 
     @property
@@ -138,4 +138,6 @@ def make_kv_cache_config(layer_specs: Sequence[KVCacheSpec], memory_bytes: int |
             raise ValueError(
                 f"memory_bytes={memory_bytes} holds {num_blocks} blocks of {bytes_per_block} bytes; "
                 "need at least 2 (one is the null block)")
+    elif not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
+        raise ValueError(f"num_blocks must be an int >= 2 (one is the null block), got {num_blocks!r}")
     return KVCacheConfig(num_blocks=num_blocks, groups=groups, num_slots=num_slots)

@@ -284,3 +284,13 @@ def test_invalid_sizes(field: str, value: object) -> None:
 def test_window_of_one_and_huge_window_are_valid() -> None:
     assert sliding(1).sliding_window == 1
     assert sliding(1 << 20).sliding_window == 1 << 20
+
+
+def test_bools_and_tiny_block_counts_are_rejected_at_config_time() -> None:
+    with pytest.raises(ValueError, match="window"):
+        SlidingWindowSpec(4, 1, 8, window=True)
+    with pytest.raises(ValueError, match="block_size"):
+        FullAttentionSpec(True, 1, 8)
+    for bad in (1, 0, -3, 2.5):
+        with pytest.raises(ValueError, match="num_blocks"):
+            make_kv_cache_config([FullAttentionSpec(4, 1, 8)], num_blocks=bad)
