@@ -153,6 +153,15 @@ class BlockPool:
                 else:
                     queue.append(block)
 
+    def refresh(self, blocks: Iterable[tuple[KVCacheBlock, int]]) -> None:
+        """Move free blocks that still hold the content of the given serial to the tail (most
+        recently used), in the order given."""
+        queue = self.free_queue
+        for block, serial in blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None and block.serial == serial:
+                queue.remove(block)
+                queue.append(block)
+
     # ---- prefix cache ------------------------------------------------------------------------
     def root_serial(self, cache_salt: str | None) -> int:
         """The parent serial of first blocks under this salt."""

@@ -263,6 +263,26 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if window is None:
             raise ValueError("SlidingWindowManager needs a SlidingWindowSpec")
         self.window = window
+        # Cached pages each request dropped from its window (with their content serials).
+        self.dropped: dict[str, list[tuple[KVCacheBlock, int]]] = {}
+
+    def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
+              partial_src: KVCacheBlock | None, copies: list[tuple[int, int]],
+              pins: list[KVCacheBlock]) -> None:
+        """Start the table (see the base class) and an empty record of dropped pages."""
+        super().admit(request, hit_blocks, partial_src, copies, pins)
+        self.dropped[request.request_id] = []
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Share the parent's pages; the child has dropped none yet."""
+        super().fork(parent_id, child_id)
+        self.dropped[child_id] = []
+
+    def free(self, request: Request) -> None:
+        """Release the table; the pages the request dropped from its window earlier become
+        as recent as the rest of its content, so a later hit finds its window with its chain."""
+        super().free(request)
+        self.pool.refresh(self.dropped.pop(request.request_id))
 
     def first_needed_position(self, num_computed_tokens: int) -> int:
         """The query at q attends q - W < k <= q."""
@@ -333,6 +353,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             removed.append(block)
             table[i] = null
         self.pool.free_blocks(removed)
+        # Deepest first, like the blocks removed now.
+        self.dropped[request_id][:0] = [(b, b.serial) for b in removed if b.block_hash is not None]
 
 
 def make_manager(pool: BlockPool, spec: KVCacheSpec, group_id: int) -> SingleTypeKVCacheManager:

@@ -120,6 +120,17 @@ def evict_head(manager: KVCacheManager, num: int) -> None:
     check_manager(manager)
 
 
+def evict_blocks(manager: KVCacheManager, block_ids: Sequence[int]) -> None:
+    """Make these free blocks the least recently used, then evict exactly them."""
+    queue = manager.pool.free_queue
+    for block_id in reversed(block_ids):
+        block = manager.pool.blocks[block_id]
+        queue.remove(block)
+        queue.appendleft(block)
+    evict_head(manager, len(block_ids))
+    assert all(manager.pool.blocks[b].block_hash is None for b in block_ids)
+
+
 def queue_ids(pool: BlockPool) -> list[int]:
     return [b.block_id for b in pool.free_queue]
 
@@ -462,13 +473,11 @@ def test_hit_after_early_blocks_were_evicted() -> None:
     ids = record_ids(m, req, chunk=4)
     m.free(req)
     pool = m.pool
-    queue = queue_ids(pool)
-    # Window drops freed the windowed group's blocks 0..3 first, root first; the rest came
-    # back at the free, deepest first.
+    # The window drops freed the windowed group's blocks 0..3 while the request ran; its
+    # free made them as recent as the rest of its content: at the tail, deepest first.
     sw_early = [ids[1][i] for i in range(4)]
-    assert queue[queue.index(sw_early[0]):queue.index(sw_early[0]) + 4] == sw_early
-    evict_head(m, queue.index(sw_early[3]) + 1)
-    assert all(pool.blocks[b].block_hash is None for b in sw_early)
+    assert queue_ids(pool)[-4:] == sw_early[::-1]
+    evict_blocks(m, sw_early)
     assert all(pool.blocks[ids[0][i]].block_hash is not None for i in range(6))
     again = Request("b", prompt + [1])
     computed = prefill(m, again, chunk=4)
@@ -618,8 +627,7 @@ def test_windowed_hit_survives_a_stale_link_to_its_right() -> None:
     prompt = list(range(100, 121))  # 21 tokens
     ids = record_ids(m, Request("r1", prompt), chunk=4)[0]
     m.free(m.requests["r1"])
-    # Window drops freed blocks 0, 1, 2 first: evict them, keep blocks 3 and 4.
-    evict_head(m, queue_ids(m.pool).index(ids[2]) + 1)
+    evict_blocks(m, [ids[0], ids[1], ids[2]])  # keep blocks 3 and 4
     assert m.pool.blocks[ids[3]].block_hash is not None
     prefill(m, Request("r2", prompt[:13]))  # no hit: recomputes blocks 0..2
     m.free(m.requests["r2"])
@@ -638,7 +646,7 @@ def test_windowed_hit_tries_every_cached_copy_of_its_last_block() -> None:
     prompt = list(range(100, 117))  # 17 tokens
     ids = record_ids(m, Request("r1", prompt), chunk=4)[0]
     m.free(m.requests["r1"])
-    evict_head(m, queue_ids(m.pool).index(ids[1]) + 1)  # blocks 0, 1 (dropped first) go
+    evict_blocks(m, [ids[0], ids[1]])
     assert m.pool.blocks[ids[2]].block_hash is not None
     prefill(m, Request("r2", prompt[:13]))  # no hit: recomputes blocks 0..2 under new serials
     m.free(m.requests["r2"])
@@ -657,7 +665,7 @@ def test_window_one_group_needs_no_cached_block() -> None:
     prompt = list(range(100, 117))
     ids = record_ids(m, Request("r1", prompt), chunk=4)
     m.free(m.requests["r1"])
-    evict_head(m, queue_ids(m.pool).index(ids[1][3]) + 1)
+    evict_blocks(m, [ids[1][i] for i in range(4)])
     assert all(m.pool.blocks[ids[0][i]].block_hash is not None for i in range(4))
     req = Request("r2", prompt)
     computed = m.get_computed_blocks(req)
