@@ -15,7 +15,7 @@ import argparse
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import matplotlib
@@ -23,41 +23,34 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from benchmarks.simulator import SimResult, simulate  # noqa: E402
+from benchmarks.sweep import ModelShape  # noqa: E402
 from benchmarks.workloads import RequestSpec, ideal_hit_tokens, shared_system_prompts  # noqa: E402
-from kvstore.single_type_kv_cache_manager import cdiv  # noqa: E402
-from kvstore.specs import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheSpec,
-    SlidingWindowSpec,
-    make_kv_cache_config,
-)
+from kvstore.block_pool import BlockPool  # noqa: E402
+from kvstore.kv_cache_coordinator import KVCacheCoordinator  # noqa: E402
+from kvstore.specs import KVCacheConfig, KVCacheSpec, make_kv_cache_config  # noqa: E402
 from models.scheduler import Scheduler, SchedulerConfig, SchedulerOutput  # noqa: E402
 
 BLOCK_SIZE = 16
-NUM_LAYERS = 26
-FULL_EVERY = 6
-# Gemma-3-1B-like pages: one KV head of dimension 256, fp16.
-NUM_KV_HEADS = 1
-HEAD_DIM = 256
+# Gemma-3-1B-like: 26 layers, every 6th full attention, one KV head of dimension 256, fp16.
+SHAPE = ModelShape("gemma-3-1b-like", num_layers=26, num_kv_heads=1, head_dim=256,
+                   dtype=torch.float16, sliding_per_full=5)
 MiB = 1 << 20
 FIGURE = Path(__file__).resolve().parent.parent / "docs" / "figures" / "hybrid_memory.png"
 
 
 def gemma3_like(window: int) -> list[KVCacheSpec]:
     """26 layers; layers 5, 11, 17, 23 (every 6th) are full attention, the rest windowed."""
-    full = FullAttentionSpec(BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    sliding = SlidingWindowSpec(BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, window=window)
-    return [full if (i + 1) % FULL_EVERY == 0 else sliding for i in range(NUM_LAYERS)]
+    return replace(SHAPE, sliding_window=window).hybrid_specs(BLOCK_SIZE)
 
 
 def all_full() -> list[KVCacheSpec]:
     """The same 26 layers, all full attention."""
-    return [FullAttentionSpec(BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)] * NUM_LAYERS
+    return SHAPE.full_specs(BLOCK_SIZE)
 
 
 def make_workload(num_requests: int, rate: float = math.inf, seed: int = 0) -> list[RequestSpec]:
@@ -72,14 +65,8 @@ def make_workload(num_requests: int, rate: float = math.inf, seed: int = 0) -> l
 
 def resident_blocks(config: KVCacheConfig, num_tokens: int) -> int:
     """Blocks a lone request of `num_tokens` computed tokens holds (all groups), decoding."""
-    total = 0
-    for group in config.groups:
-        window = group.spec.sliding_window
-        n = cdiv(num_tokens, BLOCK_SIZE)
-        if window is not None:
-            n -= max(0, num_tokens - window) // BLOCK_SIZE  # the next query sits at num_tokens
-        total += n
-    return total
+    managers = KVCacheCoordinator(config, BlockPool(2)).managers
+    return sum(m.num_resident_blocks(num_tokens, num_tokens + 1) for m in managers)
 
 
 @dataclass
