@@ -282,7 +282,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Release the table; the pages the request dropped from its window earlier become
         as recent as the rest of its content, so a later hit finds its window with its chain."""
         super().free(request)
-        self.pool.refresh(self.dropped.pop(request.request_id))
+        self.pool.refresh(reversed(self.dropped.pop(request.request_id)))
 
     def first_needed_position(self, num_computed_tokens: int) -> int:
         """The query at q attends q - W < k <= q."""
@@ -327,34 +327,35 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             run.append(options[0])
         return [self.pool.null_block] * start + run
 
+    def _out_of_window(self, request_id: str, num_computed_tokens: int) -> list[int]:
+        """Table indexes of pages no query from `num_computed_tokens` on can attend that are
+        not yet null, deepest first."""
+        table = self.req_to_blocks[request_id]
+        out = []
+        for i in range(min(len(table), self.first_needed_position(num_computed_tokens)
+                           // self.block_size) - 1, -1, -1):
+            if table[i].block_id == 0:
+                break
+            out.append(i)
+        return out
+
     def num_skippable(self, request_id: str, num_computed_tokens: int) -> tuple[int, int]:
         """(table entries that fall out of the window, how many of them would become free)."""
         table = self.req_to_blocks[request_id]
-        n = n_free = 0
-        for i in range(min(len(table), self.first_needed_position(num_computed_tokens)
-                           // self.block_size) - 1, -1, -1):
-            block = table[i]
-            if block.block_id == 0:
-                break
-            n += 1
-            n_free += block.ref_cnt == 1
-        return n, n_free
+        skipped = self._out_of_window(request_id, num_computed_tokens)
+        return len(skipped), sum(table[i].ref_cnt == 1 for i in skipped)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block, deepest freed first."""
         table = self.req_to_blocks[request_id]
-        null = self.pool.null_block
         removed = []
-        for i in range(min(len(table), self.first_needed_position(num_computed_tokens)
-                           // self.block_size) - 1, -1, -1):
-            block = table[i]
-            if block.block_id == 0:
-                break
-            removed.append(block)
-            table[i] = null
+        for i in self._out_of_window(request_id, num_computed_tokens):
+            removed.append(table[i])
+            table[i] = self.pool.null_block
         self.pool.free_blocks(removed)
-        # Deepest first, like the blocks removed now.
-        self.dropped[request_id][:0] = [(b, b.serial) for b in removed if b.block_hash is not None]
+        # Kept shallowest first (appending, no per-step shifting); freed deepest first.
+        self.dropped[request_id].extend(
+            (b, b.serial) for b in reversed(removed) if b.block_hash is not None)
 
 
 def make_manager(pool: BlockPool, spec: KVCacheSpec, group_id: int) -> SingleTypeKVCacheManager:
