@@ -11,15 +11,14 @@ also replays the hash-level hit-rate-vs-capacity curve next to the paper's point
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sweep import (
+from kvstore.benchmarks.output import pyplot, write_csv, write_json
+from kvstore.benchmarks.sweep import (
     DEFAULT_POLICIES,
     MODEL_SHAPES,
     POLICIES,
@@ -28,8 +27,8 @@ from benchmarks.sweep import (
     parse_pool_sizes,
     run_sweep,
 )
-from benchmarks.workloads import WORKLOADS, Workload, make_workload
-from models.scheduler import SchedulerConfig
+from kvstore.benchmarks.workloads import WORKLOADS, Workload, make_workload
+from kvstore.engine.scheduler import SchedulerConfig
 
 __all__ = [
     "TRACE_WORKLOADS",
@@ -61,7 +60,7 @@ def load_bench_workload(name: str, trace: str | Path | None = None, limit: int |
                         seed: int = 0) -> Workload:
     """A built-in workload (first `limit` requests by arrival) or a trace's first `limit`
     rows (default ``DEFAULT_TRACE_LIMIT``) as a token-level workload."""
-    from benchmarks import traces
+    from kvstore.benchmarks import traces
 
     if name in TRACE_WORKLOADS:
         path = Path(trace) if trace else traces.trace_file(TRACE_WORKLOADS[name])
@@ -78,22 +77,6 @@ def load_bench_workload(name: str, trace: str | Path | None = None, limit: int |
 
 
 # ------------------------------------------------------------------------------ output
-
-
-def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    """Rows of dicts as CSV; the columns are the union of their keys, in first-seen order."""
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, default=str)
 
 
 def _pct(x: float | None) -> str:
@@ -176,10 +159,7 @@ def _plot_metric(ax: Any, data: Sequence[dict[str, Any]], key: str, policies: Se
 
 def write_figures(result: SweepResult, out: Path) -> list[Path]:
     """The sweep's figures as PNG, each with a JSON and a CSV of what it plots."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     m = result.meta
     policies = list(m["policies"])
@@ -192,7 +172,7 @@ def write_figures(result: SweepResult, out: Path) -> list[Path]:
         fig.savefig(out / f"{name}.png", dpi=110)
         plt.close(fig)
         write_csv(out / f"{name}.csv", data)
-        _write_json(out / f"{name}.json", {"figure": name, **extra, "rows": data})
+        write_json(out / f"{name}.json", {"figure": name, **extra, "rows": data})
         written.extend(out / f"{name}.{ext}" for ext in ("png", "json", "csv"))
 
     # 1. Hit rate against pool size, with the unbounded replays and the ideal bounds.
@@ -405,12 +385,12 @@ def run_bench(args: argparse.Namespace) -> int:
                            jobs=jobs, progress=on_done, on_start=on_start)
     print_table(result, console)
     _print_findings(result, console)
-    _write_json(out / "sweep.json", result.as_dict())
+    write_json(out / "sweep.json", result.as_dict())
     write_csv(out / "sweep.csv", result.rows + list(result.unbounded.values()))
     written = write_figures(result, out)
     (out / "tables.md").write_text(markdown_tables(result), encoding="utf-8")
     if args.workload.startswith("mooncake") and not args.no_mooncake_curve:
-        from benchmarks.mooncake_replay import run_mooncake_replay
+        from kvstore.benchmarks.mooncake_replay import run_mooncake_replay
 
         name = args.workload.split("-", 1)[1]
         paths = {name: args.trace} if args.trace else None
@@ -448,7 +428,7 @@ def _print_findings(result: SweepResult, console: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.bench [options]``: the same as ``kvstore bench``."""
+    """``python -m kvstore.benchmarks.bench [options]``: the same as ``kvstore bench``."""
     parser = argparse.ArgumentParser(prog="kvstore")
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench_parser(sub)

@@ -1,11 +1,11 @@
 """Memory held per request, concurrency and prefix hits: Gemma-3-like hybrid layout vs all-full.
 
-Run as ``python -m benchmarks.hybrid_memory`` (``--quick`` for a smaller run). A 26-layer
+Run as ``python -m kvstore.benchmarks.hybrid_memory`` (``--quick`` for a smaller run). A 26-layer
 model where every 6th layer is full attention and the others use a sliding window (512
 and 1024 tokens), and the same model with every layer full attention, get the same
 byte budget (``make_kv_cache_config(layer_specs, memory_bytes=...)``) and replay the same
 workload of long prompts with shared prefixes through the real scheduler and manager
-(``benchmarks.simulator.simulate``). Prints one table and writes the plot
+(``kvstore.benchmarks.simulator.simulate``). Prints one table and writes the plot
 ``docs/figures/hybrid_memory.png``.
 """
 
@@ -18,27 +18,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+from rich.console import Console
+from rich.table import Table
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from benchmarks.simulator import SimResult, simulate  # noqa: E402
-from benchmarks.sweep import ModelShape  # noqa: E402
-from benchmarks.workloads import RequestSpec, ideal_hit_tokens, shared_system_prompts  # noqa: E402
-from kvstore.block_pool import BlockPool  # noqa: E402
-from kvstore.kv_cache_coordinator import KVCacheCoordinator  # noqa: E402
-from kvstore.specs import KVCacheConfig, KVCacheSpec, make_kv_cache_config  # noqa: E402
-from models.scheduler import Scheduler, SchedulerConfig, SchedulerOutput  # noqa: E402
+from kvstore.benchmarks.output import pyplot
+from kvstore.benchmarks.simulator import SimResult, simulate
+from kvstore.benchmarks.sweep import ModelShape
+from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, shared_system_prompts
+from kvstore.block_pool import BlockPool
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvstore.kv_cache_coordinator import KVCacheCoordinator
+from kvstore.specs import KVCacheConfig, KVCacheSpec, make_kv_cache_config
 
 BLOCK_SIZE = 16
 # Gemma-3-1B-like: 26 layers, every 6th full attention, one KV head of dimension 256, fp16.
 SHAPE = ModelShape("gemma-3-1b-like", num_layers=26, num_kv_heads=1, head_dim=256,
-                   dtype=torch.float16, sliding_per_full=5)
+                   dtype="float16", sliding_per_full=5)
 MiB = 1 << 20
 FIGURE = Path(__file__).resolve().parent.parent / "docs" / "figures" / "hybrid_memory.png"
 
@@ -212,6 +208,7 @@ def plot(saturated: Sequence[LayoutRun], steady: Sequence[LayoutRun], sample_ids
     """Four panels: sample requests' memory vs their context, mean memory per running
     request and running requests per step (saturated), concurrency and hit rates."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", ":", "-."]

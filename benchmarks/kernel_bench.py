@@ -1,6 +1,6 @@
 """GPU benchmark and correctness check for the paged-attention kernel.
 
-    python -m benchmarks.kernel_bench [--quick] [--check] [--skip-bench] [--json PATH]
+    python -m kvstore.benchmarks.kernel_bench [--quick] [--check] [--skip-bench] [--json PATH]
 
 * decode: achieved bandwidth = bytes of K/V the step *needs* (every visible key, K and V,
   once) / time, over batch x context x window (none / 4096), GQA 8:1, head dim 128, bf16;
@@ -281,8 +281,8 @@ def _measure(rows: list[Row], row: Row, make: Callable[[], Callable[[], object] 
 
 
 def run_bench(args: argparse.Namespace) -> dict:
-    from kernels import paged_attention
-    from kernels.triton_attention import launch_plan
+    from kvstore.kernels import paged_attention
+    from kvstore.kernels.triton_attention import launch_plan
 
     gen = torch.Generator().manual_seed(0)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
@@ -386,8 +386,8 @@ def _print_group(rows: list[Row], kind: str, b: int, ctx: int, ql: int,
 
 def run_check() -> bool:
     """Correctness grid compiled on this GPU against the reference; True when all pass."""
-    from kernels import copy_blocks, paged_attention, paged_attention_reference, write_kv
-    from kernels.testing import GRID, make_case, tolerance
+    from kvstore.kernels import copy_blocks, paged_attention, paged_attention_reference, write_kv
+    from kvstore.kernels.testing import GRID, make_case, tolerance
 
     extra = [
         # long-context decode, split heuristic and forced splits, the benchmark's shapes
@@ -448,7 +448,7 @@ def run_check() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run the check and/or the benchmark; return the exit code."""
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.kernel_bench",
+        prog="python -m kvstore.benchmarks.kernel_bench",
         description="Paged-attention kernel: GPU benchmark and compiled correctness check.")
     ap.add_argument("--quick", action="store_true", help="small grid, few iterations")
     ap.add_argument("--check", action="store_true",

@@ -1,6 +1,6 @@
 """CPU cost of the cache layer's bookkeeping, driven the way a continuous-batching engine drives it.
 
-Run as ``python -m benchmarks.manager_overhead`` (``--quick`` for a small run, ``--profile``
+Run as ``python -m kvstore.benchmarks.manager_overhead`` (``--quick`` for a small run, ``--profile``
 to add a cProfile of the hot path). The :class:`KVCacheManager` is called directly: no
 scheduler, no model. Each step of the driver
 
@@ -40,7 +40,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.workloads import (
+from kvstore.benchmarks.workloads import (
     RequestSpec,
     few_shot,
     ideal_hit_tokens,

@@ -7,23 +7,22 @@ usable blocks): per request in timestamp order it looks up the longest run of le
 ids present, touches them, allocates the missing blocks (the pool evicts least recently
 used cached blocks), caches them, then frees the request's blocks deepest first. Hits
 are counted in whole blocks, as the paper does. The independent oracle
-:func:`benchmarks.traces.mooncake_lru_replay` must agree exactly.
+:func:`kvstore.benchmarks.traces.mooncake_lru_replay` must agree exactly.
 
-Run ``python -m benchmarks.mooncake_replay --out docs/figures`` for the figure, a JSON
+Run ``python -m kvstore.benchmarks.mooncake_replay --out docs/figures`` for the figure, a JSON
 and a CSV.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import write_csv
-from benchmarks.traces import (
+from kvstore.benchmarks.output import pyplot, write_csv, write_json
+from kvstore.benchmarks.traces import (
     MOONCAKE_BLOCK_TOKENS,
     MooncakeRequest,
     load_mooncake,
@@ -260,10 +259,7 @@ def plot_curves(curves: dict[str, list[dict[str, Any]]],
                 ceilings: dict[str, dict[str, Any]] | None = None) -> None:
     """One figure: each trace's pool-replay curve (and oracle markers), the paper's
     points, and each trace's unbounded ceiling, against capacity in tokens (log x)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = {"conversation": "tab:blue", "synthetic": "tab:orange"}
@@ -336,8 +332,7 @@ def run_mooncake_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACE
     result = {"capacities_tokens": caps, "limit": limit, "curves": curves, "gap": gaps,
               "paper_points": {k: v for k, v in paper.items() if k in curves},
               "comparison": compare_with_paper(curves, paper)}
-    with open(out / "mooncake_hit_rate.json", "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+    write_json(out / "mooncake_hit_rate.json", result)
     return result
 
 

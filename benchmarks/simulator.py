@@ -8,11 +8,11 @@ from typing import Any
 
 import xxhash
 
-from benchmarks.workloads import RequestSpec, Workload
+from kvstore.benchmarks.workloads import RequestSpec, Workload
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import KVCacheConfig
-from models.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 
 @dataclass

@@ -5,7 +5,7 @@ Pool sizes are KV byte budgets for a named model shape; each policy turns a budg
 a pool with the page-size formula (bytes per block = 2 * block_size * kv_heads *
 head_dim * dtype_size * layer slots), so the hybrid layout gets more block ids from the
 same bytes. Every point replays the whole workload through the real scheduler and
-cache manager (:func:`benchmarks.simulator.simulate`).
+cache manager (:func:`kvstore.benchmarks.simulator.simulate`).
 """
 
 from __future__ import annotations
@@ -19,18 +19,17 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from benchmarks.simulator import SimResult, simulate
-from benchmarks.workloads import Workload, ideal_hit_tokens
+from kvstore.benchmarks.simulator import SimResult, simulate
+from kvstore.benchmarks.workloads import Workload, ideal_hit_tokens
+from kvstore.engine.scheduler import SchedulerConfig
 from kvstore.specs import (
+    DTYPE_ITEMSIZE,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     SlidingWindowSpec,
     make_kv_cache_config,
 )
-from models.scheduler import SchedulerConfig
 
 __all__ = [
     "ModelShape",
@@ -63,7 +62,7 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype = torch.bfloat16
+    dtype: str = "bfloat16"
     sliding_window: int = 1024
     sliding_per_full: int = 5
     note: str = ""
@@ -71,7 +70,7 @@ class ModelShape:
     @property
     def dtype_size(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return DTYPE_ITEMSIZE[self.dtype]
 
     @property
     def bytes_per_token(self) -> int:
@@ -97,9 +96,8 @@ class ModelShape:
 
     def describe(self) -> str:
         """One line: layers, heads, dtype, bytes per token."""
-        dt = str(self.dtype).replace("torch.", "")
         return (f"{self.name}: {self.num_layers} layers x {self.num_kv_heads} kv heads x "
-                f"head_dim {self.head_dim}, {dt}; {format_bytes(self.bytes_per_token)}/token "
+                f"head_dim {self.head_dim}, {self.dtype}; {format_bytes(self.bytes_per_token)}/token "
                 f"all-full; hybrid = {self.sliding_per_full} sliding (W={self.sliding_window}) "
                 f": 1 full")
 
@@ -114,7 +112,7 @@ MODEL_SHAPES: dict[str, ModelShape] = {
                    note="Gemma 3 12B (its native layout is the hybrid one)"),
         ModelShape("gemma-3-4b", 34, 4, 256, sliding_window=1024, sliding_per_full=5,
                    note="Gemma 3 4B (its native layout is the hybrid one)"),
-        ModelShape("tiny", 6, 1, 8, dtype=torch.float16, sliding_window=64, sliding_per_full=5,
+        ModelShape("tiny", 6, 1, 8, dtype="float16", sliding_window=64, sliding_per_full=5,
                    note="a toy shape for tests and demos"),
     )
 }
@@ -246,7 +244,6 @@ _WORKER: dict[str, Any] = {}
 
 def _init_worker(workload: Workload, shape: ModelShape, block_size: int,
                  sched: SchedulerConfig) -> None:
-    torch.set_num_threads(1)
     _WORKER.update(workload=workload, shape=shape, block_size=block_size, sched=sched)
 
 

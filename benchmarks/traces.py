@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.workloads import (
+from kvstore.benchmarks.workloads import (
     DEFAULT_VOCAB_SIZE,
     RequestSpec,
     Workload,

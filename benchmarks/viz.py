@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.simulator import SimResult, simulate
-from benchmarks.workloads import RequestSpec
+from kvstore.benchmarks.output import pyplot
+from kvstore.benchmarks.simulator import SimResult, simulate
+from kvstore.benchmarks.workloads import RequestSpec
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.specs import FullAttentionSpec, make_kv_cache_config
-from models.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = ["LEGEND", "PoolSnapshot", "PoolRecorder", "demo_scenario", "run_viz", "render_row",
            "plot_layout", "add_viz_parser"]
@@ -66,7 +67,7 @@ def render_row(cells: Sequence[str]) -> str:
 
 
 class PoolRecorder:
-    """An `on_step` hook for :func:`benchmarks.simulator.simulate` that snapshots the pool."""
+    """An `on_step` hook for :func:`kvstore.benchmarks.simulator.simulate` that snapshots the pool."""
 
     def __init__(self, letters: dict[str, str]) -> None:
         self.letters = letters
@@ -173,10 +174,7 @@ def run_viz(num_blocks: int = 13, block_size: int = 4, max_num_batched_tokens: i
 def plot_layout(snapshots: Sequence[PoolSnapshot], path: str | Path, title: str = "") -> None:
     """Block id against step: colour = owning request, hatched = free but cached,
     ``*`` = shared, ``+`` = copy destination."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch, Rectangle
 
     letters = sorted({c for s in snapshots for c in s.owners + s.writers if c})
@@ -263,7 +261,7 @@ def run_viz_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.viz [options]``: the same as ``kvstore viz``."""
+    """``python -m kvstore.benchmarks.viz [options]``: the same as ``kvstore viz``."""
     parser = argparse.ArgumentParser(prog="kvstore")
     sub = parser.add_subparsers(dest="command", required=True)
     add_viz_parser(sub)

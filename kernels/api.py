@@ -32,7 +32,7 @@ def attention(
     ``backend="auto"`` runs the Triton kernel on CUDA and the PyTorch reference on other
     devices; ``"triton"`` forces the kernel (on CPU it needs ``TRITON_INTERPRET=1`` set
     before Triton is imported); ``"reference"`` forces the reference. Arguments and result
-    are those of :func:`kernels.paged_attention`; ``num_splits`` only affects the kernel.
+    are those of :func:`kvstore.kernels.paged_attention`; ``num_splits`` only affects the kernel.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")

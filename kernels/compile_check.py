@@ -1,6 +1,6 @@
 """Ahead-of-time compile every kernel configuration for an NVIDIA target, without a GPU.
 
-``python -m kernels.compile_check [--arch 90 80]`` lowers each kernel through Triton's
+``python -m kvstore.kernels.compile_check [--arch 90 80]`` lowers each kernel through Triton's
 full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled ``ptxas``), so code
 that only the interpreter accepts is caught on a CPU-only machine. Arguments are
 specialised the way the JIT specialises a real call (16-byte aligned pointers, strides

@@ -141,7 +141,7 @@ def write_kv_reference(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Token-by-token reference of :func:`kernels.write_kv` (negative slots are skipped)."""
+    """Token-by-token reference of :func:`kvstore.kernels.write_kv` (negative slots are skipped)."""
     block_size = key_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
@@ -153,7 +153,7 @@ def write_kv_reference(
 def copy_blocks_reference(
     caches: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]
 ) -> None:
-    """Pair-by-pair reference of :func:`kernels.copy_blocks` on a flat list of tensors."""
+    """Pair-by-pair reference of :func:`kvstore.kernels.copy_blocks` on a flat list of tensors."""
     for t in caches:
         for src, dst in pairs:
             t[dst] = t[src].clone()

@@ -368,7 +368,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal paged attention over a block table, for decode and prefill over a cached prefix.
 
-    Same semantics as :func:`kernels.paged_attention_reference` (varlen queries by
+    Same semantics as :func:`kvstore.kernels.paged_attention_reference` (varlen queries by
     ``cu_seqlens_q`` int32 ``[B+1]``; ``seq_lens`` int32 ``[B]`` counts every cached token of
     a sequence including its new queries; ``block_table`` int32 ``[B, max_blocks]``; caches
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides). ``max_seqlen_q``

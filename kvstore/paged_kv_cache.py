@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import copy_blocks, write_kv
+from kvstore.kernels import copy_blocks, write_kv
 from kvstore.specs import KVCacheConfig
 
 
@@ -19,7 +19,7 @@ class PagedKVCache:
     def __init__(self, config: KVCacheConfig, device: torch.device | str = "cpu") -> None:
         spec = config.groups[0].spec
         self.config = config
-        self.dtype = spec.dtype
+        self.dtype = getattr(torch, spec.dtype)
         self.device = torch.device(device)
         self.block_size = spec.block_size
         shape = (config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)

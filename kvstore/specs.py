@@ -4,24 +4,39 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import torch
+# Bytes per element of the page dtypes a cache can hold, by torch's dtype name. The specs
+# keep the name, so the bookkeeping core never imports torch.
+DTYPE_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+                  "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name of a page dtype given as a torch dtype or its name (``torch.bfloat16``,
+    ``"bfloat16"``); ValueError for a dtype a cache cannot hold."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ITEMSIZE:
+        raise ValueError(f"unsupported KV cache dtype {dtype!r}; expected one of {sorted(DTYPE_ITEMSIZE)}")
+    return name
 
 
 @dataclass(frozen=True)
 class FullAttentionSpec:
-    """A layer that keeps every token's K/V."""
+    """A layer that keeps every token's K/V. ``dtype`` is a torch dtype or its name; it is
+    stored as the name (``"float16"``)."""
 
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype = torch.float16
+    dtype: str = "float16"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
 
     @property
     def sliding_window(self) -> int | None:
@@ -31,8 +46,7 @@ class FullAttentionSpec:
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one block of one layer: K and V."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.bench import add_bench_parser, load_bench_workload
-from benchmarks.mooncake_replay import gap_analysis, pool_replay, run_mooncake_replay
-from benchmarks.sweep import (
+from kvstore.benchmarks.bench import add_bench_parser, load_bench_workload
+from kvstore.benchmarks.mooncake_replay import gap_analysis, pool_replay, run_mooncake_replay
+from kvstore.benchmarks.sweep import (
     MODEL_SHAPES,
     default_budgets,
     format_bytes,
@@ -21,8 +21,8 @@ from benchmarks.sweep import (
     parse_size,
     run_sweep,
 )
-from benchmarks.traces import MooncakeRequest, mooncake_lru_replay
-from benchmarks.viz import add_viz_parser, demo_scenario, run_viz
+from kvstore.benchmarks.traces import MooncakeRequest, mooncake_lru_replay
+from kvstore.benchmarks.viz import add_viz_parser, demo_scenario, run_viz
 
 BT = 512
 

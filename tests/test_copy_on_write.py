@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from invariants import check_manager
 
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.paged_kv_cache import PagedKVCache
@@ -27,7 +28,6 @@ from kvstore.specs import (
     SlidingWindowSpec,
     make_kv_cache_config,
 )
-from tests.invariants import check_manager
 
 BS = 4
 HEADS = 2

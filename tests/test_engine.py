@@ -23,11 +23,11 @@ pytest.importorskip("safetensors")
 from test_models_hf import PRESETS, build_pair  # noqa: E402
 
 from kvstore.cli import main as cli_main  # noqa: E402
+from kvstore.engine.engine import LLMEngine, RequestOutput, SamplingParams, kv_cache_specs  # noqa: E402
+from kvstore.engine.runner import ModelRunner  # noqa: E402
+from kvstore.models.model import DecoderModel, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
 from kvstore.paged_kv_cache import PagedKVCache  # noqa: E402
 from kvstore.specs import make_kv_cache_config  # noqa: E402
-from models.engine import LLMEngine, RequestOutput, SamplingParams, kv_cache_specs  # noqa: E402
-from models.model import DecoderModel, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
-from models.runner import ModelRunner  # noqa: E402
 
 STYLES = list(PRESETS)
 ATOL = 1e-4

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import attention, paged_attention, paged_attention_reference
-from kernels.reference import visible_key_range
-from kernels.testing import GRID, make_case, tolerance
-from kernels.triton_attention import launch_config
+from kvstore.kernels import attention, paged_attention, paged_attention_reference
+from kvstore.kernels.reference import visible_key_range
+from kvstore.kernels.testing import GRID, make_case, tolerance
+from kvstore.kernels.triton_attention import launch_config
 
 needs_triton = pytest.mark.skipif(
     not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
@@ -286,7 +286,7 @@ def test_memory_audit_reads_only_visible_positions(monkeypatch, q_lens, seq_lens
 
 def test_split_heuristic(monkeypatch):
     """Split only when the grid underfills the GPU, and only the window-bounded range."""
-    import kernels.triton_attention as ta
+    import kvstore.kernels.triton_attention as ta
 
     monkeypatch.setattr(ta, "sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)

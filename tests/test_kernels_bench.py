@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from benchmarks import kernel_bench as kb
-from kernels import paged_attention_reference
+from kvstore.benchmarks import kernel_bench as kb
+from kvstore.kernels import paged_attention_reference
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from kernels import copy_blocks, paged_attention, paged_attention_reference, write_kv
+from kvstore.kernels import copy_blocks, paged_attention, paged_attention_reference, write_kv
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from kernels import copy_blocks, write_kv
-from kernels.reference import copy_blocks_reference, write_kv_reference
+from kvstore.kernels import copy_blocks, write_kv
+from kvstore.kernels.reference import copy_blocks_reference, write_kv_reference
 
 HAS_KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(

@@ -23,7 +23,7 @@ def test_all_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     root = Path(__file__).resolve().parents[1]
-    res = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--arch", "90"],
+    res = subprocess.run([sys.executable, "-m", "kvstore.kernels.compile_check", "--arch", "90"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("ok   sm_90")]

@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from models.model import (  # noqa: E402
+from kvstore.models.model import (  # noqa: E402
     DecoderModel,
     ModelConfig,
     dense_causal_attention,

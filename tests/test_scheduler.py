@@ -7,7 +7,7 @@ import torch
 from invariants import check_manager
 
 from kvstore import FullAttentionSpec, KVCacheManager, Request, make_kv_cache_config
-from models.scheduler import Scheduler, SchedulerConfig
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 

@@ -6,17 +6,17 @@ import math
 
 import pytest
 
-from benchmarks.simulator import SimResult, simulate
-from benchmarks.sweep import MODEL_SHAPES, POLICIES, run_point
-from benchmarks.workloads import (
+from kvstore.benchmarks.simulator import SimResult, simulate
+from kvstore.benchmarks.sweep import MODEL_SHAPES, POLICIES, run_point
+from kvstore.benchmarks.workloads import (
     RequestSpec,
     ideal_hit_tokens,
     mixed_default,
     multi_turn_chat,
     unique_prompts,
 )
+from kvstore.engine.scheduler import SchedulerConfig
 from kvstore.specs import FullAttentionSpec, make_kv_cache_config
-from models.scheduler import SchedulerConfig
 
 TINY = MODEL_SHAPES["tiny"]
 BS = 16

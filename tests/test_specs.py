@@ -61,7 +61,11 @@ def test_page_size_bytes(dtype: torch.dtype, itemsize: int, bs: int, heads: int,
 
 
 def test_spec_windows_and_defaults() -> None:
-    assert FullAttentionSpec(16, 4, 64).dtype == torch.float16
+    assert FullAttentionSpec(16, 4, 64).dtype == "float16"
+    # A torch dtype and its name make the same spec; a dtype a cache cannot hold is refused.
+    assert FullAttentionSpec(16, 4, 64, torch.bfloat16) == FullAttentionSpec(16, 4, 64, "bfloat16")
+    with pytest.raises(ValueError, match="unsupported KV cache dtype"):
+        FullAttentionSpec(16, 4, 64, torch.int32)
     assert FullAttentionSpec(16, 4, 64).sliding_window is None
     assert sliding(128).sliding_window == 128
     # Specs are values: equal fields group together, a different window is a different spec.

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import traces
-from benchmarks.traces import (
+from kvstore.benchmarks import traces
+from kvstore.benchmarks.traces import (
     MooncakeRequest,
     default_trace_dir,
     load_azure,
@@ -18,7 +18,7 @@ from benchmarks.traces import (
     mooncake_paper_points,
     mooncake_to_workload,
 )
-from benchmarks.workloads import (
+from kvstore.benchmarks.workloads import (
     WORKLOADS,
     RequestSpec,
     Workload,

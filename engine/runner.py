@@ -1,13 +1,13 @@
 """The worker side of one engine step: copies, a flat ragged batch, paged attention, logits.
 
-A step's work arrives as a :class:`~models.scheduler.SchedulerOutput`. The runner
+A step's work arrives as a :class:`~kvstore.engine.scheduler.SchedulerOutput`. The runner
 
 1. runs the step's copy-on-write block copies on the device cache (before any write),
 2. lays every scheduled request's new tokens out one request after another (prefill
    chunks and decodes alike), with per-group block tables and slot mappings,
-3. runs the model with an :data:`~models.model.AttentionFn` that, for layer ``i``,
+3. runs the model with an :data:`~kvstore.models.model.AttentionFn` that, for layer ``i``,
    writes the new K/V into the pages of the layer's group and reads the whole visible
-   context back through :func:`kernels.attention`,
+   context back through :func:`kvstore.kernels.attention`,
 4. returns the logits of the last token of every request whose step ends its known
    tokens (the ones that sample).
 """
@@ -20,11 +20,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
+from kvstore import kernels
+from kvstore.engine.scheduler import SchedulerOutput
 from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.models.model import AttentionFn, DecoderModel
 from kvstore.paged_kv_cache import PagedKVCache
-from models.model import AttentionFn, DecoderModel
-from models.scheduler import SchedulerOutput
+from kvstore.specs import dtype_name
 
 __all__ = ["BatchInputs", "ModelRunner", "ModelRunnerOutput", "build_batch"]
 
@@ -142,7 +143,7 @@ def build_batch(output: SchedulerOutput, manager: KVCacheManager, block_size: in
 class ModelRunner:
     """Runs scheduler steps of a :class:`DecoderModel` over a :class:`PagedKVCache`.
 
-    ``attention_backend`` is passed to :func:`kernels.attention`: ``"reference"`` (PyTorch),
+    ``attention_backend`` is passed to :func:`kvstore.kernels.attention`: ``"reference"`` (PyTorch),
     ``"triton"`` (the paged-attention kernel; on CPU only under ``TRITON_INTERPRET=1``) or
     ``"auto"`` (Triton on CUDA, the reference elsewhere)."""
 
@@ -205,7 +206,7 @@ def check_cache_matches_model(model: DecoderModel, cache: PagedKVCache) -> None:
             ("window", spec.sliding_window, model.layer_window(i)),
             ("num_kv_heads", spec.num_kv_heads, c.num_kv_heads),
             ("head_dim", spec.head_dim, c.head_dim),
-            ("dtype", spec.dtype, c.dtype),
+            ("dtype", spec.dtype, dtype_name(c.dtype)),
         )
         problems += [f"layer {i}: cache {name} {got} vs model {exp}"
                      for name, got, exp in want if got != exp]

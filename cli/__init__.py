@@ -14,12 +14,13 @@ from typing import Any
 
 SubparsersAction = Any  # argparse's private _SubParsersAction
 
+# Tiny preset styles of `kvstore generate` (here so that building the parser loads no torch).
+DEMO_MODELS = ("llama", "mistral", "gemma2", "gemma3")
+
 
 def _add_generate(subparsers: SubparsersAction) -> None:
     """``kvstore generate``: greedy (or sampled) generation on a tiny model over built-in
     prompts that share prefixes, then the cache statistics."""
-    from models.engine import DEMO_MODELS
-
     p = subparsers.add_parser(
         "generate", help="generate with a tiny hybrid-attention model and show cache stats",
         description="Run a tiny random-initialised model (or a local HF checkpoint) over a few "
@@ -47,13 +48,8 @@ def _add_generate(subparsers: SubparsersAction) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from models.engine import (
-        SamplingParams,
-        build_demo_model,
-        demo_prompts,
-        render_demo,
-        run_generate_demo,
-    )
+    from kvstore.cli.generate import build_demo_model, demo_prompts, render_demo, run_generate_demo
+    from kvstore.engine.engine import SamplingParams
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_demo_model(args.model, args.checkpoint, seed=args.seed, device=device)
@@ -73,14 +69,14 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _add_bench(subparsers: SubparsersAction) -> None:
     """``kvstore bench``: the prefix-reuse sweep against pool size (the main job)."""
-    from benchmarks.bench import add_bench_parser
+    from kvstore.benchmarks.bench import add_bench_parser
 
     add_bench_parser(subparsers)
 
 
 def _add_viz(subparsers: SubparsersAction) -> None:
     """``kvstore viz``: the pool's block layout, as text per step and as a PNG over time."""
-    from benchmarks.viz import add_viz_parser
+    from kvstore.benchmarks.viz import add_viz_parser
 
     add_viz_parser(subparsers)
 
