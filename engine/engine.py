@@ -27,6 +27,7 @@ from kvstore.specs import (
     KVCacheConfig,
     KVCacheSpec,
     SlidingWindowSpec,
+    dtype_name,
     make_kv_cache_config,
 )
 
@@ -170,12 +171,13 @@ def kv_cache_specs(model: DecoderModel, block_size: int) -> list[KVCacheSpec]:
     """Per layer, the KV cache spec of a model: full attention or its sliding window."""
     c = model.config
     specs: list[KVCacheSpec] = []
+    dtype = dtype_name(c.dtype)
     for i in range(c.num_layers):
         window = model.layer_window(i)
         if window is None:
-            specs.append(FullAttentionSpec(block_size, c.num_kv_heads, c.head_dim, c.dtype))
+            specs.append(FullAttentionSpec(block_size, c.num_kv_heads, c.head_dim, dtype))
         else:
-            specs.append(SlidingWindowSpec(block_size, c.num_kv_heads, c.head_dim, c.dtype,
+            specs.append(SlidingWindowSpec(block_size, c.num_kv_heads, c.head_dim, dtype,
                                            window=window))
     return specs
 
