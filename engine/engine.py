@@ -40,10 +40,6 @@ __all__ = [
     "kv_cache_specs",
 ]
 
-# The scheduler names the k-th sample of a forking request "<id>#<k>" (k >= 1).
-_FORK_SEP = "#"
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request.
@@ -238,8 +234,6 @@ class LLMEngine:
             raise ValueError(f"token id {max(prompt)} is outside the vocabulary ({vocab})")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        if _FORK_SEP in request_id:
-            raise ValueError(f"request id {request_id!r} must not contain {_FORK_SEP!r}")
         if request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id!r}")
         request = Request(request_id, prompt, cache_salt=cache_salt,
@@ -280,16 +274,16 @@ class LLMEngine:
             return []
         self._idle_steps = 0
         for item in output.scheduled:
-            group = self._groups[item.request.request_id.split(_FORK_SEP)[0]]
+            group = self._samples[item.request.request_id].group
             if group.num_cached_tokens is None:
                 group.num_cached_tokens = item.start
         result = self.runner.execute(output, self.manager)
         drawn = self._sample(result)
-        finished = self.scheduler.update(output, {rid: d.tokens for rid, d in drawn.items()})
-        reasons = {r.request_id: "length" for r in finished}
-        done = {r.request_id: r for r in finished}
+        update = self.scheduler.update(output, {rid: d.tokens for rid, d in drawn.items()})
+        reasons = {r.request_id: "length" for r in update.finished}
+        children = {f.parent.request_id: f.children for f in update.forks}
         for rid, d in drawn.items():
-            self._record(rid, d, reasons, done)
+            self._record(rid, d, children.get(rid, ()), reasons)
         if not self.scheduler.has_unfinished:
             # Idle: this step's copies have run, so release their sources' pins now rather
             # than at the next schedule (nothing can have queued new copies).
@@ -318,22 +312,21 @@ class LLMEngine:
                                 logits[i].clone() if params.return_logits else None)
         return drawn
 
-    def _record(self, rid: str, drawn: _Drawn, reasons: dict[str, str],
-                done: dict[str, Request]) -> None:
-        """Attach the step's sampled tokens to the sample(s) of `rid` (adopting the forked
-        children at a first sample with n > 1) and finish samples that hit a stop token."""
+    def _record(self, rid: str, drawn: _Drawn, children: Sequence[Request],
+                reasons: dict[str, str]) -> None:
+        """Attach the step's sampled tokens to the sample(s) of `rid` (adopting the children
+        the scheduler forked from it, sample k = children[k - 1]) and finish samples that
+        hit a stop token."""
         sample = self._samples[rid]
         group = sample.group
         family = [(rid, sample)]
-        if len(drawn.tokens) > 1:
-            seed = sample.generator.initial_seed() if sample.generator is not None else None
-            for k in range(1, len(drawn.tokens)):
-                child_id = f"{rid}{_FORK_SEP}{k}"
-                child = self._new_sample(group, k, seed)
-                group.samples[k] = child
-                group.requests[k] = self._find_child(child_id, done)
-                self._samples[child_id] = child
-                family.append((child_id, child))
+        seed = sample.generator.initial_seed() if sample.generator is not None else None
+        for k, request in enumerate(children, start=1):
+            child = self._new_sample(group, k, seed)
+            group.samples[k] = child
+            group.requests[k] = request
+            self._samples[request.request_id] = child
+            family.append((request.request_id, child))
         for k, (member_id, member) in enumerate(family):
             member.logprobs.append(drawn.logprobs[k])
             if drawn.logits is not None:
@@ -345,15 +338,6 @@ class LLMEngine:
                 assert request is not None
                 self.scheduler.finish(request, "stop")
                 member.finish_reason = reasons[member_id] = "stop"
-
-    def _find_child(self, request_id: str, done: dict[str, Request]) -> Request:
-        if request_id in done:
-            return done[request_id]
-        for r in self.scheduler.running:
-            if r.request_id == request_id:
-                return r
-        raise RuntimeError(f"forked sample {request_id!r} not found among the scheduler's "
-                           "requests (did its fork naming change?)")
 
     def _collect(self, reasons: dict[str, str]) -> list[RequestOutput]:
         """RequestOutputs of groups whose last sample finished this step."""

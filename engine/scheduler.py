@@ -59,6 +59,23 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+@dataclass(frozen=True)
+class Fork:
+    """The samples a forking request split into at its first sampled token: ``children[k - 1]``
+    is sample ``k`` (the parent itself is sample 0)."""
+
+    parent: Request
+    children: tuple[Request, ...]
+
+
+@dataclass
+class UpdateResult:
+    """What a step's update changed: the requests that finished and the forks it made."""
+
+    finished: list[Request]
+    forks: list[Fork]
+
+
 @dataclass
 class SchedulerStats:
     """Counters over the scheduler's life."""
@@ -71,6 +88,11 @@ class SchedulerStats:
     finished: int = 0
     peak_blocks_in_use: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+
+
+# The scheduler names sample k of a forking request "<id>#<k>", so request ids must not
+# contain it.
+FORK_SEP = "#"
 
 
 class Scheduler:
@@ -94,6 +116,9 @@ class Scheduler:
 
     def add_request(self, request: Request, n: int = 1) -> None:
         """Queue a request; with n > 1 it forks into n samples at its first sampled token."""
+        if FORK_SEP in request.request_id:
+            raise ValueError(f"request id {request.request_id!r} must not contain {FORK_SEP!r} "
+                             "(the scheduler names forked samples with it)")
         if not 1 <= n <= self.config.max_num_seqs:
             raise ValueError(f"n must be in 1..max_num_seqs={self.config.max_num_seqs}, got {n}")
         if request.max_tokens < 1:
@@ -176,11 +201,13 @@ class Scheduler:
                                             - manager.pool.num_free_blocks)
         return SchedulerOutput(scheduled, copies, preempted)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> UpdateResult:
         """Advance progress after the step ran; `sampled[rid]` holds the tokens sampled for
         each request whose last token was computed (n tokens at a forking request's first
-        sample). Returns the requests that finished."""
+        sample, the k-th going to sample k). Returns the requests that finished and the
+        forks made."""
         done: list[Request] = []
+        forks: list[Fork] = []
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
@@ -194,16 +221,18 @@ class Scheduler:
                                  f"{len(tokens)}")
             family = [request]
             for k in range(1, n):
-                child = request.fork(f"{request.request_id}#{k}")
+                child = request.fork(f"{request.request_id}{FORK_SEP}{k}")
                 self.manager.fork(request, child)
                 self.running.append(child)
                 family.append(child)
+            if n > 1:
+                forks.append(Fork(request, tuple(family[1:])))
             for member, token in zip(family, tokens, strict=True):
                 member.append_token_ids(token)
                 if member.num_output_tokens >= member.max_tokens:
                     self.finish(member, "length")
                     done.append(member)
-        return done
+        return UpdateResult(done, forks)
 
     def finish(self, request: Request, reason: str) -> None:
         """Remove a running request and free its pages."""

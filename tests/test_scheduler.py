@@ -74,4 +74,23 @@ def test_bad_requests_are_rejected_up_front() -> None:
         s.add_request(Request("b", [1, 2], max_tokens=0))
     with pytest.raises(ValueError, match="blocks"):
         s.add_request(Request("c", list(range(20)), max_tokens=1))  # 6 blocks > 4
+    with pytest.raises(ValueError, match="must not contain '#'"):
+        s.add_request(Request("d#1", [1, 2], max_tokens=1))
     assert not s.has_unfinished
+
+
+def test_update_returns_the_forks_it_made_in_sample_order() -> None:
+    s = make(64)
+    s.add_request(Request("a", list(range(5)), max_tokens=3), n=3)
+    s.add_request(Request("b", list(range(9, 14)), max_tokens=1))
+    out = s.schedule()
+    result = s.update(out, {"a": [10, 11, 12], "b": [20]})
+    assert [r.request_id for r in result.finished] == ["b"]
+    [fork] = result.forks
+    assert fork.parent.request_id == "a"
+    # Sample k got the k-th sampled token; the children are the scheduler's running requests.
+    assert [c.token_ids[-1] for c in (fork.parent, *fork.children)] == [10, 11, 12]
+    assert all(any(c is r for r in s.running) for c in fork.children)
+    # A later step forks nothing.
+    out = s.schedule()
+    assert s.update(out, {r.request.request_id: [1] for r in out.scheduled}).forks == []
