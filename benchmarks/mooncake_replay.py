@@ -32,6 +32,7 @@ from kvstore.benchmarks.traces import (
 )
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
+from kvstore.utils import hit_rate
 
 __all__ = [
     "TRACES",
@@ -154,11 +155,10 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
         raise RuntimeError("pool replay leaked blocks")
     out.update(hit_tokens=hit_tokens, hit_blocks=hit_blocks, evictions=pool.stats.evictions,
                link_breaks=link_breaks, unlinked_present=unlinked,
-               token_hit_rate=hit_tokens / input_tokens if input_tokens else 0.0,
+               token_hit_rate=hit_rate(hit_tokens, input_tokens),
                partial_tail_tokens=tail_tokens,
-               token_hit_rate_with_tails=(hit_tokens + tail_tokens) / input_tokens
-               if input_tokens else 0.0,
-               block_hit_rate=hit_blocks / total_blocks if total_blocks else 0.0,
+               token_hit_rate_with_tails=hit_rate(hit_tokens + tail_tokens, input_tokens),
+               block_hit_rate=hit_rate(hit_blocks, total_blocks),
                per_request_hit_tokens=per_request)
     return out
 

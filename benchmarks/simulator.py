@@ -13,6 +13,7 @@ from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import KVCacheConfig
+from kvstore.utils import hit_rate
 
 
 @dataclass
@@ -60,12 +61,12 @@ class SimResult:
     @property
     def hit_rate(self) -> float:
         """Tokens served from the cache over tokens looked up, over all admissions."""
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+        return hit_rate(self.hit_tokens, self.queried_tokens)
 
     @property
     def prompt_hit_rate(self) -> float:
         """First-admission hit tokens over prompt tokens (comparable to `ideal_hit_tokens`)."""
-        return self.prompt_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return hit_rate(self.prompt_hit_tokens, self.prompt_tokens)
 
     @property
     def usable_blocks(self) -> int:

@@ -30,6 +30,7 @@ from kvstore.specs import (
     SlidingWindowSpec,
     make_kv_cache_config,
 )
+from kvstore.utils import cdiv
 
 __all__ = [
     "ModelShape",
@@ -201,13 +202,9 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def request_blocks(workload: Workload, block_size: int) -> list[int]:
     """Blocks each request holds at its longest (prompt + max output) with full attention."""
-    return [_cdiv(len(r.prompt_token_ids) + r.max_tokens, block_size) for r in workload.requests
+    return [cdiv(len(r.prompt_token_ids) + r.max_tokens, block_size) for r in workload.requests
             if r.max_tokens >= 1]
 
 

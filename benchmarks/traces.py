@@ -29,6 +29,7 @@ from kvstore.benchmarks.workloads import (
     Workload,
     tokens_to_tuple,
 )
+from kvstore.utils import cdiv, hit_rate
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
@@ -169,7 +170,7 @@ def mooncake_prompt_tokens(
 ) -> np.ndarray:
     """The prompt of one Mooncake request as ``input_length`` token ids: its blocks'
     contents in order, the last block cut to fit."""
-    need = -(-req.input_length // block_tokens)
+    need = cdiv(req.input_length, block_tokens)
     if len(req.hash_ids) != need:
         raise ValueError(
             f"request with input_length {req.input_length} has {len(req.hash_ids)} hash ids, "
@@ -382,7 +383,7 @@ def mooncake_lru_replay(
         "total_blocks": total_blocks,
         "hit_blocks": hit_blocks,
         "evictions": evictions,
-        "token_hit_rate": hit_tokens / input_tokens if input_tokens else 0.0,
-        "block_hit_rate": hit_blocks / total_blocks if total_blocks else 0.0,
+        "token_hit_rate": hit_rate(hit_tokens, input_tokens),
+        "block_hit_rate": hit_rate(hit_blocks, total_blocks),
         "per_request_hit_tokens": per_request,
     }

@@ -20,6 +20,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from kvstore.utils import common_prefix_len, hit_rate
+
 __all__ = [
     "RequestSpec",
     "Workload",
@@ -499,21 +501,7 @@ class IdealHits(NamedTuple):
     @property
     def rate(self) -> float:
         """Hit tokens / prompt tokens (0 for an empty workload)."""
-        return self.total / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-def _lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    m = min(len(a), len(b))
-    if a[:m] == b[:m]:
-        return m
-    lo, hi = 0, m  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+        return hit_rate(self.total, self.prompt_tokens)
 
 
 def ideal_hit_tokens(
@@ -543,9 +531,9 @@ def ideal_hit_tokens(
         earlier = seen.setdefault(r.cache_salt, [])
         pos = bisect_left(earlier, p)
         # The closest earlier sequences in lexicographic order hold the longest LCP.
-        lcp = _lcp(p, earlier[pos]) if pos < len(earlier) else 0
+        lcp = common_prefix_len(p, earlier[pos]) if pos < len(earlier) else 0
         if pos > 0:
-            lcp = max(lcp, _lcp(p, earlier[pos - 1]))
+            lcp = max(lcp, common_prefix_len(p, earlier[pos - 1]))
         hit = max(0, min(lcp, len(p) - 1))
         if block_size is not None:
             hit -= hit % block_size

@@ -30,6 +30,7 @@ from kvstore.specs import (
     dtype_name,
     make_kv_cache_config,
 )
+from kvstore.utils import hit_rate
 
 __all__ = [
     "CompletionOutput",
@@ -121,7 +122,7 @@ class EngineStats:
     @property
     def hit_rate(self) -> float:
         """Hit tokens over queried tokens."""
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+        return hit_rate(self.hit_tokens, self.queried_tokens)
 
     def as_dict(self) -> dict[str, float]:
         """Every counter plus the hit rate."""

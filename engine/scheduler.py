@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
+from kvstore.utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class Scheduler:
                 total, window + self.config.max_num_batched_tokens + bs)
             # Each fork owns the pages its outputs fill, plus a copy of the shared last page.
             own = min(tokens, request.max_tokens + bs)
-            need += -(-tokens // bs) + (n - 1) * (-(-own // bs) + 1)
+            need += cdiv(tokens, bs) + (n - 1) * (cdiv(own, bs) + 1)
         return need
 
     def schedule(self) -> SchedulerOutput:

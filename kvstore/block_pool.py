@@ -10,6 +10,7 @@ from sortedcontainers import SortedList
 
 from kvstore.block import FreeBlockQueue, KVCacheBlock
 from kvstore.hashing import BlockHash
+from kvstore.utils import common_prefix_len, hit_rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class CacheStats:
     @property
     def hit_rate(self) -> float:
         """Hit tokens over queried tokens."""
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+        return hit_rate(self.hit_tokens, self.queried_tokens)
 
     def as_dict(self) -> dict[str, float]:
         """All counters plus the hit rate."""
@@ -322,16 +323,3 @@ class BlockPool:
         """(block_id, group, hash) of every full-block index entry, for invariant checks."""
         return [(bid, g, h) for (g, h), same in self._hash_index.items() for bid in same]
 
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix, by bisection on slice equality."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi+1] != b[:hi+1] (hi exclusive)
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -8,11 +8,7 @@ from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
 from kvstore.request import Request
 from kvstore.specs import KVCacheSpec
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(-a // b)
+from kvstore.utils import cdiv
 
 
 def is_shared(block: KVCacheBlock) -> bool:

@@ -19,8 +19,8 @@ from kvstore.block_pool import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
-    common_prefix_len,
 )
+from kvstore.utils import common_prefix_len
 
 BS = 4  # tokens in a full block in these tests (the pool itself is agnostic)
 TOKENS = st.integers(0, 2)  # a tiny alphabet, so equal and overlapping contents are common

@@ -16,11 +16,11 @@ from invariants import check_manager
 
 from kvstore import hashing
 from kvstore.block import KVCacheBlock
-from kvstore.block_pool import common_prefix_len
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import FullAttentionSpec, KVCacheConfig, make_kv_cache_config
+from kvstore.utils import cdiv, common_prefix_len
 
 BS = 4
 SPEC_A = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=8)
@@ -33,10 +33,6 @@ def config(num_blocks: int, groups: int = 1) -> KVCacheConfig:
     cfg = make_kv_cache_config(specs, num_blocks=num_blocks)
     assert len(cfg.groups) == groups
     return cfg
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def degenerate_hash(parent: int, tokens: Sequence[int]) -> int:
