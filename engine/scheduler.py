@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvstore.errors import RequestTooLargeError
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
 from kvstore.utils import cdiv
@@ -127,10 +128,11 @@ class Scheduler:
                              "it must generate at least one token")
         need = self.max_blocks_needed(request, n)
         if need > self.manager.pool.num_usable_blocks:
-            raise ValueError(
+            raise RequestTooLargeError(
                 f"request {request.request_id!r} ({request.num_prompt_tokens} prompt + "
                 f"{request.max_tokens} output tokens) may need {need} blocks; the pool has "
-                f"{self.manager.pool.num_usable_blocks}")
+                f"{self.manager.pool.num_usable_blocks}", request_id=request.request_id,
+                blocks_needed=need, blocks_available=self.manager.pool.num_usable_blocks)
         self.waiting.append(request)
         if n > 1:
             self.num_samples[request.request_id] = n
