@@ -26,9 +26,7 @@ from kvstore.benchmarks.output import pyplot
 from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.sweep import ModelShape
 from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, shared_system_prompts
-from kvstore.block_pool import BlockPool
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvstore.kv_cache_coordinator import KVCacheCoordinator
 from kvstore.specs import KVCacheConfig, KVCacheSpec, make_kv_cache_config
 
 BLOCK_SIZE = 16
@@ -61,8 +59,7 @@ def make_workload(num_requests: int, rate: float = math.inf, seed: int = 0) -> l
 
 def resident_blocks(config: KVCacheConfig, num_tokens: int) -> int:
     """Blocks a lone request of `num_tokens` computed tokens holds (all groups), decoding."""
-    managers = KVCacheCoordinator(config, BlockPool(2)).managers
-    return sum(m.num_resident_blocks(num_tokens, num_tokens + 1) for m in managers)
+    return sum(g.spec.num_resident_blocks(num_tokens, num_tokens + 1) for g in config.groups)
 
 
 @dataclass

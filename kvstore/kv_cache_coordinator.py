@@ -116,7 +116,7 @@ class KVCacheCoordinator:
                 need += manager.num_blocks_to_allocate(rid, num_computed_tokens, num_tokens,
                                                        computed.blocks[g],
                                                        computed.partial_sources[g])
-            resident += manager.num_resident_blocks(num_computed_tokens, num_tokens)
+            resident += manager.spec.num_resident_blocks(num_computed_tokens, num_tokens)
         return need, released, resident
 
     def admit(self, request: Request, computed: ComputedBlocks, copies: list[tuple[int, int]],

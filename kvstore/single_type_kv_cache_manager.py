@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
 from kvstore.request import Request
-from kvstore.specs import KVCacheSpec
+from kvstore.specs import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvstore.utils import cdiv
 
 
@@ -35,10 +35,6 @@ class SingleTypeKVCacheManager:
         """Hit blocks for the longest prefix of at most `max_blocks` blocks valid for this type."""
         raise NotImplementedError
 
-    def first_needed_position(self, num_computed_tokens: int) -> int:
-        """The earliest position the next query (at `num_computed_tokens`) can attend."""
-        return 0
-
     def parent_serial_after(self, request: Request, hit_blocks: Sequence[KVCacheBlock]) -> int:
         """The parent serial of the block that follows `hit_blocks` (a fresh, unmatched one
         when the last hit block is absent: nothing can be linked under unknown content)."""
@@ -50,7 +46,7 @@ class SingleTypeKVCacheManager:
     def kept_hit_blocks(self, hit_blocks: Sequence[KVCacheBlock],
                         num_computed_tokens: int) -> list[KVCacheBlock]:
         """The hit as the table starts: blocks the next query cannot see become null."""
-        k = self.first_needed_position(num_computed_tokens) // self.block_size
+        k = self.spec.first_needed_position(num_computed_tokens) // self.block_size
         if k == 0:
             return list(hit_blocks)
         k = min(k, len(hit_blocks))
@@ -78,11 +74,6 @@ class SingleTypeKVCacheManager:
             n = sum(1 for b in self._blocks_to_write(table, num_computed_tokens, num_tokens)
                     if is_shared(b))
         return n + max(0, cdiv(num_tokens, self.block_size) - table_len)
-
-    def num_resident_blocks(self, num_computed_tokens: int, num_tokens: int) -> int:
-        """Pages a request of `num_tokens` tokens holds in this group after allocation."""
-        skipped = self.first_needed_position(num_computed_tokens) // self.block_size
-        return cdiv(num_tokens, self.block_size) - skipped
 
     def is_noop(self, request: Request, num_tokens: int) -> bool:
         """Whether growing to `num_tokens` needs nothing: no new page, nothing newly full to
@@ -255,10 +246,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int) -> None:
         super().__init__(pool, spec, group_id)
-        window = spec.sliding_window
-        if window is None:
-            raise ValueError("SlidingWindowManager needs a SlidingWindowSpec")
-        self.window = window
         # Cached pages each request dropped from its window (with their content serials).
         self.dropped: dict[str, list[tuple[KVCacheBlock, int]]] = {}
 
@@ -280,10 +267,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         super().free(request)
         self.pool.refresh(reversed(self.dropped.pop(request.request_id)))
 
-    def first_needed_position(self, num_computed_tokens: int) -> int:
-        """The query at q attends q - W < k <= q."""
-        return max(0, num_computed_tokens - self.window + 1)
-
     def find_longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
         """The longest hit whose next query's window is cached: null blocks, then a run of
         linked cached blocks covering the keys that query can see before itself."""
@@ -294,7 +277,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # chains[i]: cached blocks at i from which a serial-linked chain reaches end - 1.
         chains: dict[int, list[KVCacheBlock]] = {}
         for i in range(end - 1, -2, -1):
-            start = self.first_needed_position(end * bs) // bs
+            start = self.spec.first_needed_position(end * bs) // bs
             if i < start:
                 return self._pick_run(chains, start, end)
             candidates = pool.cached_blocks(g, hashes[i], tokens[i * bs:(i + 1) * bs])
@@ -328,7 +311,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         not yet null, deepest first."""
         table = self.req_to_blocks[request_id]
         out = []
-        for i in range(min(len(table), self.first_needed_position(num_computed_tokens)
+        for i in range(min(len(table), self.spec.first_needed_position(num_computed_tokens)
                            // self.block_size) - 1, -1, -1):
             if table[i].block_id == 0:
                 break
@@ -354,8 +337,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             (b, b.serial) for b in reversed(removed) if b.block_hash is not None)
 
 
+# The manager class of each spec type.
+MANAGER_TYPES: dict[type[AttentionSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+}
+
+
 def make_manager(pool: BlockPool, spec: KVCacheSpec, group_id: int) -> SingleTypeKVCacheManager:
     """The manager for a spec's attention type."""
-    if spec.sliding_window is None:
-        return FullAttentionManager(pool, spec, group_id)
-    return SlidingWindowManager(pool, spec, group_id)
+    cls = MANAGER_TYPES.get(type(spec))
+    if cls is None:
+        raise TypeError(f"no KV cache manager for {type(spec).__name__}")
+    return cls(pool, spec, group_id)

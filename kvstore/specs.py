@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvstore.utils import cdiv
 
 # Bytes per element of the page dtypes a cache can hold, by torch's dtype name. The specs
 # keep the name, so the bookkeeping core never imports torch.
@@ -22,9 +24,9 @@ def dtype_name(dtype: Any) -> str:
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec:
-    """A layer that keeps every token's K/V. ``dtype`` is a torch dtype or its name; it is
-    stored as the name (``"float16"``)."""
+class AttentionSpec:
+    """The page layout every layer type shares. ``dtype`` is a torch dtype or its name; it
+    is stored as the name (``"float16"``)."""
 
     block_size: int
     num_kv_heads: int
@@ -32,6 +34,8 @@ class FullAttentionSpec:
     dtype: str = "float16"
 
     def __post_init__(self) -> None:
+        if type(self) is AttentionSpec:
+            raise TypeError("AttentionSpec is a base: use FullAttentionSpec or SlidingWindowSpec")
         for name in ("block_size", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -40,20 +44,45 @@ class FullAttentionSpec:
 
     @property
     def sliding_window(self) -> int | None:
-        """None: attends to the whole context."""
-        return None
+        """The window W, or None for a layer that attends to the whole context."""
+        raise NotImplementedError
 
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one block of one layer: K and V."""
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_ITEMSIZE[self.dtype]
 
+    def first_needed_position(self, num_computed_tokens: int) -> int:
+        """The earliest position the next query (at `num_computed_tokens`) attends; pages
+        wholly before it can be freed."""
+        raise NotImplementedError
+
+    def num_resident_blocks(self, num_computed_tokens: int, num_tokens: int) -> int:
+        """Pages a request of `num_tokens` tokens holds in a group of this spec once its next
+        query is at `num_computed_tokens`."""
+        bs = self.block_size
+        return cdiv(num_tokens, bs) - self.first_needed_position(num_computed_tokens) // bs
+
 
 @dataclass(frozen=True)
-class SlidingWindowSpec(FullAttentionSpec):
+class FullAttentionSpec(AttentionSpec):
+    """A layer that keeps every token's K/V."""
+
+    @property
+    def sliding_window(self) -> int | None:
+        """None: attends to the whole context."""
+        return None
+
+    def first_needed_position(self, num_computed_tokens: int) -> int:
+        """0: every position stays visible."""
+        return 0
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
     """A layer whose query at q attends keys q - W < k <= q."""
 
-    window: int = 0
+    window: int = field(kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -64,6 +93,10 @@ class SlidingWindowSpec(FullAttentionSpec):
     def sliding_window(self) -> int | None:
         """The window W."""
         return self.window
+
+    def first_needed_position(self, num_computed_tokens: int) -> int:
+        """The query at q attends q - W < k <= q."""
+        return max(0, num_computed_tokens - self.window + 1)
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec

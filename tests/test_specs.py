@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
+from kvstore.block_pool import BlockPool
 from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.single_type_kv_cache_manager import MANAGER_TYPES, SlidingWindowManager, make_manager
 from kvstore.specs import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
@@ -174,7 +179,8 @@ def test_manager_gets_one_sub_manager_per_group() -> None:
     assert len(managers) == len(config.groups) == 7
     for g, (sub, group) in enumerate(zip(managers, config.groups, strict=True)):
         assert sub.group_id == g
-        assert getattr(sub, "window", None) == group.spec.sliding_window
+        assert sub.spec == group.spec
+        assert isinstance(sub, SlidingWindowManager) == (group.spec.sliding_window is not None)
     assert manager.group_usage() == [0.0] * 7
 
 
@@ -269,9 +275,9 @@ def test_invalid_window(window: object) -> None:
 
 
 def test_window_is_required() -> None:
-    # The default (0) is not a valid window: a sliding spec must say how wide it is.
-    with pytest.raises(ValueError, match="window"):
-        SlidingWindowSpec(BS, HEADS, DIM)
+    # No default: a sliding spec must say how wide it is.
+    with pytest.raises(TypeError, match="window"):
+        SlidingWindowSpec(BS, HEADS, DIM)  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("field", ["block_size", "num_kv_heads", "head_dim"])
@@ -298,3 +304,41 @@ def test_bools_and_tiny_block_counts_are_rejected_at_config_time() -> None:
     for bad in (1, 0, -3, 2.5):
         with pytest.raises(ValueError, match="num_blocks"):
             make_kv_cache_config([FullAttentionSpec(4, 1, 8)], num_blocks=bad)
+
+
+# ---- spec types are siblings; the window rule lives on the spec ---------------------------------
+
+
+def test_sliding_and_full_specs_are_siblings() -> None:
+    assert not isinstance(sliding(8), FullAttentionSpec)
+    assert not isinstance(full(), SlidingWindowSpec)
+    assert isinstance(sliding(8), AttentionSpec) and isinstance(full(), AttentionSpec)
+    with pytest.raises(TypeError, match="base"):
+        AttentionSpec(BS, HEADS, DIM)
+
+
+@pytest.mark.parametrize(("window", "num_computed", "first"), [
+    (None, 0, 0), (None, 100, 0),
+    (1, 0, 0), (1, 5, 5),  # W = 1: a query sees only itself
+    (16, 15, 0), (16, 16, 1), (16, 40, 25),  # W a multiple of the block size
+    (1000, 40, 0),  # W longer than the sequence
+])
+def test_first_needed_position(window: int | None, num_computed: int, first: int) -> None:
+    spec = full() if window is None else sliding(window)
+    assert spec.first_needed_position(num_computed) == first
+    # Pages wholly before the first needed position are not resident.
+    assert spec.num_resident_blocks(num_computed, num_computed + 1) == (
+        -(-(num_computed + 1) // BS) - first // BS)
+
+
+def test_manager_type_by_spec_type() -> None:
+    pool = BlockPool(4)
+    assert type(make_manager(pool, full(), 0)) is MANAGER_TYPES[FullAttentionSpec]
+    assert type(make_manager(pool, sliding(8), 1)) is SlidingWindowManager
+
+    @dataclass(frozen=True)
+    class OtherSpec(AttentionSpec):
+        pass
+
+    with pytest.raises(TypeError, match="OtherSpec"):
+        make_manager(pool, OtherSpec(BS, HEADS, DIM), 0)  # type: ignore[arg-type]
