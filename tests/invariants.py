@@ -1,4 +1,4 @@
-"""DESIGN.md's allocator invariants, checked from outside after every operation in the tests."""
+"""The allocator invariants of docs/design.md, checked from outside after every operation in the tests."""
 
 from __future__ import annotations
 
