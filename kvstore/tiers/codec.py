@@ -1,0 +1,212 @@
+"""Tier keys and values: what identifies one block of one group outside device memory, and
+the self-checking byte format it is stored in. Imports no torch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TypeAlias
+
+import xxhash
+
+from kvstore.hashing import BlockHash, root_hash
+from kvstore.specs import DTYPE_ITEMSIZE, FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+
+#: What a tier hands back: anything exposing the buffer protocol.
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+CODEC_VERSION = 1
+MAGIC = b"KVT1"
+KEY_NBYTES = 32
+DIGEST_NBYTES = 16
+# magic, version, flags, layout digest, key, num_tokens, payload bytes, checksum (XXH3-128)
+_HEADER = struct.Struct("<4sHH16s32sIQ16s")
+HEADER_NBYTES = _HEADER.size
+_CHECKSUM_OFFSET = HEADER_NBYTES - 16
+_TOKEN = "q"  # token ids as int64, little-endian, like the chained hash
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What the bytes of one block of one group mean: the model, the group's spec (window
+    included), the model layers the group holds (two groups with equal specs hold different
+    layers), the page shape and dtype. ``extra`` separates anything else that changes the
+    bytes (tensor-parallel rank, quantization recipe)."""
+
+    model: str
+    spec: KVCacheSpec
+    layer_ids: tuple[int, ...]
+    extra: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"BlockLayout.model must be a non-empty str, got {self.model!r}")
+        if not isinstance(self.spec, (FullAttentionSpec, SlidingWindowSpec)):
+            raise TypeError(f"BlockLayout.spec must be a FullAttentionSpec or SlidingWindowSpec, "
+                            f"got {type(self.spec).__name__}")
+        layers = tuple(self.layer_ids)
+        if not layers or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in layers):
+            raise ValueError(f"BlockLayout.layer_ids must be non-negative ints, at least one, got "
+                             f"{self.layer_ids!r}")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"BlockLayout.layer_ids repeat a layer: {layers}")
+        if not isinstance(self.extra, str):
+            raise TypeError(f"BlockLayout.extra must be a str, got {type(self.extra).__name__}")
+        object.__setattr__(self, "layer_ids", layers)
+
+    @classmethod
+    def for_group(cls, model: str, config: KVCacheConfig, group_id: int, extra: str = "") -> BlockLayout:
+        """The layout of group ``group_id`` of a cache config."""
+        if not isinstance(group_id, int) or not 0 <= group_id < len(config.groups):
+            raise ValueError(f"group_id must be in [0, {len(config.groups)}), got {group_id!r}")
+        group = config.groups[group_id]
+        return cls(model, group.spec, group.layer_ids, extra)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.spec.block_size
+
+    @property
+    def num_layers(self) -> int:
+        """Layers packed in one value."""
+        return len(self.layer_ids)
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one K (or one V) page of one layer."""
+        s = self.spec
+        return s.block_size * s.num_kv_heads * s.head_dim * DTYPE_ITEMSIZE[s.dtype]
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes of the packed K and V pages of every layer of one block."""
+        return 2 * self.num_layers * self.page_nbytes
+
+    @property
+    def value_nbytes(self) -> int:
+        """Bytes of one encoded value: header, token ids, payload."""
+        return HEADER_NBYTES + 8 * self.block_size + self.payload_nbytes
+
+    @cached_property
+    def digest(self) -> bytes:
+        """16-byte BLAKE2b digest of everything that gives the payload its meaning."""
+        s = self.spec
+        desc = {"codec": CODEC_VERSION, "model": self.model, "kind": type(s).__name__,
+                "block_size": s.block_size, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
+                "dtype": s.dtype, "window": s.sliding_window, "layer_ids": list(self.layer_ids),
+                "packing": "block,layer,kv,token,head,dim", "extra": self.extra}
+        text = json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.blake2b(text, digest_size=DIGEST_NBYTES, person=b"kvstore-layout").digest()
+
+
+def _check_hash(value: int, what: str) -> bytes:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 128:
+        raise ValueError(f"{what} must be a 128-bit unsigned int, got {value!r}")
+    return value.to_bytes(16, "little")
+
+
+def block_key(layout: BlockLayout, block_hash: BlockHash, salt_root: BlockHash) -> bytes:
+    """The 32-byte key of one block of one group: BLAKE2b-256 over the block's chained hash,
+    the layout digest and the salt's root hash. It carries no token ids."""
+    h = hashlib.blake2b(digest_size=KEY_NBYTES, person=b"kvstore-tierkey")
+    h.update(_check_hash(block_hash, "block_hash"))
+    h.update(layout.digest)
+    h.update(_check_hash(salt_root, "salt_root"))
+    return h.digest()
+
+
+def block_keys(layout: BlockLayout, block_hashes: Sequence[BlockHash], salt_root: BlockHash) -> list[bytes]:
+    """Keys of consecutive blocks of one chain, in order."""
+    return [block_key(layout, h, salt_root) for h in block_hashes]
+
+
+def request_keys(layout: BlockLayout, block_hashes: Sequence[BlockHash],
+                 cache_salt: str | None) -> list[bytes]:
+    """Keys of a request's full blocks, from its ``block_hashes`` and ``cache_salt``."""
+    return block_keys(layout, block_hashes, root_hash(cache_salt))
+
+
+def _token_bytes(layout: BlockLayout, token_ids: Sequence[int]) -> bytes:
+    if len(token_ids) != layout.block_size:
+        raise ValueError(f"a block holds {layout.block_size} tokens, got {len(token_ids)} token ids")
+    try:
+        return array(_TOKEN, token_ids).tobytes()
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"token ids must be ints in the int64 range: {exc}") from None
+
+
+def encode_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], payload: Buffer) -> bytes:
+    """One value: header (magic, version, layout digest, key, sizes, XXH3-128 checksum), the
+    block's token ids (int64) and the packed payload of ``layout.payload_nbytes`` bytes."""
+    if not isinstance(key, bytes) or len(key) != KEY_NBYTES:
+        raise ValueError(f"key must be {KEY_NBYTES} bytes (from block_key), got {key!r:.60}")
+    tokens = _token_bytes(layout, token_ids)
+    body = memoryview(payload).cast("B")
+    if body.nbytes != layout.payload_nbytes:
+        raise ValueError(f"payload is {body.nbytes} bytes, the layout packs {layout.payload_nbytes}")
+    out = bytearray(HEADER_NBYTES + len(tokens) + body.nbytes)
+    _HEADER.pack_into(out, 0, MAGIC, CODEC_VERSION, 0, layout.digest, key, layout.block_size,
+                      body.nbytes, b"\0" * 16)
+    out[HEADER_NBYTES:HEADER_NBYTES + len(tokens)] = tokens
+    out[HEADER_NBYTES + len(tokens):] = body
+    check = xxhash.xxh3_128()
+    check.update(memoryview(out)[:_CHECKSUM_OFFSET])
+    check.update(memoryview(out)[HEADER_NBYTES:])
+    out[_CHECKSUM_OFFSET:HEADER_NBYTES] = check.digest()
+    return bytes(out)
+
+
+#: Names of the counters decode_block increments, one per way a value can be refused.
+REJECT_REASONS = ("wrong_size", "bad_header", "wrong_version", "wrong_layout", "wrong_key",
+                  "wrong_tokens", "bad_checksum")
+
+
+def decode_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None,
+                 counters: dict[str, int] | None = None) -> memoryview | None:
+    """The payload of ``value`` when it is this key's block of this layout holding exactly
+    ``token_ids``, with a checksum that matches; otherwise None and one count in ``counters``
+    under the reason (see REJECT_REASONS; ``miss`` for None). Never raises for a bad value."""
+    reason = _verify(layout, key, token_ids, value)
+    if reason is None:
+        assert value is not None
+        return memoryview(value).cast("B")[HEADER_NBYTES + 8 * layout.block_size:]
+    if counters is not None:
+        counters[reason] = counters.get(reason, 0) + 1
+    return None
+
+
+def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None) -> str | None:
+    if value is None:
+        return "miss"
+    view = memoryview(value).cast("B")
+    if view.nbytes != layout.value_nbytes:
+        return "wrong_size"
+    magic, version, _flags, digest, stored_key, n_tokens, n_payload, checksum = _HEADER.unpack_from(view)
+    if magic != MAGIC:
+        return "bad_header"
+    if version != CODEC_VERSION:
+        return "wrong_version"
+    if n_tokens != layout.block_size or n_payload != layout.payload_nbytes:
+        return "wrong_size"
+    if digest != layout.digest:
+        return "wrong_layout"
+    if stored_key != key:
+        return "wrong_key"
+    try:
+        expected = _token_bytes(layout, token_ids)
+    except ValueError:
+        return "wrong_tokens"
+    if view[HEADER_NBYTES:HEADER_NBYTES + len(expected)] != expected:
+        return "wrong_tokens"
+    check = xxhash.xxh3_128()
+    check.update(view[:_CHECKSUM_OFFSET])
+    check.update(view[HEADER_NBYTES:])
+    if check.digest() != checksum:
+        return "bad_checksum"
+    return None

