@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvstore.kernels import AttentionMetadata
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 64, 8, 128, 16
 DTYPE = torch.bfloat16
 FLUSH_BYTES = 256 << 20  # > L2 of any current GPU (H100/H200: 50 MiB)
@@ -135,14 +137,12 @@ def copy_bandwidth_gbps(flush: torch.Tensor, nbytes: int = 2 << 30) -> float:
 
 @dataclass
 class Paged:
-    """A paged batch: pool, table and metadata, laid out like the cache manager does."""
+    """A paged batch: pool and attention metadata, laid out like the cache manager does."""
 
     q: torch.Tensor
     kc: torch.Tensor
     vc: torch.Tensor
-    table: torch.Tensor
-    cu: torch.Tensor
-    seq_lens: torch.Tensor
+    metadata: AttentionMetadata
     q_len: int
     first_kept: int  # first key position any query sees (pages before it: null block)
 
@@ -164,7 +164,8 @@ def build_paged(batch: int, context: int, q_len: int, window: int | None,
     q = torch.randn(batch * q_len, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * q_len
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    return Paged(q, kc, vc, table.to(device), cu, seq_lens, q_len, first_kept)
+    return Paged(q, kc, vc, AttentionMetadata(table.to(device), cu, seq_lens, q_len), q_len,
+                 first_kept)
 
 
 def visible_pairs(context: int, q_len: int, window: int | None) -> int:
@@ -237,12 +238,12 @@ def flashinfer_decode_fn(p: Paged, window: int | None) -> Callable[[], object] |
         import flashinfer
     except ImportError:
         return None
-    batch, pages = p.table.shape
+    batch, pages = p.metadata.block_table.shape
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
     indptr = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * pages
-    indices = p.table.reshape(-1).contiguous()
-    context = int(p.seq_lens[0])
+    indices = p.metadata.block_table.reshape(-1).contiguous()
+    context = int(p.metadata.seq_lens[0])
     last = torch.full((batch,), context - (pages - 1) * BLOCK_SIZE, dtype=torch.int32,
                       device="cuda")
     wrapper.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE,
@@ -321,8 +322,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         def make():
             p = build_paged(b, ctx, ql, w, gen)
             state["p"] = p
-            return lambda: paged_attention(p.q, p.kc, p.vc, p.table, p.cu, p.seq_lens, ql,
-                                           scale, w)
+            return lambda: paged_attention(p.q, p.kc, p.vc, p.metadata, scale, window=w)
 
         _measure(rows, row, make, n_iter, flush, nbytes, flops, copy_bw)
         if kind == "decode" and "p" in state:
@@ -406,9 +406,9 @@ def run_check() -> bool:
     for name, lens, h, hkv, d, bs, w, cap, splits, dtype, bm, bn in [*GRID, *extra]:
         case = make_case(*lens, h, hkv, d, bs, w, cap, dtype, seed=1, device="cuda",
                          q_scale=3.0 if cap else 1.0)
-        ref = paged_attention_reference(*case.args(), case.scale, w, cap)
-        out = paged_attention(*case.args(), case.max_seqlen_q, case.scale, w, cap,
-                              num_splits=splits, block_m=bm, block_n=bn)
+        ref = paged_attention_reference(*case.args(), window=w, softcap=cap)
+        out = paged_attention(*case.args(), window=w, softcap=cap, num_splits=splits,
+                              block_m=bm, block_n=bn)
         torch.cuda.synchronize()
         atol, rtol = tolerance(dtype, "cuda")
         err = (out.float() - ref.float()).abs()

@@ -36,20 +36,19 @@ _BACKENDS = ("reference", "triton", "auto")
 class BatchInputs:
     """A step's flat ragged batch, on the cache's device.
 
-    Sequence ``i`` owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of ``input_ids`` and
-    ``positions``; its queries are the last of its ``seq_lens[i]`` tokens. Per KV cache
-    group ``g``: ``block_tables[g]`` (int32 ``[B, max_blocks]``, rows padded with the null
-    block) and ``slot_mappings[g]`` (int64 ``[T]``, the page slot each new token's K/V goes
-    to). ``logits_indices`` are the rows whose logits are needed, one per id in
+    Per KV cache group ``g``: ``attn_metadata[g]``, the attention metadata every layer of
+    the group reads (the group's block table, int32 ``[B, max_blocks]`` with rows padded
+    with the null block, and the ``cu_seqlens_q``, ``seq_lens`` and ``max_seqlen_q`` that
+    all groups share), and ``slot_mappings[g]`` (int64 ``[T]``, the page slot each new
+    token's K/V goes to). Sequence ``i`` owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of
+    ``input_ids`` and ``positions``; its queries are the last of its ``seq_lens[i]``
+    tokens. ``logits_indices`` are the rows whose logits are needed, one per id in
     ``sample_request_ids``.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    seq_lens: torch.Tensor
-    max_seqlen_q: int
-    block_tables: list[torch.Tensor]
+    attn_metadata: list[kernels.AttentionMetadata]
     slot_mappings: list[torch.Tensor]
     logits_indices: torch.Tensor
     sample_request_ids: list[str]
@@ -126,13 +125,14 @@ def build_batch(output: SchedulerOutput, manager: KVCacheManager, block_size: in
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
+    cu_seqlens_q = dev(cu, torch.int32)
+    seq_lens = dev(starts + lens, torch.int32)
+    max_seqlen_q = int(lens.max()) if b else 0
     return BatchInputs(
         input_ids=dev(input_ids, torch.int64),
         positions=dev(positions, torch.int64),
-        cu_seqlens_q=dev(cu, torch.int32),
-        seq_lens=dev(starts + lens, torch.int32),
-        max_seqlen_q=int(lens.max()) if b else 0,
-        block_tables=[dev(t, torch.int32) for t in block_tables],
+        attn_metadata=[kernels.AttentionMetadata(dev(t, torch.int32), cu_seqlens_q, seq_lens,
+                                                 max_seqlen_q) for t in block_tables],
         slot_mappings=[dev(s, torch.int64) for s in slot_mappings],
         logits_indices=dev(logits_indices, torch.int64),
         sample_request_ids=[s.request.request_id for s, keep in zip(sched, samples, strict=True)
@@ -184,8 +184,7 @@ class ModelRunner:
             cache.write(layer, k, v, batch.slot_mappings[g])
             key_cache, value_cache = cache.layer_caches(layer)
             return kernels.attention(
-                q, key_cache, value_cache, batch.block_tables[g], batch.cu_seqlens_q,
-                batch.seq_lens, batch.max_seqlen_q, model.attn_scale,
+                q, key_cache, value_cache, batch.attn_metadata[g], model.attn_scale,
                 window=self._windows[layer], softcap=model.attn_softcap, backend=backend)
 
         return attention

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON
+from .metadata import AttentionMetadata
 from .reference import paged_attention_reference
 from .triton_attention import paged_attention
 
@@ -17,11 +18,9 @@ def attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seqlen_q: int,
+    metadata: AttentionMetadata,
     scale: float,
+    *,
     window: int | None = None,
     softcap: float | None = None,
     backend: str = "auto",
@@ -39,7 +38,7 @@ def attention(
     if backend == "auto":
         backend = "triton" if q.device.type == "cuda" and HAS_TRITON else "reference"
     if backend == "reference":
-        return paged_attention_reference(q, key_cache, value_cache, block_table, cu_seqlens_q,
-                                         seq_lens, scale, window, softcap)
-    return paged_attention(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                           max_seqlen_q, scale, window, softcap, num_splits=num_splits)
+        return paged_attention_reference(q, key_cache, value_cache, metadata, scale,
+                                         window=window, softcap=softcap)
+    return paged_attention(q, key_cache, value_cache, metadata, scale, window=window,
+                           softcap=softcap, num_splits=num_splits)

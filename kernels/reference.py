@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .metadata import AttentionMetadata, check_attention_inputs
+
 __all__ = [
     "paged_attention_reference",
     "write_kv_reference",
@@ -41,31 +43,31 @@ def paged_attention_reference(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
+    metadata: AttentionMetadata,
     scale: float,
+    *,
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal, optionally windowed and soft-capped paged attention, computed in fp32.
 
     ``q`` is ``[total_q, num_heads, head_dim]``; the queries of sequence ``i`` are the rows
-    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and sit at the last ``q_len_i`` absolute positions
-    of its ``seq_lens[i]`` cached tokens. ``key_cache``/``value_cache`` are
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``; position ``p`` of sequence ``i``
-    lives in block ``block_table[i, p // block_size]`` at slot ``p % block_size``. Query head
-    ``h`` uses KV head ``h // (num_heads // num_kv_heads)``. Returns a tensor shaped and
-    typed like ``q``.
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of ``metadata`` and sit at the last ``q_len_i``
+    absolute positions of its ``seq_lens[i]`` cached tokens. ``key_cache``/``value_cache``
+    are ``[num_blocks, block_size, num_kv_heads, head_dim]``; position ``p`` of sequence
+    ``i`` lives in block ``block_table[i, p // block_size]`` at slot ``p % block_size``.
+    Query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``. ``window`` None
+    means full attention; ``softcap`` None or 0 disables the logit cap. Returns a tensor
+    shaped and typed like ``q``.
     """
-    _check_common(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, window,
-                  softcap)
+    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap)
+    block_table = metadata.block_table
     num_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     block_size = key_cache.shape[1]
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
+    cu = metadata.cu_seqlens_q.tolist()
+    lens = metadata.seq_lens.tolist()
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for i, seq_len in enumerate(lens):
         q0, q1 = cu[i], cu[i + 1]
@@ -91,47 +93,6 @@ def paged_attention_reference(
         p = torch.softmax(s, dim=-1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v)
     return out.to(q.dtype)
-
-
-def _check_common(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    window: int | None,
-    softcap: float | None = None,
-) -> None:
-    """Shape and argument checks shared by the reference and the kernel wrapper."""
-    if q.dim() != 3 or key_cache.dim() != 4 or value_cache.dim() != 4:
-        raise ValueError(
-            "expected q [T, H, D] and caches [num_blocks, block_size, num_kv_heads, D], got "
-            f"q {tuple(q.shape)}, key_cache {tuple(key_cache.shape)}"
-        )
-    if key_cache.shape != value_cache.shape:
-        raise ValueError(
-            f"key_cache {tuple(key_cache.shape)} and value_cache "
-            f"{tuple(value_cache.shape)} differ in shape"
-        )
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    if key_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim mismatch: q has {head_dim}, cache {key_cache.shape[3]}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    batch = seq_lens.shape[0]
-    if cu_seqlens_q.shape != (batch + 1,) or block_table.dim() != 2:
-        raise ValueError(
-            f"expected cu_seqlens_q [B+1] and block_table [B, max_blocks] for B={batch}, got "
-            f"{tuple(cu_seqlens_q.shape)} and {tuple(block_table.shape)}"
-        )
-    if block_table.shape[0] != batch:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows, expected {batch}")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be None or >= 1, got {window}")
-    if softcap is not None and softcap < 0:
-        raise ValueError(f"softcap must be None, 0 (off) or > 0, got {softcap}")
 
 
 def write_kv_reference(

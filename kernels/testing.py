@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .metadata import AttentionMetadata
 from .reference import visible_key_range
 
 
@@ -23,18 +24,14 @@ class Case:
     q: torch.Tensor
     key_cache: torch.Tensor
     value_cache: torch.Tensor
-    block_table: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    seq_lens: torch.Tensor
-    max_seqlen_q: int
+    metadata: AttentionMetadata
     scale: float
     window: int | None
     softcap: float | None
 
-    def args(self) -> tuple:
-        """The six leading tensor arguments of the attention functions."""
-        return (self.q, self.key_cache, self.value_cache, self.block_table, self.cu_seqlens_q,
-                self.seq_lens)
+    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float]:
+        """The positional arguments of the attention functions: q, caches, metadata, scale."""
+        return (self.q, self.key_cache, self.value_cache, self.metadata, self.scale)
 
 
 def make_case(
@@ -89,10 +86,12 @@ def make_case(
         q=q.to(dtype).to(device),
         key_cache=kc.to(dtype).to(device),
         value_cache=vc.to(dtype).to(device),
-        block_table=table.to(device),
-        cu_seqlens_q=cu.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        max_seqlen_q=max(q_lens),
+        metadata=AttentionMetadata(
+            block_table=table.to(device),
+            cu_seqlens_q=cu.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            max_seqlen_q=max(q_lens),
+        ),
         scale=1.0 / math.sqrt(head_dim),
         window=window,
         softcap=softcap,

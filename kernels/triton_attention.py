@@ -22,7 +22,7 @@ from ._triton import (
     require_triton,
     sm_count,
 )
-from .reference import _check_common
+from .metadata import AttentionMetadata, check_attention_inputs
 
 __all__ = ["paged_attention", "choose_num_splits", "launch_config", "launch_plan", "LaunchPlan"]
 
@@ -319,47 +319,15 @@ def launch_plan(
     return LaunchPlan(bm, bn, num_warps, num_stages, q_tiles, num_splits, group)
 
 
-def _validate_host(
-    q: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seqlen_q: int,
-    num_blocks: int,
-    block_size: int,
-) -> None:
-    """Content checks that need the index tensors' values (run only on CPU: no GPU sync)."""
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    if cu[0] != 0 or cu[-1] != q.shape[0]:
-        raise ValueError(f"cu_seqlens_q must run from 0 to total_q={q.shape[0]}, got {cu}")
-    for i, seq_len in enumerate(lens):
-        q_len = cu[i + 1] - cu[i]
-        if q_len < 0 or q_len > seq_len:
-            raise ValueError(f"sequence {i}: q_len {q_len} must be in [0, seq_len={seq_len}]")
-        if q_len > max_seqlen_q:
-            raise ValueError(f"sequence {i}: q_len {q_len} exceeds max_seqlen_q {max_seqlen_q}")
-        if cdiv(seq_len, block_size) > block_table.shape[1]:
-            raise ValueError(
-                f"sequence {i}: seq_len {seq_len} needs {cdiv(seq_len, block_size)} blocks, "
-                f"block_table has {block_table.shape[1]} columns"
-            )
-    if block_table.numel() and (block_table.min() < 0 or block_table.max() >= num_blocks):
-        raise ValueError(f"block_table holds ids outside [0, {num_blocks})")
-
-
 def paged_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seqlen_q: int,
+    metadata: AttentionMetadata,
     scale: float,
+    *,
     window: int | None = None,
     softcap: float | None = None,
-    *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
@@ -368,12 +336,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal paged attention over a block table, for decode and prefill over a cached prefix.
 
-    Same semantics as :func:`kvstore.kernels.paged_attention_reference` (varlen queries by
-    ``cu_seqlens_q`` int32 ``[B+1]``; ``seq_lens`` int32 ``[B]`` counts every cached token of
-    a sequence including its new queries; ``block_table`` int32 ``[B, max_blocks]``; caches
-    ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides). ``max_seqlen_q``
-    bounds the per-sequence query count. ``window`` None means full attention; ``softcap``
-    None or 0 disables the logit cap. Returns ``out`` (allocated like ``q`` when None).
+    Same semantics as :func:`kvstore.kernels.paged_attention_reference`: the batch's
+    layout is ``metadata`` (see :class:`kvstore.kernels.AttentionMetadata`); caches are
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides; ``q``, caches and
+    ``out`` share one dtype of fp32/fp16/bf16. ``window`` None means full attention;
+    ``softcap`` None or 0 disables the logit cap. Returns ``out`` (allocated like ``q`` when
+    None).
 
     Keyword-only tuning: ``num_splits`` forces the split-KV factor (None = heuristic);
     ``block_m``/``block_n`` override tile rows / keys per tile; ``tile_counts`` (int32, at
@@ -381,14 +349,10 @@ def paged_attention(
     tiles each program visited, for tests that prove the loop is window-bounded.
     """
     require_triton()
-    _check_common(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, window,
-                  softcap)
-    check_device(_paged_attn_kernel, q, key_cache, value_cache, block_table, cu_seqlens_q,
-                 seq_lens)
-    for name, t in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q),
-                    ("seq_lens", seq_lens)):
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {t.dtype}")
+    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap)
+    block_table = metadata.block_table
+    check_device(_paged_attn_kernel, q, key_cache, value_cache, block_table,
+                 metadata.cu_seqlens_q, metadata.seq_lens)
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"unsupported dtype {q.dtype}")
     if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
@@ -396,23 +360,20 @@ def paged_attention(
             f"q, key_cache, value_cache dtypes differ: {q.dtype}, {key_cache.dtype}, "
             f"{value_cache.dtype}"
         )
-    cu_seqlens_q = cu_seqlens_q.contiguous()
-    seq_lens = seq_lens.contiguous()
+    cu_seqlens_q = metadata.cu_seqlens_q.contiguous()
+    seq_lens = metadata.seq_lens.contiguous()
     total_q, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     batch = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}")
-    if q.device.type == "cpu":
-        _validate_host(q, block_table, cu_seqlens_q, seq_lens, max_seqlen_q, num_blocks,
-                       block_size)
     if batch == 0 or total_q == 0:
         return out
     plan = launch_plan(num_heads, num_kv_heads, head_dim, block_size, block_table.shape[1],
-                       batch, max_seqlen_q, window, q.device, num_splits=num_splits,
+                       batch, metadata.max_seqlen_q, window, q.device, num_splits=num_splits,
                        block_m=block_m, block_n=block_n,
                        interpreted=is_interpreted(_paged_attn_kernel))
     bm, bn, num_warps, num_stages = plan.block_m, plan.block_n, plan.num_warps, plan.num_stages

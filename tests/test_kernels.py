@@ -8,12 +8,18 @@ read. Cases are chosen to cover each axis value, not the cartesian product.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstore.kernels import attention, paged_attention, paged_attention_reference
+from kvstore.kernels import (
+    AttentionMetadata,
+    attention,
+    paged_attention,
+    paged_attention_reference,
+)
 from kvstore.kernels.reference import visible_key_range
 from kvstore.kernels.testing import GRID, make_case, tolerance
 from kvstore.kernels.triton_attention import launch_config
@@ -26,12 +32,11 @@ pytestmark = needs_triton
 
 
 def _run(case, **kw):
-    return paged_attention(*case.args(), case.max_seqlen_q, case.scale, case.window,
-                           case.softcap, **kw)
+    return paged_attention(*case.args(), window=case.window, softcap=case.softcap, **kw)
 
 
 def _ref(case):
-    return paged_attention_reference(*case.args(), case.scale, case.window, case.softcap)
+    return paged_attention_reference(*case.args(), window=case.window, softcap=case.softcap)
 
 
 @pytest.mark.parametrize(
@@ -54,13 +59,13 @@ def test_reference_matches_dense_sdpa():
     h, hkv, d, bs, w = 8, 2, 64, 16, 13
     q_lens, seq_lens = [5, 1], [29, 40]
     case = make_case(q_lens, seq_lens, h, hkv, d, bs, None)  # window None: all K/V legit
-    ref = paged_attention_reference(*case.args(), case.scale, w, None)
+    ref = paged_attention_reference(*case.args(), window=w)
     for i, (ql, sl) in enumerate(zip(q_lens, seq_lens, strict=True)):
         pos = torch.arange(sl)
-        blocks = case.block_table[i, pos // bs].long()
+        blocks = case.metadata.block_table[i, pos // bs].long()
         k = case.key_cache[blocks, pos % bs].repeat_interleave(h // hkv, 1).transpose(0, 1)
         v = case.value_cache[blocks, pos % bs].repeat_interleave(h // hkv, 1).transpose(0, 1)
-        c0 = int(case.cu_seqlens_q[i])
+        c0 = int(case.metadata.cu_seqlens_q[i])
         qi = case.q[c0:c0 + ql].transpose(0, 1)
         qpos = torch.arange(sl - ql, sl)
         mask = (pos[None] <= qpos[:, None]) & (pos[None] > qpos[:, None] - w)
@@ -72,9 +77,9 @@ def test_softcap_reference_formula():
     """Soft-capping is cap * tanh(scaled score / cap) on the scaled scores."""
     case = make_case([1], [3], 4, 4, 16, 16, None, dtype=torch.float32, q_scale=5.0)
     cap = 1.5
-    out = paged_attention_reference(*case.args(), case.scale, None, cap)
-    k = case.key_cache[case.block_table[0, 0].long(), :3, 0]
-    v = case.value_cache[case.block_table[0, 0].long(), :3, 0]
+    out = paged_attention_reference(*case.args(), softcap=cap)
+    k = case.key_cache[case.metadata.block_table[0, 0].long(), :3, 0]
+    v = case.value_cache[case.metadata.block_table[0, 0].long(), :3, 0]
     s = (case.q[0, 0] @ k.T) * case.scale
     p = torch.softmax(cap * torch.tanh(s / cap), -1)
     torch.testing.assert_close(out[0, 0], p @ v)
@@ -85,7 +90,7 @@ def test_pages_in_table_but_out_of_window_are_skipped(window):
     """Real (non-null) NaN blocks sit in the table for pages before every window."""
     case = make_case([1, 6, 1], [100, 70, 33], 8, 2, 64, 16, window, poison_in_table=True)
     # the table really holds non-null blocks for the dropped pages
-    assert (case.block_table[:, :2] != 0).all()
+    assert (case.metadata.block_table[:, :2] != 0).all()
     out = _run(case, block_n=16)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, _ref(case), atol=2e-5, rtol=2e-5)
@@ -147,8 +152,8 @@ def test_noncontiguous_layouts():
     qkv[:, :8] = case.q
     q = qkv[:, :8]
     assert not q.is_contiguous()
-    out = paged_attention(q, k_hm, v_hm, case.block_table, case.cu_seqlens_q, case.seq_lens,
-                          case.max_seqlen_q, case.scale, case.window, block_n=32)
+    out = paged_attention(q, k_hm, v_hm, case.metadata, case.scale, window=case.window,
+                          block_n=32)
     torch.testing.assert_close(out, _ref(case), atol=2e-5, rtol=2e-5)
 
 
@@ -160,45 +165,77 @@ def test_tiny_head_dim_is_padded_to_a_dot_tile():
 def test_max_seqlen_q_upper_bound_and_preallocated_out():
     case = make_case([2, 5], [10, 50], 4, 4, 64, 16, None)
     out = torch.full_like(case.q, 7.0)
-    res = paged_attention(*case.args(), 9, case.scale, out=out, block_m=16, block_n=16)
+    meta = replace(case.metadata, max_seqlen_q=9)
+    res = paged_attention(case.q, case.key_cache, case.value_cache, meta, case.scale, out=out,
+                          block_m=16, block_n=16)
     assert res is out
     torch.testing.assert_close(out, _ref(case), atol=2e-5, rtol=2e-5)
 
 
 def test_attention_entry_point_backends():
     case = make_case([1, 4], [20, 33], 8, 2, 64, 16, 16, 2.0, q_scale=3.0)
-    args = (*case.args(), case.max_seqlen_q, case.scale, case.window, case.softcap)
+    args = case.args()
+    kw = {"window": case.window, "softcap": case.softcap}
     ref = _ref(case)
     # CPU tensors: "auto" is the reference, bit for bit
-    assert torch.equal(attention(*args), ref)
-    assert torch.equal(attention(*args, backend="reference"), ref)
-    torch.testing.assert_close(attention(*args, backend="triton"), ref, atol=2e-5, rtol=2e-5)
+    assert torch.equal(attention(*args, **kw), ref)
+    assert torch.equal(attention(*args, **kw, backend="reference"), ref)
+    torch.testing.assert_close(attention(*args, **kw, backend="triton"), ref, atol=2e-5,
+                               rtol=2e-5)
     with pytest.raises(ValueError, match="backend"):
-        attention(*args, backend="cuda")
+        attention(*args, **kw, backend="cuda")
 
 
 def test_bad_inputs_raise_clear_errors():
     case = make_case([1], [20], 8, 2, 64, 16, None)
-    a = case.args()
+    q, kc, vc, meta, scale = case.args()
     with pytest.raises(ValueError, match="window"):
-        paged_attention(*a, 1, case.scale, 0)
+        paged_attention(q, kc, vc, meta, scale, window=0)
     with pytest.raises(ValueError, match="softcap"):
-        paged_attention(*a, 1, case.scale, None, -1.0)
+        paged_attention(q, kc, vc, meta, scale, softcap=-1.0)
     with pytest.raises(ValueError, match=">= 16"):
-        paged_attention(*a, 1, case.scale, block_n=8)
+        paged_attention(q, kc, vc, meta, scale, block_n=8)
     with pytest.raises(TypeError, match="int32"):
-        paged_attention(case.q, case.key_cache, case.value_cache, case.block_table.long(),
-                        case.cu_seqlens_q, case.seq_lens, 1, case.scale)
+        paged_attention(q, kc, vc, replace(meta, block_table=meta.block_table.long()), scale)
     with pytest.raises(TypeError, match="dtype"):
-        paged_attention(case.q.half(), *a[1:], 1, case.scale)
+        paged_attention(q.half(), kc, vc, meta, scale)
     with pytest.raises(ValueError, match="multiple"):
-        paged_attention(case.q[:, :7], *a[1:], 1, case.scale)
+        paged_attention(q[:, :7], kc, vc, meta, scale)
     with pytest.raises(ValueError, match="block_table"):
-        paged_attention(case.q, case.key_cache, case.value_cache, case.block_table[:, :1],
-                        case.cu_seqlens_q, case.seq_lens, 1, case.scale)
+        paged_attention(q, kc, vc, replace(meta, block_table=meta.block_table[:, :1]), scale)
     with pytest.raises(ValueError, match="max_seqlen_q"):
         c2 = make_case([3], [20], 8, 2, 64, 16, None)
-        paged_attention(*c2.args(), 2, c2.scale)
+        paged_attention(c2.q, c2.key_cache, c2.value_cache,
+                        replace(c2.metadata, max_seqlen_q=2), c2.scale)
+
+
+def test_metadata_checks_each_batch_once():
+    """Per-batch checks run when the metadata is built, for the reference and kernel alike."""
+    case = make_case([2, 1], [10, 30], 4, 4, 16, 16, None)
+    meta = case.metadata
+    assert meta.batch_size == 2 and meta.device.type == "cpu"
+    with pytest.raises(ValueError, match="B\\+1"):
+        replace(meta, cu_seqlens_q=meta.cu_seqlens_q[:2])
+    with pytest.raises(ValueError, match="rows"):
+        replace(meta, block_table=meta.block_table[:1])
+    with pytest.raises(ValueError, match="q_len"):
+        AttentionMetadata(meta.block_table, meta.cu_seqlens_q,
+                          torch.tensor([1, 30], dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="start at 0"):
+        replace(meta, cu_seqlens_q=meta.cu_seqlens_q + 1)
+    with pytest.raises(TypeError, match="bool"):
+        replace(meta, max_seqlen_q=True)
+    with pytest.raises(ValueError, match=">= 0"):
+        replace(meta, max_seqlen_q=-1)
+    with pytest.raises(AttributeError):
+        meta.max_seqlen_q = 5  # frozen: one batch, one layout
+    # per-call checks (rows of q, table width, ids in the pool) hold for the reference too
+    with pytest.raises(ValueError, match="total_q"):
+        paged_attention_reference(case.q[:2], case.key_cache, case.value_cache, meta,
+                                  case.scale)
+    with pytest.raises(ValueError, match="block_table"):
+        paged_attention_reference(case.q, case.key_cache[:2], case.value_cache[:2], meta,
+                                  case.scale)
 
 
 def test_launch_config_respects_dot_minimum():
@@ -259,7 +296,7 @@ def test_memory_audit_reads_only_visible_positions(monkeypatch, q_lens, seq_lens
     """Every K/V element and block-table entry the kernel loads is one some query may see."""
     h, hkv, d, bs = 8, 2, 16, 16
     case = make_case(q_lens, seq_lens, h, hkv, d, bs, window, poison_in_table=True)
-    kc, vc, table = case.key_cache, case.value_cache, case.block_table
+    kc, vc, table = case.key_cache, case.value_cache, case.metadata.block_table
     seen = _record_loads(monkeypatch)
     out = _run(case, block_m=16, block_n=32, num_splits=splits)
     monkeypatch.undo()

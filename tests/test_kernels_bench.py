@@ -33,12 +33,13 @@ def test_visible_pairs_and_needed_bytes(context, q_len, window):
 def test_build_paged_layout(window):
     p = kb.build_paged(2, 100, 3, window, torch.Generator().manual_seed(0), device="cpu")
     pages = math.ceil(100 / kb.BLOCK_SIZE)
-    assert p.table.shape == (2, pages)
+    table = p.metadata.block_table
+    assert table.shape == (2, pages)
     first_page = p.first_kept // kb.BLOCK_SIZE
-    assert (p.table[:, :first_page] == 0).all() and (p.table[:, first_page:] > 0).all()
-    assert p.table[:, first_page:].unique().numel() == p.table[:, first_page:].numel()
+    assert (table[:, :first_page] == 0).all() and (table[:, first_page:] > 0).all()
+    assert table[:, first_page:].unique().numel() == table[:, first_page:].numel()
     # the pool holds exactly the kept pages plus the null block
-    assert p.kc.shape[0] == 1 + p.table[:, first_page:].numel()
+    assert p.kc.shape[0] == 1 + table[:, first_page:].numel()
     # ...and the reference can run on it (every visible key is in a kept page)
-    out = paged_attention_reference(p.q, p.kc, p.vc, p.table, p.cu, p.seq_lens, 0.1, window)
+    out = paged_attention_reference(p.q, p.kc, p.vc, p.metadata, 0.1, window=window)
     assert out.shape == p.q.shape and not torch.isnan(out).any()

@@ -15,7 +15,13 @@ import os
 import pytest
 import torch
 
-from kvstore.kernels import copy_blocks, paged_attention, paged_attention_reference, write_kv
+from kvstore.kernels import (
+    AttentionMetadata,
+    copy_blocks,
+    paged_attention,
+    paged_attention_reference,
+    write_kv,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -50,12 +56,13 @@ def _check_attention(kc, vc, blocks_per_seq, q_lens, seq_lens):
                          dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = AttentionMetadata(table, cu, sl, max(q_lens))
     q = torch.randn(sum(q_lens), H, D, generator=gen).half()
-    ref = paged_attention_reference(q, kc, vc, table, cu, sl, 1 / math.sqrt(D))
+    ref = paged_attention_reference(q, kc, vc, meta, 1 / math.sqrt(D))
     assert not torch.isnan(ref).any()
     for splits in (1, 2):
-        out = paged_attention(q, kc, vc, table, cu, sl, max(q_lens), 1 / math.sqrt(D),
-                              num_splits=splits, block_m=16, block_n=16)
+        out = paged_attention(q, kc, vc, meta, 1 / math.sqrt(D), num_splits=splits,
+                              block_m=16, block_n=16)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
 
 
