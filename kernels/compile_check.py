@@ -24,7 +24,7 @@ from pathlib import Path
 _PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
 
-def _attn_configs() -> list[tuple[str, dict, dict, set, int]]:
+def _attn_configs() -> list[tuple[str, dict, dict, set, tuple[int, int]]]:
     """(name, constexprs, arg types, args divisible by 16, (num_warps, num_stages))."""
     from .triton_attention import launch_config
 

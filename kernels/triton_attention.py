@@ -391,7 +391,7 @@ def paged_attention(
         o_strides = (0, *out.stride())
         l_strides = (0, 0, 0)
     count = tile_counts is not None
-    if count:
+    if tile_counts is not None:
         need = batch * num_kv_heads * q_tiles * num_splits
         if tile_counts.dtype != torch.int32 or tile_counts.numel() < need:
             raise ValueError(f"tile_counts must be int32 with >= {need} elements")
