@@ -150,16 +150,12 @@ def encode_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], payl
     body = memoryview(payload).cast("B")
     if body.nbytes != layout.payload_nbytes:
         raise ValueError(f"payload is {body.nbytes} bytes, the layout packs {layout.payload_nbytes}")
-    out = bytearray(HEADER_NBYTES + len(tokens) + body.nbytes)
-    _HEADER.pack_into(out, 0, MAGIC, CODEC_VERSION, 0, layout.digest, key, layout.block_size,
-                      body.nbytes, b"\0" * 16)
-    out[HEADER_NBYTES:HEADER_NBYTES + len(tokens)] = tokens
-    out[HEADER_NBYTES + len(tokens):] = body
+    head = _HEADER.pack(MAGIC, CODEC_VERSION, 0, layout.digest, key, layout.block_size,
+                        body.nbytes, b"\0" * 16)[:_CHECKSUM_OFFSET]
     check = xxhash.xxh3_128()
-    check.update(memoryview(out)[:_CHECKSUM_OFFSET])
-    check.update(memoryview(out)[HEADER_NBYTES:])
-    out[_CHECKSUM_OFFSET:HEADER_NBYTES] = check.digest()
-    return bytes(out)
+    for part in (head, tokens, body):
+        check.update(part)
+    return b"".join((head, check.digest(), tokens, body))  # the payload is copied once
 
 
 #: Names of the counters decode_block increments, one per way a value can be refused.

@@ -279,5 +279,24 @@ def restore_payloads(cache: PagedKVCache, group_id: int, block_ids: Sequence[int
     if len(block_ids) != len(payloads):
         raise ValueError(f"{len(block_ids)} block ids but {len(payloads)} payloads")
     P = block_payload_nbytes(cache, group_id)
-    packed = stack_payloads(payloads, P, pin=cache.device.type == "cuda")
-    scatter_blocks(cache, group_id, block_ids, packed)
+    if cache.device.type != "cpu":  # one pinned buffer, then one async copy per chunk
+        scatter_blocks(cache, group_id, block_ids, stack_payloads(payloads, P, pin=True))
+        return
+    import numpy as np
+    import torch
+
+    ids = _block_index(cache, block_ids, unique=True)
+    L = _group_slots(cache, group_id)
+    nb = cache.config.num_blocks
+    pages = [[c[j].view(nb, -1).view(torch.uint8).numpy() for c in (cache.key_caches, cache.value_caches)]
+             for j in range(L)]
+    rows = []
+    for i, p in enumerate(payloads):
+        view = memoryview(p).cast("B")
+        if view.nbytes != P:
+            raise ValueError(f"payload {i} is {view.nbytes} bytes, expected {P}")
+        rows.append(np.frombuffer(view, dtype=np.uint8).reshape(L, 2, -1))
+    for b, row in zip(ids, rows, strict=True):  # straight from the values: no staging copy
+        for j in range(L):
+            pages[j][0][b] = row[j, 0]
+            pages[j][1][b] = row[j, 1]

@@ -1,0 +1,218 @@
+"""Transfer benchmark of the tiers, each path side by side with a plain copy of the same
+bytes, measured in one run:
+
+    python -m kvstore.benchmarks.tier_bench [--device cpu|cuda] [--blocks 64] [--layers 8]
+                                            [--store valkey://host:port/db] [--json PATH]
+
+* offload: ``gather_blocks`` (scattered pages of one group -> one host buffer, pinned on
+  CUDA) against ``host.copy_(contiguous device tensor)`` of the same bytes;
+* restore: ``scatter_blocks`` (host buffer -> scattered freshly chosen pages) against
+  ``device_tensor.copy_(host)``;
+* the full host-tier path: gather + encode (header, tokens, XXH3-128) + ``HostTier.store``,
+  and ``HostTier.load`` + verify + scatter, against the same plain copies;
+* store put/get: ``ValkeyStore.store_now`` / ``ValkeyStore.load`` (and ``load_verified``,
+  which also decodes) against raw pipelined SET / GET of the same keys and sizes through
+  the same ``redis`` client. Without ``--store`` a throwaway valkey-server is started on
+  127.0.0.1 (``--no-store`` skips this part).
+
+Each pair runs alternately ``--reps`` times; figures are medians (GB/s of payload bytes)
+and the ratio path / baseline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstore.hashing import hash_block, root_hash
+from kvstore.paged_kv_cache import PagedKVCache
+from kvstore.specs import FullAttentionSpec, make_kv_cache_config
+from kvstore.tiers import (
+    BlockLayout,
+    HostTier,
+    block_payload_nbytes,
+    gather_blocks,
+    host_buffer,
+    load_verified,
+    offload_items,
+    request_keys,
+    restore_payloads,
+    scatter_blocks,
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def side_by_side(path: Callable[[], object], base: Callable[[], object], nbytes: int,
+                 device: torch.device, reps: int) -> dict[str, float]:
+    """Median GB/s of ``path`` and ``base`` run alternately, and their ratio."""
+    path()
+    base()
+    tp, tb = [], []
+    for _ in range(reps):
+        tp.append(_time(path, device))
+        tb.append(_time(base, device))
+    gp, gb = nbytes / statistics.median(tp) / 1e9, nbytes / statistics.median(tb) / 1e9
+    return {"path_GBps": round(gp, 3), "plain_GBps": round(gb, 3), "ratio": round(gp / gb, 3)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """All measurements, as a dict of rows."""
+    device = torch.device(args.device)
+    spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_dim, args.dtype)
+    config = make_kv_cache_config([spec] * args.layers, num_blocks=args.pool_blocks)
+    cache = PagedKVCache(config, device=device)
+    for t in cache.key_caches + cache.value_caches:
+        t.view(torch.uint8).random_(0, 256)
+    n = args.blocks
+    gen = torch.Generator().manual_seed(0)
+    perm = (torch.randperm(args.pool_blocks - 1, generator=gen) + 1).tolist()
+    src_ids, dst_ids = perm[:n], perm[n:2 * n]
+    P = block_payload_nbytes(cache, 0)
+    nbytes = n * P
+    pin = device.type == "cuda"
+    host = host_buffer(n, P, pin=pin)
+    dev_contig = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
+    host_flat = host.view(-1)
+    rows: dict[str, Any] = {"config": {
+        "device": str(device), "dtype": args.dtype, "block_size": args.block_size,
+        "kv_heads": args.kv_heads, "head_dim": args.head_dim, "layers_per_group": args.layers,
+        "blocks_per_batch": n, "block_payload_bytes": P, "batch_bytes": nbytes,
+        "torch_threads": torch.get_num_threads()}}
+
+    def plain_d2h() -> None:
+        host_flat.copy_(dev_contig, non_blocking=pin)
+
+    def plain_h2d() -> None:
+        dev_contig.copy_(host_flat, non_blocking=pin)
+
+    rows["offload (gather pages -> host buffer)"] = side_by_side(
+        lambda: gather_blocks(cache, 0, src_ids, out=host), plain_d2h, nbytes, device, args.reps)
+    rows["restore (host buffer -> scattered pages)"] = side_by_side(
+        lambda: scatter_blocks(cache, 0, dst_ids, host), plain_h2d, nbytes, device, args.reps)
+
+    layout = BlockLayout("bench-model", spec, config.groups[0].layer_ids)
+    tokens = [[i * args.block_size + j for j in range(args.block_size)] for i in range(n)]
+    hashes, parent = [], root_hash(None)
+    for t in tokens:
+        parent = hash_block(parent, t)
+        hashes.append(parent)
+    keys = request_keys(layout, hashes, None)
+    tier = HostTier(4 * n * layout.value_nbytes)
+    rows["host tier offload (gather + encode + store)"] = side_by_side(
+        lambda: tier.store(offload_items(cache, layout, 0, src_ids, keys, tokens)), plain_d2h,
+        nbytes, device, args.reps)
+    rows["host tier restore (load + verify + scatter)"] = side_by_side(
+        lambda: restore_payloads(cache, 0, dst_ids, load_verified(tier, layout, keys, tokens)),
+        plain_h2d, nbytes, device, args.reps)
+    k = cache.key_caches[0].view(torch.uint8)
+    assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
+
+    if not args.no_store:
+        rows.update(store_rows(args, offload_items(cache, layout, 0, src_ids, keys, tokens),
+                               layout, tokens, device))
+    return rows
+
+
+def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, tokens: list,
+               device: torch.device) -> dict[str, Any]:
+    """Valkey put/get through ValkeyStore against raw pipelined SET/GET on its client."""
+    from kvstore.tiers.server import ValkeyServer
+    from kvstore.tiers.valkey_store import ValkeyStore
+
+    server = None
+    url = args.store
+    if url is None:
+        server = ValkeyServer().start()
+        url = server.url
+    try:
+        st = ValkeyStore(url, timeout_s=10.0, sync_stores=True, chunk=len(items))
+        assert st.ping(), f"no Valkey at {url}"
+        client = st._get_client()
+        keys = [k for k, _ in items]
+        names = [st.namespace + k for k in keys]
+        nbytes = sum(len(v) for _, v in items)
+
+        def raw_set() -> None:
+            pipe = client.pipeline(transaction=False)
+            for name, (_, v) in zip(names, items, strict=True):
+                pipe.set(name, v)
+            pipe.execute()
+
+        def raw_get() -> None:
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.get(name)
+            pipe.execute()
+
+        rows = {
+            "store put (ValkeyStore.store_now vs raw pipelined SET)": side_by_side(
+                lambda: st.store_now(items), raw_set, nbytes, device, args.reps),
+            "store get (ValkeyStore.load vs raw pipelined GET)": side_by_side(
+                lambda: st.load(keys), raw_get, nbytes, device, args.reps),
+            "store get + verify (load_verified vs raw pipelined GET)": side_by_side(
+                lambda: load_verified(st, layout, keys, tokens), raw_get, nbytes, device, args.reps),
+        }
+        assert st.stats["errors"] == 0 and len(load_verified(st, layout, keys, tokens)) == len(keys)
+        st.delete(keys)
+        st.close()
+        return rows
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print a table (and JSON with ``--json``)."""
+    p = argparse.ArgumentParser(prog="python -m kvstore.benchmarks.tier_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--blocks", type=int, default=64, help="blocks per batch")
+    p.add_argument("--pool-blocks", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8, help="layers in the group")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--store", default=None, help="valkey://... (default: start one on 127.0.0.1)")
+    p.add_argument("--no-store", action="store_true")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.blocks < 1 or args.pool_blocks < 2 * args.blocks + 1:
+        p.error("need --blocks >= 1 and --pool-blocks >= 2 * blocks + 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = run(args)
+    cfg = rows.pop("config")
+    print("config: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
+    print(f"{'path':58s} {'path GB/s':>10s} {'plain GB/s':>11s} {'ratio':>6s}")
+    for name, r in rows.items():
+        print(f"{name:58s} {r['path_GBps']:10.3f} {r['plain_GBps']:11.3f} {r['ratio']:6.2f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"config": cfg, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
