@@ -15,7 +15,7 @@ from typing import Any
 SubparsersAction = Any  # argparse's private _SubParsersAction
 
 # Tiny preset styles of `kvstore generate` (here so that building the parser loads no torch).
-DEMO_MODELS = ("llama", "mistral", "gemma2", "gemma3")
+DEMO_MODELS = ("llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3")
 
 
 def _add_generate(subparsers: SubparsersAction) -> None:

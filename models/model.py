@@ -1,6 +1,7 @@
 """Small decoder-only models with per-layer full / sliding-window attention.
 
-One decoder family covers Llama-, Mistral-, Gemma-2- and Gemma-3-style models.
+One decoder family covers Llama-, Mistral-, Gemma-2-, Gemma-3-, Qwen2- and
+Qwen3-style models, with default, linear, llama3 and YaRN RoPE.
 The model owns no KV cache: every attention call goes through an ``AttentionFn``
 supplied by the caller (the engine's paged cache, or the dense reference in
 :func:`dense_causal_attention`), over a flat ragged batch of tokens.
@@ -14,12 +15,14 @@ included), or ``None`` for a full-attention layer.
 Finding for transformers 5.24.0 (read in ``masking_utils.py`` and checked by
 ``tests/test_models_hf.py``): ``sliding_window_overlay(w)`` keeps
 ``kv_idx > q_idx - w``, and ``create_sliding_window_causal_mask`` passes
-``config.sliding_window`` to it unchanged, for Mistral, Gemma 2 and Gemma 3
-alike. So ``W == config.sliding_window`` with no off-by-one for all three
-(eager path, and the decode path through HF's sliding cache layers). The one
-exception is Gemma 3 with ``use_bidirectional_attention=True``, where the config
-rewrites ``sliding_window`` to ``w // 2 + 1``; that mode is not causal and is
-rejected by :meth:`ModelConfig.from_hf`.
+``config.sliding_window`` to it unchanged, for Mistral, Gemma 2, Gemma 3 and
+Qwen2/Qwen3 alike (Qwen's sliding layers are ``layer_types``, by default the
+layers from ``max_window_layers`` on when ``use_sliding_window``). So
+``W == config.sliding_window`` with no off-by-one for all of them (eager path,
+and the decode path through HF's sliding cache layers). The one exception is
+Gemma 3 with ``use_bidirectional_attention=True``, where the config rewrites
+``sliding_window`` to ``w // 2 + 1``; that mode is not causal and is rejected
+by :meth:`ModelConfig.from_hf`.
 """
 
 from __future__ import annotations
@@ -50,6 +53,61 @@ belong to which sequence and which earlier keys/values (cached) they attend.
 
 # --------------------------------------------------------------------------- config
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""RoPE variants :meth:`ModelConfig.from_hf` accepts (transformers' ``rope_type`` names)."""
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "gemma2", "gemma3_text", "qwen2", "qwen3")
+"""HuggingFace ``model_type`` values :meth:`ModelConfig.from_hf` accepts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A scaled RoPE variant, with transformers 5.24's frequencies (``rope_type`` names).
+
+    * ``linear``: every inverse frequency divided by ``factor``;
+    * ``llama3``: frequencies whose wavelength exceeds ``original_max_position_embeddings /
+      low_freq_factor`` divided by ``factor``, those under ``original_max_position_embeddings
+      / high_freq_factor`` kept, a smooth blend in between;
+    * ``yarn``: original frequencies below the ``beta_fast`` rotation count, ``factor``-
+      interpolated ones above ``beta_slow``, a linear ramp in between (``truncate`` rounds its
+      ends outwards); cos and sin are multiplied by ``attention_factor``.
+    """
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn
+    attention_factor: float = 1.0  # yarn
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES[1:]:
+            raise ValueError(
+                f"RopeScaling.rope_type must be one of {ROPE_TYPES[1:]}, got {self.rope_type!r}"
+            )
+        if not self.factor > 0:
+            raise ValueError(f"RoPE scaling factor must be positive, got {self.factor}")
+        if self.rope_type in ("llama3", "yarn") and (
+            self.original_max_position_embeddings is None or self.original_max_position_embeddings < 1
+        ):
+            raise ValueError(
+                f"{self.rope_type} RoPE needs original_max_position_embeddings >= 1, "
+                f"got {self.original_max_position_embeddings}"
+            )
+        if self.rope_type == "llama3" and (
+            self.low_freq_factor is None or self.high_freq_factor is None
+            or not self.high_freq_factor > self.low_freq_factor
+        ):
+            raise ValueError(
+                "llama3 RoPE needs high_freq_factor > low_freq_factor, got "
+                f"{self.high_freq_factor} and {self.low_freq_factor}"
+            )
+        if self.rope_type != "yarn" and self.attention_factor != 1.0:
+            raise ValueError(f"{self.rope_type} RoPE has no attention_factor")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -57,9 +115,10 @@ class ModelConfig:
 
     ``layer_types[i]`` is ``"full_attention"`` or ``"sliding_attention"``;
     sliding layers use ``sliding_window`` (see the module docstring for the
-    convention) and RoPE base ``local_rope_theta`` (``None``: same as
-    ``rope_theta``). The style flags select the Llama or Gemma variants of each
-    component.
+    convention). RoPE: base ``rope_theta`` with ``rope_scaling`` on every layer,
+    except that when ``local_rope_theta`` is set the sliding layers use that base
+    with ``local_rope_scaling`` instead (Gemma 3). The style flags select the
+    Llama, Gemma or Qwen variants of each component.
     """
 
     vocab_size: int
@@ -74,6 +133,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     local_rope_theta: float | None = None
     rms_norm_eps: float = 1e-6
+    rope_scaling: RopeScaling | None = None
+    local_rope_scaling: RopeScaling | None = None
     # style flags
     hidden_act: str = "silu"
     gemma_norm: bool = False  # RMSNorm scales by (1 + weight) instead of weight
@@ -84,10 +145,11 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k, v and o projections
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     mlp_bias: bool = False
     dtype: torch.dtype = torch.float32
-    family: str = "llama"  # informational: llama | mistral | gemma2 | gemma3
+    family: str = "llama"  # informational: llama | mistral | gemma2 | gemma3 | qwen2 | qwen3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -116,6 +178,12 @@ class ModelConfig:
             )
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; expected {ACTIVATIONS}")
+        for name in ("rope_scaling", "local_rope_scaling"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, RopeScaling):
+                raise ValueError(f"ModelConfig.{name} must be a RopeScaling or None, got {value!r}")
+        if self.local_rope_scaling is not None and self.local_rope_theta is None:
+            raise ValueError("local_rope_scaling needs local_rope_theta (the sliding layers' base)")
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:
@@ -127,116 +195,373 @@ class ModelConfig:
         """Indices of the full-attention layers."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
 
+    def layer_rope(self, layer_idx: int) -> tuple[float, RopeScaling | None]:
+        """RoPE base and scaling of layer ``layer_idx``."""
+        if self.layer_types[layer_idx] == SLIDING_ATTENTION and self.local_rope_theta is not None:
+            return self.local_rope_theta, self.local_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
     @classmethod
     def from_hf(cls, hf_config: Any, dtype: torch.dtype = torch.float32) -> ModelConfig:
         """Build from a HuggingFace config (object or ``config.json`` dict).
 
-        Supports LlamaConfig, MistralConfig, Gemma2Config and Gemma3TextConfig as
-        transformers 5.x defines them (defaults are only those classes' defaults
-        when given a config object; a raw dict must spell out every field).
-        Raises ValueError for other model types and unsupported features.
+        Supports the ``model_type`` values in :data:`SUPPORTED_MODEL_TYPES` (Llama,
+        Mistral, Gemma 2, Gemma 3 text, Qwen2, Qwen3) as transformers 5.24 defines them:
+        a key missing from a dict takes that config class's default, RoPE comes from
+        ``rope_parameters`` or the legacy ``rope_scaling``/``rope_theta`` keys, with
+        transformers' precedence, and may be any of :data:`ROPE_TYPES`. Raises
+        ValueError naming the key for other model types, unsupported features (other
+        RoPE types, partial rotary, unknown RoPE keys, bidirectional Gemma 3) and values
+        of the wrong type.
         """
-        get = _getter(hf_config)
-        model_type = get("model_type")
-        if model_type not in ("llama", "mistral", "gemma2", "gemma3_text"):
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; expected llama, mistral, gemma2 "
-                "or gemma3_text (for a multimodal gemma3 checkpoint, use its text model)"
-            )
-        num_layers = int(get("num_hidden_layers"))
-        num_heads = int(get("num_attention_heads"))
-        num_kv_heads = int(get("num_key_value_heads") or num_heads)
-        hidden_size = int(get("hidden_size"))
-        head_dim = int(get("head_dim") or hidden_size // num_heads)
-        sliding_window = get("sliding_window")
+        cfg = _HFConfigReader(hf_config)
+        model_type = cfg.model_type
+        num_layers = cfg.integer("num_hidden_layers")
+        num_heads = cfg.integer("num_attention_heads")
+        num_kv_heads = cfg.integer("num_key_value_heads", optional=True) or num_heads
+        hidden_size = cfg.integer("hidden_size")
+        head_dim = cfg.integer("head_dim", optional=True) or hidden_size // num_heads
+        is_gemma = model_type in ("gemma2", "gemma3_text")
         common: dict[str, Any] = dict(
-            vocab_size=int(get("vocab_size")),
+            vocab_size=cfg.integer("vocab_size"),
             hidden_size=hidden_size,
-            intermediate_size=int(get("intermediate_size")),
+            intermediate_size=cfg.integer("intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(get("rms_norm_eps")),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            attention_bias=bool(get("attention_bias", False)),
-            mlp_bias=bool(get("mlp_bias", False)),
+            rms_norm_eps=cfg.number("rms_norm_eps"),
+            tie_word_embeddings=cfg.flag("tie_word_embeddings"),
+            # Bias flags each transformers class reads; the others hard-code theirs.
+            attention_bias=model_type in ("llama", "gemma2", "gemma3_text", "qwen3")
+            and cfg.flag("attention_bias"),
+            qkv_bias=model_type == "qwen2",
+            mlp_bias=model_type == "llama" and cfg.flag("mlp_bias"),
+            hidden_act=cfg.text("hidden_activation" if is_gemma else "hidden_act"),
             dtype=dtype,
             family=model_type.removesuffix("_text"),
         )
-        rope = get("rope_parameters")
-        if model_type == "gemma3_text":
-            if get("use_bidirectional_attention", False):
-                raise ValueError("Gemma 3 with use_bidirectional_attention=True is not causal")
-            rope = rope or {}
-            global_theta = _rope_theta(rope.get(FULL_ATTENTION), get("rope_theta"), 1_000_000.0)
-            local_theta = _rope_theta(
-                rope.get(SLIDING_ATTENTION), get("rope_local_base_freq"), 10_000.0
-            )
-        else:
-            global_theta = _rope_theta(rope, get("rope_theta"), 10_000.0)
-            local_theta = None
+        common.update(_rope_from_hf(cfg))
+        if model_type == "gemma3_text" and cfg.flag("use_bidirectional_attention", optional=True):
+            raise ValueError("Gemma 3 with use_bidirectional_attention=True is not causal")
 
-        if model_type in ("llama", "mistral"):
-            if model_type == "mistral" and sliding_window is not None:
-                layer_types = (SLIDING_ATTENTION,) * num_layers
-            else:
-                layer_types = (FULL_ATTENTION,) * num_layers
+        if model_type == "llama":
+            return cls(layer_types=(FULL_ATTENTION,) * num_layers, **common)
+        sliding_window = cfg.integer("sliding_window", optional=True)
+        if model_type == "mistral":  # one window on every layer, or none
+            kind = FULL_ATTENTION if sliding_window is None else SLIDING_ATTENTION
+            return cls(layer_types=(kind,) * num_layers, sliding_window=sliding_window, **common)
+        if model_type in ("qwen2", "qwen3"):
+            # transformers: the window applies only with use_sliding_window, to the layers
+            # from max_window_layers on, unless layer_types names the sliding layers.
+            if not cfg.flag("use_sliding_window"):
                 sliding_window = None
+            layer_types = cfg.layer_types(num_layers)
+            if layer_types is None:
+                first = cfg.integer("max_window_layers")
+                layer_types = tuple(
+                    SLIDING_ATTENTION if sliding_window is not None and i >= first
+                    else FULL_ATTENTION
+                    for i in range(num_layers)
+                )
+            if SLIDING_ATTENTION in layer_types and sliding_window is None:
+                raise ValueError(
+                    "layer_types has sliding layers but the window is off (sliding_window="
+                    f"{cfg.get('sliding_window')!r}, use_sliding_window="
+                    f"{cfg.get('use_sliding_window')!r}); transformers cannot run this config"
+                )
             return cls(
                 layer_types=layer_types,
-                sliding_window=None if sliding_window is None else int(sliding_window),
-                rope_theta=global_theta,
-                hidden_act=str(get("hidden_act", "silu")),
+                sliding_window=sliding_window if SLIDING_ATTENTION in layer_types else None,
+                qk_norm=model_type == "qwen3",
                 **common,
             )
 
         # Gemma 2 / Gemma 3
-        layer_types = get("layer_types")
-        if layer_types is None:  # older configs: every `pattern`-th layer is full
-            default_pattern = 6 if model_type == "gemma3_text" else 2
-            pattern = int(get("sliding_window_pattern") or default_pattern)
-            layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
-                           for i in range(num_layers)]
-        softcap = get("attn_logit_softcapping")
-        final_softcap = get("final_logit_softcapping")
+        layer_types = cfg.layer_types(num_layers)
+        if layer_types is None:  # every `pattern`-th layer is full
+            pattern = 2
+            if model_type == "gemma3_text":
+                pattern = cfg.integer("sliding_window_pattern")
+            layer_types = tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
+                                for i in range(num_layers))
         return cls(
-            layer_types=tuple(layer_types),
-            sliding_window=None if sliding_window is None else int(sliding_window),
-            rope_theta=global_theta,
-            local_rope_theta=local_theta,
-            hidden_act=str(get("hidden_activation") or get("hidden_act", "gelu_pytorch_tanh")),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
             gemma_norm=True,
             sandwich_norm=True,
             qk_norm=model_type == "gemma3_text",
             scale_embeddings=True,
-            query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
+            query_pre_attn_scalar=cfg.number("query_pre_attn_scalar"),
             # HF's Gemma 3 attention never applies attn_logit_softcapping.
             attn_logit_softcap=(
-                None if model_type == "gemma3_text" or softcap is None else float(softcap)
+                None if model_type == "gemma3_text"
+                else cfg.number("attn_logit_softcapping", optional=True)
             ),
-            final_logit_softcap=None if final_softcap is None else float(final_softcap),
+            final_logit_softcap=cfg.number("final_logit_softcapping", optional=True),
             **common,
         )
 
 
-def _getter(hf_config: Any) -> Callable[..., Any]:
-    if isinstance(hf_config, Mapping):
-        return lambda name, default=None: hf_config.get(name, default)
-    return lambda name, default=None: getattr(hf_config, name, default)
+# transformers 5.24 class defaults of the keys from_hf reads (`None`: derived, as HF does:
+# num_key_value_heads = num_attention_heads, head_dim = hidden_size // num_attention_heads).
+_BASE_DEFAULTS: dict[str, Any] = dict(
+    num_key_value_heads=None, head_dim=None, hidden_act="silu", rms_norm_eps=1e-6,
+    tie_word_embeddings=False, attention_bias=False, mlp_bias=False, rope_theta=10_000.0,
+)
+_QWEN_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+    num_attention_heads=32, max_position_embeddings=32768, use_sliding_window=False,
+    sliding_window=4096, max_window_layers=28,
+)
+_GEMMA_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+    tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+)
+HF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(_BASE_DEFAULTS, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048),
+    "mistral": dict(_BASE_DEFAULTS, vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    max_position_embeddings=4096 * 32, sliding_window=4096),
+    "gemma2": dict(_BASE_DEFAULTS, **_GEMMA_DEFAULTS, vocab_size=256000,
+                   max_position_embeddings=8192, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0),
+    "gemma3_text": dict(_BASE_DEFAULTS, **_GEMMA_DEFAULTS, vocab_size=262_208,
+                        max_position_embeddings=131_072, attn_logit_softcapping=None,
+                        final_logit_softcapping=None, rope_theta=1_000_000.0,
+                        rope_local_base_freq=10_000.0, sliding_window_pattern=6,
+                        use_bidirectional_attention=False),
+    "qwen2": dict(_BASE_DEFAULTS, **_QWEN_DEFAULTS),
+    "qwen3": dict(_BASE_DEFAULTS, **_QWEN_DEFAULTS, head_dim=128),
+}
+"""Per ``model_type``: the value :meth:`ModelConfig.from_hf` uses for a key a dict lacks."""
 
 
-def _rope_theta(params: Any, legacy_theta: Any, default: float) -> float:
-    """RoPE base from a transformers 5 ``rope_parameters`` dict (or legacy field)."""
-    if params:
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported RoPE type {rope_type!r} (only 'default' RoPE)")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial rotary embeddings are not supported")
-        if params.get("rope_theta") is not None:
-            return float(params["rope_theta"])
-    return float(legacy_theta) if legacy_theta is not None else default
+class _HFConfigReader:
+    """Typed reads of a HF config object or ``config.json`` dict, with the class defaults."""
+
+    def __init__(self, hf_config: Any) -> None:
+        self.is_dict = isinstance(hf_config, Mapping)
+        self._config = hf_config
+        model_type = self.raw("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            hint = (" (for a multimodal gemma3 checkpoint, use its text model: its "
+                    "text_config)" if model_type == "gemma3" else "")
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; expected one of "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}{hint}"
+            )
+        self.model_type: str = model_type
+        self.defaults = HF_CONFIG_DEFAULTS[model_type]
+
+    def raw(self, key: str) -> Any:
+        """The value as given (None when absent), no default."""
+        if self.is_dict:
+            return self._config.get(key)
+        return getattr(self._config, key, None)
+
+    def has(self, key: str) -> bool:
+        """Whether the config names ``key`` (a dict's key, an object's attribute)."""
+        if self.is_dict:
+            return key in self._config
+        return hasattr(self._config, key)
+
+    def get(self, key: str) -> Any:
+        """The value, or the class default when the config lacks the key."""
+        return self.raw(key) if self.has(key) else self.defaults.get(key)
+
+    def _fail(self, key: str, expected: str, value: Any) -> ValueError:
+        return ValueError(f"{self.model_type} config key {key!r} must be {expected}, "
+                          f"got {value!r} ({type(value).__name__})")
+
+    def integer(self, key: str, optional: bool = False) -> Any:
+        """An integer (None allowed when ``optional``)."""
+        value = self.get(key)
+        if value is None and optional:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self._fail(key, "an integer" + (" or null" if optional else ""), value)
+        return value
+
+    def number(self, key: str, optional: bool = False) -> Any:
+        """A number as float (None allowed when ``optional``)."""
+        value = self.get(key)
+        if value is None and optional:
+            return None
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise self._fail(key, "a number" + (" or null" if optional else ""), value)
+        return float(value)
+
+    def flag(self, key: str, optional: bool = False) -> bool:
+        """A bool (None read as False when ``optional``)."""
+        value = self.get(key)
+        if value is None and optional:
+            return False
+        if not isinstance(value, bool):
+            raise self._fail(key, "true or false", value)
+        return value
+
+    def text(self, key: str) -> str:
+        """A string."""
+        value = self.get(key)
+        if not isinstance(value, str):
+            raise self._fail(key, "a string", value)
+        return value
+
+    def layer_types(self, num_layers: int) -> tuple[str, ...] | None:
+        """``layer_types`` if given (checked), else None."""
+        value = self.raw("layer_types")
+        if value is None:
+            return None
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
+            isinstance(t, str) for t in value
+        ):
+            raise self._fail("layer_types", "a list of strings", value)
+        if len(value) != num_layers:
+            raise ValueError(f"layer_types has {len(value)} entries but num_hidden_layers="
+                             f"{num_layers}")
+        bad = sorted({t for t in value if t not in LAYER_TYPES})
+        if bad:
+            raise ValueError(f"layer_types has unsupported entries {bad}; expected {LAYER_TYPES}")
+        return tuple(value)
+
+
+# Keys each RoPE type may carry, as transformers 5.24's validators list them.
+_ROPE_KEYS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "original_max_position_embeddings", "low_freq_factor",
+                         "high_freq_factor"}),
+    "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor",
+                       "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
+}
+_ROPE_COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+
+
+def _rope_from_hf(cfg: _HFConfigReader) -> dict[str, Any]:
+    """The RoPE fields of ModelConfig (``rope_theta``, ``rope_scaling`` and, for Gemma 3,
+    the local ones) the way transformers 5.24 resolves them from the config."""
+    params = cfg.raw("rope_parameters")
+    # In a config.json, legacy `rope_scaling` wins over `rope_parameters` (transformers
+    # 5.x moves it there); on a config object it is only an alias of rope_parameters.
+    legacy = cfg.raw("rope_scaling") if cfg.is_dict else None
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, Mapping):
+            raise cfg._fail(key, "a dict or null", value)
+    max_pos = cfg.integer("max_position_embeddings")
+    partial = cfg.number("partial_rotary_factor", optional=True)
+    if cfg.model_type != "gemma3_text":
+        where = "rope_scaling" if legacy else "rope_parameters"
+        theta, scaling = _parse_rope(
+            dict(legacy or params or {}), where, cfg.number("rope_theta"), max_pos,
+            top_level_original=cfg.integer("original_max_position_embeddings", optional=True),
+            partial=partial)
+        return dict(rope_theta=theta, rope_scaling=scaling)
+    # Gemma 3: rope_parameters nested by layer type; legacy rope_scaling updates the
+    # global (full-attention) entry only, sliding layers take rope_local_base_freq.
+    params = dict(params or {})
+    unknown = sorted(set(params) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"gemma3_text rope_parameters must be nested by layer type "
+                         f"{LAYER_TYPES}; unexpected keys {unknown}")
+    full = dict(params.get(FULL_ATTENTION) or {"rope_type": "default"})
+    if legacy:
+        full.update(legacy)
+    local = dict(params.get(SLIDING_ATTENTION) or {"rope_type": "default"})
+    theta, scaling = _parse_rope(
+        full, f"rope_parameters[{FULL_ATTENTION!r}]", cfg.number("rope_theta"), max_pos,
+        partial=partial, nested=True)
+    local_theta, local_scaling = _parse_rope(
+        local, f"rope_parameters[{SLIDING_ATTENTION!r}]", cfg.number("rope_local_base_freq"),
+        max_pos, partial=partial, nested=True)
+    return dict(rope_theta=theta, rope_scaling=scaling,
+                local_rope_theta=local_theta, local_rope_scaling=local_scaling)
+
+
+def _parse_rope(
+    params: dict[str, Any],
+    where: str,
+    theta: float,
+    max_pos: int,
+    top_level_original: int | None = None,
+    partial: float | None = None,
+    nested: bool = False,
+) -> tuple[float, RopeScaling | None]:
+    """Base and scaling from one RoPE parameter dict (``where`` names it in errors)."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE type {rope_type!r} in {where}; supported: "
+                         f"{', '.join(ROPE_TYPES)}")
+    unknown = sorted(set(params) - _ROPE_COMMON_KEYS - _ROPE_KEYS[rope_type])
+    if unknown:
+        raise ValueError(f"{where}: keys {unknown} are not used by RoPE type {rope_type!r} "
+                         "(unsupported)")
+
+    def number(key: str, default: Any = None) -> Any:
+        value = params.get(key, default)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ValueError(f"{where}[{key!r}] must be a number, got {value!r}")
+        return value
+
+    def required(key: str) -> Any:
+        if params.get(key) is None:
+            raise ValueError(f"{where}: RoPE type {rope_type!r} needs {key!r}")
+        return number(key)
+
+    partial = number("partial_rotary_factor", partial)
+    if partial is not None and partial != 1.0:
+        raise ValueError(f"partial rotary embeddings are not supported (partial_rotary_factor="
+                         f"{partial} in {where})")
+    theta = float(number("rope_theta", theta))
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(required("factor")))
+    # transformers: a top-level original_max_position_embeddings (Phi-3 style) wins over
+    # the rope dict's, which defaults to max_position_embeddings.
+    original = top_level_original or params.get("original_max_position_embeddings") or max_pos
+    if isinstance(original, float) and original.is_integer():
+        original = int(original)
+    if not isinstance(original, int) or isinstance(original, bool):
+        raise ValueError(f"{where}['original_max_position_embeddings'] must be an integer, "
+                         f"got {original!r}")
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            "llama3", float(required("factor")), original,
+            low_freq_factor=float(required("low_freq_factor")),
+            high_freq_factor=float(required("high_freq_factor")),
+        )
+    if "factor" not in params:
+        raise ValueError(f"{where}: RoPE type 'yarn' needs 'factor'")
+    factor = float(number("factor") or max_pos / original)
+    attention_factor = number("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = number("mscale"), number("mscale_all_dim")
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"{where}['truncate'] must be true or false, got {truncate!r}")
+    if nested and not truncate:
+        # transformers 5.24 reads `truncate` from the outer rope_parameters dict, so a
+        # per-layer-type value never takes effect there.
+        raise ValueError(f"{where}['truncate'] = false is ignored by transformers for "
+                         "per-layer-type RoPE; not supported")
+    return theta, RopeScaling(
+        "yarn", factor, original,
+        beta_fast=float(number("beta_fast") or 32), beta_slow=float(number("beta_slow") or 1),
+        truncate=truncate, attention_factor=float(attention_factor),
+    )
 
 
 # --------------------------------------------------------------------------- presets
@@ -288,11 +613,35 @@ def tiny_gemma3() -> ModelConfig:
     )
 
 
+def tiny_qwen2() -> ModelConfig:
+    """A 4-layer Qwen2-style model: q/k/v biases, GQA 4:2, layers 2-3 sliding (window 16),
+    as transformers builds ``use_sliding_window=True, max_window_layers=2``."""
+    return ModelConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=16,
+        layer_types=(FULL_ATTENTION,) * 2 + (SLIDING_ATTENTION,) * 2, sliding_window=16,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, qkv_bias=True, family="qwen2",
+    )
+
+
+def tiny_qwen3() -> ModelConfig:
+    """A 4-layer Qwen3-style model: q/k RMSNorm per head, no biases, head_dim 32 wider than
+    hidden / heads (GQA 4:2), tied embeddings, full attention."""
+    return ModelConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=32,
+        layer_types=(FULL_ATTENTION,) * 4, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        qk_norm=True, tie_word_embeddings=True, family="qwen3",
+    )
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny_llama": tiny_llama,
     "tiny_mistral": tiny_mistral,
     "tiny_gemma2": tiny_gemma2,
     "tiny_gemma3": tiny_gemma3,
+    "tiny_qwen2": tiny_qwen2,
+    "tiny_qwen3": tiny_qwen3,
 }
 
 
@@ -325,19 +674,16 @@ class Attention(nn.Module):
         super().__init__()
         c, dt = config, config.dtype
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, c.attention_bias, dtype=dt)
-        self.k_proj = nn.Linear(
-            c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, dtype=dt
-        )
-        self.v_proj = nn.Linear(
-            c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, dtype=dt
-        )
+        qkv_bias = c.attention_bias or c.qkv_bias
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, qkv_bias, dtype=dt)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, qkv_bias, dtype=dt)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, qkv_bias, dtype=dt)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, c.attention_bias, dtype=dt)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.gemma_norm, dt)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.gemma_norm, dt)
-        else:
-            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -352,7 +698,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = apply_rope(q, cos, sin)
@@ -395,11 +741,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norm, dt)
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norm, dt)
+        self.attn_post_norm: RMSNorm | None = None
+        self.mlp_post_norm: RMSNorm | None = None
         if c.sandwich_norm:
             self.attn_post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norm, dt)
             self.mlp_post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norm, dt)
-        else:
-            self.attn_post_norm = self.mlp_post_norm = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
@@ -431,6 +777,56 @@ def rope_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
+def rope_frequencies(
+    theta: float, head_dim: int, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim // 2]`` (fp32) and the cos/sin multiplier of a RoPE.
+
+    Computed as transformers 5.24's ``ROPE_INIT_FUNCTIONS`` do, operation for operation.
+    """
+    inv_freq = rope_inv_freq(theta, head_dim)
+    if scaling is None:
+        return inv_freq, 1.0
+    factor, dim = scaling.factor, head_dim
+    if scaling.rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if scaling.rope_type == "llama3":
+        assert scaling.original_max_position_embeddings is not None
+        assert scaling.low_freq_factor is not None and scaling.high_freq_factor is not None
+        old_context_len = scaling.original_max_position_embeddings
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        low_freq_wavelen = old_context_len / low
+        high_freq_wavelen = old_context_len / high
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth_factor = (old_context_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+        is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium_freq, smoothed, inv_freq_llama), 1.0
+    # yarn
+    assert scaling.original_max_position_embeddings is not None
+    original = scaling.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low_dim, high_dim = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low_dim, high_dim = math.floor(low_dim), math.ceil(high_dim)
+    low_dim, high_dim = max(low_dim, 0), min(high_dim, dim - 1)
+    if low_dim == high_dim:
+        high_dim += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp(
+        (torch.arange(dim // 2, dtype=torch.float32) - low_dim) / (high_dim - low_dim), 0, 1
+    )
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, scaling.attention_factor
+
+
 # --------------------------------------------------------------------------- model
 
 
@@ -451,17 +847,15 @@ class DecoderModel(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # One RoPE table per distinct base: global (full) and local (sliding) layers.
-        self._layer_theta = [
-            c.local_rope_theta if t == SLIDING_ATTENTION and c.local_rope_theta is not None
-            else c.rope_theta
-            for t in c.layer_types
-        ]
-        self._thetas = sorted(set(self._layer_theta))
-        for j, theta in enumerate(self._thetas):
-            inv_freq = rope_inv_freq(theta, c.head_dim)
+        # One RoPE table per distinct (base, scaling): global (full) and local (sliding) layers.
+        layer_ropes = [c.layer_rope(i) for i in range(c.num_layers)]
+        ropes = list(dict.fromkeys(layer_ropes))
+        self._rope_scales: list[float] = []
+        for j, (theta, scaling) in enumerate(ropes):
+            inv_freq, attention_factor = rope_frequencies(theta, c.head_dim, scaling)
             self.register_buffer(f"inv_freq_{j}", inv_freq, persistent=False)
-        self._layer_rope = [self._thetas.index(th) for th in self._layer_theta]
+            self._rope_scales.append(attention_factor)
+        self._layer_rope = [ropes.index(r) for r in layer_ropes]
         self.attn_scale: float = (
             c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar is not None
             else c.head_dim ** -0.5
@@ -500,10 +894,13 @@ class DecoderModel(nn.Module):
         x = self.embed(input_ids)
         pos = positions.to(x.device).float()[:, None]
         tables = []
-        for j in range(len(self._thetas)):
+        for j, scale in enumerate(self._rope_scales):
             freqs = pos * getattr(self, f"inv_freq_{j}")
             emb = torch.cat((freqs, freqs), dim=-1)
-            tables.append((emb.cos().to(x.dtype), emb.sin().to(x.dtype)))
+            cos, sin = emb.cos(), emb.sin()
+            if scale != 1.0:  # YaRN's attention factor, applied as transformers does
+                cos, sin = cos * scale, sin * scale
+            tables.append((cos.to(x.dtype), sin.to(x.dtype)))
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self._layer_rope[i]]
             x = layer(x, cos, sin, attention)
@@ -596,7 +993,7 @@ def hf_parameter_names(config: ModelConfig) -> dict[str, str]:
             names[f"{hf}{hf_norm}.weight"] = f"{ours}{our_norm}.weight"
         for p in attn:
             names[f"{hf}self_attn.{p}.weight"] = f"{ours}attn.{p}.weight"
-            if config.attention_bias:
+            if config.attention_bias or (config.qkv_bias and p != "o_proj"):
                 names[f"{hf}self_attn.{p}.bias"] = f"{ours}attn.{p}.bias"
         if config.qk_norm:
             names[f"{hf}self_attn.q_norm.weight"] = f"{ours}attn.q_norm.weight"
@@ -666,8 +1063,9 @@ def load_checkpoint_dir(
         raise ImportError("load_checkpoint_dir needs transformers and safetensors") from e
     with open(path / "config.json") as f:
         model_type = json.load(f).get("model_type")
-    if model_type not in ("llama", "mistral", "gemma2", "gemma3_text"):
-        raise ValueError(f"unsupported model_type {model_type!r} in {path / 'config.json'}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r} in {path / 'config.json'}; "
+                         f"expected one of {', '.join(SUPPORTED_MODEL_TYPES)}")
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     config = ModelConfig.from_hf(hf_config, dtype=dtype)
     state_dict: dict[str, torch.Tensor] = {}

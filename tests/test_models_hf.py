@@ -28,6 +28,8 @@ from kvstore.models.model import (  # noqa: E402
     tiny_gemma3,
     tiny_llama,
     tiny_mistral,
+    tiny_qwen2,
+    tiny_qwen3,
 )
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
@@ -35,8 +37,10 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "mistral": tiny_mistral,
     "gemma2": tiny_gemma2,
     "gemma3": tiny_gemma3,
+    "qwen2": tiny_qwen2,
+    "qwen3": tiny_qwen3,
 }
-WINDOWED = ["mistral", "gemma2", "gemma3"]
+WINDOWED = ["mistral", "gemma2", "gemma3", "qwen2"]
 ATOL = 1e-4
 
 
@@ -63,6 +67,15 @@ def hf_config(cfg: ModelConfig) -> transformers.PreTrainedConfig:
     if cfg.family == "mistral":
         return transformers.MistralConfig(
             sliding_window=cfg.sliding_window, rope_parameters=rope, **common
+        )
+    if cfg.family in ("qwen2", "qwen3"):
+        # Sliding layers as transformers derives them: from max_window_layers on.
+        first = min(cfg.sliding_layers, default=cfg.num_layers)
+        assert cfg.sliding_layers == tuple(range(first, cfg.num_layers))
+        qwen = transformers.Qwen2Config if cfg.family == "qwen2" else transformers.Qwen3Config
+        return qwen(
+            use_sliding_window=bool(cfg.sliding_layers), sliding_window=cfg.sliding_window,
+            max_window_layers=first, rope_parameters=rope, **common
         )
     gemma = dict(
         sliding_window=cfg.sliding_window,
@@ -149,9 +162,9 @@ def test_from_hf_rejects_unsupported() -> None:
         ModelConfig.from_hf({"model_type": "gpt2"})
     scaled = transformers.LlamaConfig(
         hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,
-        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
     )
-    with pytest.raises(ValueError, match="RoPE type 'linear'"):
+    with pytest.raises(ValueError, match="RoPE type 'dynamic' in rope_parameters"):
         ModelConfig.from_hf(scaled)
     gemma3 = transformers.Gemma3TextConfig(use_bidirectional_attention=True)
     with pytest.raises(ValueError, match="bidirectional"):
