@@ -130,7 +130,7 @@ def find_master_binary() -> str:
         mooncake = importlib.import_module("mooncake")
     except ImportError as exc:
         raise FileNotFoundError("no mooncake_master: pip install mooncake-transfer-engine-non-cuda") from exc
-    path = Path(mooncake.__file__).parent / "mooncake_master"
+    path = Path(str(mooncake.__file__)).parent / "mooncake_master"
     if not path.is_file():
         raise FileNotFoundError(f"no mooncake_master in {path.parent}")
     return str(path)
