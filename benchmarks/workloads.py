@@ -16,7 +16,7 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypedDict
 
 import numpy as np
 
@@ -419,6 +419,14 @@ def unique_prompts(
     return _finish(name, desc, requests)
 
 
+class _OutputLengths(TypedDict):
+    """The lognormal output-length keywords every generator takes."""
+
+    output_median: float
+    output_sigma: float
+    output_max: int
+
+
 def mixed_default(
     seed: int = 0,
     num_requests: int = 300,
@@ -442,7 +450,7 @@ def mixed_default(
     n_uni = rest - n_few
     span = max(num_requests / rate, 1e-9)
     seeds = [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(4)]
-    out = {"output_median": 100, "output_sigma": 1.2, "output_max": 2048}
+    out: _OutputLengths = {"output_median": 100, "output_sigma": 1.2, "output_max": 2048}
     parts = [
         shared_system_prompts(
             n_sys, rate=max(n_sys, 1) / span, vocab_size=vocab_size, seed=seeds[0], **out
