@@ -36,7 +36,10 @@ __all__ = [
     "TRACE_FILES",
     "MooncakeRequest",
     "default_trace_dir",
+    "TRACE_SOURCES",
     "trace_file",
+    "trace_source",
+    "locate_trace",
     "load_mooncake",
     "mooncake_block_tokens",
     "mooncake_prompt_tokens",
@@ -58,6 +61,18 @@ TRACE_FILES: dict[str, str] = {
 }
 
 ENV_VAR = "KVSTORE_TRACES"
+
+# Where each trace comes from (a pip install ships none of them): repository, path there.
+TRACE_SOURCES: dict[str, tuple[str, str]] = {
+    "mooncake_conversation": ("https://github.com/kvcache-ai/Mooncake",
+                              "FAST25-release/traces/conversation_trace.jsonl"),
+    "mooncake_synthetic": ("https://github.com/kvcache-ai/Mooncake",
+                           "FAST25-release/traces/synthetic_trace.jsonl"),
+    "azure_code": ("https://github.com/Azure/AzurePublicDataset",
+                   "data/AzureLLMInferenceTrace_code.csv"),
+    "azure_conv": ("https://github.com/Azure/AzurePublicDataset",
+                   "data/AzureLLMInferenceTrace_conv.csv"),
+}
 
 
 def default_trace_dir() -> Path:
@@ -89,6 +104,35 @@ def trace_file(name: str, trace_dir: str | Path | None = None) -> Path:
     except KeyError:
         raise ValueError(f"unknown trace {name!r}; known: {sorted(TRACE_FILES)}") from None
     return Path(trace_dir if trace_dir is not None else default_trace_dir()) / fname
+
+
+def trace_source(name: str) -> str:
+    """Where to download trace `name` and how to point kvstore at it, in one sentence."""
+    fname = TRACE_FILES[name]
+    if name in TRACE_SOURCES:
+        repo, path = TRACE_SOURCES[name]
+        return (f"download {path} from {repo}, then pass --trace PATH, or set {ENV_VAR} to the "
+                f"folder holding it as {fname}")
+    return (f"it ships only in the source repository's shared/traces folder; set {ENV_VAR} to "
+            f"a folder holding it as {fname}")
+
+
+def locate_trace(name: str) -> Path:
+    """The existing file of trace `name` (a key of ``TRACE_FILES``): in ``$KVSTORE_TRACES``,
+    else in a source checkout's ``shared/traces``.
+
+    Raises FileNotFoundError saying where to get the file and how to point at it (a pip
+    install ships no traces)."""
+    try:
+        path = trace_file(name)
+    except FileNotFoundError as e:  # no trace folder at all
+        where = str(e).split(";")[0]
+    else:
+        if path.is_file():
+            return path
+        where = f"not in {path.parent}"
+    raise FileNotFoundError(f"needs the trace file {TRACE_FILES[name]} ({where}), which a pip "
+                            f"install does not ship: {trace_source(name)}")
 
 
 # ------------------------------------------------------------------------- Mooncake
