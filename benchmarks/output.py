@@ -1,12 +1,46 @@
-"""Writing benchmark results: CSV, JSON and figures (matplotlib, headless)."""
+"""Writing benchmark results: CSV, JSON, Markdown and figures (matplotlib, headless), the
+record of the run that made them, and the folder each run writes into."""
 
 from __future__ import annotations
 
 import csv
 import json
+import shlex
+import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+__all__ = ["RunInfo", "write_csv", "write_json", "write_text", "save_figure", "pyplot",
+           "run_folder"]
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What made a set of results: the package version, when, the command line, its parsed
+    arguments and the seed."""
+
+    version: str
+    timestamp: str  # ISO 8601, local time with its UTC offset
+    command: str
+    arguments: dict[str, Any]
+    seed: int | None
+
+    @classmethod
+    def now(cls, arguments: Mapping[str, Any], seed: int | None = None,
+            argv: Sequence[str] | None = None) -> RunInfo:
+        """The record of a run starting now; `argv` defaults to this process's."""
+        from kvstore import __version__
+
+        argv = list(sys.argv) if argv is None else list(argv)
+        return cls(__version__, datetime.now().astimezone().isoformat(timespec="seconds"),
+                   shlex.join(argv), dict(arguments), seed)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return asdict(self)
 
 
 def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -26,6 +60,18 @@ def write_json(path: Path, obj: Any) -> None:
         json.dump(obj, f, indent=1, default=str)
 
 
+def write_text(path: Path, text: str) -> None:
+    """``text`` (Markdown tables, logs) as UTF-8."""
+    path.write_text(text, encoding="utf-8")
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Save a matplotlib figure (laid out tight) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the headless Agg backend (no display is ever needed)."""
     import matplotlib
@@ -34,3 +80,23 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def run_folder(out: Path, in_place: bool = False, when: datetime | None = None) -> Path:
+    """The folder a run writes into, created: a fresh ``out/YYYYMMDD-HHMMSS`` subfolder
+    (``-2``, ``-3``... when that name is taken), so that no run mixes its files with an
+    earlier run's; with `in_place`, `out` itself (files of the same names are replaced,
+    others are left alone)."""
+    if in_place:
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    stamp = (when or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    for k in range(1, 1000):
+        path = out / (stamp if k == 1 else f"{stamp}-{k}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free run folder name under {out} for {stamp}")
