@@ -6,39 +6,62 @@ the workload through the real scheduler and cache manager and reports hit rates 
 the unbounded replay and the ideal, the cost (evictions, preemptions, recomputed
 tokens, steps) and the memory (peak in use, reserved but idle). On a Mooncake trace it
 also replays the hash-level hit-rate-vs-capacity curve next to the paper's points.
+
+Each run writes into a fresh timestamped subfolder of ``--out`` (``--in-place``: into
+``--out`` itself, as for ``docs/figures``). Ctrl-C stops the workers, keeps the replays
+that finished (JSON, CSV and tables) and exits with status 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NoReturn
 
-from kvstore.benchmarks.output import pyplot, write_csv, write_json
+from kvstore.benchmarks.output import (
+    RunInfo,
+    pyplot,
+    run_folder,
+    save_figure,
+    write_csv,
+    write_json,
+    write_text,
+)
 from kvstore.benchmarks.sweep import (
     DEFAULT_POLICIES,
     MODEL_SHAPES,
     POLICIES,
+    SweepInterrupted,
     SweepResult,
+    SweepRow,
+    SweepTask,
     format_bytes,
     parse_pool_sizes,
     run_sweep,
+    sigint_ignored,
 )
+from kvstore.benchmarks.traces import ENV_VAR, TRACE_FILES, TRACE_SOURCES
 from kvstore.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from kvstore.engine.scheduler import SchedulerConfig
 
 __all__ = [
     "TRACE_WORKLOADS",
     "DEFAULT_TRACE_LIMIT",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOTHING_FITS",
     "load_bench_workload",
     "add_bench_parser",
     "run_bench",
     "print_table",
+    "write_results",
     "write_figures",
     "markdown_tables",
+    "positive_int",
+    "non_negative_int",
     "main",
 ]
 
@@ -54,16 +77,21 @@ TRACE_WORKLOADS: dict[str, str] = {
 DEFAULT_TRACE_LIMIT = 200
 QUICK_LIMIT = 60
 QUICK_POINTS = 4
+DEFAULT_POINTS = 10
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+EXIT_NOTHING_FITS = 1
 
 
 def load_bench_workload(name: str, trace: str | Path | None = None, limit: int | None = None,
                         seed: int = 0) -> Workload:
     """A built-in workload (first `limit` requests by arrival) or a trace's first `limit`
-    rows (default ``DEFAULT_TRACE_LIMIT``) as a token-level workload."""
+    rows (default ``DEFAULT_TRACE_LIMIT``) as a token-level workload.
+
+    FileNotFoundError (saying where to get it) when a trace workload's file is missing."""
     from kvstore.benchmarks import traces
 
     if name in TRACE_WORKLOADS:
-        path = Path(trace) if trace else traces.trace_file(TRACE_WORKLOADS[name])
+        path = Path(trace) if trace else traces.locate_trace(TRACE_WORKLOADS[name])
         n = limit if limit is not None else DEFAULT_TRACE_LIMIT
         if name.startswith("mooncake"):
             return traces.mooncake_to_workload(path, limit=n, seed=seed, name=name)
@@ -87,52 +115,95 @@ def _count(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else f"{n:.0f}"
 
 
-def print_table(result: SweepResult, console: Any) -> None:
-    """The sweep as a rich table, a row per (budget, policy)."""
+# The table's columns: (name, name in the narrow table or None, justify). The narrow
+# table fits 80 terminal columns; --wide shows all of them.
+_COLUMNS: tuple[tuple[str, str | None, Literal["left", "right"]], ...] = (
+    ("KV budget", "KV budget", "right"), ("policy", "policy", "left"), ("blocks", None, "right"),
+    ("hit", "hit", "right"), ("vs unbnd", "vs unb", "right"), ("vs ideal", None, "right"),
+    ("partial tok", None, "right"), ("evict", "evict", "right"), ("preempt", "preempt", "right"),
+    ("recompute", "recomp", "right"), ("computed", "computed", "right"),
+    ("steps", "steps", "right"), ("peak KV", "peak KV", "right"), ("idle KV", None, "right"),
+)
+TABLE_LEGEND = (
+    "hit: prompt tokens served from the cache at first admission; vs unb: hit tokens over "
+    "the unbounded replay's; evict: cached blocks reused for new content; preempt: "
+    "preemptions; recomp: tokens computed again after a preemption; computed: all tokens "
+    "computed; steps: scheduler steps to finish; peak KV: most KV memory in use; k/M: "
+    "thousands/millions; -: not applicable (no caching). --wide adds blocks, vs ideal, "
+    "partial-hit tokens and idle reserved KV.")
+
+
+def _short_bytes(n: float) -> str:
+    """At most 8 characters: ``39.2 GiB``, ``1020 MiB``."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            x = n / scale
+            return f"{x:.3g} {unit}" if abs(x) < 1000 else f"{x:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _cells(r: SweepRow, wide: bool) -> list[str]:
+    """Every column's cell of one row, in ``_COLUMNS`` order."""
+    size = format_bytes if wide else _short_bytes
+    budget = r.budget_label if wide else _short_bytes(r.budget_bytes or 0)
+    if r.metrics is None:
+        return [budget or "", r.policy, str(r.num_blocks), *(["-"] * 10), "[red]does not fit[/red]"]
+    m = r.metrics
+    caching = POLICIES[r.policy].enable_caching
+    return [budget or "", r.policy, str(r.num_blocks),
+            _pct(m.prompt_hit_rate) if caching else "-",
+            _pct(r.vs_unbounded), _pct(r.vs_ideal),
+            _count(m.partial_hit_tokens) if caching else "-",
+            _count(m.evictions), str(m.preemptions), _count(m.recomputed_tokens),
+            _count(m.computed_tokens), str(m.steps), size(m.peak_kv_bytes),
+            size(m.mean_idle_bytes)]
+
+
+def print_table(result: SweepResult, console: Any, wide: bool = False) -> None:
+    """The sweep as a rich table, a row per (budget, policy): the columns that fit 80
+    terminal columns and a legend, or with `wide` every column."""
+    from rich import box
     from rich.table import Table
 
     m = result.meta
-    t = Table(title=f"{m['workload']} on {m['model_shape']} (block {m['block_size']}): "
-                    f"ideal hit {_pct(m['ideal_token_hit_rate'])} token / "
-                    f"{_pct(m['ideal_block_hit_rate'])} block", show_lines=False)
-    for col, just in (("KV budget", "right"), ("policy", "left"), ("blocks", "right"),
-                      ("hit", "right"), ("vs unbnd", "right"), ("vs ideal", "right"),
-                      ("partial tok", "right"), ("evict", "right"), ("preempt", "right"),
-                      ("recompute", "right"), ("computed", "right"), ("steps", "right"),
-                      ("peak KV", "right"), ("idle KV", "right")):
-        t.add_column(col, justify=just)
+    title = (f"{m.workload} on {m.model_shape} (block {m.block_size}): ideal hit "
+             f"{_pct(m.ideal_token_hit_rate)} token / {_pct(m.ideal_block_hit_rate)} block")
+    if wide:
+        t = Table(title=title, show_lines=False)
+    else:  # no borders or padding: one space between columns
+        t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+    keep = [i for i, (_, narrow, _) in enumerate(_COLUMNS) if wide or narrow]
+    for i in keep:
+        name, narrow, just = _COLUMNS[i]
+        t.add_column(name if wide else narrow or name, justify=just, no_wrap=not wide)
     last = None
     for r in result.rows:
-        budget = ""
-        if r["point"] != last:
+        cells = _cells(r, wide)
+        if r.point != last:
             if last is not None:
                 t.add_section()
-            budget = r["budget_label"]
-        last = r["point"]
-        if not r.get("feasible"):
-            t.add_row(budget, r["policy"], str(r.get("num_blocks", "-")),
-                      *(["-"] * 10), "[red]does not fit[/red]")
-            continue
-        caching = POLICIES[r["policy"]].enable_caching
-        t.add_row(
-            budget, r["policy"], str(r["num_blocks"]),
-            _pct(r["prompt_hit_rate"]) if caching else "-",
-            _pct(r["vs_unbounded"]), _pct(r["vs_ideal"]),
-            _count(r["partial_hit_tokens"]) if caching else "-",
-            _count(r["evictions"]), str(r["preemptions"]), _count(r["recomputed_tokens"]),
-            _count(r["computed_tokens"]), str(r["steps"]), format_bytes(r["peak_kv_bytes"]),
-            format_bytes(r["mean_idle_bytes"]))
+        else:
+            cells[0] = ""
+        last = r.point
+        if not wide and r.metrics is None:
+            cells[-2] = "[red]no fit[/red]"  # the last narrow column
+        t.add_row(*(cells[i] for i in keep))
     console.print(t)
+    if not wide:
+        console.print(TABLE_LEGEND + (" no fit: the pool cannot hold some request."
+                                      if not all(r.feasible for r in result.rows) else ""),
+                      style="dim")
 
 
 def _series(result: SweepResult, keys: Sequence[str]) -> list[dict[str, Any]]:
     out = []
     for r in result.rows:
-        if not r.get("feasible"):
+        if not r.feasible or r.budget_bytes is None:
             continue
-        row = {"policy": r["policy"], "budget_bytes": r["budget_bytes"],
-               "budget_gib": r["budget_bytes"] / 2**30}
-        row.update({k: r.get(k) for k in keys})
+        flat = r.as_dict()
+        row = {"policy": r.policy, "budget_bytes": r.budget_bytes,
+               "budget_gib": r.budget_bytes / 2**30}
+        row.update({k: flat.get(k) for k in keys})
         out.append(row)
     return out
 
@@ -157,22 +228,24 @@ def _plot_metric(ax: Any, data: Sequence[dict[str, Any]], key: str, policies: Se
     ax.grid(True, which="both", alpha=0.3)
 
 
-def write_figures(result: SweepResult, out: Path) -> list[Path]:
-    """The sweep's figures as PNG, each with a JSON and a CSV of what it plots."""
+def write_figures(result: SweepResult, out: Path, run: RunInfo | None = None) -> list[Path]:
+    """The sweep's figures as PNG, each with a JSON (carrying `run` when given) and a CSV
+    of what it plots."""
     plt = pyplot()
 
     m = result.meta
-    policies = list(m["policies"])
+    policies = list(m.policies)
     caching = [p for p in policies if POLICIES[p].enable_caching]
-    sub = f"{m['workload']}, {m['model_shape']}, block {m['block_size']}"
+    sub = f"{m.workload}, {m.model_shape}, block {m.block_size}"
     written: list[Path] = []
 
     def save(fig: Any, name: str, data: list[dict[str, Any]], extra: dict[str, Any]) -> None:
-        fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=110)
-        plt.close(fig)
+        save_figure(fig, out / f"{name}.png", dpi=110)
         write_csv(out / f"{name}.csv", data)
-        write_json(out / f"{name}.json", {"figure": name, **extra, "rows": data})
+        doc = {"figure": name, **extra, "rows": data}
+        if run is not None:
+            doc["run"] = run.as_dict()
+        write_json(out / f"{name}.json", doc)
         written.extend(out / f"{name}.{ext}" for ext in ("png", "json", "csv"))
 
     # 1. Hit rate against pool size, with the unbounded replays and the ideal bounds.
@@ -180,8 +253,8 @@ def write_figures(result: SweepResult, out: Path) -> list[Path]:
                             "partial_hit_tokens"))
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     _plot_metric(ax, data, "prompt_hit_rate", caching)
-    ax.axhline(m["ideal_token_hit_rate"], color="k", ls="--", lw=1, label="ideal (token)")
-    ax.axhline(m["ideal_block_hit_rate"], color="k", ls=":", lw=1, label="ideal (whole blocks)")
+    ax.axhline(m.ideal_token_hit_rate, color="k", ls="--", lw=1, label="ideal (token)")
+    ax.axhline(m.ideal_block_hit_rate, color="k", ls=":", lw=1, label="ideal (whole blocks)")
     ax.set_xlabel("KV budget (GiB, log; smaller to the right)")
     ax.set_ylabel("prompt tokens served from cache (first admission)")
     ax.set_title(f"Prefix hit rate vs KV memory\n{sub}")
@@ -193,12 +266,13 @@ def write_figures(result: SweepResult, out: Path) -> list[Path]:
     ax2.set_title("Partial-hit reuse")
     ax2.legend(fontsize=8)
     save(fig, "hit_rate_vs_pool", data, {
-        "ideal_token_hit_rate": m["ideal_token_hit_rate"],
-        "ideal_block_hit_rate": m["ideal_block_hit_rate"],
-        "unbounded": {p: r.get("prompt_hit_rate") for p, r in result.unbounded.items()}})
+        "ideal_token_hit_rate": m.ideal_token_hit_rate,
+        "ideal_block_hit_rate": m.ideal_block_hit_rate,
+        "unbounded": {p: r.metrics.prompt_hit_rate if r.metrics else None
+                      for p, r in result.unbounded.items()}})
 
     # 2. What it costs: work, recompute, preemptions, evictions.
-    keys = ("computed_tokens", "recomputed_tokens", "preemptions", "evictions")
+    keys: tuple[str, ...] = ("computed_tokens", "recomputed_tokens", "preemptions", "evictions")
     data = _series(result, keys + ("saved_tokens",))
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     titles = ("tokens computed (total work)", "tokens recomputed after preemption",
@@ -238,32 +312,35 @@ def _size(x: float) -> str:
 
 def markdown_tables(result: SweepResult) -> str:
     """The sweep's two summary tables (hit rate and cost; paged vs naive) as Markdown."""
-    by = {(r["policy"], r["point"]): r for r in result.rows if r.get("feasible")}
-    points = sorted({r["point"] for r in result.rows})
-    caching = [p for p in result.meta["policies"] if POLICIES[p].enable_caching]
+    by = {(r.policy, r.point): r.metrics for r in result.rows if r.metrics is not None}
+    rows = {(r.policy, r.point): r for r in result.rows}
+    points = sorted({r.point for r in result.rows})
+    policies = list(result.meta.policies)
+    caching = [p for p in policies if POLICIES[p].enable_caching]
     lines = ["| KV budget | blocks | " + " | ".join(f"{p} hit" for p in caching)
              + " | vs ideal | partial-hit tokens | evictions | preemptions | recomputed | computed |",
              "|---" * (8 + len(caching)) + "|"]
-    show = [p for p in ("paged", "partial") if p in result.meta["policies"]]
+    show = [p for p in ("paged", "partial") if p in policies]
     for i in points:
-        rows = [by.get((p, i)) for p in result.meta["policies"]]
-        first = next((r for r in rows if r), None)
+        first = next((rows[(p, i)] for p in policies if (p, i) in by), None)
         if first is None:
             continue
-        ref = by.get(("partial", i)) or by.get((caching[0], i)) if caching else None
+        ref_policy = ("partial" if ("partial", i) in by else caching[0]) if caching else None
+        ref = by.get((ref_policy, i)) if ref_policy else None
+        ref_row = rows.get((ref_policy, i)) if ref_policy else None
 
-        def cell(key: str, fmt: str = "{:,}", pols: Sequence[str] = show, i: int = i) -> str:
-            vals = [by.get((p, i)) for p in pols]
-            return " / ".join("-" if v is None else fmt.format(v[key]) for v in vals)
+        def cell(key: str, i: int = i) -> str:
+            return " / ".join("-" if (v := by.get((p, i))) is None else f"{getattr(v, key):,}"
+                              for p in show)
 
-        blocks = " / ".join(str(by[(p, i)]["num_blocks"]) for p in ("partial", "hybrid")
-                            if (p, i) in by) or str(first["num_blocks"])
-        hits = " | ".join("-" if (p, i) not in by else f"{100 * by[(p, i)]['prompt_hit_rate']:.1f}%"
+        blocks = " / ".join(str(rows[(p, i)].num_blocks) for p in ("partial", "hybrid")
+                            if (p, i) in by) or str(first.num_blocks)
+        hits = " | ".join("-" if (m := by.get((p, i))) is None else f"{100 * m.prompt_hit_rate:.1f}%"
                           for p in caching)
         lines.append(
-            f"| {first['budget_label']} | {blocks} | {hits} | "
-            f"{_pct(ref['vs_ideal']) if ref else '-'} | "
-            f"{ref['partial_hit_tokens'] if ref else '-'} | {ref['evictions'] if ref else '-'} | "
+            f"| {first.budget_label} | {blocks} | {hits} | "
+            f"{_pct(ref_row.vs_ideal) if ref and ref_row else '-'} | "
+            f"{ref.partial_hit_tokens if ref else '-'} | {ref.evictions if ref else '-'} | "
             f"{cell('preemptions')} | {cell('recomputed_tokens')} | {cell('computed_tokens')} |")
     lines.append("")
     lines.append(f"Blocks: partial / hybrid layouts. Preemptions, recomputed and computed: "
@@ -278,96 +355,252 @@ def markdown_tables(result: SweepResult) -> str:
         if not (n and pa and pt):
             continue
         lines.append(
-            f"| {pt['budget_label']} | {n['steps']} | {pa['steps']} | {pt['steps']} | "
-            f"{n['steps'] / pa['steps']:.2f} | {_size(n['mean_idle_bytes'])} "
-            f"({100 * n['mean_idle_fraction']:.1f}%) | {_size(pa['mean_idle_bytes'])} "
-            f"({100 * pa['mean_idle_fraction']:.2f}%) | {_size(n['peak_kv_bytes'])} / "
-            f"{_size(pa['peak_kv_bytes'])} / {_size(pt['peak_kv_bytes'])} | "
-            f"{n['computed_tokens']:,} / {pa['computed_tokens']:,} |")
+            f"| {rows[('partial', i)].budget_label} | {n.steps} | {pa.steps} | {pt.steps} | "
+            f"{n.steps / pa.steps:.2f} | {_size(n.mean_idle_bytes)} "
+            f"({100 * n.mean_idle_fraction:.1f}%) | {_size(pa.mean_idle_bytes)} "
+            f"({100 * pa.mean_idle_fraction:.2f}%) | {_size(n.peak_kv_bytes)} / "
+            f"{_size(pa.peak_kv_bytes)} / {_size(pt.peak_kv_bytes)} | "
+            f"{n.computed_tokens:,} / {pa.computed_tokens:,} |")
     return "\n".join(lines) + "\n"
 
 
+def write_results(result: SweepResult, out: Path, run: RunInfo | None = None,
+                  figures: bool = True) -> list[Path]:
+    """``sweep.json`` (with `run`), ``sweep.csv`` (the rows, then the unbounded replays),
+    ``tables.md`` and, with `figures`, the three figures (PNG + JSON + CSV) into `out`."""
+    doc = result.as_dict()
+    if run is not None:
+        doc["run"] = run.as_dict()
+    write_json(out / "sweep.json", doc)
+    write_csv(out / "sweep.csv", [r.as_dict() for r in [*result.rows, *result.unbounded.values()]])
+    write_text(out / "tables.md", markdown_tables(result))
+    written = [out / "sweep.json", out / "sweep.csv", out / "tables.md"]
+    if figures:
+        written += write_figures(result, out, run)
+    return written
+
+
 # ---------------------------------------------------------------------------------- CLI
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value
+
+
+def _policy_list(text: str) -> list[str]:
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    if not policies:
+        raise argparse.ArgumentTypeError(f"give at least one of {', '.join(POLICIES)}")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}; "
+                                         f"known: {', '.join(POLICIES)}")
+    return list(dict.fromkeys(policies))
+
+
+def _pool_sizes(text: str) -> str:
+    try:
+        parse_pool_sizes(text, 1)  # the syntax; block counts become bytes once the shape is known
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _out_folder(text: str) -> Path:
+    path = Path(text).expanduser()
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == path else f"is under {p}, which is a file"
+                raise argparse.ArgumentTypeError(f"{text} {what}; give a folder")
+            break
+    return path
+
+
+def _trace_path(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return path
+
+
+def _trace_help() -> str:
+    files = ", ".join(TRACE_FILES[k] for k in TRACE_WORKLOADS.values())
+    where = "; ".join(f"{w}: {TRACE_SOURCES[k][1]} from {TRACE_SOURCES[k][0]}"
+                      for w, k in TRACE_WORKLOADS.items())
+    return (f"The trace workloads ({', '.join(TRACE_WORKLOADS)}) need trace files that a pip "
+            f"install does not ship. Download them ({where}) and pass --trace PATH, or set "
+            f"{ENV_VAR} to a folder holding them as {files}. A source checkout finds them in "
+            f"../shared/traces.")
 
 
 def add_bench_parser(subparsers: Any) -> None:
     """Register ``bench`` on an argparse subparsers object."""
     p = subparsers.add_parser(
         "bench", help="prefix reuse and its cost against KV memory (sweep, table, plots)",
-        description=__doc__.split("\n\n")[1] if __doc__ else None)
+        description=__doc__.split("\n\n")[1] if __doc__ else None, epilog=_trace_help())
     _add_arguments(p)
-    p.set_defaults(func=run_bench)
+    p.set_defaults(func=run_bench, usage_error=p.error)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="mixed_default",
                    choices=sorted(WORKLOADS) + list(TRACE_WORKLOADS),
-                   help="built-in workload or trace (default: mixed_default)")
-    p.add_argument("--trace", metavar="PATH", help="trace file (default: the shared traces folder)")
-    p.add_argument("--limit", type=int, metavar="N",
-                   help=f"first N requests (traces default to {DEFAULT_TRACE_LIMIT})")
+                   help="built-in workload, or a trace (the last four; see below for their files)")
+    p.add_argument("--trace", metavar="PATH", type=_trace_path,
+                   help=f"trace file for a trace workload (default: ${ENV_VAR}/<file name>, "
+                        "else ../shared/traces in a source checkout)")
+    p.add_argument("--limit", type=positive_int, metavar="N",
+                   help=f"first N requests (default: all of a built-in workload, "
+                        f"{DEFAULT_TRACE_LIMIT} of a trace, {QUICK_LIMIT} with --quick)")
     p.add_argument("--model-shape", default="llama-3-8b", choices=sorted(MODEL_SHAPES),
-                   help="model whose KV bytes per token size the pools (default: llama-3-8b)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--pool-sizes", metavar="LIST",
+                   help="model whose KV bytes per token size the pools")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    p.add_argument("--pool-sizes", metavar="LIST", type=_pool_sizes,
                    help="comma list of KV budgets (1GiB,512MiB) or block counts of the all-full "
-                        "layout (4000,2000); default: from everything-fits to the largest request")
-    p.add_argument("--points", type=int, default=None,
-                   help="number of default pool sizes (default 10, --quick 4)")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help=f"comma list of {', '.join(POLICIES)} (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
+                        "layout (4000,2000) (default: --points sizes from everything-fits down "
+                        "to the largest request)")
+    p.add_argument("--points", type=positive_int, default=None,
+                   help=f"number of default pool sizes (default: {DEFAULT_POINTS}, "
+                        f"{QUICK_POINTS} with --quick)")
+    p.add_argument("--policies", type=_policy_list, default=list(DEFAULT_POLICIES),
+                   metavar="LIST", help=f"comma list of {', '.join(POLICIES)} (default: all)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK_POINTS} pool sizes, the first {QUICK_LIMIT} requests, "
                         "paper capacities only for the Mooncake curve")
-    p.add_argument("--jobs", type=int, default=None,
-                   help="worker processes (default: CPU count, at most 4)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--jobs", type=positive_int, default=None,
+                   help="worker processes (default: the CPU count, at most 4)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                   help="scheduler: tokens per step")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256,
+                   help="scheduler: requests running at once")
     p.add_argument("--no-mooncake-curve", action="store_true",
                    help="on a Mooncake workload, skip the hash-level hit-rate-vs-capacity replay")
-    p.add_argument("--out", default="results/bench", help="output folder (default results/bench)")
+    p.add_argument("--out", default=Path("results/bench"), type=_out_folder, metavar="DIR",
+                   help="output folder; each run writes into a fresh DIR/YYYYMMDD-HHMMSS/")
+    p.add_argument("--in-place", action="store_true",
+                   help="write into --out itself, replacing files of the same names (how "
+                        "docs/figures is made: --out docs/figures --in-place)")
+    p.add_argument("--wide", action="store_true",
+                   help="print every column of the table (the default fits 80 columns)")
+
+
+def _arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed options, as plain values (for the run record)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+            if not callable(v)}
+
+
+def _usage_error(args: argparse.Namespace) -> Callable[[str], NoReturn]:
+    error = getattr(args, "usage_error", None)
+    if error is not None:
+        return error
+
+    def fail(message: str) -> NoReturn:
+        print(f"kvstore bench: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    return fail
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Run the sweep the arguments describe; print the table, write plots, JSON and CSV."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """Run the sweep the arguments describe; print the table, write plots, JSON and CSV.
 
-    console = Console()
-    if not console.is_terminal:  # piped or captured: room for the whole table
-        console = Console(width=max(console.width, 150))
+    Returns 0; ``EXIT_NOTHING_FITS`` when no pool size fits the workload;
+    ``EXIT_INTERRUPTED`` after Ctrl-C (the finished replays are written). A bad argument
+    exits with status 2 and a one-line message."""
+    from rich.console import Console
+
+    error = _usage_error(args)
     t0 = time.perf_counter()
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        console.print(f"[red]unknown policies {unknown}; known: {', '.join(POLICIES)}[/red]")
-        return 2
-    if args.block_size < 1:
-        console.print("[red]--block-size must be >= 1[/red]")
-        return 2
     shape = MODEL_SHAPES[args.model_shape]
+    policies = args.policies
+    if isinstance(policies, str):  # a caller's own namespace
+        policies = _policy_list(policies)
     limit = args.limit
     if args.quick and limit is None:
         limit = QUICK_LIMIT
     try:
         workload = load_bench_workload(args.workload, args.trace, limit, args.seed)
+    except FileNotFoundError as e:
+        error(f"argument --workload: {args.workload} {e}")
+    except ValueError as e:
+        error(f"argument --trace: {e}")
+    try:
         budgets = (parse_pool_sizes(args.pool_sizes, shape.block_bytes(args.block_size))
                    if args.pool_sizes else None)
-    except (ValueError, FileNotFoundError) as e:
-        console.print(f"[red]{e}[/red]")
-        return 2
+    except ValueError as e:
+        error(f"argument --pool-sizes: {e}")
     if not workload.requests:
-        console.print("[red]the workload has no requests[/red]")
-        return 2
-    points = args.points if args.points is not None else (QUICK_POINTS if args.quick else 10)
+        error(f"argument --workload: {args.workload} has no requests")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    points = args.points if args.points is not None else (QUICK_POINTS if args.quick else DEFAULT_POINTS)
+    run = RunInfo.now(_arguments(args), seed=args.seed)
+    console = Console()
+    if not console.is_terminal:  # piped or captured: room for the findings
+        console = Console(width=max(console.width, 150))
     console.print(f"[bold]{workload.name}[/bold]: {workload.description}")
     console.print(f"{len(workload.requests)} requests, {workload.num_prompt_tokens:,} prompt + "
                   f"{workload.num_output_tokens:,} output tokens; {shape.describe()}")
     sched = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
     jobs = args.jobs if args.jobs is not None else min(4, os.cpu_count() or 1)
+    try:
+        result = _sweep_with_progress(console, workload, shape.name, args.block_size, budgets,
+                                      points, policies, sched, jobs)
+    except SweepInterrupted as e:
+        return _save_interrupted(e.partial, out, args.in_place, run)
+    print_table(result, console, wide=args.wide)
+    if result.nothing_fits:
+        need = result.meta.largest_request_bytes
+        print(f"kvstore bench: nothing fits: every pool size is too small for some request of "
+              f"{workload.name} (the largest, {result.meta.largest_request_tokens} tokens, needs "
+              f"{format_bytes(need)} of {args.model_shape} KV with every layer full attention); "
+              f"give larger --pool-sizes, or omit them", file=sys.stderr)
+        return EXIT_NOTHING_FITS
+    _print_findings(result, console)
+    folder = run_folder(out, args.in_place)
+    written = write_results(result, folder, run)
+    if args.workload.startswith("mooncake") and not args.no_mooncake_curve:
+        from kvstore.benchmarks.mooncake_replay import run_mooncake_replay
+
+        name = args.workload.split("-", 1)[1]
+        paths = {name: args.trace} if args.trace else None
+        try:
+            run_mooncake_replay(folder, [name], limit=args.limit, trace_paths=paths,
+                                quick=args.quick, log=console.print)
+        except KeyboardInterrupt:
+            print(f"kvstore bench: interrupted during the Mooncake curve; the sweep's files are "
+                  f"in {folder}/", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        written += [folder / f"mooncake_hit_rate.{ext}" for ext in ("png", "json", "csv")]
+    pngs = ", ".join(sorted(p.name for p in written if p.suffix == ".png"))
+    console.print(f"wrote {len(written)} files to {folder}/ (sweep.json, sweep.csv, tables.md, "
+                  f"{pngs} ...) in {time.perf_counter() - t0:.1f}s with {result.meta.jobs} jobs")
+    return 0
+
+
+def _sweep_with_progress(console: Any, workload: Workload, shape: str, block_size: int,
+                         budgets: list[int] | None, points: int, policies: Sequence[str],
+                         sched: SchedulerConfig, jobs: int) -> SweepResult:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                   transient=False) as progress:
@@ -376,36 +609,35 @@ def run_bench(args: argparse.Namespace) -> int:
         def on_start(n: int) -> None:
             progress.update(task, total=n)
 
-        def on_done(t: Any, row: dict[str, Any]) -> None:
+        def on_done(t: SweepTask, row: SweepRow) -> None:
             where = "unbounded" if t.budget is None else format_bytes(t.budget)
             progress.update(task, advance=1, description=f"{t.policy:>7} @ {where:>9}")
 
-        result = run_sweep(workload, shape=shape, block_size=args.block_size, budgets=budgets,
-                           num_points=points, policies=policies, scheduler_config=sched,
-                           jobs=jobs, progress=on_done, on_start=on_start)
-    print_table(result, console)
-    _print_findings(result, console)
-    write_json(out / "sweep.json", result.as_dict())
-    write_csv(out / "sweep.csv", result.rows + list(result.unbounded.values()))
-    written = write_figures(result, out)
-    (out / "tables.md").write_text(markdown_tables(result), encoding="utf-8")
-    if args.workload.startswith("mooncake") and not args.no_mooncake_curve:
-        from kvstore.benchmarks.mooncake_replay import run_mooncake_replay
+        return run_sweep(workload, shape=shape, block_size=block_size, budgets=budgets,
+                         num_points=points, policies=policies, scheduler_config=sched,
+                         jobs=jobs, progress=on_done, on_start=on_start)
 
-        name = args.workload.split("-", 1)[1]
-        paths = {name: args.trace} if args.trace else None
-        run_mooncake_replay(out, [name], limit=args.limit, trace_paths=paths, quick=args.quick,
-                            log=console.print)
-        written += [out / f"mooncake_hit_rate.{ext}" for ext in ("png", "json", "csv")]
-    console.print(f"wrote {len(written) + 3} files to {out}/ (sweep.json, sweep.csv, tables.md, "
-                  f"{', '.join(sorted({p.name for p in written if p.suffix == '.png'}))} ...) "
-                  f"in {time.perf_counter() - t0:.1f}s with {result.meta['jobs']} jobs")
-    return 0
+
+def _save_interrupted(partial: SweepResult, out: Path, in_place: bool, run: RunInfo) -> int:
+    """After Ctrl-C: write the finished replays (no figures; Ctrl-C ignored meanwhile), say
+    so in one line."""
+    m = partial.meta
+    if m.completed_replays == 0:
+        print("kvstore bench: interrupted before any replay finished; nothing written",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    with sigint_ignored():  # a second press must not lose them (this takes well under a second)
+        folder = run_folder(out, in_place)
+        write_results(partial, folder, run, figures=False)
+    print(f"kvstore bench: interrupted; kept the {m.completed_replays} of {m.total_replays} "
+          f"replays that finished in {folder}/ (sweep.json, sweep.csv, tables.md)",
+          file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def _print_findings(result: SweepResult, console: Any) -> None:
     f = result.findings
-    for name in result.meta["policies"]:
+    for name in result.meta.policies:
         info = f.get(name)
         if not info:
             continue
@@ -429,18 +661,9 @@ def _print_findings(result: SweepResult, console: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvstore.benchmarks.bench [options]``: the same as ``kvstore bench``."""
-    parser = argparse.ArgumentParser(prog="kvstore")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_bench_parser(sub)
-    argv = list(argv) if argv is not None else None
-    import sys
+    from kvstore.cli import main as cli_main  # the console script's parser and error handling
 
-    if argv is None:
-        argv = sys.argv[1:]
-    if not argv or argv[0] != "bench":
-        argv = ["bench", *argv]
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

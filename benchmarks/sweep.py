@@ -11,21 +11,24 @@ cache manager (:func:`kvstore.benchmarks.simulator.simulate`).
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import re
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.workloads import Workload, ideal_hit_tokens
 from kvstore.engine.scheduler import SchedulerConfig
+from kvstore.errors import RequestTooLargeError
 from kvstore.specs import (
     DTYPE_ITEMSIZE,
     FullAttentionSpec,
-    KVCacheConfig,
     KVCacheSpec,
     SlidingWindowSpec,
     make_kv_cache_config,
@@ -38,11 +41,18 @@ __all__ = [
     "Policy",
     "POLICIES",
     "DEFAULT_POLICIES",
+    "ReplayMetrics",
+    "SweepRow",
+    "SweepMeta",
     "SweepResult",
+    "SweepInterrupted",
+    "SweepTask",
+    "sigint_ignored",
     "parse_size",
     "parse_pool_sizes",
     "format_bytes",
     "default_budgets",
+    "run_point",
     "run_sweep",
     "find_tension",
 ]
@@ -224,6 +234,135 @@ def default_budgets(workload: Workload, shape: ModelShape, block_size: int,
     return [hi] + [int(hi / ratio**i) for i in range(1, num_points - 1)] + [lo]
 
 
+# ------------------------------------------------------------------------------ rows
+
+
+@dataclass(frozen=True)
+class ReplayMetrics:
+    """The figures of one replay that fitted (see :class:`SimResult` for their meaning)."""
+
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    expected_tokens: int
+    queried_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    prompt_hit_tokens: int
+    prompt_hit_rate: float
+    partial_hits: int
+    partial_hit_tokens: int
+    copies: int
+    evictions: int
+    preemptions: int
+    recomputed_tokens: int
+    discarded_tokens: int
+    computed_tokens: int
+    steps: int
+    finish_time: float
+    peak_blocks: int
+    peak_kv_bytes: int
+    kv_bytes: int
+    mean_usage: float
+    idle_slot_steps: int
+    mean_idle_bytes: float
+    peak_idle_bytes: int
+    mean_idle_fraction: float
+    leaked_blocks: int
+    saved_tokens: int  # expected - computed: work the cache saved (negative: recompute cost more)
+
+    @classmethod
+    def from_result(cls, res: SimResult) -> ReplayMetrics:
+        """The figures of a finished replay."""
+        names = [f.name for f in fields(cls) if f.name != "saved_tokens"]
+        return cls(**{n: getattr(res, n) for n in names},
+                   saved_tokens=res.expected_tokens - res.computed_tokens)
+
+
+@dataclass
+class SweepRow:
+    """One replay: a policy at one budget (``budget_bytes`` None: the unbounded reference).
+
+    ``metrics`` is None when the pool cannot hold some request (``feasible`` False, the
+    reason in ``error``). ``budget_label``, ``vs_unbounded`` and ``vs_ideal`` are filled
+    in by :func:`run_sweep` for bounded rows (the ratios stay None without caching)."""
+
+    policy: str
+    layout: str
+    point: int  # position of the budget in the sweep (-1: unbounded)
+    budget_bytes: int | None
+    unbounded: bool
+    num_blocks: int  # in the pool, the null block included
+    num_groups: int
+    layer_slots: int
+    padding_layers: int
+    bytes_per_block: int
+    feasible: bool
+    error: str
+    wall_s: float
+    metrics: ReplayMetrics | None = None
+    budget_label: str | None = None
+    vs_unbounded: float | None = None
+    vs_ideal: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat row of the JSON and CSV files: the pool, the metrics, then the labels
+        and ratios (absent where they do not apply)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "metrics":
+                break
+            out[f.name] = getattr(self, f.name)
+        if self.metrics is not None:
+            out.update(asdict(self.metrics))
+        if self.budget_label is not None:
+            out["budget_label"] = self.budget_label
+            if self.feasible:
+                out["vs_unbounded"] = self.vs_unbounded
+                out["vs_ideal"] = self.vs_ideal
+        return out
+
+    def __getitem__(self, key: str) -> Any:
+        """Mapping-style access to :meth:`as_dict`'s keys (``row["steps"]``), for callers
+        written against the former dict rows."""
+        return self.as_dict()[key]
+
+
+@dataclass
+class SweepMeta:
+    """What a sweep replayed: the workload, the model shape, the budgets and the bounds."""
+
+    workload: str
+    description: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    model_shape: str
+    model_shape_desc: str
+    block_size: int
+    bytes_per_token: int
+    block_bytes_full: int
+    budgets: list[int]
+    everything_fits_bytes: int
+    largest_request_bytes: int
+    largest_request_tokens: int
+    policies: dict[str, str]  # name -> label
+    scheduler: dict[str, int]
+    ideal_token_hit_rate: float
+    ideal_block_hit_rate: float
+    ideal_token_hit_tokens: int
+    ideal_block_hit_tokens: int
+    jobs: int
+    wall_s: float
+    total_replays: int = 0
+    completed_replays: int = 0
+    interrupted: bool = False  # Ctrl-C: only `completed_replays` of the rows are present
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return asdict(self)
+
+
 # ------------------------------------------------------------------------------ sweep
 
 
@@ -240,100 +379,140 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(workload: Workload, shape: ModelShape, block_size: int,
-                 sched: SchedulerConfig) -> None:
+                 sched: SchedulerConfig, ignore_sigint: bool = False) -> None:
+    if ignore_sigint:  # Ctrl-C is the parent's to handle: it terminates the workers
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER.update(workload=workload, shape=shape, block_size=block_size, sched=sched)
 
 
-def _config_for(policy: Policy, shape: ModelShape, block_size: int, budget: int | None,
-                workload: Workload) -> KVCacheConfig:
-    specs = policy.layer_specs(shape, block_size)
-    if budget is not None:
-        return make_kv_cache_config(specs, memory_bytes=budget)
-    # Unbounded: room for every page any request ever holds, in every group, at once.
-    groups = make_kv_cache_config(specs, num_blocks=2).groups
-    total = sum(request_blocks(workload, block_size)) * len(groups)
-    return make_kv_cache_config(specs, num_blocks=total + 1)
-
-
-def _run_task(task: SweepTask) -> dict[str, Any]:
+def _run_task(task: SweepTask) -> tuple[SweepTask, SweepRow]:
     w = _WORKER
-    return run_point(w["workload"], POLICIES[task.policy], w["shape"], w["block_size"],
-                     task.budget, w["sched"], index=task.index)
+    return task, run_point(w["workload"], POLICIES[task.policy], w["shape"], w["block_size"],
+                           task.budget, w["sched"], index=task.index)
 
 
 def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size: int,
               budget: int | None, sched: SchedulerConfig | None = None,
-              index: int = 0) -> dict[str, Any]:
-    """One policy at one budget: the replay's figures as a flat row (``feasible`` False
-    with an ``error`` when the pool cannot hold some request)."""
+              index: int = 0) -> SweepRow:
+    """One policy at one budget (None: a pool that never evicts). The row is not
+    ``feasible`` when the budget holds fewer than 2 blocks or some request can never fit
+    the pool (:class:`~kvstore.errors.RequestTooLargeError`)."""
     sched = sched or SchedulerConfig()
     if policy.reserve_full_output != sched.reserve_full_output:
         sched = SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs,
                                 policy.reserve_full_output)
-    row: dict[str, Any] = {"policy": policy.name, "layout": policy.layout, "point": index,
-                           "budget_bytes": budget, "unbounded": budget is None}
     t0 = time.perf_counter()
-    try:
-        config = _config_for(policy, shape, block_size, budget, workload)
-        row.update(num_blocks=config.num_blocks, num_groups=len(config.groups),
-                   layer_slots=config.num_slots, padding_layers=config.num_padding_layers,
-                   bytes_per_block=config.bytes_per_block)
-        res = simulate(workload, config, enable_caching=policy.enable_caching,
-                       enable_partial_hits=policy.enable_partial_hits, scheduler_config=sched)
-    except ValueError as e:
-        row.update(feasible=False, error=str(e), wall_s=time.perf_counter() - t0)
-        return row
-    row.update(feasible=True, error="", wall_s=time.perf_counter() - t0)
-    row.update(_result_fields(res))
+    specs = policy.layer_specs(shape, block_size)
+    layout = make_kv_cache_config(specs, num_blocks=2)  # the grouping; its size is unused
+    bpb = layout.bytes_per_block
+    if budget is None:
+        # Unbounded: room for every page any request ever holds, in every group, at once.
+        total = sum(request_blocks(workload, block_size)) * len(layout.groups)
+        num_blocks = total + 1
+    else:
+        num_blocks = budget // bpb
+    row = SweepRow(policy.name, policy.layout, index, budget, budget is None, num_blocks,
+                   len(layout.groups), layout.num_slots, layout.num_padding_layers, bpb,
+                   feasible=False, error="", wall_s=0.0)
+    if num_blocks < 2:
+        row.error = (f"{format_bytes(budget or 0)} holds {num_blocks} blocks of "
+                     f"{format_bytes(bpb)}; a pool needs at least 2 (one is the null block)")
+    else:
+        config = make_kv_cache_config(specs, num_blocks=num_blocks)
+        try:
+            res = simulate(workload, config, enable_caching=policy.enable_caching,
+                           enable_partial_hits=policy.enable_partial_hits, scheduler_config=sched)
+        except RequestTooLargeError as e:
+            row.error = str(e)
+        else:
+            row.feasible = True
+            row.metrics = ReplayMetrics.from_result(res)
+    row.wall_s = time.perf_counter() - t0
     return row
-
-
-def _result_fields(res: SimResult) -> dict[str, Any]:
-    s = res.summary()
-    keep = ("num_requests", "prompt_tokens", "output_tokens", "expected_tokens", "queried_tokens",
-            "hit_tokens", "hit_rate", "prompt_hit_tokens", "prompt_hit_rate", "partial_hits",
-            "partial_hit_tokens", "copies", "evictions", "preemptions", "recomputed_tokens",
-            "discarded_tokens", "computed_tokens", "steps", "finish_time", "peak_blocks",
-            "peak_kv_bytes", "kv_bytes", "mean_usage", "idle_slot_steps", "mean_idle_bytes",
-            "peak_idle_bytes", "mean_idle_fraction", "leaked_blocks")
-    out = {k: s[k] for k in keep}
-    out["saved_tokens"] = res.expected_tokens - res.computed_tokens
-    return out
 
 
 @dataclass
 class SweepResult:
     """Rows of every (budget, policy) replay, the unbounded references and the bounds."""
 
-    meta: dict[str, Any]
-    rows: list[dict[str, Any]]
-    unbounded: dict[str, dict[str, Any]]
+    meta: SweepMeta
+    rows: list[SweepRow]
+    unbounded: dict[str, SweepRow]
     findings: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
-        return {"meta": self.meta, "rows": self.rows, "unbounded": self.unbounded,
+        return {"meta": self.meta.as_dict(), "rows": [r.as_dict() for r in self.rows],
+                "unbounded": {p: r.as_dict() for p, r in self.unbounded.items()},
                 "findings": self.findings}
 
-    def row(self, policy: str, point: int) -> dict[str, Any] | None:
+    def row(self, policy: str, point: int) -> SweepRow | None:
         """The row of `policy` at budget index `point`."""
         for r in self.rows:
-            if r["policy"] == policy and r["point"] == point:
+            if r.policy == policy and r.point == point:
                 return r
         return None
+
+    @property
+    def nothing_fits(self) -> bool:
+        """Whether no bounded replay fitted (every budget too small for some request)."""
+        return not any(r.feasible for r in self.rows)
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`run_sweep`: the workers were stopped; ``partial`` holds the
+    replays that had finished (``partial.meta.interrupted`` is True)."""
+
+    def __init__(self, partial: SweepResult) -> None:
+        super().__init__(f"sweep interrupted after {partial.meta.completed_replays} of "
+                         f"{partial.meta.total_replays} replays")
+        self.partial = partial
+
+
+@contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Ignore Ctrl-C for the block (in the main thread; elsewhere signals cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+def _run_parallel(tasks: Sequence[SweepTask], jobs: int, initargs: tuple[Any, ...],
+                  on_row: Callable[[SweepTask, SweepRow], None]) -> None:
+    """Run `tasks` on a pool of `jobs` processes that ignore Ctrl-C; on any exception
+    (Ctrl-C included) terminate the pool at once and re-raise."""
+    with sigint_ignored():  # the workers start with SIGINT ignored, before their initializer
+        pool = multiprocessing.get_context().Pool(jobs, initializer=_init_worker,
+                                                  initargs=(*initargs, True))
+    try:
+        for task, row in pool.imap_unordered(_run_task, tasks):
+            on_row(task, row)
+    except BaseException:
+        with sigint_ignored():  # a second Ctrl-C must not interrupt the cleanup
+            pool.terminate()
+            pool.join()
+        raise
+    pool.close()
+    pool.join()
 
 
 def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", block_size: int = 16,
               budgets: Sequence[int] | None = None, num_points: int = 10,
               policies: Sequence[str] = DEFAULT_POLICIES,
               scheduler_config: SchedulerConfig | None = None, jobs: int | None = None,
-              progress: Callable[[SweepTask, dict[str, Any]], None] | None = None,
+              progress: Callable[[SweepTask, SweepRow], None] | None = None,
               on_start: Callable[[int], None] | None = None) -> SweepResult:
     """Replay `workload` under every policy at every budget (bytes, largest first), plus
     an unbounded reference per caching policy, over `jobs` processes.
 
     `on_start(n)` is told how many replays will run; `progress(task, row)` is called as
-    each one finishes."""
+    each one finishes. Ctrl-C stops the workers and raises :class:`SweepInterrupted`
+    with the replays that finished."""
     if isinstance(shape, str):
         shape = MODEL_SHAPES[shape]
     unknown = [p for p in policies if p not in POLICIES]
@@ -348,79 +527,96 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
     if on_start is not None:
         on_start(len(tasks))
     jobs = jobs if jobs is not None else min(4, os.cpu_count() or 1)
-    rows: list[dict[str, Any]] = []
+    rows: list[SweepRow] = []
+
+    def on_row(task: SweepTask, row: SweepRow) -> None:
+        rows.append(row)
+        if progress is not None:
+            progress(task, row)
+
     t0 = time.perf_counter()
-    if jobs <= 1:
-        _init_worker(workload, shape, block_size, sched)
-        for task in tasks:
-            row = _run_task(task)
-            rows.append(row)
-            if progress is not None:
-                progress(task, row)
-    else:
-        with ProcessPoolExecutor(jobs, initializer=_init_worker,
-                                 initargs=(workload, shape, block_size, sched)) as ex:
+    try:
+        if jobs <= 1:
+            _init_worker(workload, shape, block_size, sched)
+            for task in tasks:
+                on_row(*_run_task(task))
+        else:
             # Longest first (small pools run the most steps) to balance the workers.
-            futures = {ex.submit(_run_task, t): t for t in sorted(
-                tasks, key=lambda t: math.inf if t.budget is None else t.budget)}
-            for fut in as_completed(futures):
-                row = fut.result()
-                rows.append(row)
-                if progress is not None:
-                    progress(futures[fut], row)
-    wall = time.perf_counter() - t0
+            _run_parallel(sorted(tasks, key=lambda t: math.inf if t.budget is None else t.budget),
+                          jobs, (workload, shape, block_size, sched), on_row)
+    except KeyboardInterrupt:
+        with sigint_ignored():
+            partial = _collect(workload, shape, block_size, budgets, policies, sched, jobs,
+                               rows, len(tasks), time.perf_counter() - t0)
+        raise SweepInterrupted(partial) from None
+    return _collect(workload, shape, block_size, budgets, policies, sched, jobs, rows,
+                    len(tasks), time.perf_counter() - t0)
+
+
+def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: list[int],
+             policies: Sequence[str], sched: SchedulerConfig, jobs: int, rows: list[SweepRow],
+             total: int, wall: float) -> SweepResult:
+    """The result from the rows that finished: sorted, labelled, scored against the
+    unbounded replays and the ideal."""
     order = {p: i for i, p in enumerate(policies)}
-    rows.sort(key=lambda r: (r["point"], order[r["policy"]]))
-    unbounded = {r["policy"]: r for r in rows if r["unbounded"]}
-    rows = [r for r in rows if not r["unbounded"]]
+    rows = sorted(rows, key=lambda r: (r.point, order[r.policy]))
+    unbounded = {r.policy: r for r in rows if r.unbounded}
+    rows = [r for r in rows if not r.unbounded]
     ideal_tok = ideal_hit_tokens(workload.requests, include_outputs=True)
     ideal_blk = ideal_hit_tokens(workload.requests, block_size, include_outputs=True)
     for r in rows:
-        r["budget_label"] = format_bytes(r["budget_bytes"])
-        if not r.get("feasible"):
+        assert r.budget_bytes is not None
+        r.budget_label = format_bytes(r.budget_bytes)
+        if r.metrics is None:
             continue
-        policy = POLICIES[r["policy"]]
-        ref = unbounded.get(r["policy"])
+        policy = POLICIES[r.policy]
+        ref = unbounded.get(r.policy)
         ideal = ideal_tok if policy.enable_partial_hits else ideal_blk
         if policy.enable_caching:
-            r["vs_unbounded"] = (r["prompt_hit_tokens"] / ref["prompt_hit_tokens"]
-                                 if ref and ref.get("prompt_hit_tokens") else None)
-            r["vs_ideal"] = r["prompt_hit_tokens"] / ideal.total if ideal.total else None
-        else:
-            r["vs_unbounded"] = r["vs_ideal"] = None
+            hits = r.metrics.prompt_hit_tokens
+            r.vs_unbounded = (hits / ref.metrics.prompt_hit_tokens
+                              if ref and ref.metrics and ref.metrics.prompt_hit_tokens else None)
+            r.vs_ideal = hits / ideal.total if ideal.total else None
     need = request_blocks(workload, block_size)
-    meta = {
-        "workload": workload.name,
-        "description": workload.description,
-        "num_requests": len(workload.requests),
-        "prompt_tokens": workload.num_prompt_tokens,
-        "output_tokens": workload.num_output_tokens,
-        "model_shape": shape.name,
-        "model_shape_desc": shape.describe(),
-        "block_size": block_size,
-        "bytes_per_token": shape.bytes_per_token,
-        "block_bytes_full": shape.block_bytes(block_size),
-        "budgets": budgets,
-        "everything_fits_bytes": (sum(need) + 1) * shape.block_bytes(block_size),
-        "largest_request_bytes": (max(need) + 1) * shape.block_bytes(block_size),
-        "largest_request_tokens": max(len(r.prompt_token_ids) + r.max_tokens
-                                      for r in workload.requests),
-        "policies": {p: POLICIES[p].label for p in policies},
-        "scheduler": {"max_num_batched_tokens": sched.max_num_batched_tokens,
-                      "max_num_seqs": sched.max_num_seqs},
-        "ideal_token_hit_rate": ideal_tok.rate,
-        "ideal_block_hit_rate": ideal_blk.rate,
-        "ideal_token_hit_tokens": ideal_tok.total,
-        "ideal_block_hit_tokens": ideal_blk.total,
-        "jobs": jobs,
-        "wall_s": wall,
-    }
+    meta = SweepMeta(
+        workload=workload.name,
+        description=workload.description,
+        num_requests=len(workload.requests),
+        prompt_tokens=workload.num_prompt_tokens,
+        output_tokens=workload.num_output_tokens,
+        model_shape=shape.name,
+        model_shape_desc=shape.describe(),
+        block_size=block_size,
+        bytes_per_token=shape.bytes_per_token,
+        block_bytes_full=shape.block_bytes(block_size),
+        budgets=budgets,
+        everything_fits_bytes=(sum(need) + 1) * shape.block_bytes(block_size),
+        largest_request_bytes=(max(need) + 1) * shape.block_bytes(block_size),
+        largest_request_tokens=max(len(r.prompt_token_ids) + r.max_tokens
+                                   for r in workload.requests),
+        policies={p: POLICIES[p].label for p in policies},
+        scheduler={"max_num_batched_tokens": sched.max_num_batched_tokens,
+                   "max_num_seqs": sched.max_num_seqs},
+        ideal_token_hit_rate=ideal_tok.rate,
+        ideal_block_hit_rate=ideal_blk.rate,
+        ideal_token_hit_tokens=ideal_tok.total,
+        ideal_block_hit_tokens=ideal_blk.total,
+        jobs=jobs,
+        wall_s=wall,
+        total_replays=total,
+        completed_replays=len(rows) + len(unbounded),
+        interrupted=len(rows) + len(unbounded) < total,
+    )
     result = SweepResult(meta, rows, unbounded)
     result.findings = find_tension(result)
     return result
 
 
 # ---------------------------------------------------------------------------- analysis
+
+
+def _hit_below(rate: float) -> Callable[[ReplayMetrics], bool]:
+    return lambda r: r.prompt_hit_rate < rate
 
 
 def find_tension(result: SweepResult) -> dict[str, Any]:
@@ -434,38 +630,38 @@ def find_tension(result: SweepResult) -> dict[str, Any]:
     compute saved against paged without caching. For naive vs paged: steps and idle
     reserved memory per budget."""
     out: dict[str, Any] = {}
-    rows = [r for r in result.rows if r.get("feasible")]
-    budgets = sorted({r["budget_bytes"] for r in rows}, reverse=True)
-    by = {(r["policy"], r["budget_bytes"]): r for r in rows}
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    rows = [r for r in result.rows if r.metrics is not None]
+    budgets = sorted({r.budget_bytes for r in rows if r.budget_bytes is not None}, reverse=True)
+    by = {(r.policy, r.budget_bytes): r.metrics for r in rows if r.metrics is not None}
+    policies = list(dict.fromkeys(r.policy for r in rows))
 
-    def first(name: str, pred: Any) -> dict[str, Any]:
+    def first(name: str, pred: Callable[[ReplayMetrics], bool]) -> dict[str, Any]:
         b = next((b for b in budgets if (r := by.get((name, b))) and pred(r)), None)
         return {"budget_bytes": b, "label": format_bytes(b) if b else None}
 
     for name in policies:
         info: dict[str, Any] = {
-            "first_preemption": first(name, lambda r: r["preemptions"] > 0),
-            "thrash": first(name, lambda r: r["recomputed_tokens"] >= 0.25 * r["computed_tokens"]),
+            "first_preemption": first(name, lambda r: r.preemptions > 0),
+            "thrash": first(name, lambda r: r.recomputed_tokens >= 0.25 * r.computed_tokens),
         }
         ref = result.unbounded.get(name)
-        if ref is not None and ref.get("feasible"):
-            base = ref["prompt_hit_rate"]
+        if ref is not None and ref.metrics is not None:
+            base = ref.metrics.prompt_hit_rate
             info["unbounded_prompt_hit_rate"] = base
-            info["hit_below_95pct"] = first(name, lambda r, b=base: r["prompt_hit_rate"] < 0.95 * b)
-            info["hit_below_50pct"] = first(name, lambda r, b=base: r["prompt_hit_rate"] < 0.5 * b)
+            info["hit_below_95pct"] = first(name, _hit_below(0.95 * base))
+            info["hit_below_50pct"] = first(name, _hit_below(0.5 * base))
             info["recompute_exceeds_hits"] = first(
-                name, lambda r: r["recomputed_tokens"] > r["prompt_hit_tokens"])
+                name, lambda r: r.recomputed_tokens > r.prompt_hit_tokens)
             savings = []
             for b in budgets:
-                r, p = by.get((name, b)), by.get(("paged", b))
-                if r and p:
+                m, p = by.get((name, b)), by.get(("paged", b))
+                if m and p:
                     savings.append({"budget_bytes": b, "budget_label": format_bytes(b),
-                                    "computed_paged": p["computed_tokens"],
-                                    "computed": r["computed_tokens"],
-                                    "saved_vs_paged": p["computed_tokens"] - r["computed_tokens"],
-                                    "saved_frac": 1 - r["computed_tokens"] / p["computed_tokens"],
-                                    "steps_paged": p["steps"], "steps": r["steps"]})
+                                    "computed_paged": p.computed_tokens,
+                                    "computed": m.computed_tokens,
+                                    "saved_vs_paged": p.computed_tokens - m.computed_tokens,
+                                    "saved_frac": 1 - m.computed_tokens / p.computed_tokens,
+                                    "steps_paged": p.steps, "steps": m.steps})
             info["savings_vs_paged"] = savings
         out[name] = info
     cmp = []
@@ -473,16 +669,16 @@ def find_tension(result: SweepResult) -> dict[str, Any]:
         n, p = by.get(("naive", b)), by.get(("paged", b))
         if n and p:
             cmp.append({"budget_bytes": b, "budget_label": format_bytes(b),
-                        "steps_naive": n["steps"], "steps_paged": p["steps"],
-                        "steps_ratio": n["steps"] / p["steps"],
-                        "mean_idle_bytes_naive": n["mean_idle_bytes"],
-                        "mean_idle_bytes_paged": p["mean_idle_bytes"],
-                        "mean_idle_frac_naive": n["mean_idle_fraction"],
-                        "mean_idle_frac_paged": p["mean_idle_fraction"],
-                        "peak_kv_bytes_naive": n["peak_kv_bytes"],
-                        "peak_kv_bytes_paged": p["peak_kv_bytes"],
-                        "computed_naive": n["computed_tokens"],
-                        "computed_paged": p["computed_tokens"],
-                        "preemptions_paged": p["preemptions"]})
+                        "steps_naive": n.steps, "steps_paged": p.steps,
+                        "steps_ratio": n.steps / p.steps,
+                        "mean_idle_bytes_naive": n.mean_idle_bytes,
+                        "mean_idle_bytes_paged": p.mean_idle_bytes,
+                        "mean_idle_frac_naive": n.mean_idle_fraction,
+                        "mean_idle_frac_paged": p.mean_idle_fraction,
+                        "peak_kv_bytes_naive": n.peak_kv_bytes,
+                        "peak_kv_bytes_paged": p.peak_kv_bytes,
+                        "computed_naive": n.computed_tokens,
+                        "computed_paged": p.computed_tokens,
+                        "preemptions_paged": p.preemptions})
     out["naive_vs_paged"] = cmp
     return out

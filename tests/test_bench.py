@@ -6,19 +6,25 @@ import argparse
 import csv
 import json
 import random
+import re
+from datetime import datetime
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.benchmarks.bench import add_bench_parser, load_bench_workload
+import kvstore
+from kvstore.benchmarks import sweep
+from kvstore.benchmarks.bench import add_bench_parser, load_bench_workload, print_table
 from kvstore.benchmarks.mooncake_replay import gap_analysis, pool_replay, run_mooncake_replay
 from kvstore.benchmarks.sweep import (
     MODEL_SHAPES,
+    POLICIES,
     default_budgets,
     format_bytes,
     parse_pool_sizes,
     parse_size,
+    run_point,
     run_sweep,
 )
 from kvstore.benchmarks.traces import MooncakeRequest, mooncake_lru_replay
@@ -168,15 +174,76 @@ def test_sweep_end_points():
     shape = MODEL_SHAPES["tiny"]
     budgets = default_budgets(w, shape, 16, 3)
     res = run_sweep(w, shape=shape, block_size=16, budgets=budgets, jobs=1)
-    first = [r for r in res.rows if r["point"] == 0]
-    assert all(r["feasible"] and r["evictions"] == 0 and r["preemptions"] == 0 for r in first)
-    assert all(r["feasible"] for r in res.rows)
-    by = {(r["policy"], r["point"]): r for r in res.rows}
-    assert by["naive", 0]["mean_idle_bytes"] > by["paged", 0]["mean_idle_bytes"]
-    assert by["partial", 0]["vs_unbounded"] == pytest.approx(1.0)
-    assert by["prefix", 0]["prompt_hit_rate"] <= res.meta["ideal_block_hit_rate"] + 1e-12
+    first = [r.metrics for r in res.rows if r.point == 0]
+    assert all(m is not None and m.evictions == 0 and m.preemptions == 0 for m in first)
+    assert all(r.feasible for r in res.rows) and not res.nothing_fits
+    by = {(r.policy, r.point): r for r in res.rows}
+    assert by["naive", 0].metrics.mean_idle_bytes > by["paged", 0].metrics.mean_idle_bytes
+    assert by["partial", 0].vs_unbounded == pytest.approx(1.0)
+    assert by["prefix", 0].metrics.prompt_hit_rate <= res.meta.ideal_block_hit_rate + 1e-12
+    assert by["paged", 0]["steps"] == by["paged", 0].metrics.steps  # the dict-style view
     assert set(res.unbounded) == {"prefix", "partial", "hybrid"}
     assert "naive_vs_paged" in res.findings
+    assert res.meta.completed_replays == res.meta.total_replays == 3 * 5 + 3
+    assert not res.meta.interrupted
+
+
+def test_rows_that_cannot_fit():
+    """A budget under 2 blocks and one too small for a request are rows that do not fit
+    (with the reason), and so is every row of a sweep where nothing fits."""
+    w = load_bench_workload("mixed_default", limit=8, seed=1)
+    shape = MODEL_SHAPES["tiny"]
+    bpb = shape.block_bytes(16)
+    tiny = run_point(w, POLICIES["paged"], shape, 16, bpb)
+    assert not tiny.feasible and tiny.metrics is None and tiny.num_blocks == 1
+    assert "at least 2" in tiny.error
+    small = run_point(w, POLICIES["paged"], shape, 16, 3 * bpb)
+    assert not small.feasible and "may need" in small.error
+    flat = small.as_dict()
+    assert "steps" not in flat and "vs_ideal" not in flat and flat["num_blocks"] == 3
+    res = run_sweep(w, shape=shape, block_size=16, budgets=[bpb, 3 * bpb], jobs=1)
+    assert res.nothing_fits and all(r.budget_label for r in res.rows)
+    assert set(res.unbounded) == {"prefix", "partial", "hybrid"}  # the references still run
+
+
+def test_other_errors_are_not_swallowed(monkeypatch):
+    """Only a request that can never fit becomes a row that does not fit; any other error
+    of a replay propagates."""
+    def broken(*args, **kwargs):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(sweep, "simulate", broken)
+    w = load_bench_workload("mixed_default", limit=4, seed=1)
+    with pytest.raises(ValueError, match="a bug"):
+        run_point(w, POLICIES["paged"], MODEL_SHAPES["tiny"], 16, None)
+
+
+_SIMULATE = sweep.simulate
+
+
+def _interrupt_after(monkeypatch, n: int) -> None:
+    """Make the replay after the first `n` raise KeyboardInterrupt, as Ctrl-C would."""
+    calls = []
+
+    def simulate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > n:
+            raise KeyboardInterrupt
+        return _SIMULATE(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "simulate", simulate)
+
+
+def test_interrupted_sweep_keeps_finished_replays(monkeypatch):
+    _interrupt_after(monkeypatch, 2)
+    w = load_bench_workload("mixed_default", limit=8, seed=1)
+    with pytest.raises(sweep.SweepInterrupted) as info:
+        run_sweep(w, shape="tiny", block_size=16, num_points=2, jobs=1)
+    partial = info.value.partial
+    assert isinstance(info.value, KeyboardInterrupt)
+    assert partial.meta.interrupted and partial.meta.completed_replays == 2
+    assert partial.meta.total_replays == 2 * 5 + 3
+    assert [(r.policy, r.point) for r in partial.rows] == [("naive", 0), ("paged", 0)]
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -190,34 +257,78 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+QUICK = ["bench", "--quick", "--workload", "mixed_default", "--limit", "12", "--model-shape", "tiny",
+         "--jobs", "1"]
+
+
 def test_bench_quick_writes_json_csv_png(tmp_path):
     out = tmp_path / "bench"
-    args = _parser().parse_args(["bench", "--quick", "--workload", "mixed_default", "--limit", "12",
-                                 "--model-shape", "tiny", "--jobs", "1", "--out", str(out)])
+    args = _parser().parse_args([*QUICK, "--seed", "3", "--out", str(out)])
     assert args.func(args) == 0
+    (run,) = out.iterdir()  # a fresh timestamped folder per run
+    assert re.fullmatch(r"\d{8}-\d{6}", run.name)
     for name in ("hit_rate_vs_pool", "cost_vs_pool", "paged_vs_naive"):
         for ext in ("png", "json", "csv"):
-            assert (out / f"{name}.{ext}").stat().st_size > 0
-    data = json.loads((out / "sweep.json").read_text())
+            assert (run / f"{name}.{ext}").stat().st_size > 0
+    data = json.loads((run / "sweep.json").read_text())
     assert data["meta"]["num_requests"] == 12
     assert len(data["rows"]) == 4 * 5
-    with open(out / "sweep.csv") as f:
+    assert data["run"]["version"] == kvstore.__version__
+    assert data["run"]["seed"] == 3 and data["run"]["arguments"]["seed"] == 3
+    assert data["run"]["arguments"]["policies"] == list(POLICIES)
+    assert datetime.fromisoformat(data["run"]["timestamp"]).tzinfo is not None
+    with open(run / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
     assert {r["policy"] for r in rows} == {"naive", "paged", "prefix", "partial", "hybrid"}
-    fig = json.loads((out / "hit_rate_vs_pool.json").read_text())
-    assert fig["rows"] and "ideal_token_hit_rate" in fig
-    tables = (out / "tables.md").read_text()
+    assert len(rows) == 4 * 5 + 3  # and the unbounded references
+    assert list(rows[0])[:3] == ["policy", "layout", "point"]
+    fig = json.loads((run / "hit_rate_vs_pool.json").read_text())
+    assert fig["rows"] and "ideal_token_hit_rate" in fig and fig["run"]["seed"] == 3
+    tables = (run / "tables.md").read_text()
     assert tables.count("| KV budget |") == 2
     header, sep = tables.splitlines()[:2]
     assert header.count("|") == sep.count("|")
+    # A second run never mixes its files with the first's; --in-place writes into --out.
+    assert args.func(args) == 0
+    assert len(list(out.iterdir())) == 2
+    args = _parser().parse_args([*QUICK, "--out", str(out), "--in-place"])
+    assert args.func(args) == 0
+    assert (out / "sweep.json").is_file() and len([p for p in out.iterdir() if p.is_dir()]) == 2
 
 
-def test_bench_rejects_bad_arguments(tmp_path):
-    p = _parser()
-    args = p.parse_args(["bench", "--policies", "naive,bogus", "--out", str(tmp_path)])
-    assert args.func(args) == 2
-    args = p.parse_args(["bench", "--pool-sizes", "12 parsecs", "--out", str(tmp_path)])
-    assert args.func(args) == 2
+def test_bench_interrupted_writes_finished_replays(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "bench"
+    args = _parser().parse_args([*QUICK, "--out", str(out)])
+    _interrupt_after(monkeypatch, 0)
+    assert args.func(args) == 130
+    assert not out.exists()  # nothing had finished: no folder, not even an empty one
+    assert "nothing written" in capsys.readouterr().err
+    _interrupt_after(monkeypatch, 3)
+    assert args.func(args) == 130
+    (run,) = out.iterdir()
+    data = json.loads((run / "sweep.json").read_text())
+    assert data["meta"]["interrupted"] and data["meta"]["completed_replays"] == 3
+    assert len(data["rows"]) == 3 and not (run / "hit_rate_vs_pool.png").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "kept the 3 of 23 replays" in err[0]
+
+
+def test_narrow_table_fits_80_columns():
+    from rich.console import Console
+
+    w = load_bench_workload("mixed_default", limit=12, seed=1)
+    shape = MODEL_SHAPES["llama-3-8b"]
+    budgets = [*default_budgets(w, shape, 16, 2), 3 * shape.block_bytes(16)]
+    res = run_sweep(w, shape=shape, block_size=16, budgets=budgets, jobs=1)
+    console = Console(width=80, record=True, color_system=None)
+    print_table(res, console)
+    text = console.export_text()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    assert "vs unb" in text and "hit:" in text and "no fit" in text
+    console = Console(width=200, record=True, color_system=None)
+    print_table(res, console, wide=True)
+    text = console.export_text()
+    assert "partial tok" in text and "idle KV" in text and "does not fit" in text
 
 
 def test_viz_prints_ascii_map(tmp_path, capsys):
