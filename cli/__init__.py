@@ -3,19 +3,104 @@
 Each subcommand registers itself through a small ``_add_<name>(subparsers)`` function
 listed in ``_SUBCOMMANDS``; it sets ``func`` (called with the parsed arguments, returning an
 exit code). The work itself lives in library modules; this file only parses arguments.
+Building the parser imports no torch, so ``kvstore --help`` stays fast.
+
+A bad argument prints one line (``kvstore <command>: error: argument --flag: ...``) and
+exits with status 2; Ctrl-C exits with status 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import signal
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    import torch
 
 SubparsersAction = Any  # argparse's private _SubParsersAction
 
 # Tiny preset styles of `kvstore generate` (here so that building the parser loads no torch).
 DEMO_MODELS = ("llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3")
+
+EXIT_USAGE = 2  # argparse's status for a bad argument
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+# Sequences the demo engine runs at once (LLMEngine's default max_num_seqs): the most --n.
+MAX_DEMO_SAMPLES = 256
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help with each option's default appended, unless its help already says it or there
+    is none to say (flags, options that default to nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("default" in text or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or not action.option_strings):
+            return text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block) and whose help lists
+    defaults; its subcommands' parsers are of the same kind."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``<prog>: error: <message>`` on one line and exit with status 2."""
+        message = " ".join(message.split())
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ------------------------------------------------------------------------ argument types
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """argparse type: an int in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _checkpoint_dir(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a folder (expected a local HF checkpoint: config.json + *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text} has no config.json (expected a local HF checkpoint: config.json + *.safetensors)")
+    return path
+
+
+# ----------------------------------------------------------------------------- generate
 
 
 def _add_generate(subparsers: SubparsersAction) -> None:
@@ -27,33 +112,97 @@ def _add_generate(subparsers: SubparsersAction) -> None:
                     "built-in prompts with shared prefixes and print the generated tokens and "
                     "the cache statistics.")
     p.add_argument("--model", choices=DEMO_MODELS, default="gemma3",
-                   help="tiny preset style (default: gemma3, 5 sliding : 1 full)")
-    p.add_argument("--checkpoint", metavar="PATH",
+                   help="tiny preset style (gemma3: 5 sliding : 1 full)")
+    p.add_argument("--checkpoint", metavar="PATH", type=_checkpoint_dir,
                    help="local HF checkpoint dir (config.json + *.safetensors) instead of a preset")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens to generate per sample")
-    p.add_argument("--n", type=int, default=1, help="samples per prompt (forked)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=512, help="pool size incl. the null block")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-tokens", type=_int_in(1), default=8, help="tokens to generate per sample")
+    p.add_argument("--n", type=_int_in(1, MAX_DEMO_SAMPLES), default=1,
+                   help="samples per prompt (forked)")
+    p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=_int_in(0), default=0, help="weights, prompts and sampling seed")
+    p.add_argument("--block-size", type=_int_in(1), default=16, help="tokens per block")
+    p.add_argument("--num-blocks", type=_int_in(2), default=512,
+                   help="pool size incl. the null block; it must hold any one prompt with its "
+                        "output for all --n samples")
+    p.add_argument("--max-num-batched-tokens", type=_int_in(1), default=2048,
+                   help="tokens per step")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-partial-hits", action="store_true")
     p.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto",
-                   help="attention backend (auto: Triton on CUDA, reference on CPU)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
-    p.set_defaults(func=_run_generate)
+                   help="attention backend (auto: Triton on CUDA, reference on CPU; triton on CPU "
+                        "needs TRITON_INTERPRET=1)")
+    p.add_argument("--device", default=None,
+                   help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
+    p.set_defaults(func=_run_generate, usage_error=p.error)
+
+
+def _resolve_device(spec: str | None, error: Callable[[str], NoReturn]) -> torch.device:
+    """The torch device `spec` names, checked to exist here (cuda if available by default)."""
+    import torch
+
+    if spec is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        error(f"argument --device: {spec!r} is not a torch device (e.g. cpu, cuda, cuda:1)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+            error(f"argument --device: {spec}: CUDA is not available on this machine (torch "
+                  f"{torch.__version__}, {build}); omit --device to run on cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            error(f"argument --device: {spec}: this machine has {count} CUDA device(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        error(f"argument --device: {spec}: MPS is not available on this machine")
+    return device
+
+
+def _check_pool_holds_prompts(model: Any, prompts: Sequence[Sequence[int]],
+                              args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
+    """The rule for --num-blocks: the pool (null block included) must hold any one demo
+    request, with all its samples, on its own (the scheduler's admission check)."""
+    from kvstore.engine.engine import kv_cache_specs
+    from kvstore.engine.scheduler import Scheduler, SchedulerConfig
+    from kvstore.kv_cache_manager import KVCacheManager
+    from kvstore.request import Request
+    from kvstore.specs import make_kv_cache_config
+
+    config = make_kv_cache_config(kv_cache_specs(model, args.block_size), num_blocks=args.num_blocks)
+    scheduler = Scheduler(KVCacheManager(config),
+                          SchedulerConfig(args.max_num_batched_tokens, MAX_DEMO_SAMPLES))
+    needs = [(scheduler.max_blocks_needed(Request(f"p{i}", p, max_tokens=args.max_tokens), args.n),
+              len(p)) for i, p in enumerate(prompts)]
+    need, prompt_len = max(needs)
+    if need > config.num_blocks - 1:
+        error(f"argument --num-blocks: {args.num_blocks} is too small: the pool must hold any one "
+              f"demo prompt with its output for all --n samples, and the largest ({prompt_len} "
+              f"prompt + {args.max_tokens} output tokens, --n {args.n}) may need {need} blocks of "
+              f"{args.block_size} tokens over {len(config.groups)} cache group(s), plus the null "
+              f"block: use --num-blocks {need + 1} or more")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    import torch
-
     from kvstore.cli.generate import build_demo_model, demo_prompts, render_demo, run_generate_demo
     from kvstore.engine.engine import SamplingParams
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_demo_model(args.model, args.checkpoint, seed=args.seed, device=device)
+    error = args.usage_error
+    device = _resolve_device(args.device, error)
+    if (args.backend == "triton" and device.type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        error(f"argument --backend: triton needs a CUDA device (this run is on {device}); use "
+              f"--backend reference, or set TRITON_INTERPRET=1 to run the kernels in Triton's "
+              f"(slow) interpreter")
+    try:
+        model = build_demo_model(args.model, str(args.checkpoint) if args.checkpoint else None,
+                                 seed=args.seed, device=device)
+    except (FileNotFoundError, ValueError) as e:
+        if args.checkpoint is None:
+            raise
+        error(f"argument --checkpoint: {e}")
     prompts = demo_prompts(model.config.vocab_size, args.block_size, seed=args.seed)
+    _check_pool_holds_prompts(model, prompts, args, error)
     sampling = SamplingParams(max_tokens=args.max_tokens, n=args.n,
                               temperature=args.temperature, seed=args.seed)
     result = run_generate_demo(
@@ -65,6 +214,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         attention_backend=args.backend, device=device)
     render_demo(result)
     return 0
+
+
+# --------------------------------------------------------------------------- the others
 
 
 def _add_bench(subparsers: SubparsersAction) -> None:
@@ -87,8 +239,11 @@ _SUBCOMMANDS: list[Callable[[SubparsersAction], None]] = [_add_bench, _add_viz, 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(
+    from kvstore import __version__
+
+    parser = Parser(
         prog="kvstore", description="A prefix-caching paged KV-cache store with hybrid attention.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     for register in _SUBCOMMANDS:
         register(subparsers)
@@ -96,14 +251,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvstore`` console script; with no subcommand, prints help."""
+    """Entry point of the ``kvstore`` console script; with no subcommand, prints help.
+
+    Returns the command's exit status: 2 for a bad argument (one line on stderr), 130
+    after Ctrl-C (run as the console script, ``argv`` None, it then ignores further
+    presses while the process exits)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 0
-    return int(func(args) or 0)
+    try:
+        status = int(func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        status = EXIT_INTERRUPTED
+    if status == EXIT_INTERRUPTED and argv is None:
+        # The console script is exiting after Ctrl-C: more presses must not turn that
+        # into a death by SIGINT halfway through the interpreter's shutdown.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return status
 
 
 if __name__ == "__main__":  # pragma: no cover
