@@ -401,14 +401,22 @@ def run_check() -> bool:
          torch.float16, None, None),
         ("r32-dec", ([1, 1, 1], [513, 4096, 77]), 64, 2, 128, 16, 1000, None, None,
          torch.bfloat16, None, None),
+        # gpt-oss shapes: head_dim 64, GQA 8:1, window 128 (checked with sinks below)
+        ("gptoss-dec-w128-split5", ([1, 1], [20000, 9000]), 64, 8, 64, 16, 128, None, 5,
+         torch.bfloat16, None, None),
+        ("gptoss-prefill-full", ([700, 1], [3000, 4100]), 64, 8, 64, 16, None, None, None,
+         torch.bfloat16, None, None),
     ]
     ok = True
-    for name, lens, h, hkv, d, bs, w, cap, splits, dtype, bm, bn in [*GRID, *extra]:
+    # every case without and with attention sinks (per-head logits, gpt-oss)
+    cases = [(c, s) for c in [*GRID, *extra] for s in (False, True)]
+    for (name, lens, h, hkv, d, bs, w, cap, splits, dtype, bm, bn), sinks in cases:
         case = make_case(*lens, h, hkv, d, bs, w, cap, dtype, seed=1, device="cuda",
-                         q_scale=3.0 if cap else 1.0)
-        ref = paged_attention_reference(*case.args(), window=w, softcap=cap)
-        out = paged_attention(*case.args(), window=w, softcap=cap, num_splits=splits,
-                              block_m=bm, block_n=bn)
+                         q_scale=3.0 if cap else 1.0, with_sinks=sinks)
+        name += "+sinks" if sinks else ""
+        ref = paged_attention_reference(*case.args(), **case.kwargs())
+        out = paged_attention(*case.args(), **case.kwargs(), num_splits=splits, block_m=bm,
+                              block_n=bn)
         torch.cuda.synchronize()
         atol, rtol = tolerance(dtype, "cuda")
         err = (out.float() - ref.float()).abs()

@@ -29,20 +29,24 @@ def _attn_configs() -> list[tuple[str, dict, dict, set, tuple[int, int]]]:
     from .triton_attention import launch_config
 
     out = []
-    for dt, d, group, window, cap, split, max_q in [
-        ("bf16", 128, 8, False, False, False, 1),  # decode, GQA 8:1
-        ("bf16", 128, 8, True, False, True, 1),  # windowed split-KV decode
-        ("bf16", 128, 8, True, True, False, 8),  # short chunk, window + softcap
-        ("bf16", 128, 8, False, False, False, 4096),  # long prefill
-        ("fp16", 80, 5, False, True, True, 100),  # padded head dim, GQA 5:1
-        ("fp32", 64, 4, True, False, False, 1),  # fp32: ieee dots
-        ("bf16", 256, 8, False, False, False, 4096),
-        ("bf16", 256, 8, False, False, False, 1),
+    for dt, d, group, window, cap, split, max_q, sinks in [
+        ("bf16", 128, 8, False, False, False, 1, False),  # decode, GQA 8:1
+        ("bf16", 128, 8, True, False, True, 1, False),  # windowed split-KV decode
+        ("bf16", 128, 8, True, True, False, 8, False),  # short chunk, window + softcap
+        ("bf16", 128, 8, False, False, False, 4096, False),  # long prefill
+        ("fp16", 80, 5, False, True, True, 100, False),  # padded head dim, GQA 5:1
+        ("fp32", 64, 4, True, False, False, 1, False),  # fp32: ieee dots
+        ("bf16", 256, 8, False, False, False, 4096, False),
+        ("bf16", 256, 8, False, False, False, 1, False),
+        # gpt-oss shapes (head_dim 64, GQA 8:1, window 128) with attention sinks
+        ("bf16", 64, 8, True, False, False, 1, True),  # windowed decode
+        ("bf16", 64, 8, False, False, False, 4096, True),  # long prefill
+        ("fp32", 64, 4, True, True, False, 8, True),  # fp32 sinks, window + softcap
     ]:
         bm, bn, warps, stages = launch_config(group, d, max_q, None, None)
         const = dict(HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()), GROUP=group,
                      BLOCK_M=bm, BLOCK_N=bn, PAGE=16, USE_WINDOW=window, USE_SOFTCAP=cap,
-                     SPLIT=split, UPCAST=dt == "fp32", COUNT_TILES=False)
+                     USE_SINKS=sinks, SPLIT=split, UPCAST=dt == "fp32", COUNT_TILES=False)
         # unit strides: the JIT turns an int argument equal to 1 into a constant
         for name in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_btp"):
             const[name] = 1
@@ -50,7 +54,8 @@ def _attn_configs() -> list[tuple[str, dict, dict, set, tuple[int, int]]]:
             const["stride_lh"] = 1
         types = {"q_ptr": _PTR[dt], "k_ptr": _PTR[dt], "v_ptr": _PTR[dt],
                  "o_ptr": "*fp32" if split else _PTR[dt], "lse_ptr": "*fp32",
-                 "tiles_ptr": "*i32", "block_table_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
+                 "tiles_ptr": "*i32", "sinks_ptr": _PTR[dt] if sinks else "*i32",
+                 "block_table_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
                  "seq_lens_ptr": "*i32", "scale": "fp32", "softcap": "fp32"}
         div16 = {n for n in types if n.endswith("_ptr")} | {
             "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
@@ -60,7 +65,7 @@ def _attn_configs() -> list[tuple[str, dict, dict, set, tuple[int, int]]]:
             div16 -= {"stride_qt", "stride_qh", "stride_kh", "stride_vh", "stride_oh",
                       "stride_ot", "stride_ks", "stride_vs", "stride_kb", "stride_vb"}
         out.append((f"attn {dt} d={d} group={group} win={window} cap={cap} split={split} "
-                    f"bm={bm} bn={bn} warps={warps}", const, types, div16, (warps, stages)))
+                    f"sinks={sinks} bm={bm} bn={bn} warps={warps}", const, types, div16, (warps, stages)))
     return out
 
 
@@ -106,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     for name, const, types, div16, launch in _attn_configs():
         jobs.append((name, triton_attention._paged_attn_kernel, const, types, div16, launch))
-    jobs.append(("merge bf16 d=128 heads=64", triton_attention._merge_splits_kernel,
-                 dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16),
-                 {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"}, set(), (4, 3)))
+    for sinks in (False, True):
+        jobs.append((f"merge bf16 d=128 heads=64 sinks={sinks}",
+                     triton_attention._merge_splits_kernel,
+                     dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, USE_SINKS=sinks),
+                     {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16",
+                      "sinks_ptr": "*bf16" if sinks else "*i32"}, set(), (4, 3)))
     jobs.append(("write_kv bf16", cache_ops._write_kv_kernel,
                  dict(HEAD_DIM=128, PAGE=16, BLOCK_H=8, BLOCK_D=128),
                  {"key_ptr": "*bf16", "value_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",

@@ -2,7 +2,7 @@
 
 A batch's :class:`AttentionMetadata` (block table, query boundaries, sequence lengths,
 query bound) is built once and shared by every layer that reads the same block table;
-per-layer values (scale, window, softcap) are arguments of the attention call. Every
+per-layer values (scale, window, softcap, sinks) are arguments of the attention call. Every
 check the reference and the kernel have in common lives here: per-batch checks run when
 the metadata is built, per-call checks in :func:`check_attention_inputs`.
 """
@@ -98,6 +98,22 @@ class AttentionMetadata:
         return self.seq_lens.device
 
 
+_SINK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_sinks(sinks: torch.Tensor, num_heads: int, device: torch.device) -> None:
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or a tensor, got {type(sinks).__name__}")
+    if sinks.dtype not in _SINK_DTYPES:
+        raise TypeError(f"sinks must be float32, float16 or bfloat16, got {sinks.dtype}")
+    if sinks.shape != (num_heads,):
+        raise ValueError(
+            f"sinks must have shape [num_heads] = ({num_heads},), got {tuple(sinks.shape)}"
+        )
+    if sinks.device != device:
+        raise ValueError(f"sinks are on {sinks.device}, q on {device}")
+
+
 def check_attention_inputs(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -105,9 +121,12 @@ def check_attention_inputs(
     metadata: AttentionMetadata,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Raise ``ValueError`` unless ``q`` and one layer's caches fit ``metadata`` and
-    ``window``/``softcap`` are valid: the checks shared by the reference and the kernel.
+    ``window``/``softcap``/``sinks`` are valid: the checks shared by the reference and the
+    kernel. ``sinks`` must be None or a float32/float16/bfloat16 tensor ``[num_heads]`` on
+    ``q``'s device (``TypeError`` for a non-tensor or another dtype).
 
     On CPU it also checks the values that depend on ``q`` and the pool: ``cu_seqlens_q``
     ends at ``q``'s row count, the table is wide enough for every ``seq_len`` and holds
@@ -134,6 +153,8 @@ def check_attention_inputs(
         raise ValueError(f"window must be None or >= 1, got {window}")
     if softcap is not None and softcap < 0:
         raise ValueError(f"softcap must be None, 0 (off) or > 0, got {softcap}")
+    if sinks is not None:
+        _check_sinks(sinks, num_heads, q.device)
     if metadata.device.type != "cpu":
         return
     table = metadata.block_table

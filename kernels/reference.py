@@ -39,6 +39,15 @@ def _softcap(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return softcap * torch.tanh(s / softcap)
 
 
+def _softmax_with_sink(s: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax of ``s`` ``[H, nq, nk]`` over keys with head ``h``'s sink logit as one more
+    column, that column dropped (gpt-oss)."""
+    sink = sinks.float().reshape(-1, 1, 1).expand(-1, s.shape[1], 1)
+    combined = torch.cat([s, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -48,8 +57,10 @@ def paged_attention_reference(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal, optionally windowed and soft-capped paged attention, computed in fp32.
+    """Causal, optionally windowed and soft-capped paged attention with optional attention
+    sinks, computed in fp32.
 
     ``q`` is ``[total_q, num_heads, head_dim]``; the queries of sequence ``i`` are the rows
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of ``metadata`` and sit at the last ``q_len_i``
@@ -57,10 +68,14 @@ def paged_attention_reference(
     are ``[num_blocks, block_size, num_kv_heads, head_dim]``; position ``p`` of sequence
     ``i`` lives in block ``block_table[i, p // block_size]`` at slot ``p % block_size``.
     Query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``. ``window`` None
-    means full attention; ``softcap`` None or 0 disables the logit cap. Returns a tensor
-    shaped and typed like ``q``.
+    means full attention; ``softcap`` None or 0 disables the logit cap. ``sinks`` (None or
+    ``[num_heads]``) is one learned logit per query head that joins every row's softmax
+    denominator as gpt-oss defines it: the row's scores (scaled, then soft-capped) and the
+    head's sink are softmaxed together and the sink's probability is dropped, so the
+    weights of the keys sum to less than 1. The sink is neither scaled nor capped. Returns
+    a tensor shaped and typed like ``q``.
     """
-    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap)
+    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap, sinks)
     block_table = metadata.block_table
     num_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -90,7 +105,10 @@ def paged_attention_reference(
         if window is not None:
             mask &= kpos[None, :] > qpos[:, None] - window
         s = torch.where(mask[None], s, torch.tensor(float("-inf"), device=q.device))
-        p = torch.softmax(s, dim=-1)
+        if sinks is None:
+            p = torch.softmax(s, dim=-1)
+        else:
+            p = _softmax_with_sink(s, sinks)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v)
     return out.to(q.dtype)
 

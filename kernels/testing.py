@@ -28,10 +28,15 @@ class Case:
     scale: float
     window: int | None
     softcap: float | None
+    sinks: torch.Tensor | None = None
 
     def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float]:
         """The positional arguments of the attention functions: q, caches, metadata, scale."""
         return (self.q, self.key_cache, self.value_cache, self.metadata, self.scale)
+
+    def kwargs(self) -> dict[str, object]:
+        """The per-layer keyword arguments of the attention functions: window, softcap, sinks."""
+        return {"window": self.window, "softcap": self.softcap, "sinks": self.sinks}
 
 
 def make_case(
@@ -48,9 +53,13 @@ def make_case(
     device: str | torch.device = "cpu",
     poison_in_table: bool = False,
     q_scale: float = 1.0,
+    with_sinks: bool = False,
+    sink_scale: float = 3.0,
 ) -> Case:
     """Build a poisoned paged batch. With ``poison_in_table`` the pages wholly before the
-    window point at real NaN-filled blocks instead of the null block."""
+    window point at real NaN-filled blocks instead of the null block. With ``with_sinks``
+    the case carries per-head sink logits ``sink_scale * N(0, 1)`` in ``dtype`` (drawn after
+    everything else, so the rest of the case is the same as without)."""
     assert len(q_lens) == len(seq_lens)
     g = torch.Generator().manual_seed(seed)
     pages = [math.ceil(s / block_size) for s in seq_lens]
@@ -82,6 +91,9 @@ def make_case(
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
     q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=g) * q_scale
+    sinks = None
+    if with_sinks:
+        sinks = (torch.randn(num_heads, generator=g) * sink_scale).to(dtype).to(device)
     return Case(
         q=q.to(dtype).to(device),
         key_cache=kc.to(dtype).to(device),
@@ -95,6 +107,7 @@ def make_case(
         scale=1.0 / math.sqrt(head_dim),
         window=window,
         softcap=softcap,
+        sinks=sinks,
     )
 
 

@@ -4,7 +4,9 @@ One kernel serves both: every program owns a *query tile* (up to ``BLOCK_M // GR
 consecutive query tokens of one sequence, times the ``GROUP`` query heads sharing one KV
 head) and walks the key tiles of ``BLOCK_N`` positions that some query of its tile may see.
 With a window the walk starts at the tile holding ``first_query - W + 1``; keys before it
-are neither visited nor loaded. See ``docs/kernels.md`` for the layout, grid and formulas.
+are neither visited nor loaded. Optional per-head attention sinks (gpt-oss) join each row's
+softmax denominator once: at the end of the walk, or in the merge when the walk is split.
+See ``docs/kernels.md`` for the layout, grid and formulas.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _paged_attn_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tiles_ptr,
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tiles_ptr, sinks_ptr,
         block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
         scale, softcap, window, num_splits,
         stride_qt, stride_qh, stride_qd,
@@ -56,10 +58,13 @@ if HAS_TRITON:
         PAGE: tl.constexpr,
         USE_WINDOW: tl.constexpr,
         USE_SOFTCAP: tl.constexpr,
+        USE_SINKS: tl.constexpr,
         SPLIT: tl.constexpr,
         UPCAST: tl.constexpr,
         COUNT_TILES: tl.constexpr,
     ):
+        # With split-KV the sink enters once, in the merge, never per split.
+        tl.static_assert(not (USE_SINKS and SPLIT))
         TOK: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
         q_tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -159,6 +164,16 @@ if HAS_TRITON:
             n_slot = ((seq * tl.num_programs(1) + kvh) * tl.num_programs(0) + q_tile)
             tl.store(tiles_ptr + n_slot * num_splits + split, t_hi - t_lo)
 
+        if USE_SINKS:
+            # The head's sink logit (base 2) joins the denominator: rescale to
+            # max(m, sink) and add its term.
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
+            sink = sink * 1.4426950408889634
+            m_f = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_f)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_f)
+            m_i = m_f
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         o_off = (
@@ -180,16 +195,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _merge_splits_kernel(
-        o_part_ptr, lse_ptr, out_ptr, num_splits, num_heads,
+        o_part_ptr, lse_ptr, sinks_ptr, out_ptr, num_splits, num_heads,
         stride_ps, stride_pt, stride_ph, stride_pd,
         stride_ls, stride_lt, stride_lh,
         stride_ot, stride_oh, stride_od,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        USE_SINKS: tl.constexpr,
     ):
         # One program per (query token, BLOCK_H heads): out = sum_s w_s o_s / sum_s w_s with
-        # w_s = 2^(lse_s - max_s lse_s).
+        # w_s = 2^(lse_s - M), M = max_s lse_s; a sink adds 2^(sink - M) to the denominator
+        # once (M then also covers the sink).
         tok = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = h < num_heads
@@ -200,6 +217,10 @@ if HAS_TRITON:
         for s in range(num_splits):
             lse = tl.load(l_row + s * stride_ls, mask=h_mask, other=float("-inf"))
             m = tl.maximum(m, lse)
+        if USE_SINKS:
+            sink = tl.load(sinks_ptr + h, mask=h_mask, other=float("-inf")).to(tl.float32)
+            sink = sink * 1.4426950408889634
+            m = tl.maximum(m, sink)
         m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key: output 0
         den = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -210,6 +231,8 @@ if HAS_TRITON:
             o = tl.load(o_row + s * stride_ps, mask=hd_mask, other=0.0)
             acc += o * w[:, None]
             den += w
+        if USE_SINKS:
+            den += tl.exp2(sink - m)
         den = tl.where(den == 0.0, 1.0, den)
         out = acc / den[:, None]
         tl.store(
@@ -328,6 +351,7 @@ def paged_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
@@ -340,8 +364,9 @@ def paged_attention(
     layout is ``metadata`` (see :class:`kvstore.kernels.AttentionMetadata`); caches are
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides; ``q``, caches and
     ``out`` share one dtype of fp32/fp16/bf16. ``window`` None means full attention;
-    ``softcap`` None or 0 disables the logit cap. Returns ``out`` (allocated like ``q`` when
-    None).
+    ``softcap`` None or 0 disables the logit cap; ``sinks`` (None or ``[num_heads]``, any of
+    the three float dtypes) adds one learned logit per query head to each row's softmax
+    denominator (gpt-oss attention sinks). Returns ``out`` (allocated like ``q`` when None).
 
     Keyword-only tuning: ``num_splits`` forces the split-KV factor (None = heuristic);
     ``block_m``/``block_n`` override tile rows / keys per tile; ``tile_counts`` (int32, at
@@ -349,7 +374,7 @@ def paged_attention(
     tiles each program visited, for tests that prove the loop is window-bounded.
     """
     require_triton()
-    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap)
+    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap, sinks)
     block_table = metadata.block_table
     check_device(_paged_attn_kernel, q, key_cache, value_cache, block_table,
                  metadata.cu_seqlens_q, metadata.seq_lens)
@@ -391,6 +416,9 @@ def paged_attention(
         o_strides = (0, *out.stride())
         l_strides = (0, 0, 0)
     count = tile_counts is not None
+    use_sinks = sinks is not None
+    # unused pointer arguments get a tensor that is never read
+    sinks_arg = sinks.contiguous() if sinks is not None else seq_lens
     if tile_counts is not None:
         need = batch * num_kv_heads * q_tiles * num_splits
         if tile_counts.dtype != torch.int32 or tile_counts.numel() < need:
@@ -398,7 +426,7 @@ def paged_attention(
 
     grid = (q_tiles, num_kv_heads, batch * num_splits)
     _paged_attn_kernel[grid](
-        q, key_cache, value_cache, o_dst, lse, tile_counts if count else seq_lens,
+        q, key_cache, value_cache, o_dst, lse, tile_counts if count else seq_lens, sinks_arg,
         block_table, cu_seqlens_q, seq_lens,
         float(scale), float(softcap or 0.0), int(window or 0), num_splits,
         *q.stride(),
@@ -415,6 +443,7 @@ def paged_attention(
         PAGE=block_size,
         USE_WINDOW=window is not None,
         USE_SOFTCAP=bool(softcap),
+        USE_SINKS=use_sinks and not split,  # split: the merge adds the sink
         SPLIT=split,
         UPCAST=interpreted or q.dtype == torch.float32,
         COUNT_TILES=count,
@@ -424,13 +453,14 @@ def paged_attention(
     if split:
         block_h = min(16, next_pow2(num_heads))
         _merge_splits_kernel[(total_q, cdiv(num_heads, block_h))](
-            o_dst, lse, out, num_splits, num_heads,
+            o_dst, lse, sinks_arg, out, num_splits, num_heads,
             *o_dst.stride(),
             *lse.stride(),
             *out.stride(),
             HEAD_DIM=head_dim,
             BLOCK_D=max(16, next_pow2(head_dim)),
             BLOCK_H=block_h,
+            USE_SINKS=use_sinks,
             num_warps=4,
         )
     return out
