@@ -175,8 +175,11 @@ class ModelRunner:
         return ModelRunnerOutput(batch.sample_request_ids, logits)
 
     def attention_fn(self, batch: BatchInputs) -> AttentionFn:
-        """The AttentionFn of one batch: write the layer's new K/V, then paged attention."""
+        """The AttentionFn of one batch: write the layer's new K/V, then paged attention
+        (with the layer's attention sinks when the model has ``layer_sinks``)."""
         cache, model, backend = self.cache, self.model, self.attention_backend
+        # DecoderModel.layer_sinks(i) -> Tensor [num_heads] | None, for models with sinks
+        layer_sinks = getattr(model, "layer_sinks", None)
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                       ) -> torch.Tensor:
@@ -185,7 +188,8 @@ class ModelRunner:
             key_cache, value_cache = cache.layer_caches(layer)
             return kernels.attention(
                 q, key_cache, value_cache, batch.attn_metadata[g], model.attn_scale,
-                window=self._windows[layer], softcap=model.attn_softcap, backend=backend)
+                window=self._windows[layer], softcap=model.attn_softcap,
+                sinks=layer_sinks(layer) if layer_sinks is not None else None, backend=backend)
 
         return attention
 

@@ -8,6 +8,7 @@ TRITON_INTERPRET=1 on CPU.
 
 from __future__ import annotations
 
+import math
 import os
 from types import SimpleNamespace
 
@@ -204,3 +205,52 @@ def test_bad_sinks_raise_clear_errors(fn):
     with pytest.raises(ValueError, match="sinks are on meta"):
         fn(*args, sinks=torch.zeros(8, device="meta"))
 
+
+# --- the engine passes a model's per-layer sinks through -----------------------------------
+
+
+def test_runner_passes_layer_sinks():
+    from kvstore.engine.engine import kv_cache_specs
+    from kvstore.engine.runner import BatchInputs, ModelRunner
+    from kvstore.kernels import AttentionMetadata
+    from kvstore.models.model import DecoderModel, tiny_llama
+    from kvstore.paged_kv_cache import PagedKVCache
+    from kvstore.specs import make_kv_cache_config
+
+    class SinkModel(DecoderModel):
+        def __init__(self) -> None:
+            super().__init__(tiny_llama())
+            c = self.config
+            self.register_buffer("sinks", torch.randn(c.num_layers, c.num_heads) * 3)
+
+        def layer_sinks(self, i: int) -> torch.Tensor | None:
+            return self.sinks[i] if i % 2 else None  # odd layers have sinks
+
+    torch.manual_seed(0)
+    block, n = 4, 6  # one fresh prompt of 6 tokens in blocks 3 and 5
+    c = tiny_llama()
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(n, c.num_heads, c.head_dim, generator=g)
+    k, v = torch.randn(2, n, c.num_kv_heads, c.head_dim, generator=g)
+    outputs = {}
+    for model in (SinkModel(), DecoderModel(tiny_llama())):
+        cache = PagedKVCache(make_kv_cache_config(kv_cache_specs(model, block), num_blocks=8))
+        runner = ModelRunner(model, cache)
+        meta = AttentionMetadata(torch.tensor([[3, 5]], dtype=torch.int32),
+                                 torch.tensor([0, n], dtype=torch.int32),
+                                 torch.tensor([n], dtype=torch.int32), n)
+        slots = torch.tensor([12, 13, 14, 15, 20, 21])
+        groups = runner.num_groups
+        batch = BatchInputs(torch.zeros(n, dtype=torch.long), torch.arange(n), [meta] * groups,
+                            [slots] * groups, torch.tensor([n - 1]), ["a"])
+        fn = runner.attention_fn(batch)
+        for layer in range(2):
+            got = fn(layer, q, k, v)
+            kc, vc = cache.layer_caches(layer)
+            sinks = getattr(model, "layer_sinks", lambda i: None)(layer)
+            want = paged_attention_reference(q, kc, vc, meta, model.attn_scale, sinks=sinks)
+            assert torch.equal(got, want)
+            outputs[type(model).__name__, layer] = got
+    assert torch.equal(outputs["SinkModel", 0], outputs["DecoderModel", 0])
+    assert not torch.allclose(outputs["SinkModel", 1], outputs["DecoderModel", 1])
+    assert math.isfinite(float(outputs["SinkModel", 1].abs().max()))
