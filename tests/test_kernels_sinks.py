@@ -241,8 +241,9 @@ def test_runner_passes_layer_sinks():
                                  torch.tensor([n], dtype=torch.int32), n)
         slots = torch.tensor([12, 13, 14, 15, 20, 21])
         groups = runner.num_groups
-        batch = BatchInputs(torch.zeros(n, dtype=torch.long), torch.arange(n), [meta] * groups,
-                            [slots] * groups, torch.tensor([n - 1]), ["a"])
+        batch = BatchInputs(input_ids=torch.zeros(n, dtype=torch.long), positions=torch.arange(n),
+                            attn_metadata=[meta] * groups, slot_mappings=[slots] * groups,
+                            logits_indices=torch.tensor([n - 1]), sample_request_ids=["a"])
         fn = runner.attention_fn(batch)
         for layer in range(2):
             got = fn(layer, q, k, v)
