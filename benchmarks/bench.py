@@ -62,7 +62,6 @@ __all__ = [
     "markdown_tables",
     "positive_int",
     "non_negative_int",
-    "main",
 ]
 
 # CLI name -> trace_file key.
@@ -657,14 +656,3 @@ def _print_findings(result: SweepResult, console: Any) -> None:
             f"{format_bytes(c['mean_idle_bytes_naive'])} vs "
             f"{format_bytes(c['mean_idle_bytes_paged'])} per step, computed "
             f"{_count(c['computed_naive'])} vs {_count(c['computed_paged'])} tokens")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvstore.benchmarks.bench [options]``: the same as ``kvstore bench``."""
-    from kvstore.cli import main as cli_main  # the console script's parser and error handling
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -322,11 +322,6 @@ class SweepRow:
                 out["vs_ideal"] = self.vs_ideal
         return out
 
-    def __getitem__(self, key: str) -> Any:
-        """Mapping-style access to :meth:`as_dict`'s keys (``row["steps"]``), for callers
-        written against the former dict rows."""
-        return self.as_dict()[key]
-
 
 @dataclass
 class SweepMeta:

@@ -79,7 +79,6 @@ class PoolRecorder:
     def __call__(self, scheduler: Scheduler, output: SchedulerOutput) -> None:
         """Record the state right after `output` was scheduled."""
         manager = scheduler.manager
-        pool = manager.pool
         owners: dict[int, set[str]] = {}
         for rid in manager.requests:
             for table in manager.block_table(rid):
@@ -88,12 +87,12 @@ class PoolRecorder:
                         owners.setdefault(bid, set()).add(self.letters.get(rid, "?"))
         copy_dst = {dst for _, dst in output.copies}
         cells, own, wrote = [], [], []
-        for block in pool.blocks[1:]:
+        for block in manager.block_states():
             bid = block.block_id
             who = owners.get(bid, set())
-            if len(who) == 1 and block.token_ids is None:
+            if len(who) == 1 and not block.is_cached:
                 self._writer[bid] = next(iter(who))  # fresh page: its owner writes it
-            writer = self._writer.get(bid, "") if block.token_ids is not None or who else ""
+            writer = self._writer.get(bid, "") if block.is_cached or who else ""
             if bid in copy_dst:
                 c = "+"
             elif len(who) > 1:
@@ -102,7 +101,7 @@ class PoolRecorder:
                 c = next(iter(who))
             elif block.ref_cnt > 0:
                 c = "="
-            elif block.token_ids is not None:
+            elif block.is_cached:
                 c = writer.lower() if block.block_hash is not None and writer else "."
             else:
                 c = " "
@@ -258,21 +257,3 @@ def run_viz_command(args: argparse.Namespace) -> int:
                     f"Pool layout: {args.num_blocks - 1} blocks x {args.block_size} tokens")
         print(f"wrote {out}")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvstore.benchmarks.viz [options]``: the same as ``kvstore viz``."""
-    parser = argparse.ArgumentParser(prog="kvstore")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_viz_parser(sub)
-    import sys
-
-    args_list = list(argv) if argv is not None else sys.argv[1:]
-    if not args_list or args_list[0] != "viz":
-        args_list = ["viz", *args_list]
-    args = parser.parse_args(args_list)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -181,7 +181,7 @@ def test_sweep_end_points():
     assert by["naive", 0].metrics.mean_idle_bytes > by["paged", 0].metrics.mean_idle_bytes
     assert by["partial", 0].vs_unbounded == pytest.approx(1.0)
     assert by["prefix", 0].metrics.prompt_hit_rate <= res.meta.ideal_block_hit_rate + 1e-12
-    assert by["paged", 0]["steps"] == by["paged", 0].metrics.steps  # the dict-style view
+    assert by["paged", 0].as_dict()["steps"] == by["paged", 0].metrics.steps  # the flat row
     assert set(res.unbounded) == {"prefix", "partial", "hybrid"}
     assert "naive_vs_paged" in res.findings
     assert res.meta.completed_replays == res.meta.total_replays == 3 * 5 + 3

@@ -129,9 +129,10 @@ def test_hybrid_holds_fewer_peak_bytes_than_all_full():
     budget = (sum(_need(w)) + 1) * TINY.block_bytes(BS)
     full = run_point(w, POLICIES["partial"], TINY, BS, budget)
     hyb = run_point(w, POLICIES["hybrid"], TINY, BS, budget)
-    assert full["feasible"] and hyb["feasible"]
-    assert hyb["peak_kv_bytes"] < full["peak_kv_bytes"]
-    assert hyb["num_groups"] == 6 and hyb["padding_layers"] == 0
+    assert full.feasible and hyb.feasible
+    assert full.metrics is not None and hyb.metrics is not None
+    assert hyb.metrics.peak_kv_bytes < full.metrics.peak_kv_bytes
+    assert hyb.num_groups == 6 and hyb.padding_layers == 0
 
 
 def test_kv_bytes_follow_the_page_size_formula(workload):
