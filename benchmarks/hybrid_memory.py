@@ -112,17 +112,16 @@ def run_layout(name: str, layer_specs: Sequence[KVCacheSpec], memory_bytes: int,
     wanted = set(sample_ids)
 
     def on_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
-        pool = scheduler.manager.pool
+        manager = scheduler.manager
+        in_use = manager.blocks_in_use_by_group()
         run.running.append(len(scheduler.running))
         run.preempting.append(bool(output.preempted))
-        run.blocks_full.append(sum(pool.in_use_by_group[g] for g in full_groups))
-        run.blocks_sliding.append(sum(pool.in_use_by_group[g] for g in sliding_groups))
-        managers = scheduler.manager.coordinator.managers
+        run.blocks_full.append(sum(in_use[g] for g in full_groups))
+        run.blocks_sliding.append(sum(in_use[g] for g in sliding_groups))
         for item in output.scheduled:
             rid = item.request.request_id
             if rid in wanted:
-                held = sum(sum(1 for b in m.req_to_blocks[rid] if b.block_id != 0)
-                           for m in managers)
+                held = sum(manager.num_resident_blocks(rid))
                 run.samples.setdefault(rid, []).append((item.start + item.num_new_tokens, held))
 
     t0 = time.perf_counter()

@@ -47,7 +47,6 @@ from kvstore.benchmarks.workloads import (
     multi_turn_chat,
     shared_system_prompts,
 )
-from kvstore.hashing import hash_block
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import FullAttentionSpec, KVCacheConfig, make_kv_cache_config
@@ -179,7 +178,6 @@ def drive_steps(name: str, specs: Sequence[RequestSpec], manager: KVCacheManager
     fake = _fake_tokens(np.random.default_rng(seed), sum(s.max_tokens for s in specs) + 1)
     waiting: deque[Request] = deque()
     running: list[Request] = []
-    pool = manager.pool
     clock = 0.0
     t_start = perf()
     paused = 0.0
@@ -187,7 +185,7 @@ def drive_steps(name: str, specs: Sequence[RequestSpec], manager: KVCacheManager
 
     def hash_now(request: Request) -> None:
         t0 = perf()
-        request.update_block_hashes(bs, hash_block)
+        request.update_block_hashes(bs, manager.hash_fn)
         res.hash_s += perf() - t0
 
     while pending or waiting or running:
@@ -246,7 +244,7 @@ def drive_steps(name: str, specs: Sequence[RequestSpec], manager: KVCacheManager
         res.steps += 1
         res.running_sum += len(running)
         res.max_running = max(res.max_running, len(running))
-        res.peak_usage = max(res.peak_usage, pool.usage)
+        res.peak_usage = max(res.peak_usage, manager.usage)
         done = []
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
@@ -269,7 +267,7 @@ def drive_steps(name: str, specs: Sequence[RequestSpec], manager: KVCacheManager
         yield
         paused += perf() - t_pause
     res.wall_s = perf() - t_start - paused
-    if pool.num_free_blocks != pool.num_usable_blocks:
+    if manager.num_free_blocks != manager.num_usable_blocks:
         raise RuntimeError("blocks leaked: the pool is not empty after every request finished")
     res.stats = manager.stats.as_dict()
     return res

@@ -134,15 +134,15 @@ def idle_slots(scheduler: Scheduler, output: SchedulerOutput) -> int:
     over all groups (pages reserved ahead of use)."""
     written = {id(s.request): s.request.num_computed_tokens + s.num_new_tokens
                for s in output.scheduled}
-    bs = scheduler.manager.block_size
-    managers = scheduler.manager.coordinator.managers
+    manager = scheduler.manager
+    bs = manager.block_size
+    live = manager.requests
     idle = 0
     for r in scheduler.running:
         end = written.get(id(r), r.num_computed_tokens)
-        for m in managers:
-            table = m.req_to_blocks.get(r.request_id)
-            if table is not None:
-                idle += max(0, len(table) * bs - end)
+        if r.request_id in live:
+            for length in manager.table_lengths(r.request_id):
+                idle += max(0, length * bs - end)
     return idle
 
 
@@ -162,7 +162,6 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
     manager = KVCacheManager(config, enable_caching=enable_caching,
                              enable_partial_hits=enable_partial_hits)
     scheduler = Scheduler(manager, scheduler_config)
-    pool = manager.pool
     scripted = {s.request_id: s.output_token_ids for s in specs if s.output_token_ids}
     # pop() yields the earliest arrival; ties in the given order.
     pending = list(reversed(sorted(specs, key=lambda s: s.arrival)))
@@ -199,8 +198,8 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
                 pos = r.num_output_tokens
                 sampled[r.request_id] = [script[pos] if script and pos < len(script)
                                          else fake_token(r.request_id, r.num_tokens)]
-        in_use = pool.num_usable_blocks - pool.num_free_blocks
-        usage_sum += in_use / pool.num_usable_blocks
+        in_use = manager.num_usable_blocks - manager.num_free_blocks
+        usage_sum += in_use / manager.num_usable_blocks
         idle = idle_slots(scheduler, output)
         idle_slot_steps += idle
         peak_idle = max(peak_idle, idle)
@@ -213,7 +212,7 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
     # The worker has run the last batch of copies: release the pins on their sources.
     manager.take_pending_copies()
     stats, sstats = manager.stats, scheduler.stats
-    if pool.num_free_blocks != pool.num_usable_blocks:
+    if manager.num_free_blocks != manager.num_usable_blocks:
         raise RuntimeError("blocks leaked: the pool is not empty after every request finished")
     return SimResult(
         num_requests=len(specs), prompt_tokens=prompt_tokens,
@@ -229,4 +228,4 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
         num_blocks=config.num_blocks, bytes_per_block=config.bytes_per_block,
         block_size=config.block_size,
         peak_idle_slots=peak_idle, finish_time=clock,
-        free_blocks_at_end=pool.num_free_blocks, timeline=timeline)
+        free_blocks_at_end=manager.num_free_blocks, timeline=timeline)

@@ -127,12 +127,12 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has max_tokens {request.max_tokens}; "
                              "it must generate at least one token")
         need = self.max_blocks_needed(request, n)
-        if need > self.manager.pool.num_usable_blocks:
+        if need > self.manager.num_usable_blocks:
             raise RequestTooLargeError(
                 f"request {request.request_id!r} ({request.num_prompt_tokens} prompt + "
                 f"{request.max_tokens} output tokens) may need {need} blocks; the pool has "
-                f"{self.manager.pool.num_usable_blocks}", request_id=request.request_id,
-                blocks_needed=need, blocks_available=self.manager.pool.num_usable_blocks)
+                f"{self.manager.num_usable_blocks}", request_id=request.request_id,
+                blocks_needed=need, blocks_available=self.manager.num_usable_blocks)
         self.waiting.append(request)
         if n > 1:
             self.num_samples[request.request_id] = n
@@ -162,10 +162,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while manager.allocate_slots(request, num_new,
-                                         num_lookahead_tokens=self._lookahead(
-                                             request, request.num_computed_tokens + num_new)
-                                         ) is None:
+            while manager.grow(request, num_new,
+                               num_lookahead_tokens=self._lookahead(
+                                   request, request.num_computed_tokens + num_new)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -188,7 +187,7 @@ class Scheduler:
                 computed = manager.get_computed_blocks(request)
                 num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
                 lookahead = self._lookahead(request, computed.num_computed_tokens + num_new)
-                if manager.allocate_slots(request, num_new, computed, lookahead) is None:
+                if manager.admit(request, num_new, computed, lookahead) is None:
                     break
                 self.waiting.popleft()
                 self.running.append(request)
@@ -200,8 +199,8 @@ class Scheduler:
         copies = manager.take_pending_copies()
         self.stats.steps += 1
         self.stats.peak_blocks_in_use = max(self.stats.peak_blocks_in_use,
-                                            manager.pool.num_usable_blocks
-                                            - manager.pool.num_free_blocks)
+                                            manager.num_usable_blocks
+                                            - manager.num_free_blocks)
         return SchedulerOutput(scheduled, copies, preempted)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> UpdateResult:

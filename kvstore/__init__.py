@@ -8,11 +8,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstore.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, CacheStats, KVCacheEvent
+from kvstore.block_pool import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockState,
+    BlockStored,
+    CacheStats,
+    KVCacheEvent,
+)
+from kvstore.errors import RequestTooLargeError
+from kvstore.hashing import BlockHash, HashFn, hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks
-from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.kv_cache_manager import BlockIds, KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroup,
@@ -28,11 +38,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllBlocksCleared",
+    "AttentionSpec",
+    "BlockHash",
+    "BlockIds",
     "BlockRemoved",
+    "BlockState",
     "BlockStored",
     "CacheStats",
     "ComputedBlocks",
     "FullAttentionSpec",
+    "HashFn",
     "KVCacheConfig",
     "KVCacheEvent",
     "KVCacheGroup",
@@ -40,7 +55,9 @@ __all__ = [
     "KVCacheSpec",
     "PagedKVCache",
     "Request",
+    "RequestTooLargeError",
     "SlidingWindowSpec",
+    "hash_block",
     "make_kv_cache_config",
 ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 from sortedcontainers import SortedList
 
@@ -37,6 +38,24 @@ class AllBlocksCleared:
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class BlockState(NamedTuple):
+    """A read-only snapshot of one block of the pool."""
+
+    block_id: int
+    ref_cnt: int  # block-table references plus pins of pending copies
+    pin_cnt: int  # references held by pending copies
+    group_id: int  # group whose layers the page belongs to (-1 before its first use)
+    is_cached: bool  # holds indexed content (a full cached block or a finished partial one)
+    block_hash: BlockHash | None  # set while the block is in the full-block hash index
+
+
+class PartialMatch(NamedTuple):
+    """A cached block sharing leading tokens with a query, and how many it shares."""
+
+    block: KVCacheBlock | None
+    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -247,11 +266,11 @@ class BlockPool:
         return siblings
 
     def longest_partial_match(self, group_id: int, parent_serial: int,
-                              query: tuple[int, ...]) -> tuple[KVCacheBlock | None, int]:
+                              query: tuple[int, ...]) -> PartialMatch:
         """The indexed child of `parent_serial` sharing the longest token prefix with `query`."""
         siblings = self._children.get((group_id, parent_serial))
         if not siblings or not query:
-            return None, 0
+            return PartialMatch(None, 0)
         # In sorted order the longest common prefix with `query` sits next to its insertion point.
         i = siblings.bisect_left((query,))
         best, best_len = None, 0
@@ -261,7 +280,7 @@ class BlockPool:
                 n = common_prefix_len(tokens, query)
                 if n > best_len:
                     best, best_len = self.blocks[block_id], n
-        return best, best_len
+        return PartialMatch(best, best_len)
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a block's content from every index."""
@@ -306,7 +325,12 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
-    # ---- introspection for tests -------------------------------------------------------------
+    # ---- introspection -----------------------------------------------------------------------
+    def block_states(self) -> tuple[BlockState, ...]:
+        """A snapshot of every block but the null block, by block id."""
+        return tuple(BlockState(b.block_id, b.ref_cnt, b.pin_cnt, b.group_id, b.token_ids is not None,
+                                b.block_hash) for b in self.blocks[1:])
+
     def num_cached_blocks(self) -> int:
         """Blocks in the full-block hash index."""
         return sum(len(v) for v in self._hash_index.values())
@@ -323,3 +347,52 @@ class BlockPool:
         """(block_id, group, hash) of every full-block index entry, for invariant checks."""
         return [(bid, g, h) for (g, h), same in self._hash_index.items() for bid in same]
 
+
+
+class PendingCopies:
+    """Copy-on-write work the worker has not run yet, and the pins that keep its pages alive.
+
+    A pin is one reference on a copy's source or destination, held from the moment the copy
+    is queued until the worker has run it: `take` hands the queued copies out and releases
+    the pins of the batch it handed out before."""
+
+    __slots__ = ("_pool", "_copies", "_pins", "_pins_handed_out")
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+        self._copies: list[tuple[int, int]] = []
+        self._pins: list[KVCacheBlock] = []
+        self._pins_handed_out: list[KVCacheBlock] = []
+
+    def pin(self, block: KVCacheBlock) -> None:
+        """Mark one reference the caller holds on `block` as held by the pending copies."""
+        block.pin_cnt += 1
+        self._pins.append(block)
+
+    def queue(self, src: KVCacheBlock, dst: KVCacheBlock) -> None:
+        """Queue a copy of `src`'s page into `dst`'s (both pinned by the caller)."""
+        self._copies.append((src.block_id, dst.block_id))
+        self._pool.stats.copies_queued += 1
+
+    def take(self) -> list[tuple[int, int]]:
+        """The queued (src, dst) copies, in an order that runs as one gather and one scatter;
+        releases the pins of the previous batch."""
+        for block in self._pins_handed_out:
+            block.pin_cnt -= 1
+        self._pool.free_blocks(self._pins_handed_out)
+        self._pins_handed_out, self._pins = self._pins, []
+        pending, self._copies = self._copies, []
+        copies = []
+        # A copy out of a block that an earlier copy of this batch fills reads that
+        # copy's source instead, so the batch can run as one gather and one scatter.
+        src_of: dict[int, int] = {}
+        for src, dst in pending:
+            src = src_of.get(src, src)
+            src_of[dst] = src
+            copies.append((src, dst))
+        return copies
+
+    @property
+    def pinned_block_ids(self) -> tuple[int, ...]:
+        """Ids of the pinned blocks, queued batch then handed-out batch (one entry per pin)."""
+        return tuple(b.block_id for b in self._pins) + tuple(b.block_id for b in self._pins_handed_out)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvstore.block import KVCacheBlock
-from kvstore.block_pool import BlockPool
+from kvstore.block_pool import BlockPool, PendingCopies
 from kvstore.request import Request
 from kvstore.single_type_kv_cache_manager import SingleTypeKVCacheManager, make_manager
 from kvstore.specs import KVCacheConfig
@@ -28,15 +29,25 @@ class ComputedBlocks:
         return self.num_full_hit_tokens + self.num_partial_tokens
 
 
+class AllocationPlan(NamedTuple):
+    """What growing a request's tables costs, summed over groups."""
+
+    num_free_needed: int  # free blocks consumed: new pages, hits and pins taken off the queue
+    num_released: int  # blocks that window drops return to the free queue first
+    num_resident: int  # pages the request holds afterwards
+
+
 class KVCacheCoordinator:
     """All KV cache groups of one cache over one shared pool."""
 
-    def __init__(self, config: KVCacheConfig, pool: BlockPool) -> None:
+    __slots__ = ("config", "pool", "block_size", "managers")
+
+    def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies) -> None:
         self.config = config
         self.pool = pool
         self.block_size = config.block_size
-        self.managers: list[SingleTypeKVCacheManager] = [
-            make_manager(pool, group.spec, g) for g, group in enumerate(config.groups)]
+        self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            make_manager(pool, group.spec, g, copies) for g, group in enumerate(config.groups))
 
     def find_longest_hit(self, request: Request, max_tokens: int,
                          partial: bool) -> ComputedBlocks:
@@ -103,42 +114,36 @@ class KVCacheCoordinator:
         return True
 
     def num_blocks_needed(self, request: Request, num_computed_tokens: int, num_tokens: int,
-                          computed: ComputedBlocks | None) -> tuple[int, int, int]:
-        """(free blocks consumed, blocks released by window drops, pages resident after)."""
+                          computed: ComputedBlocks | None) -> AllocationPlan:
+        """What growing the tables to `num_tokens` costs; `computed` at admission, else None."""
         need = released = resident = 0
         rid = request.request_id
         for g, manager in enumerate(self.managers):
             if computed is None:
                 need += manager.num_blocks_to_allocate(rid, num_computed_tokens, num_tokens,
                                                        None, None)
-                released += manager.num_skippable(rid, num_computed_tokens)[1]
+                released += manager.num_skippable(rid, num_computed_tokens).num_freed
             else:
                 need += manager.num_blocks_to_allocate(rid, num_computed_tokens, num_tokens,
                                                        computed.blocks[g],
                                                        computed.partial_sources[g])
             resident += manager.spec.num_resident_blocks(num_computed_tokens, num_tokens)
-        return need, released, resident
+        return AllocationPlan(need, released, resident)
 
-    def admit(self, request: Request, computed: ComputedBlocks, copies: list[tuple[int, int]],
-              pins: list[KVCacheBlock]) -> None:
+    def admit(self, request: Request, computed: ComputedBlocks) -> None:
         """Take a checked prefix hit in every group."""
         for g, manager in enumerate(self.managers):
             manager.take_hit(computed.blocks[g], computed.partial_sources[g],
-                             computed.num_computed_tokens, pins)
+                             computed.num_computed_tokens)
         for g, manager in enumerate(self.managers):
-            manager.admit(request, computed.blocks[g], computed.partial_sources[g], copies, pins)
+            manager.admit(request, computed.blocks[g], computed.partial_sources[g])
 
-    def allocate(self, request: Request, num_tokens: int, copies: list[tuple[int, int]],
-                 pins: list[KVCacheBlock]) -> tuple[list[list[KVCacheBlock]], int]:
-        """Grow every group's table to `num_tokens` tokens (the caller checked it fits)."""
+    def allocate(self, request: Request, num_tokens: int) -> tuple[tuple[int, ...], ...]:
+        """Grow every group's table to `num_tokens` tokens (the caller checked it fits);
+        returns the ids of the pages appended to each group's table."""
         for manager in self.managers:
             manager.release_computed(request)
-        out, n_cow = [], 0
-        for manager in self.managers:
-            new_blocks, n = manager.allocate(request, num_tokens, copies, pins)
-            out.append(new_blocks)
-            n_cow += n
-        return out, n_cow
+        return tuple([manager.allocate(request, num_tokens) for manager in self.managers])
 
     def free(self, request: Request) -> None:
         """Release the request's pages in every group."""
@@ -150,6 +155,6 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.fork(parent_id, child_id)
 
-    def block_ids(self, request_id: str) -> tuple[list[int], ...]:
+    def block_ids(self, request_id: str) -> tuple[tuple[int, ...], ...]:
         """Per-group block tables (0 = the null block)."""
-        return tuple([b.block_id for b in m.req_to_blocks[request_id]] for m in self.managers)
+        return tuple([m.block_ids(request_id) for m in self.managers])

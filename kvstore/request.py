@@ -31,6 +31,7 @@ class Request:
         "num_computed_tokens",
         "cache_salt",
         "block_hashes",
+        "hash_fn",
         "max_tokens",
     )
 
@@ -54,6 +55,8 @@ class Request:
         self.num_computed_tokens = 0
         self.cache_salt = cache_salt
         self.block_hashes: list[BlockHash] = []
+        # The function `block_hashes` were computed with (None until the first is).
+        self.hash_fn: HashFn | None = None
         self.max_tokens = max_tokens
 
     @property
@@ -76,7 +79,13 @@ class Request:
             self.token_ids.extend(as_token_list(token_ids))
 
     def update_block_hashes(self, block_size: int, hash_fn: HashFn) -> list[BlockHash]:
-        """Hash the blocks that became full since the last call; earlier hashes are kept."""
+        """Hash the blocks that became full since the last call; earlier hashes are kept.
+        ValueError if earlier hashes were computed with another function."""
+        if hash_fn is not self.hash_fn:
+            if self.block_hashes:
+                raise ValueError(f"request {self.request_id!r} was hashed with another hash "
+                                 "function than this cache's")
+            self.hash_fn = hash_fn
         hashes = self.block_hashes
         n_full = len(self.token_ids) // block_size
         if len(hashes) < n_full:
@@ -93,8 +102,13 @@ class Request:
                         self.max_tokens)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
-        child.block_hashes = list(self.block_hashes)
+        child.copy_block_hashes(self)
         return child
+
+    def copy_block_hashes(self, other: Request) -> None:
+        """Take another request's block hashes (same tokens) and the function that made them."""
+        self.block_hashes = list(other.block_hashes)
+        self.hash_fn = other.hash_fn
 
     def __repr__(self) -> str:
         return (

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvstore.block import KVCacheBlock
-from kvstore.block_pool import BlockPool
+from kvstore.block_pool import BlockPool, PendingCopies
 from kvstore.request import Request
 from kvstore.specs import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvstore.utils import cdiv
@@ -16,19 +17,52 @@ def is_shared(block: KVCacheBlock) -> bool:
     return block.ref_cnt - block.pin_cnt > 1
 
 
-class SingleTypeKVCacheManager:
-    """Block tables of one KV cache group; all groups draw from one shared pool."""
+class Skippable(NamedTuple):
+    """Table entries that fall out of the window, and how many of them would become free."""
 
-    def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int) -> None:
+    num_entries: int
+    num_freed: int
+
+
+NOTHING_SKIPPABLE = Skippable(0, 0)
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one KV cache group; all groups draw from one shared pool, and queue
+    their copies in the one `PendingCopies` of the cache."""
+
+    __slots__ = ("pool", "spec", "group_id", "block_size", "_copies", "_req_to_blocks",
+                 "_num_cached_blocks", "_last_serial")
+
+    def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
+                 copies: PendingCopies) -> None:
         self.pool = pool
         self.spec = spec
         self.group_id = group_id
         self.block_size = spec.block_size
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._copies = copies
+        self._req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are in the prefix cache.
-        self.num_cached_blocks: dict[str, int] = {}
+        self._num_cached_blocks: dict[str, int] = {}
         # Serial of each request's last cached block (its next block's parent).
-        self.last_serial: dict[str, int] = {}
+        self._last_serial: dict[str, int] = {}
+
+    # ---- views -------------------------------------------------------------------------------
+    def table(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's block table in this group (the live list: read, do not modify)."""
+        return self._req_to_blocks[request_id]
+
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table as ids (0 = the null block)."""
+        return tuple([b.block_id for b in self._req_to_blocks[request_id]])
+
+    def num_resident_blocks(self, request_id: str) -> int:
+        """Pages the request holds in this group (null entries aside)."""
+        return sum(1 for b in self._req_to_blocks[request_id] if b.block_id != 0)
+
+    def num_cached_blocks(self, request_id: str) -> int:
+        """How many leading blocks of the request's table are in the prefix cache."""
+        return self._num_cached_blocks[request_id]
 
     # ---- hits (pure) -------------------------------------------------------------------------
     def find_longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
@@ -53,9 +87,13 @@ class SingleTypeKVCacheManager:
         return [self.pool.null_block] * k + list(hit_blocks[k:])
 
     # ---- allocation planning (pure) ----------------------------------------------------------
-    def num_skippable(self, request_id: str, num_computed_tokens: int) -> tuple[int, int]:
-        """(table entries that fall out of the window, how many of them would become free)."""
-        return 0, 0
+    def num_skippable(self, request_id: str, num_computed_tokens: int) -> Skippable:
+        """Table entries that fall out of the window, and how many of them would become free."""
+        return NOTHING_SKIPPABLE
+
+    def has_skippable(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether any table entry falls out of the window."""
+        return False
 
     def num_blocks_to_allocate(self, request_id: str, num_computed_tokens: int, num_tokens: int,
                                hit_blocks: Sequence[KVCacheBlock] | None,
@@ -69,7 +107,7 @@ class SingleTypeKVCacheManager:
                 n += 1 + (partial_src.ref_cnt == 0)
                 table_len += 1
         else:
-            table = self.req_to_blocks[request_id]
+            table = self._req_to_blocks[request_id]
             table_len = len(table)
             n = sum(1 for b in self._blocks_to_write(table, num_computed_tokens, num_tokens)
                     if is_shared(b))
@@ -79,16 +117,16 @@ class SingleTypeKVCacheManager:
         """Whether growing to `num_tokens` needs nothing: no new page, nothing newly full to
         cache, no shared page to copy, no page leaving the window."""
         rid = request.request_id
-        table = self.req_to_blocks[rid]
+        table = self._req_to_blocks[rid]
         bs = self.block_size
         num_computed = request.num_computed_tokens
         if cdiv(num_tokens, bs) > len(table):
             return False
-        if self.pool.enable_caching and num_computed // bs > self.num_cached_blocks[rid]:
+        if self.pool.enable_caching and num_computed // bs > self._num_cached_blocks[rid]:
             return False
         if any(is_shared(b) for b in self._blocks_to_write(table, num_computed, num_tokens)):
             return False
-        return self.num_skippable(rid, num_computed)[0] == 0
+        return not self.has_skippable(rid, num_computed)
 
     def _blocks_to_write(self, table: list[KVCacheBlock], num_computed_tokens: int,
                          num_tokens: int) -> list[KVCacheBlock]:
@@ -97,39 +135,34 @@ class SingleTypeKVCacheManager:
 
     # ---- mutation (only after the coordinator has checked the plan fits) ---------------------
     def take_hit(self, hit_blocks: list[KVCacheBlock], partial_src: KVCacheBlock | None,
-                 num_computed_tokens: int, pins: list[KVCacheBlock]) -> None:
+                 num_computed_tokens: int) -> None:
         """Reference the kept hit blocks and pin the copy source (before any group pops new
         pages, so none of them is evicted by the admission itself)."""
         self.pool.touch(b for b in self.kept_hit_blocks(hit_blocks, num_computed_tokens)
                         if b.block_id != 0)
         if partial_src is not None:
             self.pool.touch((partial_src,))
-            partial_src.pin_cnt += 1
-            pins.append(partial_src)
+            self._copies.pin(partial_src)
 
     def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
-              partial_src: KVCacheBlock | None, copies: list[tuple[int, int]],
-              pins: list[KVCacheBlock]) -> None:
+              partial_src: KVCacheBlock | None) -> None:
         """Start the table from the (already referenced) hit blocks and, for a partial hit,
         a private copy of the source block."""
         rid = request.request_id
         table = self.kept_hit_blocks(hit_blocks, request.num_computed_tokens)
         if partial_src is not None:
-            dst = self._copy_destination(partial_src, copies, pins)
-            table.append(dst)
-        self.req_to_blocks[rid] = table
-        self.num_cached_blocks[rid] = len(hit_blocks)
-        self.last_serial[rid] = self.parent_serial_after(request, hit_blocks)
+            table.append(self._copy_destination(partial_src))
+        self._req_to_blocks[rid] = table
+        self._num_cached_blocks[rid] = len(hit_blocks)
+        self._last_serial[rid] = self.parent_serial_after(request, hit_blocks)
 
-    def _copy_destination(self, src: KVCacheBlock, copies: list[tuple[int, int]],
-                          pins: list[KVCacheBlock]) -> KVCacheBlock:
+    def _copy_destination(self, src: KVCacheBlock) -> KVCacheBlock:
         """A fresh page that will receive a copy of `src`, pinned like the source until the
         copy has been handed out, so it is neither reused nor given a second copy before."""
         dst = self.pool.get_new_blocks(1, self.group_id)[0]
         self.pool.touch((dst,))
-        dst.pin_cnt += 1
-        pins.append(dst)
-        copies.append((src.block_id, dst.block_id))
+        self._copies.pin(dst)
+        self._copies.queue(src, dst)
         return dst
 
     def release_computed(self, request: Request) -> None:
@@ -138,15 +171,13 @@ class SingleTypeKVCacheManager:
         self.cache_blocks(request, request.num_computed_tokens)
         self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
 
-    def allocate(self, request: Request, num_tokens: int, copies: list[tuple[int, int]],
-                 pins: list[KVCacheBlock]) -> tuple[list[KVCacheBlock], int]:
+    def allocate(self, request: Request, num_tokens: int) -> tuple[int, ...]:
         """Copy shared pages about to be written and append pages up to `num_tokens`;
-        returns (new blocks, fork copies)."""
+        returns the ids of the appended pages."""
         rid = request.request_id
         pool = self.pool
-        table = self.req_to_blocks[rid]
+        table = self._req_to_blocks[rid]
         num_computed = request.num_computed_tokens
-        n_cow = 0
         start = num_computed // self.block_size
         for i, block in enumerate(self._blocks_to_write(table, num_computed, num_tokens), start):
             if not is_shared(block):
@@ -158,14 +189,15 @@ class SingleTypeKVCacheManager:
                 continue
             # Shared with a fork: write into a private copy; our reference on the
             # original becomes the copy's pin.
-            block.pin_cnt += 1
-            pins.append(block)
-            table[i] = self._copy_destination(block, copies, pins)
-            n_cow += 1
+            self._copies.pin(block)
+            table[i] = self._copy_destination(block)
+            pool.stats.fork_copies += 1
         n_new = cdiv(num_tokens, self.block_size) - len(table)
-        new_blocks = pool.get_new_blocks(n_new, self.group_id) if n_new > 0 else []
+        if n_new <= 0:
+            return ()
+        new_blocks = pool.get_new_blocks(n_new, self.group_id)
         table.extend(new_blocks)
-        return new_blocks, n_cow
+        return tuple([b.block_id for b in new_blocks])
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Index the request's blocks that are full and computed."""
@@ -173,14 +205,14 @@ class SingleTypeKVCacheManager:
             return
         rid = request.request_id
         bs = self.block_size
-        first = self.num_cached_blocks[rid]
+        first = self._num_cached_blocks[rid]
         last = num_computed_tokens // bs
         if last <= first:
             return
-        table = self.req_to_blocks[rid]
+        table = self._req_to_blocks[rid]
         hashes = request.block_hashes
         tokens = request.token_ids
-        parent_serial = self.last_serial[rid]
+        parent_serial = self._last_serial[rid]
         for i in range(first, last):
             block = table[i]
             if block.block_hash is not None:  # shared with a fork that cached it already
@@ -189,8 +221,8 @@ class SingleTypeKVCacheManager:
             parent_serial = self.pool.cache_full_block(
                 block, hashes[i], tuple(tokens[i * bs:(i + 1) * bs]), parent_serial,
                 hashes[i - 1] if i else None)
-        self.num_cached_blocks[rid] = last
-        self.last_serial[rid] = parent_serial
+        self._num_cached_blocks[rid] = last
+        self._last_serial[rid] = parent_serial
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block (sliding window)."""
@@ -198,7 +230,7 @@ class SingleTypeKVCacheManager:
     def free(self, request: Request) -> None:
         """Index computed content (full blocks and the partial tail), then release the table."""
         rid = request.request_id
-        table = self.req_to_blocks[rid]
+        table = self._req_to_blocks[rid]
         num_computed = min(request.num_computed_tokens, len(table) * self.block_size)
         self.cache_blocks(request, num_computed)
         bs = self.block_size
@@ -207,24 +239,26 @@ class SingleTypeKVCacheManager:
             block = table[tail]
             if block.ref_cnt - block.pin_cnt == 1 and block.token_ids is None and block.block_id != 0:
                 self.pool.cache_partial_block(
-                    block, tuple(request.token_ids[tail * bs:num_computed]), self.last_serial[rid])
+                    block, tuple(request.token_ids[tail * bs:num_computed]), self._last_serial[rid])
         # Deepest first, so a chain's root is the last of it to be evicted.
         self.pool.free_blocks(b for b in reversed(table) if b.block_id != 0)
-        del self.req_to_blocks[rid]
-        del self.num_cached_blocks[rid]
-        del self.last_serial[rid]
+        del self._req_to_blocks[rid]
+        del self._num_cached_blocks[rid]
+        del self._last_serial[rid]
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every page of the parent."""
-        table = self.req_to_blocks[parent_id]
+        table = self._req_to_blocks[parent_id]
         self.pool.touch(b for b in table if b.block_id != 0)
-        self.req_to_blocks[child_id] = list(table)
-        self.num_cached_blocks[child_id] = self.num_cached_blocks[parent_id]
-        self.last_serial[child_id] = self.last_serial[parent_id]
+        self._req_to_blocks[child_id] = list(table)
+        self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
+        self._last_serial[child_id] = self._last_serial[parent_id]
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Every block is kept; the hit is the longest run of cached blocks from the start."""
+
+    __slots__ = ()
 
     def find_longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
         """Consecutive cached blocks from block 0, each linked to the one before."""
@@ -244,28 +278,30 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Only the last W positions are kept; older pages return to the pool (still cached)."""
 
-    def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int) -> None:
-        super().__init__(pool, spec, group_id)
+    __slots__ = ("_dropped",)
+
+    def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
+                 copies: PendingCopies) -> None:
+        super().__init__(pool, spec, group_id, copies)
         # Cached pages each request dropped from its window (with their content serials).
-        self.dropped: dict[str, list[tuple[KVCacheBlock, int]]] = {}
+        self._dropped: dict[str, list[tuple[KVCacheBlock, int]]] = {}
 
     def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
-              partial_src: KVCacheBlock | None, copies: list[tuple[int, int]],
-              pins: list[KVCacheBlock]) -> None:
+              partial_src: KVCacheBlock | None) -> None:
         """Start the table (see the base class) and an empty record of dropped pages."""
-        super().admit(request, hit_blocks, partial_src, copies, pins)
-        self.dropped[request.request_id] = []
+        super().admit(request, hit_blocks, partial_src)
+        self._dropped[request.request_id] = []
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Share the parent's pages; the child has dropped none yet."""
         super().fork(parent_id, child_id)
-        self.dropped[child_id] = []
+        self._dropped[child_id] = []
 
     def free(self, request: Request) -> None:
         """Release the table; the pages the request dropped from its window earlier become
         as recent as the rest of its content, so a later hit finds its window with its chain."""
         super().free(request)
-        self.pool.refresh(reversed(self.dropped.pop(request.request_id)))
+        self.pool.refresh(reversed(self._dropped.pop(request.request_id)))
 
     def find_longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
         """The longest hit whose next query's window is cached: null blocks, then a run of
@@ -309,7 +345,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def _out_of_window(self, request_id: str, num_computed_tokens: int) -> list[int]:
         """Table indexes of pages no query from `num_computed_tokens` on can attend that are
         not yet null, deepest first."""
-        table = self.req_to_blocks[request_id]
+        table = self._req_to_blocks[request_id]
         out = []
         for i in range(min(len(table), self.spec.first_needed_position(num_computed_tokens)
                            // self.block_size) - 1, -1, -1):
@@ -318,22 +354,26 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             out.append(i)
         return out
 
-    def num_skippable(self, request_id: str, num_computed_tokens: int) -> tuple[int, int]:
-        """(table entries that fall out of the window, how many of them would become free)."""
-        table = self.req_to_blocks[request_id]
+    def has_skippable(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether any table entry falls out of the window."""
+        return bool(self._out_of_window(request_id, num_computed_tokens))
+
+    def num_skippable(self, request_id: str, num_computed_tokens: int) -> Skippable:
+        """Table entries that fall out of the window, and how many of them would become free."""
+        table = self._req_to_blocks[request_id]
         skipped = self._out_of_window(request_id, num_computed_tokens)
-        return len(skipped), sum(table[i].ref_cnt == 1 for i in skipped)
+        return Skippable(len(skipped), sum(table[i].ref_cnt == 1 for i in skipped))
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block, deepest freed first."""
-        table = self.req_to_blocks[request_id]
+        table = self._req_to_blocks[request_id]
         removed = []
         for i in self._out_of_window(request_id, num_computed_tokens):
             removed.append(table[i])
             table[i] = self.pool.null_block
         self.pool.free_blocks(removed)
         # Kept shallowest first (appending, no per-step shifting); freed deepest first.
-        self.dropped[request_id].extend(
+        self._dropped[request_id].extend(
             (b, b.serial) for b in reversed(removed) if b.block_hash is not None)
 
 
@@ -344,9 +384,10 @@ MANAGER_TYPES: dict[type[AttentionSpec], type[SingleTypeKVCacheManager]] = {
 }
 
 
-def make_manager(pool: BlockPool, spec: KVCacheSpec, group_id: int) -> SingleTypeKVCacheManager:
+def make_manager(pool: BlockPool, spec: KVCacheSpec, group_id: int,
+                 copies: PendingCopies) -> SingleTypeKVCacheManager:
     """The manager for a spec's attention type."""
     cls = MANAGER_TYPES.get(type(spec))
     if cls is None:
         raise TypeError(f"no KV cache manager for {type(spec).__name__}")
-    return cls(pool, spec, group_id)
+    return cls(pool, spec, group_id, copies)

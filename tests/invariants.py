@@ -66,14 +66,14 @@ def check_manager(manager: KVCacheManager) -> None:
         tables = manager.block_table(rid)
         for g, ids in enumerate(tables):
             table_refs.update(i for i in ids if i != 0)
-            sub = manager.coordinator.managers[g]
+            sub = manager._coordinator.managers[g]
             bs = manager.block_size
             # Cached blocks of a live request hold exactly its content.
-            for i in range(sub.num_cached_blocks[rid]):
-                block = sub.req_to_blocks[rid][i]
+            for i in range(sub.num_cached_blocks(rid)):
+                block = sub.table(rid)[i]
                 if block.block_id == 0:
                     continue
                 assert block.block_hash == request.block_hashes[i]
                 assert block.token_ids == tuple(request.token_ids[i * bs:(i + 1) * bs])
-    pin_refs = Counter(b.block_id for b in manager.pinned_blocks)
-    check_pool(manager.pool, table_refs, pin_refs)
+    pin_refs = Counter(manager.pinned_blocks)
+    check_pool(manager._pool, table_refs, pin_refs)

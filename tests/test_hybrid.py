@@ -84,7 +84,7 @@ def hit_start_block(window: int | None, num_blocks: int) -> int:
 
 
 def tables(manager: KVCacheManager, rid: str) -> tuple[list[int], ...]:
-    return manager.block_table(rid)
+    return tuple(list(ids) for ids in manager.block_table(rid))
 
 
 def non_null(ids: Sequence[int]) -> int:
@@ -114,7 +114,7 @@ def prefill(manager: KVCacheManager, req: Request, chunk: int | None = None,
 def evict_head(manager: KVCacheManager, num: int) -> None:
     """Pop `num` blocks from the head of the free queue (evicting what they cached) and give
     them back unwritten, as a request freed before computing anything would."""
-    pool = manager.pool
+    pool = manager._pool
     blocks = pool.get_new_blocks(num, 0)
     pool.free_blocks(blocks)
     check_manager(manager)
@@ -122,13 +122,13 @@ def evict_head(manager: KVCacheManager, num: int) -> None:
 
 def evict_blocks(manager: KVCacheManager, block_ids: Sequence[int]) -> None:
     """Make these free blocks the least recently used, then evict exactly them."""
-    queue = manager.pool.free_queue
+    queue = manager._pool.free_queue
     for block_id in reversed(block_ids):
-        block = manager.pool.blocks[block_id]
+        block = manager._pool.blocks[block_id]
         queue.remove(block)
         queue.appendleft(block)
     evict_head(manager, len(block_ids))
-    assert all(manager.pool.blocks[b].block_hash is None for b in block_ids)
+    assert all(manager._pool.blocks[b].block_hash is None for b in block_ids)
 
 
 def queue_ids(pool: BlockPool) -> list[int]:
@@ -168,7 +168,7 @@ def valid_for_group(pool: BlockPool, group: int, window: int | None, req: Reques
 
 def best_whole_block_hit(manager: KVCacheManager, req: Request, cap_tokens: int) -> int:
     """The longest whole-block length (in blocks, at most cap_tokens // BS) valid for all groups."""
-    pool = manager.pool
+    pool = manager._pool
     windows = group_windows(manager)
     for k in range(cap_tokens // BS, -1, -1):
         if all(valid_for_group(pool, g, w, req, k) for g, w in enumerate(windows)):
@@ -179,7 +179,7 @@ def best_whole_block_hit(manager: KVCacheManager, req: Request, cap_tokens: int)
 def check_hit(manager: KVCacheManager, req: Request, computed: ComputedBlocks, cap_tokens: int,
               partial: bool) -> None:
     """The coordinator's hit is valid for every group, made of the right blocks, and maximal."""
-    pool = manager.pool
+    pool = manager._pool
     windows = group_windows(manager)
     full = computed.num_full_hit_tokens
     assert full % BS == 0
@@ -256,12 +256,12 @@ def check_tables_after_allocate(manager: KVCacheManager, req: Request, num_token
 
 def snapshot(manager: KVCacheManager) -> tuple[Any, ...]:
     """Everything an allocation could change."""
-    pool = manager.pool
+    pool = manager._pool
     blocks = tuple((b.ref_cnt, b.pin_cnt, b.group_id, b.block_hash, b.token_ids, b.serial,
                     b.parent_serial) for b in pool.blocks)
-    subs = tuple((dict(m.num_cached_blocks), dict(m.last_serial),
-                  {rid: [b.block_id for b in t] for rid, t in m.req_to_blocks.items()})
-                 for m in manager.coordinator.managers)
+    subs = tuple((dict(m._num_cached_blocks), dict(m._last_serial),
+                  {rid: [b.block_id for b in t] for rid, t in m._req_to_blocks.items()})
+                 for m in manager._coordinator.managers)
     return (
         blocks,
         tuple(queue_ids(pool)),
@@ -271,7 +271,7 @@ def snapshot(manager: KVCacheManager) -> tuple[Any, ...]:
         {rid: (r.num_computed_tokens, r.num_tokens) for rid, r in manager.requests.items()},
         {g: n for g, n in pool.in_use_by_group.items() if n},
         pool.stats.as_dict(),
-        [b.block_id for b in manager.pinned_blocks],
+        list(manager.pinned_blocks),
     )
 
 
@@ -281,7 +281,7 @@ def exact_fit(manager: KVCacheManager, req: Request, num_tokens: int,
     exactly: at admission every group takes its hit blocks (and copy source) first, then pops
     the copy destinations, then drops what falls out of the window (a dropped hit block that
     was free is free again), and only then pops new pages."""
-    pool = manager.pool
+    pool = manager._pool
     windows = group_windows(manager)
     free = pool.num_free_blocks
     if computed is not None:  # admission
@@ -305,8 +305,8 @@ def exact_fit(manager: KVCacheManager, req: Request, num_tokens: int,
         return taken_all <= free and final <= free
     nc = req.num_computed_tokens
     need = released = 0
-    for window, table in zip(windows, (m.req_to_blocks[req.request_id]
-                                       for m in manager.coordinator.managers), strict=True):
+    for window, table in zip(windows, (m.table(req.request_id)
+                                       for m in manager._coordinator.managers), strict=True):
         dropped = first_needed(window, nc) // BS
         released += sum(1 for b in table[:dropped] if not b.is_null and b.ref_cnt == 1)
         written = table[nc // BS:cdiv(num_tokens, BS)]
@@ -393,8 +393,8 @@ def test_window_longer_than_the_request() -> None:
     assert 0 not in table
     m.free(req)
     # Freed deepest first: the partial tail block and block 3 are evicted before blocks 0..2.
-    assert queue_ids(m.pool)[-5:] == table[::-1]
-    evict_head(m, m.pool.num_free_blocks - 3)
+    assert queue_ids(m._pool)[-5:] == table[::-1]
+    evict_head(m, m.num_free_blocks - 3)
     again = Request("b", list(range(100, 117)) + [1, 2, 3])
     computed = prefill(m, again, chunk=2)
     # W > L: the hit needs every block from the root, like full attention.
@@ -472,7 +472,7 @@ def test_hit_after_early_blocks_were_evicted() -> None:
     req = Request("a", prompt)
     ids = record_ids(m, req, chunk=4)
     m.free(req)
-    pool = m.pool
+    pool = m._pool
     # The window drops freed the windowed group's blocks 0..3 while the request ran; its
     # free made them as recent as the rest of its content: at the tail, deepest first.
     sw_early = [ids[1][i] for i in range(4)]
@@ -500,11 +500,11 @@ def test_hit_stops_before_a_gap_in_the_window() -> None:
         assert computed.num_full_hit_tokens == n - 1
         assert m.allocate_slots(r, 1, computed) is not None
         m.free(r)
-    queue = queue_ids(m.pool)
+    queue = queue_ids(m._pool)
     assert queue.index(ids[2]) < min(queue.index(ids[i]) for i in (0, 1, 3, 4))
     evict_head(m, queue.index(ids[2]) + 1)
-    assert m.pool.blocks[ids[2]].block_hash is None
-    assert all(m.pool.blocks[ids[i]].block_hash is not None for i in (0, 1, 3, 4))
+    assert m._pool.blocks[ids[2]].block_hash is None
+    assert all(m._pool.blocks[ids[i]].block_hash is not None for i in (0, 1, 3, 4))
     # Cap 16: L = 16 needs blocks 2, 3 and L = 12 blocks 1, 2: both cross the gap. L = 8 fits.
     req = Request("b", prompt[:17])
     computed = m.get_computed_blocks(req)
@@ -538,7 +538,7 @@ def test_gemma3_like_long_request_holds_far_fewer_blocks() -> None:
             req.num_computed_tokens += 1
         check_manager(m)
     total = prompt_len + decode  # 240 tokens, 60 blocks
-    usable = gemma.pool.num_usable_blocks
+    usable = gemma.num_usable_blocks
     per_group = [round(u * usable) for u in gemma.group_usage()]
     for g, (w, ids) in enumerate(zip(windows, gemma.block_table("long"), strict=True)):
         assert per_group[g] == non_null(ids)
@@ -548,7 +548,7 @@ def test_gemma3_like_long_request_holds_far_fewer_blocks() -> None:
             # Positions 239 - 15 .. 239: blocks 56..59 (224 is a block start).
             assert non_null(ids) == cdiv(window, BS) == 4
     assert sum(per_group) == 60 + 5 * 4
-    full_blocks = round(all_full.group_usage()[0] * all_full.pool.num_usable_blocks)
+    full_blocks = round(all_full.group_usage()[0] * all_full.num_usable_blocks)
     assert full_blocks == non_null(all_full.block_table("long")[0]) == 60
     # Pages (bytes) actually held: each block id costs num_slots pages.
     gemma_bytes = sum(per_group) * gemma.config.bytes_per_block
@@ -566,10 +566,10 @@ def test_all_or_nothing_full_group_short() -> None:
     req = Request("a", list(range(100, 124)))
     prefill(m, req, chunk=4, upto=16)
     # Hold every remaining free page (4: two per group).
-    assert m.pool.num_free_blocks == 4
+    assert m.num_free_blocks == 4
     holder = Request("holder", list(range(500, 508)))
     assert m.allocate_slots(holder, holder.num_tokens, m.get_computed_blocks(holder)) is not None
-    assert m.pool.num_free_blocks == 0
+    assert m.num_free_blocks == 0
     full_ids, sw_ids = tables(m, "a")
     # Windowed: positions 13..16 needed next; block 3 is kept, block 2 (8..11) will be dropped.
     assert sw_ids == [0, 0, sw_ids[2], sw_ids[3]] and sw_ids[2] != 0
@@ -593,7 +593,7 @@ def test_all_or_nothing_at_admission() -> None:
     # Hold the 4 pages never written, leaving the 10 cached ones free.
     holder = Request("holder", list(range(500, 508)))
     assert m.allocate_slots(holder, holder.num_tokens, m.get_computed_blocks(holder)) is not None
-    assert m.pool.num_free_blocks == 10 and m.pool.num_cached_blocks() == 8
+    assert m.num_free_blocks == 10 and m._pool.num_cached_blocks() == 8
     req = Request("b", prompt + list(range(300, 312)))  # 29 tokens
     computed = m.get_computed_blocks(req)
     assert computed.num_computed_tokens == 16
@@ -628,7 +628,7 @@ def test_windowed_hit_survives_a_stale_link_to_its_right() -> None:
     ids = record_ids(m, Request("r1", prompt), chunk=4)[0]
     m.free(m.requests["r1"])
     evict_blocks(m, [ids[0], ids[1], ids[2]])  # keep blocks 3 and 4
-    assert m.pool.blocks[ids[3]].block_hash is not None
+    assert m._pool.blocks[ids[3]].block_hash is not None
     prefill(m, Request("r2", prompt[:13]))  # no hit: recomputes blocks 0..2
     m.free(m.requests["r2"])
     req = Request("r3", prompt[:17])
@@ -647,7 +647,7 @@ def test_windowed_hit_tries_every_cached_copy_of_its_last_block() -> None:
     ids = record_ids(m, Request("r1", prompt), chunk=4)[0]
     m.free(m.requests["r1"])
     evict_blocks(m, [ids[0], ids[1]])
-    assert m.pool.blocks[ids[2]].block_hash is not None
+    assert m._pool.blocks[ids[2]].block_hash is not None
     prefill(m, Request("r2", prompt[:13]))  # no hit: recomputes blocks 0..2 under new serials
     m.free(m.requests["r2"])
     req = Request("r3", prompt[:13])
@@ -666,7 +666,7 @@ def test_window_one_group_needs_no_cached_block() -> None:
     ids = record_ids(m, Request("r1", prompt), chunk=4)
     m.free(m.requests["r1"])
     evict_blocks(m, [ids[1][i] for i in range(4)])
-    assert all(m.pool.blocks[ids[0][i]].block_hash is not None for i in range(4))
+    assert all(m._pool.blocks[ids[0][i]].block_hash is not None for i in range(4))
     req = Request("r2", prompt)
     computed = m.get_computed_blocks(req)
     assert best_whole_block_hit(m, req, 16) == 4
@@ -683,7 +683,7 @@ def test_partial_hit_kept_when_it_fits_exactly() -> None:
     prompt = list(range(100, 111))  # 11 tokens: blocks 0, 1 full, block 2 partial
     prefill(m, Request("r1", prompt))
     m.free(m.requests["r1"])
-    assert m.pool.num_free_blocks == 3
+    assert m.num_free_blocks == 3
     req = Request("r2", prompt + [1, 2, 3, 4, 5])
     computed = m.get_computed_blocks(req)
     assert (computed.num_full_hit_tokens, computed.num_partial_tokens) == (8, 3)
@@ -723,7 +723,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.manager = make_manager(layers, num_blocks, partial)
         self.partial = partial
         for salt in (None, "tenant"):  # so that lookups create no serials later
-            self.manager.pool.root_serial(salt)
+            self.manager._pool.root_serial(salt)
 
     @property
     def m(self) -> KVCacheManager:
@@ -738,7 +738,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
 
     def write(self, req: Request, start: int, end: int) -> None:
         """The forward pass writes K/V of positions [start, end) into every group's pages."""
-        pool = self.m.pool
+        pool = self.m._pool
         for ids in tables(self.m, req.request_id):
             for p in range(start, end):
                 bid = ids[p // BS]
@@ -769,7 +769,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         admitting = computed is not None
         nc = computed.num_computed_tokens if computed is not None else req.num_computed_tokens
         before = snapshot(m)
-        if resident_after(m, nc, nc + num_new) > m.pool.num_usable_blocks:
+        if resident_after(m, nc, nc + num_new) > m.num_usable_blocks:
             with pytest.raises(ValueError, match="whole pool"):
                 m.allocate_slots(req, num_new, computed)
             assert snapshot(m) == before
@@ -784,7 +784,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
             assert snapshot(m) == before, "a refused allocation changed the pool"
             assert not fits and not fits_without_partial, (
                 f"allocate_slots refused {req.request_id} ({num_new} tokens from {nc}) though it "
-                f"fits in {m.pool.num_free_blocks} free blocks")
+                f"fits in {m.num_free_blocks} free blocks")
             return False
         if admitting:
             assert computed is not None
@@ -902,7 +902,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         req.update_block_hashes(BS, hash_block)
         cap = data.draw(st.integers(0, req.num_tokens - 1), label="cap")
         before = snapshot(self.m)
-        computed = self.m.coordinator.find_longest_hit(req, cap, self.partial)
+        computed = self.m._coordinator.find_longest_hit(req, cap, self.partial)
         assert snapshot(self.m) == before
         check_hit(self.m, req, computed, cap, self.partial)
 
@@ -927,7 +927,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.m.take_pending_copies()
         self.m.take_pending_copies()
         check_manager(self.m)
-        pool = self.m.pool
+        pool = self.m._pool
         assert pool.num_free_blocks == pool.num_usable_blocks
         assert all(u == 0 for u in self.m.group_usage())
         assert self.m.reset_prefix_cache()

@@ -4,8 +4,7 @@ the hit cap, salts, forced hash collisions, stats, bad input and stale lookups."
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -14,12 +13,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from invariants import check_manager
 
-from kvstore import hashing
 from kvstore.block import KVCacheBlock
+from kvstore.errors import RequestTooLargeError
+from kvstore.hashing import hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
-from kvstore.specs import FullAttentionSpec, KVCacheConfig, make_kv_cache_config
+from kvstore.specs import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, make_kv_cache_config
 from kvstore.utils import cdiv, common_prefix_len
 
 BS = 4
@@ -43,19 +43,9 @@ def parent_only_hash(parent: int, tokens: Sequence[int]) -> int:
     return parent  # ignores the tokens: every block of a salt hashes to its root
 
 
-@contextmanager
-def patched_hash(fn: Callable[[int, Sequence[int]], int]) -> Iterator[None]:
-    original = hashing.hash_block
-    hashing.hash_block = fn
-    try:
-        yield
-    finally:
-        hashing.hash_block = original
-
-
 def snapshot(m: KVCacheManager) -> dict[str, Any]:
     """Everything observable about the manager and its pool."""
-    pool = m.pool
+    pool = m._pool
     return {
         "blocks": [(b.ref_cnt, b.pin_cnt, b.group_id, b.block_hash, b.token_ids, b.serial,
                     b.parent_serial) for b in pool.blocks],
@@ -66,15 +56,15 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
         "stats": m.stats.as_dict(),
         "requests": {rid: (id(r), r.num_computed_tokens, m.block_table(rid))
                      for rid, r in m.requests.items()},
-        "cached": [(dict(s.num_cached_blocks), dict(s.last_serial))
-                   for s in m.coordinator.managers],
-        "pending": list(m._pending_copies),
-        "pins": [b.block_id for b in m.pinned_blocks],
+        "cached": [(dict(s._num_cached_blocks), dict(s._last_serial))
+                   for s in m._coordinator.managers],
+        "pending": list(m._copies._copies),
+        "pins": list(m.pinned_blocks),
     }
 
 
 def tables(m: KVCacheManager, request: Request) -> list[list[KVCacheBlock]]:
-    return [s.req_to_blocks[request.request_id] for s in m.coordinator.managers]
+    return [s.table(request.request_id) for s in m._coordinator.managers]
 
 
 class Device:
@@ -114,7 +104,7 @@ class Device:
 
     def check_cached(self, m: KVCacheManager) -> None:
         """Every indexed block holds computed KV of its own tokens (after some prefix)."""
-        for block_id, group, _parent, tokens in m.pool.index_entries():
+        for block_id, group, _parent, tokens in m._pool.index_entries():
             page = self.pages.get(block_id)
             assert page is not None and page[0] is not None, f"block {block_id} cached unwritten"
             base = page[0][1][:-1]
@@ -125,10 +115,10 @@ class Device:
 
 def brute_force_hit(m: KVCacheManager, r: Request) -> tuple[int, int]:
     """(full-block hit tokens, partial tokens) by scanning every block of the pool."""
-    pool, bs = m.pool, m.block_size
+    pool, bs = m._pool, m.block_size
     max_tokens = r.num_tokens - 1
     root = pool.root_serial(r.cache_salt)
-    groups = range(len(m.coordinator.managers))
+    groups = range(len(m._coordinator.managers))
     chains: list[list[KVCacheBlock]] = []
     for g in groups:
         chain: list[KVCacheBlock] = []
@@ -161,7 +151,7 @@ def brute_force_hit(m: KVCacheManager, r: Request) -> tuple[int, int]:
 def check_hit_blocks(m: KVCacheManager, r: Request, computed: ComputedBlocks) -> None:
     """Hit blocks hold exactly r's tokens and link by serial to the salt's root; a copy
     source holds r's next tokens under the last hit block."""
-    pool, bs = m.pool, m.block_size
+    pool, bs = m._pool, m.block_size
     root = pool.root_serial(r.cache_salt)
     full = computed.num_full_hit_tokens
     assert full % bs == 0
@@ -216,11 +206,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._original_hash = hashing.hash_block
-        if self.HASH is not None:
-            hashing.hash_block = type(self).HASH  # type: ignore[assignment]
         self.m = KVCacheManager(config(self.NUM_BLOCKS, self.GROUPS),
-                                enable_partial_hits=self.PARTIAL)
+                                enable_partial_hits=self.PARTIAL,
+                                hash_fn=type(self).HASH or hash_block)
         self.device = Device()
         self.waiting: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
@@ -229,7 +217,6 @@ class ManagerMachine(RuleBasedStateMachine):
         self.admissions = 0
 
     def teardown(self) -> None:
-        hashing.hash_block = self._original_hash
         self.teardown_events()
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -339,7 +326,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def finish(self, r: Request) -> None:
         m = self.m
-        old_queue = [b.block_id for b in m.pool.free_queue]
+        old_queue = [b.block_id for b in m._pool.free_queue]
         held = [list(t) for t in tables(m, r)]
         shared_tail = [t[r.num_computed_tokens // BS].ref_cnt > 1
                        if r.num_computed_tokens % BS else True for t in held]
@@ -354,7 +341,7 @@ class ManagerMachine(RuleBasedStateMachine):
                         expected.append(b.block_id)
                     else:
                         expected.insert(0, b.block_id)
-        assert [b.block_id for b in m.pool.free_queue] == expected, "free order"
+        assert [b.block_id for b in m._pool.free_queue] == expected, "free order"
         # Everything computed stays cached: full blocks, and an unshared partial tail (only
         # indexed when partial hits are on: nothing else would read it).
         n_full = r.num_computed_tokens // BS
@@ -401,7 +388,7 @@ class ManagerMachine(RuleBasedStateMachine):
         ok = self.m.reset_prefix_cache()
         assert ok == (not self.running and not self.m.pinned_blocks)
         if ok:
-            assert self.m.pool.num_cached_blocks() == 0 and not self.m.pool.index_entries()
+            assert self.m._pool.num_cached_blocks() == 0 and not self.m._pool.index_entries()
         else:
             assert snapshot(self.m) == before
 
@@ -422,7 +409,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.device.check_request(m, r)
         self.device.check_cached(m)
         if not self.running and not m.pinned_blocks:
-            assert m.pool.num_free_blocks == m.pool.num_usable_blocks
+            assert m.num_free_blocks == m.num_usable_blocks
 
 
 STATEFUL = settings(max_examples=60, stateful_step_count=60, deadline=None,
@@ -534,7 +521,7 @@ def test_fully_cached_prompt_hits_all_but_the_last_token_with_partial_hits() -> 
     d = Driver(KVCacheManager(config(10)))
     a = Request("a", list(range(8)))
     d.complete(a)
-    a_blocks = [b for b in d.m.pool.blocks if b.is_cached]
+    a_blocks = [b for b in d.m._pool.blocks if b.is_cached]
     assert len(a_blocks) == 2
     b = Request("b", list(range(8)))
     computed = d.lookup(b)
@@ -560,7 +547,7 @@ def test_block_boundary_prompt_recomputes_last_block_without_partial_hits() -> N
     b = Request("b", list(range(8)))
     computed = d.lookup(b)
     assert computed.num_computed_tokens == 4 and computed.partial_sources == (None,)
-    old_second = [blk for blk in d.m.pool.blocks if blk.token_ids == (4, 5, 6, 7)]
+    old_second = [blk for blk in d.m._pool.blocks if blk.token_ids == (4, 5, 6, 7)]
     assert d.admit(b, computed=computed) is not None
     table = tables(d.m, b)[0]
     assert table[0] is computed.blocks[0][0]
@@ -609,7 +596,7 @@ def test_salts_isolate_and_same_salt_shares() -> None:
     for salt, other in (("A", "B"), ("B", None), (None, "A")):
         probe = Request(f"p-{salt}-{other}", prompt[:3], cache_salt=other)
         computed = d.lookup(probe)
-        assert all(src is None or src.parent_serial == d.m.pool.root_serial(other)
+        assert all(src is None or src.parent_serial == d.m._pool.root_serial(other)
                    for src in computed.partial_sources)
     c = Request("c", prompt[:6], cache_salt="C")
     assert d.lookup(c).num_computed_tokens == 0
@@ -626,42 +613,40 @@ X, Y, Z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
 @pytest.mark.parametrize("groups", [1, 2])
 def test_forced_collisions_never_return_wrong_content(
         hash_fn: Callable[[int, Sequence[int]], int], groups: int) -> None:
-    with patched_hash(hash_fn):
-        d = Driver(KVCacheManager(config(40, groups)))
-        computed_prefixes: set[tuple[int, ...]] = set()
-        prompts = [X + Y + [0], Y + X + [0], X + X + [0], Y + Y + X, X + Z + Y + [0],
-                   Z + X + [0], X + Y + Z + [1], Y + X + Z + [2], Z + Z + Z, X + [3, 3],
-                   Y + X + [1, 2], X + Y + Z + X + [7], X + Y + [1, 2]]
-        live: list[Request] = []
-        for k, prompt in enumerate(prompts):
-            r = Request(f"r{k}", prompt)
-            computed = d.admit(r)
-            assert computed is not None
-            hit = tuple(prompt[:computed.num_computed_tokens])
-            assert not hit or hit in computed_prefixes, f"{prompt}: hit {hit} never computed"
-            computed_prefixes.update(tuple(prompt[:i]) for i in range(1, len(prompt) + 1))
-            live.append(r)
-            if k % 3 != 2:  # keep some live, so hits land on blocks in use too
-                d.m.free(live.pop())
-                d.check()
-        assert d.m.stats.hit_tokens > 0
-        for r in live:
-            d.m.free(r)
-        d.check()
+    d = Driver(KVCacheManager(config(40, groups), hash_fn=hash_fn))
+    computed_prefixes: set[tuple[int, ...]] = set()
+    prompts = [X + Y + [0], Y + X + [0], X + X + [0], Y + Y + X, X + Z + Y + [0],
+               Z + X + [0], X + Y + Z + [1], Y + X + Z + [2], Z + Z + Z, X + [3, 3],
+               Y + X + [1, 2], X + Y + Z + X + [7], X + Y + [1, 2]]
+    live: list[Request] = []
+    for k, prompt in enumerate(prompts):
+        r = Request(f"r{k}", prompt)
+        computed = d.admit(r)
+        assert computed is not None
+        hit = tuple(prompt[:computed.num_computed_tokens])
+        assert not hit or hit in computed_prefixes, f"{prompt}: hit {hit} never computed"
+        computed_prefixes.update(tuple(prompt[:i]) for i in range(1, len(prompt) + 1))
+        live.append(r)
+        if k % 3 != 2:  # keep some live, so hits land on blocks in use too
+            d.m.free(live.pop())
+            d.check()
+    assert d.m.stats.hit_tokens > 0
+    for r in live:
+        d.m.free(r)
+    d.check()
 
 
 def test_degenerate_hash_shared_block_in_different_positions() -> None:
-    with patched_hash(degenerate_hash):
-        d = Driver(KVCacheManager(config(20)))
-        d.complete(Request("a", X + Y + [0]))
-        r = Request("b", Y + X + [0])
-        computed = d.lookup(r)
-        assert computed.num_computed_tokens == 0  # Y at position 0 was never computed
-        assert computed.partial_sources == (None,)
-        r2 = Request("c", X + X + [0])
-        computed = d.lookup(r2)
-        assert computed.num_computed_tokens == 4  # X at position 1 (after X) was never computed
-        assert d.admit(r2, computed=computed) is not None
+    d = Driver(KVCacheManager(config(20), hash_fn=degenerate_hash))
+    d.complete(Request("a", X + Y + [0]))
+    r = Request("b", Y + X + [0])
+    computed = d.lookup(r)
+    assert computed.num_computed_tokens == 0  # Y at position 0 was never computed
+    assert computed.partial_sources == (None,)
+    r2 = Request("c", X + X + [0])
+    computed = d.lookup(r2)
+    assert computed.num_computed_tokens == 4  # X at position 1 (after X) was never computed
+    assert d.admit(r2, computed=computed) is not None
 
 
 # ---- stats -----------------------------------------------------------------------------------
@@ -713,7 +698,7 @@ def test_bad_input_raises_and_changes_nothing(busy: tuple[Driver, Request, Reque
     d, a, freed = busy
     m = d.m
     fresh = Request("fresh", [1, 2, 3])
-    usable = m.pool.num_usable_blocks
+    usable = m.num_usable_blocks
     huge = Request("huge", list(range(BS * usable + 1)))
     clone = Request("a", a.token_ids)  # another request object under a live id
     other = Request("other", [7, 7, 7, 7, 7, 9])
@@ -863,7 +848,7 @@ def test_stale_partial_source_recached_under_another_salt() -> None:
     d.complete(Request("x", [1, 2, 3], cache_salt="tenant"))
     d.m.free(y)
     assert src.token_ids == (1, 2, 3)
-    assert src.parent_serial == d.m.pool.root_serial("tenant")
+    assert src.parent_serial == d.m._pool.root_serial("tenant")
     # Same tokens, but now another tenant's block: salt isolation forbids using it.
     allocate_stale_or_reject(d, b, computed)
 
@@ -871,17 +856,16 @@ def test_stale_partial_source_recached_under_another_salt() -> None:
 @pytest.mark.parametrize("hash_fn", [None, degenerate_hash])
 def test_stale_full_hit_recached_with_other_content(
         hash_fn: Callable[[int, Sequence[int]], int] | None) -> None:
-    with patched_hash(hash_fn or hashing.hash_block):
-        d = Driver(KVCacheManager(config(4)))  # three usable blocks
-        d.complete(Request("p", [1, 2, 3, 4, 5]))
-        q = Request("q", [1, 2, 3, 4, 6])
-        computed = d.lookup(q)
-        assert computed.num_computed_tokens == 4
-        # Every block is reused; the hit block (evicted last) is cached again holding
-        # r's third block.
-        d.complete(Request("r", [9] * 12))
-        assert computed.blocks[0][0].token_ids == (9, 9, 9, 9)
-        allocate_stale_or_reject(d, q, computed)
+    d = Driver(KVCacheManager(config(4), hash_fn=hash_fn or hash_block))  # three usable blocks
+    d.complete(Request("p", [1, 2, 3, 4, 5]))
+    q = Request("q", [1, 2, 3, 4, 6])
+    computed = d.lookup(q)
+    assert computed.num_computed_tokens == 4
+    # Every block is reused; the hit block (evicted last) is cached again holding
+    # r's third block.
+    d.complete(Request("r", [9] * 12))
+    assert computed.blocks[0][0].token_ids == (9, 9, 9, 9)
+    allocate_stale_or_reject(d, q, computed)
 
 
 # ---- ordering --------------------------------------------------------------------------------
@@ -894,7 +878,7 @@ def test_request_chain_is_evicted_tail_first() -> None:
     chain = list(tables(d.m, a)[0])
     d.m.free(a)
     d.check()
-    assert [b.block_id for b in d.m.pool.free_queue] == ids(chain[::-1]), "not deepest first"
+    assert [b.block_id for b in d.m._pool.free_queue] == ids(chain[::-1]), "not deepest first"
     assert all(b.is_cached for b in chain)
     # Two small requests evict the two deepest blocks; the root and its child remain.
     for k in range(2):
@@ -920,7 +904,7 @@ def test_freed_blocks_without_content_are_reused_first() -> None:
     d.m.free(b)  # b0 holds 2 computed tokens (indexed), b1 and b2 hold nothing
     d.check()
     assert b0.token_ids == (50, 50) and b1.token_ids is None and b2.token_ids is None
-    assert [blk.block_id for blk in d.m.pool.free_queue] == ids([b1, b2, a1, a0, b0])
+    assert [blk.block_id for blk in d.m._pool.free_queue] == ids([b1, b2, a1, a0, b0])
     c = Request("c", [60] * 8)
     assert d.admit(c) is not None
     assert tables(d.m, c)[0] == [b1, b2]
@@ -971,7 +955,7 @@ def test_exhausted_pool_changes_nothing() -> None:
     assert d.admit(b, n=4) is not None  # 1 block per group
     f = Request("f", [0, 1, 2, 3, 50, 50, 50, 50])
     assert d.admit(f) is not None  # 1 hit + 1 new per group; some cached content evicted
-    assert d.m.pool.num_free_blocks == 1
+    assert d.m.num_free_blocks == 1
     d.m.take_events()
     c = Request("c", list(range(6)) + [1, 2, 3])
     computed = d.m.get_computed_blocks(c)
@@ -998,7 +982,7 @@ def test_reset_prefix_cache_refuses_while_in_use_or_pinned() -> None:
     assert d.m.take_pending_copies() == []
     assert not d.m.pinned_blocks
     assert d.m.reset_prefix_cache() is True
-    assert d.m.pool.num_cached_blocks() == 0 and d.m.pool.index_entries() == []
+    assert d.m._pool.num_cached_blocks() == 0 and d.m._pool.index_entries() == []
     assert d.lookup(Request("c", [1, 2, 3, 4, 5, 6, 7])).num_computed_tokens == 0
     d.check()
 
@@ -1012,12 +996,144 @@ def test_take_pending_copies_releases_the_previous_batch() -> None:
     src = computed.partial_sources[0]
     assert src is not None
     assert m.allocate_slots(b, 1, computed) is not None
-    assert src.pin_cnt == 1 and src.ref_cnt == 1 and src not in list(m.pool.free_queue)
+    assert src.pin_cnt == 1 and src.ref_cnt == 1 and src not in list(m._pool.free_queue)
     copies = m.take_pending_copies()
     assert copies == [(src.block_id, tables(m, b)[0][0].block_id)]
     assert src.pin_cnt == 1, "released before the worker ran the copy"
     check_manager(m)
     assert m.take_pending_copies() == []
     assert src.pin_cnt == 0 and src.ref_cnt == 0 and src.is_cached
-    assert list(m.pool.free_queue)[-1] is src
+    assert list(m._pool.free_queue)[-1] is src
     check_manager(m)
+
+
+# ---- the API hands out ids and read-only views -----------------------------------------------
+
+
+def test_allocate_slots_returns_read_only_block_ids() -> None:
+    m = KVCacheManager(config(12, groups=2))
+    r = Request("r", list(range(10)))
+    out = m.allocate_slots(r, 6, m.get_computed_blocks(r))
+    assert out is not None
+    # Per group, a tuple of int ids: the pages appended to the table, which is all of it here.
+    assert isinstance(out, tuple) and all(isinstance(ids, tuple) for ids in out)
+    assert all(type(i) is int for ids in out for i in ids)
+    assert out == m.block_table("r")
+    with pytest.raises(TypeError):
+        out[0][0] = 99  # type: ignore[index]
+    r.num_computed_tokens = 6
+    grown = m.allocate_slots(r, 4)
+    assert grown is not None and [len(ids) for ids in grown] == [1, 1]
+    assert all(table[-1:] == ids for table, ids in zip(m.block_table("r"), grown, strict=True))
+    # Nothing new: an empty tuple per group.
+    r.num_computed_tokens = 10
+    r.append_token_ids(7)
+    assert m.allocate_slots(r, 1) == ((), ())
+    check_manager(m)
+
+
+def test_admit_and_grow_are_the_two_halves_of_allocate_slots() -> None:
+    m = KVCacheManager(config(10))
+    r = Request("r", list(range(7)))
+    with pytest.raises(ValueError, match="admit it first"):
+        m.grow(r, 1)
+    assert m.admit(r, 4, m.get_computed_blocks(r)) is not None
+    with pytest.raises(ValueError, match="already admitted"):
+        m.admit(r, 1)
+    r.num_computed_tokens = 4
+    assert m.grow(r, 3) is not None
+    assert m.block_table("r") == (tuple(ids(tables(m, r)[0])),)
+    check_manager(m)
+
+
+def test_accessors_report_the_pool_and_the_tables() -> None:
+    specs = [SPEC_A, SlidingWindowSpec(BS, 1, 8, window=BS)]
+    m = KVCacheManager(make_kv_cache_config(specs, num_blocks=20))
+    assert m.num_usable_blocks == 19 and m.num_free_blocks == 19
+    assert m.blocks_in_use_by_group() == (0, 0)
+    r = Request("r", list(range(14)))
+    assert m.allocate_slots(r, 14, m.get_computed_blocks(r)) is not None
+    r.num_computed_tokens = 14
+    r.append_token_ids(1)
+    assert m.allocate_slots(r, 1) is not None  # the window drops blocks 0 and 1 of the sliding group
+    assert m.table_lengths("r") == (4, 4)
+    assert m.num_resident_blocks("r") == (4, 2)
+    assert m.blocks_in_use_by_group() == (4, 2)
+    assert m.num_free_blocks == 19 - 6
+    assert m.group_usage() == [4 / 19, 2 / 19]
+    for accessor in (m.block_table, m.table_lengths, m.num_resident_blocks):
+        with pytest.raises(ValueError, match="unknown request"):
+            accessor("ghost")
+    # The live requests, read-only.
+    assert dict(m.requests) == {"r": r}
+    with pytest.raises(TypeError):
+        m.requests["x"] = r  # type: ignore[index]
+
+
+def test_block_states_is_a_snapshot() -> None:
+    m = KVCacheManager(config(6))
+    r = Request("r", list(range(6)))
+    assert m.allocate_slots(r, 6, m.get_computed_blocks(r)) is not None
+    r.num_computed_tokens = 6
+    live = m.block_states()
+    assert [s.block_id for s in live] == [1, 2, 3, 4, 5]
+    table = m.block_table("r")[0]
+    for s in live:
+        assert (s.ref_cnt > 0) == (s.block_id in table)
+        assert not s.is_cached and s.block_hash is None and s.pin_cnt == 0
+    m.free(r)
+    after = {s.block_id: s for s in m.block_states()}
+    full, tail = table
+    assert after[full].is_cached and after[full].block_hash == r.block_hashes[0]
+    assert after[tail].is_cached and after[tail].block_hash is None  # a partial block
+    assert all(s.ref_cnt == 0 for s in after.values())
+    # The earlier snapshot did not change.
+    assert all(s.ref_cnt == 1 for s in live if s.block_id in table)
+
+
+def test_stats_and_pins_are_copies() -> None:
+    m = KVCacheManager(config(8))
+    d = Driver(m)
+    d.complete(Request("a", [1, 2, 3]))
+    stats = m.stats
+    stats.lookups = 1000
+    assert m.stats.lookups == 1
+    b = Request("b", [1, 2, 3, 4])
+    assert d.admit(b, n=1) is not None
+    # The partial hit pinned its source and destination until the worker has run the copy.
+    src, dst = m.pinned_blocks
+    assert dst == m.block_table("b")[0][0] and src != dst
+    assert m.stats.copies_queued == 1
+
+
+def test_hash_function_is_passed_in() -> None:
+    calls: list[int] = []
+
+    def counting(parent: int, tokens: Sequence[int]) -> int:
+        calls.append(len(tokens))
+        return hash_block(parent, tokens)
+
+    m = KVCacheManager(config(10), hash_fn=counting)
+    assert m.hash_fn is counting
+    r = Request("r", list(range(9)))
+    m.get_computed_blocks(r)
+    assert calls == [BS, BS] and r.hash_fn is counting
+    # A request already hashed with another function cannot be used with this cache.
+    other = Request("o", list(range(9)))
+    other.update_block_hashes(BS, hash_block)
+    with pytest.raises(ValueError, match="hash function"):
+        m.get_computed_blocks(other)
+    # A fork keeps its parent's hashes and their function.
+    assert m.allocate_slots(r, 9, m.get_computed_blocks(r)) is not None
+    r.num_computed_tokens = 9
+    child = r.fork("c")
+    m.fork(r, child)
+    assert child.hash_fn is counting and child.block_hashes == r.block_hashes
+
+
+def test_a_request_larger_than_the_pool_raises_request_too_large() -> None:
+    m = KVCacheManager(config(4))  # 3 usable blocks
+    r = Request("r", list(range(4 * BS)))
+    with pytest.raises(RequestTooLargeError) as info:
+        m.allocate_slots(r, r.num_tokens, m.get_computed_blocks(r))
+    assert info.value.blocks_needed == 4 and info.value.blocks_available == 3

@@ -52,8 +52,7 @@ def test_newest_running_request_is_preempted_first_and_recomputed() -> None:
     while s.has_unfinished:
         run_step(s)
     assert s.finished == {"old": "length", "new": "length"}
-    pool = s.manager.pool
-    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert s.manager.num_free_blocks == s.manager.num_usable_blocks
 
 
 def test_forks_take_their_seats_at_admission() -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvstore.block_pool import BlockPool
+from kvstore.block_pool import BlockPool, PendingCopies
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.single_type_kv_cache_manager import MANAGER_TYPES, SlidingWindowManager, make_manager
 from kvstore.specs import (
@@ -175,7 +175,7 @@ def test_group_layers_matches_config() -> None:
 def test_manager_gets_one_sub_manager_per_group() -> None:
     config = make_kv_cache_config(gemma3_layers(26, window=64), num_blocks=50)
     manager = KVCacheManager(config)
-    managers = manager.coordinator.managers
+    managers = manager._coordinator.managers
     assert len(managers) == len(config.groups) == 7
     for g, (sub, group) in enumerate(zip(managers, config.groups, strict=True)):
         assert sub.group_id == g
@@ -333,12 +333,13 @@ def test_first_needed_position(window: int | None, num_computed: int, first: int
 
 def test_manager_type_by_spec_type() -> None:
     pool = BlockPool(4)
-    assert type(make_manager(pool, full(), 0)) is MANAGER_TYPES[FullAttentionSpec]
-    assert type(make_manager(pool, sliding(8), 1)) is SlidingWindowManager
+    copies = PendingCopies(pool)
+    assert type(make_manager(pool, full(), 0, copies)) is MANAGER_TYPES[FullAttentionSpec]
+    assert type(make_manager(pool, sliding(8), 1, copies)) is SlidingWindowManager
 
     @dataclass(frozen=True)
     class OtherSpec(AttentionSpec):
         pass
 
     with pytest.raises(TypeError, match="OtherSpec"):
-        make_manager(pool, OtherSpec(BS, HEADS, DIM), 0)  # type: ignore[arg-type]
+        make_manager(pool, OtherSpec(BS, HEADS, DIM), 0, copies)  # type: ignore[arg-type]
