@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 SubparsersAction = Any  # argparse's private _SubParsersAction
 
 # Tiny preset styles of `kvstore generate` (here so that building the parser loads no torch).
-DEMO_MODELS = ("llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3")
+DEMO_MODELS = ("llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "gpt_oss")
 
 EXIT_USAGE = 2  # argparse's status for a bad argument
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C

@@ -1,7 +1,8 @@
 """Small decoder-only models with per-layer full / sliding-window attention.
 
-One decoder family covers Llama-, Mistral-, Gemma-2-, Gemma-3-, Qwen2- and
-Qwen3-style models, with default, linear, llama3 and YaRN RoPE.
+One decoder family covers Llama-, Mistral-, Gemma-2-, Gemma-3-, Qwen2-, Qwen3- and
+gpt-oss-style models (attention sinks, a mixture-of-experts MLP), with default, linear,
+llama3 and YaRN RoPE.
 The model owns no KV cache: every attention call goes through an ``AttentionFn``
 supplied by the caller (the engine's paged cache, or the dense reference in
 :func:`dense_causal_attention`), over a flat ragged batch of tokens.
@@ -16,7 +17,7 @@ Finding for transformers 5.24.0 (read in ``masking_utils.py`` and checked by
 ``tests/test_models_hf.py``): ``sliding_window_overlay(w)`` keeps
 ``kv_idx > q_idx - w``, and ``create_sliding_window_causal_mask`` passes
 ``config.sliding_window`` to it unchanged, for Mistral, Gemma 2, Gemma 3 and
-Qwen2/Qwen3 alike (Qwen's sliding layers are ``layer_types``, by default the
+Qwen2/Qwen3 and gpt-oss alike (Qwen's sliding layers are ``layer_types``, by default the
 layers from ``max_window_layers`` on when ``use_sliding_window``). So
 ``W == config.sliding_window`` with no off-by-one for all of them (eager path,
 and the decode path through HF's sliding cache layers). The one exception is
@@ -56,7 +57,7 @@ belong to which sequence and which earlier keys/values (cached) they attend.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """RoPE variants :meth:`ModelConfig.from_hf` accepts (transformers' ``rope_type`` names)."""
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "gemma2", "gemma3_text", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "gemma2", "gemma3_text", "qwen2", "qwen3", "gpt_oss")
 """HuggingFace ``model_type`` values :meth:`ModelConfig.from_hf` accepts."""
 
 
@@ -119,6 +120,14 @@ class ModelConfig:
     except that when ``local_rope_theta`` is set the sliding layers use that base
     with ``local_rope_scaling`` instead (Gemma 3). The style flags select the
     Llama, Gemma or Qwen variants of each component.
+
+    gpt-oss: ``attention_sinks`` gives every attention layer one learned logit per query
+    head that joins each softmax denominator (its probability dropped); ``num_experts > 0``
+    replaces the gated MLP by a mixture of experts: a router (with bias) picks the top
+    ``num_experts_per_tok`` experts per token and weights them by a softmax over the picked
+    logits; each expert (with biases, ``intermediate_size`` wide) applies the clamped SwiGLU
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``
+    (``swiglu_alpha``, ``swiglu_limit``) to its interleaved gate/up projection.
     """
 
     vocab_size: int
@@ -148,8 +157,13 @@ class ModelConfig:
     attention_bias: bool = False  # biases on q, k, v and o projections
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     mlp_bias: bool = False
+    attention_sinks: bool = False  # per-head sink logits in the softmax denominator (gpt-oss)
+    num_experts: int = 0  # > 0: a mixture-of-experts MLP (gpt-oss experts)
+    num_experts_per_tok: int = 0  # experts each token is routed to (MoE only)
+    swiglu_alpha: float = 1.702  # the experts' sigmoid gain
+    swiglu_limit: float = 7.0  # the experts' clamp on gate (above) and up (both sides)
     dtype: torch.dtype = torch.float32
-    family: str = "llama"  # informational: llama | mistral | gemma2 | gemma3 | qwen2 | qwen3
+    family: str = "llama"  # informational: llama | mistral | gemma2 | gemma3 | qwen2 | qwen3 | gpt_oss
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -184,6 +198,15 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a RopeScaling or None, got {value!r}")
         if self.local_rope_scaling is not None and self.local_rope_theta is None:
             raise ValueError("local_rope_scaling needs local_rope_theta (the sliding layers' base)")
+        if self.num_experts < 0:
+            raise ValueError(f"ModelConfig.num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in 1..num_experts={self.num_experts}, got "
+                f"{self.num_experts_per_tok}"
+            )
+        if self.num_experts and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be positive, got {self.swiglu_limit}")
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:
@@ -206,7 +229,7 @@ class ModelConfig:
         """Build from a HuggingFace config (object or ``config.json`` dict).
 
         Supports the ``model_type`` values in :data:`SUPPORTED_MODEL_TYPES` (Llama,
-        Mistral, Gemma 2, Gemma 3 text, Qwen2, Qwen3) as transformers 5.24 defines them:
+        Mistral, Gemma 2, Gemma 3 text, Qwen2, Qwen3, gpt-oss) as transformers 5.24 defines them:
         a key missing from a dict takes that config class's default, RoPE comes from
         ``rope_parameters`` or the legacy ``rope_scaling``/``rope_theta`` keys, with
         transformers' precedence, and may be any of :data:`ROPE_TYPES`. Raises
@@ -222,6 +245,7 @@ class ModelConfig:
         hidden_size = cfg.integer("hidden_size")
         head_dim = cfg.integer("head_dim", optional=True) or hidden_size // num_heads
         is_gemma = model_type in ("gemma2", "gemma3_text")
+        is_gpt_oss = model_type == "gpt_oss"
         common: dict[str, Any] = dict(
             vocab_size=cfg.integer("vocab_size"),
             hidden_size=hidden_size,
@@ -233,11 +257,13 @@ class ModelConfig:
             rms_norm_eps=cfg.number("rms_norm_eps"),
             tie_word_embeddings=cfg.flag("tie_word_embeddings"),
             # Bias flags each transformers class reads; the others hard-code theirs.
-            attention_bias=model_type in ("llama", "gemma2", "gemma3_text", "qwen3")
+            attention_bias=model_type in ("llama", "gemma2", "gemma3_text", "qwen3", "gpt_oss")
             and cfg.flag("attention_bias"),
             qkv_bias=model_type == "qwen2",
             mlp_bias=model_type == "llama" and cfg.flag("mlp_bias"),
-            hidden_act=cfg.text("hidden_activation" if is_gemma else "hidden_act"),
+            # gpt-oss's experts hard-code their activation; transformers ignores hidden_act.
+            hidden_act="silu" if is_gpt_oss
+            else cfg.text("hidden_activation" if is_gemma else "hidden_act"),
             dtype=dtype,
             family=model_type.removesuffix("_text"),
         )
@@ -251,6 +277,28 @@ class ModelConfig:
         if model_type == "mistral":  # one window on every layer, or none
             kind = FULL_ATTENTION if sliding_window is None else SLIDING_ATTENTION
             return cls(layer_types=(kind,) * num_layers, sliding_window=sliding_window, **common)
+        if is_gpt_oss:
+            # transformers: layer_types, by default sliding / full alternating from layer 0.
+            layer_types = cfg.layer_types(num_layers)
+            if layer_types is None:
+                layer_types = tuple(SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION
+                                    for i in range(num_layers))
+            if SLIDING_ATTENTION in layer_types and sliding_window is None:
+                raise ValueError("gpt_oss layer_types has sliding layers but sliding_window is "
+                                 "null; transformers cannot run this config")
+            # `num_experts` is an alias of `num_local_experts` (the config's attribute_map).
+            experts_key = ("num_experts" if cfg.is_dict and cfg.has("num_experts")
+                           and not cfg.has("num_local_experts") else "num_local_experts")
+            return cls(
+                layer_types=layer_types,
+                sliding_window=sliding_window if SLIDING_ATTENTION in layer_types else None,
+                attention_sinks=True,
+                num_experts=cfg.integer(experts_key),
+                num_experts_per_tok=cfg.integer("num_experts_per_tok"),
+                swiglu_alpha=cfg.number("swiglu_alpha"),
+                swiglu_limit=cfg.number("swiglu_limit"),
+                **common,
+            )
         if model_type in ("qwen2", "qwen3"):
             # transformers: the window applies only with use_sliding_window, to the layers
             # from max_window_layers on, unless layer_types names the sliding layers.
@@ -335,6 +383,12 @@ HF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
                         use_bidirectional_attention=False),
     "qwen2": dict(_BASE_DEFAULTS, **_QWEN_DEFAULTS),
     "qwen3": dict(_BASE_DEFAULTS, **_QWEN_DEFAULTS, head_dim=128),
+    "gpt_oss": dict(_BASE_DEFAULTS, vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                    num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
+                    head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                    sliding_window=128, attention_bias=True, rope_theta=150000.0,
+                    num_local_experts=128, num_experts_per_tok=4, swiglu_alpha=1.702,
+                    swiglu_limit=7.0),
 }
 """Per ``model_type``: the value :meth:`ModelConfig.from_hf` uses for a key a dict lacks."""
 
@@ -440,6 +494,11 @@ _ROPE_KEYS: dict[str, frozenset[str]] = {
                        "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
 }
 _ROPE_COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+# transformers 5.24's GptOssConfig RoPE when the config names none.
+GPT_OSS_DEFAULT_ROPE: dict[str, Any] = {
+    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 
 def _rope_from_hf(cfg: _HFConfigReader) -> dict[str, Any]:
@@ -456,8 +515,9 @@ def _rope_from_hf(cfg: _HFConfigReader) -> dict[str, Any]:
     partial = cfg.number("partial_rotary_factor", optional=True)
     if cfg.model_type != "gemma3_text":
         where = "rope_scaling" if legacy else "rope_parameters"
+        default = GPT_OSS_DEFAULT_ROPE if cfg.model_type == "gpt_oss" else {}
         theta, scaling = _parse_rope(
-            dict(legacy or params or {}), where, cfg.number("rope_theta"), max_pos,
+            dict(legacy or params or default), where, cfg.number("rope_theta"), max_pos,
             top_level_original=cfg.integer("original_max_position_embeddings", optional=True),
             partial=partial)
         return dict(rope_theta=theta, rope_scaling=scaling)
@@ -635,6 +695,24 @@ def tiny_qwen3() -> ModelConfig:
     )
 
 
+def tiny_gpt_oss() -> ModelConfig:
+    """A 4-layer gpt-oss-style model: sliding (window 16) / full alternating, attention sinks,
+    8 experts with 2 per token (clamped SwiGLU, biases), q/k/v/o biases, GQA 4:1, untied
+    embeddings, and YaRN RoPE as gpt-oss-20b sets it (factor 32, untruncated, base 150000)
+    over an original context of 32 positions. The window is 16 instead of gpt-oss's 128
+    so that the short demo prompts outgrow it."""
+    return ModelConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_layers=4,
+        num_heads=4, num_kv_heads=1, head_dim=16,
+        layer_types=(SLIDING_ATTENTION, FULL_ATTENTION) * 2, sliding_window=16,
+        rope_theta=150000.0, rms_norm_eps=1e-5,
+        rope_scaling=RopeScaling("yarn", 32.0, 32, truncate=False,
+                                 attention_factor=0.1 * math.log(32.0) + 1.0),
+        attention_bias=True, attention_sinks=True, num_experts=8, num_experts_per_tok=2,
+        family="gpt_oss",
+    )
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny_llama": tiny_llama,
     "tiny_mistral": tiny_mistral,
@@ -642,6 +720,7 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny_gemma3": tiny_gemma3,
     "tiny_qwen2": tiny_qwen2,
     "tiny_qwen3": tiny_qwen3,
+    "tiny_gpt_oss": tiny_gpt_oss,
 }
 
 
@@ -684,6 +763,11 @@ class Attention(nn.Module):
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.gemma_norm, dt)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.gemma_norm, dt)
+        # One learned logit per query head in every softmax denominator (gpt-oss); the
+        # AttentionFn applies it (DecoderModel.layer_sinks).
+        self.sinks: nn.Parameter | None = None
+        if c.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(c.num_heads, dtype=dt))
 
     def forward(
         self,
@@ -730,6 +814,81 @@ class MLP(nn.Module):
         return self.down_proj(g * self.up_proj(x))
 
 
+class TopKRouter(nn.Module):
+    """gpt-oss router: a biased linear map to expert logits, the top ``k`` of them kept and
+    softmaxed (in the logits' dtype) into routing weights."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.top_k = c.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size, dtype=c.dtype))
+        self.bias = nn.Parameter(torch.zeros(c.num_experts, dtype=c.dtype))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights ``[T, k]`` and expert indices ``[T, k]`` for ``x [T, hidden]``."""
+        logits = F.linear(x, self.weight, self.bias)
+        top, indices = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=1, dtype=top.dtype), indices
+
+
+class Experts(nn.Module):
+    """gpt-oss experts, stored as transformers stores them: ``gate_up_proj [E, hidden,
+    2 * inter]`` (gate and up interleaved along the last dim), ``down_proj [E, inter,
+    hidden]``, and their biases."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c, dt = config, config.dtype
+        e, h, i = c.num_experts, c.hidden_size, c.intermediate_size
+        self.num_experts = e
+        self.alpha, self.limit = c.swiglu_alpha, c.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i, dtype=dt))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i, dtype=dt))
+        self.down_proj = nn.Parameter(torch.zeros(e, i, h, dtype=dt))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h, dtype=dt))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of an interleaved gate/up projection ``[..., 2 * inter]``."""
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``sum_j weights[t, j] * expert_{indices[t, j]}(x[t])`` for ``x [T, hidden]``."""
+        out = torch.zeros_like(x)
+        # [E, k, T]: which tokens picked expert e as their j-th choice. Experts in
+        # ascending order, as transformers adds them.
+        mask = F.one_hot(indices, num_classes=self.num_experts).permute(2, 1, 0)
+        hit = torch.nonzero(mask.sum(dim=(-1, -2)) > 0).flatten().tolist()
+        for e in hit:
+            slot, tok = torch.where(mask[e])
+            h = x[tok] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+            y = self.swiglu(h) @ self.down_proj[e] + self.down_proj_bias[e]
+            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(x.dtype))
+        return out
+
+
+class MoEMLP(nn.Module):
+    """gpt-oss mixture-of-experts MLP: the router's top-k experts, weighted."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.router = TopKRouter(config)
+        self.experts = Experts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """MLP output for ``x [T, hidden]``."""
+        weights, indices = self.router(x)
+        return self.experts(x, indices, weights)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block; with ``sandwich_norm`` each sub-block output is normed too."""
 
@@ -738,7 +897,7 @@ class DecoderLayer(nn.Module):
         c, dt = config, config.dtype
         self.layer_idx = layer_idx
         self.attn = Attention(c)
-        self.mlp = MLP(c)
+        self.mlp: MLP | MoEMLP = MoEMLP(c) if c.num_experts else MLP(c)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norm, dt)
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norm, dt)
         self.attn_post_norm: RMSNorm | None = None
@@ -870,6 +1029,15 @@ class DecoderModel(nn.Module):
             return self.config.sliding_window
         return None
 
+    def layer_sinks(self, layer_idx: int) -> torch.Tensor | None:
+        """Sink logits ``[num_heads]`` of layer ``layer_idx`` (one per query head, joining each
+        softmax denominator unscaled), or None when the model has no attention sinks."""
+        if not 0 <= layer_idx < self.config.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range [0, {self.config.num_layers})")
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, DecoderLayer)
+        return layer.attn.sinks
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]``, scaled by sqrt(hidden) in Gemma style."""
         x = self.embed_tokens(input_ids)
@@ -922,15 +1090,20 @@ def dense_causal_attention(
     model: DecoderModel,
     seq_lens: Sequence[int],
     window_fn: Callable[[int], int | None] | None = None,
+    sinks_fn: Callable[[int], torch.Tensor | None] | None = None,
 ) -> AttentionFn:
     """Reference AttentionFn over a flat batch of whole sequences (no cache).
 
     Tokens are laid out sequence after sequence with lengths ``seq_lens``; each
     attends causally within its own sequence, limited to the layer's window
     (``window_fn(layer_idx)``, by default ``model.layer_window``). Computed in
-    fp32 with the model's scale and softcap; returns in q's dtype.
+    fp32 with the model's scale and softcap; with the layer's attention sinks
+    (``sinks_fn(layer_idx)``, by default ``model.layer_sinks``: ``[num_heads]`` logits
+    softmaxed with each row's scores, their probability dropped, as transformers'
+    gpt-oss does); returns in q's dtype.
     """
     window_fn = model.layer_window if window_fn is None else window_fn
+    sinks_fn = model.layer_sinks if sinks_fn is None else sinks_fn
     lens = torch.as_tensor(list(seq_lens), dtype=torch.int64)
     if (lens <= 0).any():
         raise ValueError(f"sequence lengths must be positive, got {list(seq_lens)}")
@@ -960,7 +1133,14 @@ def dense_causal_attention(
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~mask, -math.inf)
-        probs = torch.softmax(scores, dim=-1)
+        sinks = sinks_fn(layer_idx)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks.float().to(q.device).reshape(-1, 1, 1).expand(-1, total, 1)
+            combined = torch.cat([scores, sink], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            probs = torch.softmax(combined, dim=-1)[..., :-1]
         return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
 
     return attention
@@ -986,7 +1166,10 @@ def hf_parameter_names(config: ModelConfig) -> dict[str, str]:
     else:
         norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
     attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    mlp = ["gate_proj", "up_proj", "down_proj"]
+    mlp = [] if config.num_experts else ["gate_proj", "up_proj", "down_proj"]
+    moe = (["router.weight", "router.bias"]
+           + [f"experts.{p}" for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                       "down_proj_bias")]) if config.num_experts else []
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         for hf_norm, our_norm in norms.items():
@@ -998,6 +1181,10 @@ def hf_parameter_names(config: ModelConfig) -> dict[str, str]:
         if config.qk_norm:
             names[f"{hf}self_attn.q_norm.weight"] = f"{ours}attn.q_norm.weight"
             names[f"{hf}self_attn.k_norm.weight"] = f"{ours}attn.k_norm.weight"
+        if config.attention_sinks:
+            names[f"{hf}self_attn.sinks"] = f"{ours}attn.sinks"
+        for p in moe:
+            names[f"{hf}mlp.{p}"] = f"{ours}mlp.{p}"
         for p in mlp:
             names[f"{hf}mlp.{p}.weight"] = f"{ours}mlp.{p}.weight"
             if config.mlp_bias:
@@ -1005,16 +1192,78 @@ def hf_parameter_names(config: ModelConfig) -> dict[str, str]:
     return names
 
 
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 values of an FP4 (E2M1) code, by code."""
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An MXFP4-packed gpt-oss expert weight as the fp32 tensor transformers loads.
+
+    ``blocks`` (uint8 ``[E, rows, G, 16]``) hold two FP4 codes per byte, the low nibble
+    first, for ``G`` groups of 32 values per row; ``scales`` (uint8 ``[E, rows, G]``) are
+    each group's power-of-two exponent biased by 127. Returns ``[E, G * 32, rows]``: the
+    unpacked ``[E, rows, G * 32]`` matrix transposed, as transformers 5.24's
+    ``convert_moe_packed_tensors`` returns it (``rows`` are the output features).
+    """
+    _check_mxfp4(blocks, scales)
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    e, rows, groups, width = blocks.shape
+    values = torch.empty(e, rows, groups, 2 * width, dtype=torch.float32, device=blocks.device)
+    values[..., 0::2] = lut[(blocks & 0x0F).long()]
+    values[..., 1::2] = lut[(blocks >> 4).long()]
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127)[..., None].float())
+    return values.reshape(e, rows, groups * 2 * width).transpose(1, 2).contiguous()
+
+
+def _check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and "
+                         f"{scales.dtype}")
+    if blocks.dim() != 4 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks [E, rows, G, B] and scales [E, rows, G] do not match: "
+                         f"{tuple(blocks.shape)} and {tuple(scales.shape)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _PackedMXFP4:
+    """An MXFP4 weight of a checkpoint, dequantized only when copied into the model."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        e, rows, groups, width = self.blocks.shape
+        return (e, groups * 2 * width, rows)
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_mxfp4(self.blocks, self.scales).to(dtype)
+
+
+def _collect_packed(sd: dict[str, Any]) -> None:
+    """Replace every ``<name>_blocks`` / ``<name>_scales`` pair of ``sd`` by ``<name>``."""
+    for key in [k for k in sd if k.endswith("_blocks")]:
+        base = key.removesuffix("_blocks")
+        if f"{base}_scales" in sd:
+            packed = _PackedMXFP4(sd.pop(key), sd.pop(f"{base}_scales"))
+            _check_mxfp4(packed.blocks, packed.scales)
+            sd[base] = packed
+
+
 def load_state_dict_from_hf(model: DecoderModel, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy a HF ``*ForCausalLM`` state dict into ``model`` (cast to the model's dtype).
 
     ``lm_head.weight`` may be absent when embeddings are tied (if present it
-    must equal the embeddings). Raises ValueError naming every missing,
+    must equal the embeddings). gpt-oss expert weights may be MXFP4-packed, as the
+    published checkpoints store them (``<name>_blocks`` and ``<name>_scales``, see
+    :func:`dequantize_mxfp4`). Raises ValueError naming every missing,
     unexpected or mis-shaped key; the model is left unchanged in that case.
     """
     names = hf_parameter_names(model.config)
     params = dict(model.named_parameters(remove_duplicate=False))
-    sd = dict(state_dict)
+    sd: dict[str, Any] = dict(state_dict)
+    _collect_packed(sd)
     problems: list[str] = []
     if model.config.tie_word_embeddings and "lm_head.weight" in sd:
         head = sd.pop("lm_head.weight")
@@ -1067,6 +1316,12 @@ def load_checkpoint_dir(
         raise ValueError(f"unsupported model_type {model_type!r} in {path / 'config.json'}; "
                          f"expected one of {', '.join(SUPPORTED_MODEL_TYPES)}")
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    quantization = getattr(hf_config, "quantization_config", None) or {}
+    method = (quantization.get("quant_method") if isinstance(quantization, Mapping)
+              else getattr(quantization, "quant_method", None))
+    if method not in (None, "mxfp4"):
+        raise ValueError(f"quantized checkpoint ({method!r}) in {path}: only MXFP4 gpt-oss "
+                         "experts are dequantized on load")
     config = ModelConfig.from_hf(hf_config, dtype=dtype)
     state_dict: dict[str, torch.Tensor] = {}
     for file in files:
