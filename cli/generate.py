@@ -1,17 +1,26 @@
 """The `kvstore generate` demo: a tiny model (or a local checkpoint) over built-in prompts
-that share prefixes, run through the engine, with the cache statistics."""
+that share prefixes, run through the engine, with the cache statistics; or, with
+``--model smollm2``, a real chat model answering a multi-turn
+conversation and side requests that share its system prompt, with hit rates per request."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.cli import DEMO_MODELS
+from kvstore.cli import CHAT_MAX_TOKENS, DEMO_MODELS
 from kvstore.engine.engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
 from kvstore.models.model import PRESETS, DecoderModel, load_checkpoint_dir
+
+if TYPE_CHECKING:
+    from kvstore.models.gguf import ChatModel
 
 
 def randomize_weights_(model: DecoderModel, seed: int = 0) -> DecoderModel:
@@ -98,21 +107,176 @@ def render_demo(result: DemoResult, console: Any = None) -> None:
                          str(out.num_cached_tokens), str(s.index),
                          " ".join(map(str, s.token_ids)), s.finish_reason or "")
     console.print(outs)
-    stats = Table(title="cache statistics")
-    stats.add_column("counter")
-    stats.add_column("value", justify="right")
-    for key, value in result.stats.as_dict().items():
-        stats.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
-    console.print(stats)
-    layout = Table(title="cache layout")
-    layout.add_column("group", justify="right")
-    layout.add_column("window", justify="right")
-    layout.add_column("layers")
-    for g, (window, layers) in enumerate(result.layout["groups"]):
-        layout.add_row(str(g), "full" if window is None else str(window),
+    _render_stats_and_layout(result.stats, result.layout, console)
+
+
+# --------------------------------------------------------------------------- real text
+
+
+SYSTEM_PROMPT = ("You are a concise geography assistant. Answer every question in one short, "
+                 "factual sentence.")
+
+_FIRST = "What is the capital of France?"
+_FOLLOW_UP = "And what is the capital of Germany?"
+_THIRD = "What language do people speak there?"
+
+
+@dataclass
+class ChatRequest:
+    """One request of the chat demo: its round, label, messages, and what came back."""
+
+    round: int
+    label: str
+    messages: list[dict[str, str]]
+    output: RequestOutput
+    replies: list[str]
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens found in the cache at admission over prompt tokens."""
+        return self.output.num_cached_tokens / max(len(self.output.prompt_token_ids), 1)
+
+
+@dataclass
+class ChatDemoResult:
+    """What ``kvstore generate --model smollm2`` prints: every request, merged stats,
+    cache layout."""
+
+    model_name: str
+    requests: list[ChatRequest]
+    stats: EngineStats
+    layout: dict[str, Any]
+
+
+def _chat_rounds(system: str) -> list[list[tuple[str, list[dict[str, str]] | None]]]:
+    """The demo's rounds of ``(label, messages)``; ``None`` messages are the multi-turn
+    request, built from the previous round's reply."""
+    sys_msg = {"role": "system", "content": system}
+
+    def user(text: str) -> dict[str, str]:
+        return {"role": "user", "content": text}
+
+    return [
+        [("turn 1", [sys_msg, user(_FIRST)])],
+        [("turn 2", None),
+         ("same system", [sys_msg, user("What is the capital of Italy?")]),
+         ("same system", [sys_msg, user("Name the longest river in Europe.")]),
+         ("no system", [user(_FIRST)])],
+        [("turn 3", None)],
+    ]
+
+
+def run_chat_demo(chat: ChatModel, sampling: SamplingParams, system_prompt: str = SYSTEM_PROMPT,
+                  **engine_kwargs: Any) -> ChatDemoResult:
+    """Run a conversation and side requests through one fresh engine, round by round.
+
+    Round 1 asks one question under the system prompt; round 2 batches the conversation's
+    second turn (its history is round 1's prompt and reply) with new questions under the
+    same system prompt and one with the template's default system prompt; round 3 is the
+    third turn. Replies stop at the model's stop tokens. ``engine_kwargs`` go to
+    :class:`LLMEngine`.
+    """
+    engine = LLMEngine(chat.model, **engine_kwargs)
+    sampling = dataclasses.replace(
+        sampling, stop_token_ids=tuple(dict.fromkeys(sampling.stop_token_ids + chat.stop_token_ids)))
+    followups = iter([_FOLLOW_UP, _THIRD])
+    conversation: list[dict[str, str]] = []
+    requests: list[ChatRequest] = []
+    for r, round_ in enumerate(_chat_rounds(system_prompt), start=1):
+        batch: list[tuple[str, list[dict[str, str]]]] = []
+        for label, messages in round_:
+            if messages is None:
+                messages = conversation + [{"role": "user", "content": next(followups)}]
+            batch.append((label, messages))
+        outs = engine.generate([chat.encode_chat(m) for _, m in batch], sampling)
+        for (label, messages), out in zip(batch, outs, strict=True):
+            replies = [chat.decode(s.token_ids).strip() for s in out.outputs]
+            requests.append(ChatRequest(r, label, messages, out, replies))
+            if label.startswith("turn"):
+                conversation = messages + [{"role": "assistant", "content": replies[0]}]
+    return ChatDemoResult(chat.name, requests, engine.stats, engine.describe())
+
+
+def render_chat_demo(result: ChatDemoResult, console: Any = None) -> None:
+    """Print each request (its hit rate, new user message and replies), then the cache
+    statistics and layout."""
+    from rich.console import Console
+
+    console = console or Console()
+    console.print(f"model: {result.model_name}", markup=False, highlight=False)
+    for req in result.requests:
+        out = req.output
+        console.print(
+            f"\nround {req.round}  {out.request_id}  {req.label}: prompt {len(out.prompt_token_ids)} "
+            f"tokens, {out.num_cached_tokens} cached, hit rate {req.hit_rate:.1%}",
+            markup=False, highlight=False)
+        console.print(f"  user: {req.messages[-1]['content']}", markup=False, highlight=False)
+        for s, reply in zip(out.outputs, req.replies, strict=True):
+            tag = "assistant" if len(out.outputs) == 1 else f"assistant #{s.index}"
+            console.print(f"  {tag}: {reply}  ({s.finish_reason}, {len(s.token_ids)} tokens)",
+                          markup=False, highlight=False)
+    console.print()
+    _render_stats_and_layout(result.stats, result.layout, console)
+
+
+def _render_stats_and_layout(stats: EngineStats, layout: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title="cache statistics")
+    table.add_column("counter")
+    table.add_column("value", justify="right")
+    for key, value in stats.as_dict().items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    groups = Table(title="cache layout")
+    groups.add_column("group", justify="right")
+    groups.add_column("window", justify="right")
+    groups.add_column("layers")
+    for g, (window, layers) in enumerate(layout["groups"]):
+        groups.add_row(str(g), "full" if window is None else str(window),
                        ", ".join(map(str, layers)))
-    console.print(layout)
+    console.print(groups)
     console.print(
-        f"{result.layout['num_blocks']} blocks of {result.layout['block_size']} tokens, "
-        f"{result.layout['num_slots']} layer slot(s), {result.layout['bytes_per_block']} bytes "
-        f"per block, {result.layout['padding_layers']} padding slot(s)")
+        f"{layout['num_blocks']} blocks of {layout['block_size']} tokens, "
+        f"{layout['num_slots']} layer slot(s), {layout['bytes_per_block']} bytes "
+        f"per block, {layout['padding_layers']} padding slot(s)")
+
+
+def run_chat_cli(args: argparse.Namespace, device: torch.device | str | None = None) -> int:
+    """``kvstore generate --model smollm2``: load the packaged GGUF chat model, run
+    :func:`run_chat_demo` with the parsed options, print it. Returns 2 with a message on
+    stderr when the model's packages are missing, ``--checkpoint`` is given too, the backend
+    cannot run on ``device`` or the pool cannot hold a request."""
+    from kvstore.errors import RequestTooLargeError
+    from kvstore.models.gguf import load_gguf_chat_model, smollm2_gguf_path
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if getattr(args, "checkpoint", None):
+        print(f"kvstore generate: --checkpoint and --model {args.model} exclude each other",
+              file=sys.stderr)
+        return 2
+    if (args.backend == "triton" and device.type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        print(f"kvstore generate: --backend triton needs a CUDA device (this run is on {device})",
+              file=sys.stderr)
+        return 2
+    try:
+        chat = load_gguf_chat_model(smollm2_gguf_path(), device=device)
+    except ImportError as e:
+        print(f"kvstore generate: {e}", file=sys.stderr)
+        return 2
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens if args.max_tokens is not None else CHAT_MAX_TOKENS,
+        n=args.n, temperature=args.temperature, seed=args.seed)
+    try:
+        result = run_chat_demo(
+            chat, sampling, num_blocks=args.num_blocks, block_size=args.block_size,
+            enable_prefix_caching=not args.no_prefix_caching,
+            enable_partial_hits=not args.no_partial_hits,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            attention_backend=args.backend, device=device)
+    except RequestTooLargeError as e:
+        print(f"kvstore generate: --num-blocks {args.num_blocks} is too small: {e}", file=sys.stderr)
+        return 2
+    render_chat_demo(result)
+    return 0
