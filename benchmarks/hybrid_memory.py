@@ -125,7 +125,7 @@ def run_layout(name: str, layer_specs: Sequence[KVCacheSpec], memory_bytes: int,
                 run.samples.setdefault(rid, []).append((item.start + item.num_new_tokens, held))
 
     t0 = time.perf_counter()
-    run.sim = simulate(specs, config, scheduler_config=scheduler_config, on_step=on_step)
+    run.sim = simulate(list(specs), config, scheduler_config=scheduler_config, on_step=on_step)
     run.wall_s = time.perf_counter() - t0
     return run
 

@@ -31,7 +31,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -210,7 +212,7 @@ def sdpa_fn(batch: int, context: int, q_len: int, window: int | None) -> Callabl
         mask = _window_mask(context, q_len, first_kept, window)  # bottom-right aligned
     try:
         F.scaled_dot_product_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], enable_gqa=True)
-        kw = {"enable_gqa": True}
+        kw: dict[str, Any] = {"enable_gqa": True}
     except TypeError:  # torch < 2.5: expand the KV heads instead
         k = k.repeat_interleave(HEADS // KV_HEADS, 1)
         v = v.repeat_interleave(HEADS // KV_HEADS, 1)
@@ -332,8 +334,9 @@ def run_bench(args: argparse.Namespace) -> dict:
         state.clear()
         torch.cuda.empty_cache()
         for impl, mk in (("sdpa", sdpa_fn), ("flash_attn", flash_attn_fn)):
-            _measure(rows, Row(kind, impl, b, ctx, ql, w), lambda mk=mk: mk(b, ctx, ql, w),
-                     n_iter, flush, nbytes, flops, copy_bw)
+            factory: Callable[[], Callable[[], object] | None] = partial(mk, b, ctx, ql, w)
+            _measure(rows, Row(kind, impl, b, ctx, ql, w), factory, n_iter, flush, nbytes, flops,
+                     copy_bw)
         _print_group(rows, kind, b, ctx, ql, w)
 
     for w in windows:

@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = BlockLayout("bench-model", spec, config.groups[0].layer_ids)
     tokens = [[i * args.block_size + j for j in range(args.block_size)] for i in range(n)]
     hashes, parent = [], root_hash(None)
-    for t in tokens:
-        parent = hash_block(parent, t)
+    for block_tokens in tokens:
+        parent = hash_block(parent, block_tokens)
         hashes.append(parent)
     keys = request_keys(layout, hashes, None)
     tier = HostTier(4 * n * layout.value_nbytes)
@@ -147,6 +147,7 @@ def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, token
         st = ValkeyStore(url, timeout_s=10.0, sync_stores=True, chunk=len(items))
         assert st.ping(), f"no Valkey at {url}"
         client = st._get_client()
+        assert client is not None, f"no client for {url}"
         keys = [k for k, _ in items]
         names = [st.namespace + k for k in keys]
         nbytes = sum(len(v) for _, v in items)

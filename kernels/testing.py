@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ class Case:
         """The positional arguments of the attention functions: q, caches, metadata, scale."""
         return (self.q, self.key_cache, self.value_cache, self.metadata, self.scale)
 
-    def kwargs(self) -> dict[str, object]:
+    def kwargs(self) -> dict[str, Any]:
         """The per-layer keyword arguments of the attention functions: window, softcap, sinks."""
         return {"window": self.window, "softcap": self.softcap, "sinks": self.sinks}
 
