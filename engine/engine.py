@@ -8,10 +8,11 @@ forks for ``n > 1``, frees of finished requests). See ``docs/engine.md``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +32,9 @@ from kvstore.specs import (
     make_kv_cache_config,
 )
 from kvstore.utils import hit_rate
+
+if TYPE_CHECKING:
+    from kvstore.tiers.connector import TierConnector, TierTransfers
 
 __all__ = [
     "CompletionOutput",
@@ -118,11 +122,24 @@ class EngineStats:
     peak_blocks_in_use: int
     num_blocks: int
     finished: int
+    # Tiers below the device (0 without them): prompt tokens admitted from each tier, blocks
+    # loaded into and offloaded from device pages, and stored values that failed to verify.
+    host_hit_tokens: int = 0
+    store_hit_tokens: int = 0
+    tier_loaded_blocks: int = 0
+    tier_offloaded_blocks: int = 0
+    tier_rejected_values: int = 0
 
     @property
     def hit_rate(self) -> float:
         """Hit tokens over queried tokens."""
         return hit_rate(self.hit_tokens, self.queried_tokens)
+
+    @property
+    def total_hit_rate(self) -> float:
+        """Device, host and store hit tokens over queried tokens."""
+        return hit_rate(self.hit_tokens + self.host_hit_tokens + self.store_hit_tokens,
+                        self.queried_tokens)
 
     def as_dict(self) -> dict[str, float]:
         """Every counter plus the hit rate."""
@@ -205,13 +222,27 @@ class LLMEngine:
         max_num_seqs: int = 256,
         attention_backend: str = "reference",
         device: torch.device | str | None = None,
+        host_tier_bytes: int | None = None,
+        store_url: str | None = None,
+        tier_model_name: str | None = None,
+        store_timeout_s: float = 0.5,
     ) -> None:
         if device is None:
             device = next(model.parameters()).device
         self.model = model.eval()
         self.config: KVCacheConfig = make_kv_cache_config(
             kv_cache_specs(model, block_size), memory_bytes=memory_bytes, num_blocks=num_blocks)
-        self.manager = KVCacheManager(self.config, enable_caching=enable_prefix_caching,
+        self.tiers: TierConnector | None = None
+        manager_cls: Any = KVCacheManager
+        if host_tier_bytes or store_url:
+            from kvstore.tiers.connector import TierConnector, TieredKVCacheManager, model_fingerprint
+
+            self.tiers = TierConnector.create(
+                self.config, tier_model_name or model_fingerprint(model),
+                host_tier_bytes=host_tier_bytes, store_url=store_url,
+                store_timeout_s=store_timeout_s)
+            manager_cls = functools.partial(TieredKVCacheManager, tiers=self.tiers)
+        self.manager = manager_cls(self.config, enable_caching=enable_prefix_caching,
                                       enable_partial_hits=enable_partial_hits)
         self.cache = PagedKVCache(self.config, device=device)
         self.scheduler = Scheduler(self.manager, SchedulerConfig(
@@ -267,7 +298,7 @@ class LLMEngine:
         """Schedule, run and sample one step; returns the requests that finished in it."""
         output = self.scheduler.schedule()
         if not output.scheduled:
-            self.runner.execute(output, self.manager)  # still runs the copies
+            self.runner.execute(output, self.manager, self._take_transfers())  # still runs copies
             self._idle_steps += 1
             if self.scheduler.has_unfinished and self._idle_steps > 2:
                 raise RuntimeError("the scheduler made no progress for 3 steps; is the pool "
@@ -278,7 +309,7 @@ class LLMEngine:
             group = self._samples[item.request.request_id].group
             if group.num_cached_tokens is None:
                 group.num_cached_tokens = item.start
-        result = self.runner.execute(output, self.manager)
+        result = self.runner.execute(output, self.manager, self._take_transfers())
         drawn = self._sample(result)
         update = self.scheduler.update(output, {rid: d.tokens for rid, d in drawn.items()})
         reasons = {r.request_id: "length" for r in update.finished}
@@ -288,6 +319,7 @@ class LLMEngine:
         if not self.scheduler.has_unfinished:
             # Idle: this step's copies have run, so release their sources' pins now rather
             # than at the next schedule (nothing can have queued new copies).
+            self._run_transfers()
             self.cache.copy_blocks(self.manager.take_pending_copies())
         return self._collect(reasons)
 
@@ -395,7 +427,45 @@ class LLMEngine:
             recomputed_tokens=s.recomputed_tokens, copies_queued=m.copies_queued,
             copies_executed=self.cache.copies_executed, fork_copies=m.fork_copies,
             peak_blocks_in_use=s.peak_blocks_in_use, num_blocks=self.config.num_blocks,
-            finished=s.finished)
+            finished=s.finished, **self._tier_counters())
+
+    def _tier_counters(self) -> dict[str, int]:
+        if self.tiers is None:
+            return {}
+        t = self.tiers.stats
+        return {"host_hit_tokens": t.host_hit_tokens, "store_hit_tokens": t.store_hit_tokens,
+                "tier_loaded_blocks": t.loaded_blocks, "tier_offloaded_blocks": t.offloaded_blocks,
+                "tier_rejected_values": t.rejected_values}
+
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        """Each tier's own counters by name (``host``, ``store``); empty without tiers."""
+        return {} if self.tiers is None else self.tiers.tier_stats()
+
+    # ---- tiers -------------------------------------------------------------------------------
+    def _take_transfers(self) -> TierTransfers | None:
+        """This step's tier offloads and loads (None without tiers)."""
+        if self.tiers is None:
+            return None
+        return self.manager.take_pending_transfers()  # type: ignore[attr-defined, no-any-return]
+
+    def _run_transfers(self) -> None:
+        """Run pending tier transfers now (the offloads of requests that just finished)."""
+        transfers = self._take_transfers()
+        if transfers:
+            transfers.run(self.cache)
+
+    def flush_tiers(self, timeout: float | None = None) -> bool:
+        """Offload what finished requests left and wait until queued store writes are
+        written or dropped; False on timeout. True without tiers."""
+        if self.tiers is None:
+            return True
+        self._run_transfers()
+        return self.tiers.flush(timeout)
+
+    def close(self) -> None:
+        """Stop the tiers' background writers and close their connections."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def describe(self) -> dict[str, Any]:
         """The cache layout: groups (window, layers), slots, block size and bytes."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.models.model import AttentionFn, DecoderModel
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.specs import dtype_name
+
+if TYPE_CHECKING:
+    from kvstore.tiers.connector import TierTransfers
 
 __all__ = ["BatchInputs", "ModelRunner", "ModelRunnerOutput", "build_batch"]
 
@@ -161,9 +165,13 @@ class ModelRunner:
         self._windows = [model.layer_window(i) for i in range(model.config.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, manager: KVCacheManager) -> ModelRunnerOutput:
-        """Run one step: its copies, then the forward over its tokens; call before
-        ``Scheduler.update``. Returns the logits of the requests that sample."""
+    def execute(self, output: SchedulerOutput, manager: KVCacheManager,
+                transfers: TierTransfers | None = None) -> ModelRunnerOutput:
+        """Run one step: its tier transfers (offloads, then loads into fresh pages), its
+        copies, then the forward over its tokens; call before ``Scheduler.update``.
+        Returns the logits of the requests that sample."""
+        if transfers:
+            transfers.run(self.cache)
         self.cache.copy_blocks(output.copies)
         vocab = self.model.config.vocab_size
         if not output.scheduled:

@@ -1,0 +1,418 @@
+"""The tiers wired into the cache layer: a manager whose lookup extends the device hit with
+host-tier and store hits, and the transfers (offloads, loads) the worker runs before a
+forward.
+
+- Lookup: after the device hit of ``d`` blocks, each tier in order (host, then store) adds
+  the longest run of consecutive blocks that load and verify in every group.
+- Admission: the blocks found below the device get fresh device pages; a ``PendingLoad``
+  per group queues their payloads, and the request's ``num_computed_tokens`` covers them.
+  The worker writes the payloads into the pages before the step's forward; the pages are
+  indexed in the device pool at the request's next step, like computed blocks.
+- Offload: when a request is freed (finished or preempted), its full computed blocks that
+  the tiers do not hold yet are queued as a ``PendingOffload``; the worker gathers them
+  before anything else of the next step can overwrite the pages, and hands the values to
+  the host tier (synchronous) and the store (a background writer: the engine never waits
+  for a store write).
+
+Full-attention layouts only: a sliding-window group's dropped pages are not offloaded,
+so :class:`TierConnector` refuses configs with sliding-window groups.
+
+Imports no torch; the worker-side functions import it when called."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from kvstore.kv_cache_coordinator import ComputedBlocks
+from kvstore.kv_cache_manager import BlockIds, KVCacheManager
+from kvstore.request import Request
+from kvstore.specs import FullAttentionSpec, KVCacheConfig
+from kvstore.tiers.base import Tier, load_verified
+from kvstore.tiers.codec import REJECT_REASONS, BlockLayout, request_keys
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.paged_kv_cache import PagedKVCache
+
+__all__ = [
+    "PendingLoad",
+    "PendingOffload",
+    "TierConnector",
+    "TierHit",
+    "TierHitStats",
+    "TierTransfers",
+    "TieredKVCacheManager",
+    "model_fingerprint",
+]
+
+
+@dataclass(frozen=True)
+class PendingLoad:
+    """Verified payloads to write into fresh device pages of one group, in order."""
+
+    group_id: int
+    block_ids: tuple[int, ...]
+    payloads: tuple[memoryview, ...]
+
+
+@dataclass(frozen=True)
+class PendingOffload:
+    """Full computed blocks of one group to gather and store in the tiers, with their keys
+    and tokens; ``to_host`` / ``to_store`` say which tiers each block goes to."""
+
+    group_id: int
+    block_ids: tuple[int, ...]
+    keys: tuple[bytes, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+    to_host: tuple[bool, ...]
+    to_store: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """Blocks ``[start, start + num_blocks)`` of a request found below the device:
+    ``per_tier[i]`` of them from tier i, and per group their verified payloads."""
+
+    start: int
+    num_tokens: int  # the request's length when looked up
+    per_tier: tuple[int, ...]
+    payloads: tuple[tuple[memoryview, ...], ...]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the tiers add to the device hit."""
+        return sum(self.per_tier)
+
+
+@dataclass
+class TierHitStats:
+    """Counters of the tiers as the cache layer uses them."""
+
+    lookups: int = 0  # lookups that asked the tiers (the device hit left blocks to find)
+    host_hit_tokens: int = 0  # tokens admitted from the host tier
+    store_hit_tokens: int = 0  # tokens admitted from the shared store
+    loaded_blocks: int = 0  # blocks written into device pages by the worker (all groups)
+    offloaded_blocks: int = 0  # blocks gathered from device pages and handed to the tiers
+    rejected_values: int = 0  # values that failed verification (wrong size, tokens, checksum...)
+
+    def as_dict(self) -> dict[str, int]:
+        """Every counter."""
+        return dict(self.__dict__)
+
+
+class TierConnector:
+    """The tiers of one engine (``host`` then ``store``, either optional), with the block
+    layout of each KV cache group and the bookkeeping of what was offloaded."""
+
+    def __init__(self, config: KVCacheConfig, model_name: str, *, host: Tier | None = None,
+                 store: Tier | None = None, extra: str = "",
+                 recent_keys: int = 1 << 16) -> None:
+        for g, group in enumerate(config.groups):
+            if not isinstance(group.spec, FullAttentionSpec):
+                raise ValueError(
+                    f"tiers support full-attention layouts only; group {g} is "
+                    f"{type(group.spec).__name__} (window {group.spec.sliding_window}). Run "
+                    "this model without host_tier_bytes / store_url")
+        if host is None and store is None:
+            raise ValueError("a TierConnector needs a host tier, a store, or both")
+        self.config = config
+        self.block_size = config.block_size
+        self.layouts = tuple(BlockLayout.for_group(model_name, config, g, extra)
+                             for g in range(len(config.groups)))
+        self.host = host
+        self.store = store
+        self.tiers: tuple[Tier, ...] = tuple(t for t in (host, store) if t is not None)
+        self.stats = TierHitStats()
+        # Keys recently written to (or read from) the store: not written again.
+        self._in_store: OrderedDict[bytes, None] = OrderedDict()
+        self._recent_keys = recent_keys
+        self._offloads: list[PendingOffload] = []
+
+    @classmethod
+    def create(cls, config: KVCacheConfig, model_name: str, *, host_tier_bytes: int | None = None,
+               store_url: str | None = None, store_timeout_s: float = 0.5,
+               extra: str = "") -> TierConnector:
+        """A connector with a ``HostTier`` of ``host_tier_bytes`` and a ``ValkeyStore`` at
+        ``store_url`` (either may be None)."""
+        from kvstore.tiers.host import HostTier
+
+        host = HostTier(host_tier_bytes) if host_tier_bytes else None
+        store: Tier | None = None
+        if store_url:
+            from kvstore.tiers.valkey_store import ValkeyStore
+
+            store = ValkeyStore(store_url, timeout_s=store_timeout_s)
+        return cls(config, model_name, host=host, store=store, extra=extra)
+
+    def tier_name(self, i: int) -> str:
+        """``host`` or ``store`` for tier i."""
+        return "host" if self.tiers[i] is self.host else "store"
+
+    # ---- lookup ------------------------------------------------------------------------------
+    def lookup(self, request: Request, start: int, max_blocks: int) -> TierHit | None:
+        """The run of blocks ``[start, ...)`` (at most up to ``max_blocks``) that the tiers
+        hold and that verify in every group, or None for none. Bounded by the store's
+        timeout; never raises for a tier that fails."""
+        if start >= max_blocks:
+            return None
+        self.stats.lookups += 1
+        bs = self.block_size
+        hashes = request.block_hashes[start:max_blocks]
+        tokens = [tuple(request.token_ids[i * bs:(i + 1) * bs]) for i in range(start, max_blocks)]
+        keys = [request_keys(layout, hashes, request.cache_salt) for layout in self.layouts]
+        payloads: list[list[memoryview]] = [[] for _ in self.layouts]
+        per_tier: list[int] = []
+        pos = 0
+        for tier in self.tiers:
+            n = tier.contains(keys[0][pos:]) if pos < len(tokens) else 0
+            got: list[list[memoryview]] = []
+            for g, layout in enumerate(self.layouts):
+                if n == 0:
+                    break
+                before = _rejections(tier)
+                verified = load_verified(tier, layout, keys[g][pos:pos + n], tokens[pos:pos + n])
+                self.stats.rejected_values += _rejections(tier) - before
+                got.append(verified)
+                n = min(n, len(verified))
+            for g in range(len(got) if n else 0):
+                payloads[g].extend(got[g][:n])
+            if n and tier is self.store:
+                self._remember(keys[0][pos:pos + n] if len(keys) == 1
+                               else [k for ks in keys for k in ks[pos:pos + n]])
+            per_tier.append(n)
+            pos += n
+        if pos == 0:
+            return None
+        return TierHit(start, request.num_tokens, tuple(per_tier),
+                       tuple(tuple(p) for p in payloads))
+
+    def record_admission(self, hit: TierHit) -> None:
+        """Count a hit's tokens per tier once its request is admitted on it."""
+        for i, n in enumerate(hit.per_tier):
+            if self.tier_name(i) == "host":
+                self.stats.host_hit_tokens += n * self.block_size
+            else:
+                self.stats.store_hit_tokens += n * self.block_size
+
+    # ---- offload -----------------------------------------------------------------------------
+    def queue_offload(self, request: Request, tables: BlockIds, num_full_blocks: int) -> None:
+        """Queue the first ``num_full_blocks`` blocks of a request's tables (computed, full)
+        that some tier does not hold yet. Call before the pages are released."""
+        hashes = request.block_hashes[:num_full_blocks]
+        if not hashes:
+            return
+        bs = self.block_size
+        for g, layout in enumerate(self.layouts):
+            table = tables[g][:len(hashes)]
+            keys = request_keys(layout, hashes[:len(table)], request.cache_salt)
+            rows = []
+            for i, (block_id, key) in enumerate(zip(table, keys, strict=True)):
+                if block_id == 0:
+                    continue
+                to_host = self.host is not None and self.host.contains([key]) == 0
+                to_store = self.store is not None and key not in self._in_store
+                if to_host or to_store:
+                    rows.append((block_id, key, tuple(request.token_ids[i * bs:(i + 1) * bs]),
+                                 to_host, to_store))
+            if to_store_keys := [r[1] for r in rows if r[4]]:
+                self._remember(to_store_keys)
+            if rows:
+                ids, ks, toks, th, ts = zip(*rows, strict=True)
+                self._offloads.append(PendingOffload(g, ids, ks, toks, th, ts))
+
+    def take_offloads(self) -> list[PendingOffload]:
+        """The queued offloads (the worker must run them before pages are overwritten)."""
+        out, self._offloads = self._offloads, []
+        return out
+
+    def _remember(self, keys: Sequence[bytes]) -> None:
+        seen = self._in_store
+        for k in keys:
+            seen[k] = None
+            seen.move_to_end(k)
+        while len(seen) > self._recent_keys:
+            seen.popitem(last=False)
+
+    # ---- worker side -------------------------------------------------------------------------
+    def run_offloads(self, cache: PagedKVCache, offloads: Sequence[PendingOffload]) -> None:
+        """Gather and encode the blocks, then hand them to the host tier and the store."""
+        from kvstore.tiers.host import offload_items
+
+        for off in offloads:
+            items = offload_items(cache, self.layouts[off.group_id], off.group_id,
+                                  off.block_ids, off.keys, off.token_ids)
+            self.stats.offloaded_blocks += len(items)
+            if self.host is not None:
+                host_items = [it for it, h in zip(items, off.to_host, strict=True) if h]
+                if host_items:
+                    self.host.store(host_items)
+            if self.store is not None:
+                store_items = [it for it, s in zip(items, off.to_store, strict=True) if s]
+                if store_items:
+                    self.store.store(store_items)
+
+    def run_loads(self, cache: PagedKVCache, loads: Sequence[PendingLoad]) -> None:
+        """Write verified payloads into their device pages (queued on the current stream on
+        CUDA, so a forward queued after sees them)."""
+        from kvstore.tiers.host import restore_payloads
+
+        for load in loads:
+            if load.block_ids:
+                restore_payloads(cache, load.group_id, load.block_ids, load.payloads)
+                self.stats.loaded_blocks += len(load.block_ids)
+
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        """Each tier's own counters (``TierStats.snapshot``), by ``host`` / ``store``."""
+        return {self.tier_name(i): t.stats.snapshot() for i, t in enumerate(self.tiers)}
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until stores queued so far are written or dropped; False on timeout."""
+        return all(t.flush(timeout) for t in self.tiers)
+
+    def close(self) -> None:
+        """Stop background writers and release connections."""
+        for t in self.tiers:
+            t.close()
+
+
+def _rejections(tier: Tier) -> int:
+    stats = tier.stats
+    return sum(stats[r] for r in REJECT_REASONS)
+
+
+@dataclass
+class TierTransfers:
+    """One step's tier work for the worker: offloads first (their pages may be reused by
+    this step), then loads; run before the step's copies and forward."""
+
+    connector: TierConnector
+    offloads: list[PendingOffload] = field(default_factory=list)
+    loads: list[PendingLoad] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.offloads or self.loads)
+
+    def run(self, cache: PagedKVCache) -> None:
+        """Run the offloads, then the loads, on ``cache``."""
+        if self.offloads:
+            self.connector.run_offloads(cache, self.offloads)
+        if self.loads:
+            self.connector.run_loads(cache, self.loads)
+
+
+class TieredKVCacheManager(KVCacheManager):
+    """A ``KVCacheManager`` whose prefix hits reach into the tiers of ``tiers``.
+
+    ``get_computed_blocks`` extends the device hit with the blocks the tiers hold (the
+    returned hit counts them; it has no partial block then); admitting on it allocates
+    fresh pages for them and queues their loads. ``free`` queues the request's full
+    blocks for offload. ``take_pending_transfers()`` hands both to the worker, which runs
+    them before the step's copies and forward."""
+
+    __slots__ = ("_tiers", "_tier_hits", "_loads")
+
+    def __init__(self, config: KVCacheConfig, *args: Any, tiers: TierConnector, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        if tiers.config is not config and tiers.config != config:
+            raise ValueError("the TierConnector was built for another KV cache config")
+        self._tiers = tiers
+        # request id -> (the extended hit handed out, what the tiers add to it)
+        self._tier_hits: dict[str, tuple[ComputedBlocks, TierHit]] = {}
+        self._loads: list[PendingLoad] = []
+
+    @property
+    def tiers(self) -> TierConnector:
+        """The tiers below this manager's device pool."""
+        return self._tiers
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix: the device hit, then what the host tier and the store
+        add to it (see the class). Loads from the tiers; changes nothing in the pool."""
+        computed = super().get_computed_blocks(request)
+        rid = request.request_id
+        previous = self._tier_hits.pop(rid, None)
+        if not self.enable_caching:
+            return computed
+        bs = self.block_size
+        start = computed.num_full_hit_tokens // bs
+        max_blocks = (request.num_tokens - 1) // bs
+        hit: TierHit | None
+        if previous is not None and previous[1].start == start and \
+                previous[1].num_tokens == request.num_tokens:
+            hit = previous[1]  # looked up at an admission that did not fit: reuse the payloads
+        else:
+            hit = self._tiers.lookup(request, start, max_blocks)
+        if hit is None:
+            return computed
+        n = len(computed.partial_sources)
+        extended = replace(computed, num_full_hit_tokens=(start + hit.num_blocks) * bs,
+                           partial_sources=(None,) * n, num_partial_tokens=0)
+        self._tier_hits[rid] = (extended, hit)
+        return extended
+
+    def _admit(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None,
+               num_lookahead_tokens: int) -> BlockIds | None:
+        rid = request.request_id
+        pending = self._tier_hits.get(rid)
+        if pending is None or computed is not pending[0]:
+            return super()._admit(request, num_new_tokens, computed, num_lookahead_tokens)
+        extended, hit = pending
+        bs = self.block_size
+        # Admit on the device part; the tier blocks are pages allocated like new tokens.
+        device = replace(extended, num_full_hit_tokens=hit.start * bs)
+        ids = super()._admit(request, num_new_tokens + hit.num_blocks * bs, device,
+                             num_lookahead_tokens)
+        if ids is None:
+            return None  # the hit stays recorded: a retry reuses its payloads
+        del self._tier_hits[rid]
+        n = hit.num_blocks
+        for g, group_ids in enumerate(ids):
+            if len(group_ids) < n:  # cannot happen for full attention: a table grows in order
+                raise RuntimeError(f"group {g}: {len(group_ids)} new pages for {n} loaded blocks")
+            self._loads.append(PendingLoad(g, tuple(group_ids[:n]), hit.payloads[g]))
+        request.num_computed_tokens = extended.num_full_hit_tokens
+        self._tiers.record_admission(hit)
+        return ids
+
+    def free(self, request: Request) -> None:
+        """Queue the request's full computed blocks for offload, then release it."""
+        self._check_request(request)
+        rid = request.request_id
+        self._tier_hits.pop(rid, None)
+        if self.requests.get(rid) is request and self.enable_caching:
+            request.update_block_hashes(self.block_size, self.hash_fn)
+            tables = self.block_table(rid)
+            longest = max(len(t) for t in tables)
+            num_full = min(request.num_computed_tokens // self.block_size, longest,
+                           len(request.block_hashes))
+            self._tiers.queue_offload(request, tables, num_full)
+        super().free(request)
+
+    def take_pending_loads(self) -> list[PendingLoad]:
+        """Loads queued by admissions since the last call."""
+        out, self._loads = self._loads, []
+        return out
+
+    def take_pending_transfers(self) -> TierTransfers:
+        """This step's offloads and loads, for the worker to run before the copies."""
+        return TierTransfers(self._tiers, self._tiers.take_offloads(), self.take_pending_loads())
+
+
+def model_fingerprint(model: Any) -> str:
+    """A name for a model's weights: its class and an XXH3-128 over its parameters and
+    buffers (names, shapes, dtypes, bytes). Engines share tier keys only when equal."""
+    import torch
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    state: dict[str, torch.Tensor] = model.state_dict()
+    for name in sorted(state):
+        t = state[name].detach()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        t = t.contiguous().cpu()
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return f"{type(model).__name__}:{h.hexdigest()}"
