@@ -70,9 +70,9 @@ def _sorted_rows(requests: Iterable[MooncakeRequest]) -> list[MooncakeRequest]:
 
 
 def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None,
-                block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> dict[str, Any]:
+                block_tokens: int = MOONCAKE_BLOCK_TOKENS, eviction: str = "lru") -> dict[str, Any]:
     """Replay Mooncake rows through a BlockPool of ``capacity_blocks`` usable blocks
-    (None: unbounded) and count hits as the paper does.
+    (None: unbounded) under the named eviction policy and count hits as the paper does.
 
     Returns the oracle's totals (``input_tokens``, ``hit_tokens``, ``total_blocks``,
     ``hit_blocks``, ``evictions``, ``token_hit_rate``, ``block_hit_rate``,
@@ -106,7 +106,7 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
                    token_hit_rate=0.0, partial_tail_tokens=0, token_hit_rate_with_tails=0.0,
                    block_hit_rate=0.0, per_request_hit_tokens=[0] * len(rows))
         return out
-    pool = BlockPool(pool_blocks + 1, enable_caching=True)
+    pool = BlockPool(pool_blocks + 1, enable_caching=True, eviction=eviction)
     root = pool.root_serial(None)
     find, cached, touch = pool.find_cached, pool.cached_blocks, pool.touch
     hit_tokens = hit_blocks = link_breaks = unlinked = tail_tokens = 0

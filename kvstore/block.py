@@ -1,4 +1,4 @@
-"""One physical KV page and the intrusive free list that is also the LRU eviction order."""
+"""One physical KV page and the intrusive free list eviction policies order free pages with."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ class KVCacheBlock:
         "parent_serial",
         "prev_free",
         "next_free",
+        "uses",
+        "orphan",
+        "free_tag",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -38,6 +41,12 @@ class KVCacheBlock:
         self.parent_serial = 0
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
+        # References taken by hits, pins and forks since the page was last allocated.
+        self.uses = 0
+        # Set when every page holding this page's parent content has been evicted.
+        self.orphan = False
+        # Which of an eviction policy's free lists holds the page (policy-defined; -1: none).
+        self.free_tag = -1
 
     @property
     def is_null(self) -> bool:

@@ -1,4 +1,4 @@
-"""The shared pool of pages: allocation, ref counts, LRU eviction and the prefix-cache indexes."""
+"""The shared pool of pages: allocation, ref counts, eviction and the prefix-cache indexes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 from sortedcontainers import SortedList
 
-from kvstore.block import FreeBlockQueue, KVCacheBlock
+from kvstore.block import KVCacheBlock
+from kvstore.eviction import DEFAULT_EVICTION, EvictionPolicy, make_policy
 from kvstore.hashing import BlockHash
 from kvstore.utils import common_prefix_len, hit_rate
 
@@ -86,14 +87,18 @@ class CacheStats:
 class BlockPool:
     """All pages of one cache, shared by every KV cache group.
 
-    Block 0 is the null block. Free blocks sit in an LRU queue; freed blocks that
-    hold cached content join its tail, blocks without content its head (they
-    cost nothing to reuse). Cached content stays findable until its block is
-    popped for reuse (lazy eviction).
+    Block 0 is the null block. Free blocks are held by an eviction policy
+    (`free_queue`, LRU by default: freed blocks that hold cached content join its
+    tail, blocks without content its head). Cached content stays findable until its
+    block is taken for reuse (lazy eviction). `chained_groups` names the groups whose
+    hits need a block's whole parent chain (None: all); in those, a policy that tracks
+    content learns when a block's parent content is gone.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 enable_events: bool = False, index_partial_blocks: bool = True) -> None:
+                 enable_events: bool = False, index_partial_blocks: bool = True,
+                 eviction: str | EvictionPolicy = DEFAULT_EVICTION,
+                 chained_groups: frozenset[int] | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -103,7 +108,11 @@ class BlockPool:
         self.enable_events = enable_events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        # The free blocks, in the order the policy reuses them.
+        self.free_queue = make_policy(eviction)
+        self.free_queue.attach(self.blocks[1:])
+        self._tracks_content = self.free_queue.tracks_content
+        self._chained_groups = chained_groups
         # (group, hash) -> blocks holding that full content.
         self._hash_index: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
         # (group, parent serial) -> sorted (token_ids, block_id) of full and partial children.
@@ -134,16 +143,15 @@ class BlockPool:
 
     # ---- allocation --------------------------------------------------------------------------
     def get_new_blocks(self, n: int, group_id: int) -> list[KVCacheBlock]:
-        """Pop n blocks from the head of the free queue, evicting cached content they hold."""
+        """Take n free blocks in the eviction policy's order, evicting cached content they hold."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} blocks with {len(self.free_queue)} free")
-        blocks = self.free_queue.popleft_n(n)
+        blocks = self.free_queue.take(n, self._evict)
         for block in blocks:
-            if block.token_ids is not None:
-                self._evict(block)
             block.ref_cnt = 1
+            block.uses = 0
             block.group_id = group_id
         if n:
             self.in_use_by_group[group_id] += n
@@ -158,6 +166,7 @@ class BlockPool:
                 self.free_queue.remove(block)
                 self.in_use_by_group[block.group_id] += 1
             block.ref_cnt += 1
+            block.uses += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block, in the order given (callers pass deepest first)."""
@@ -168,10 +177,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.in_use_by_group[block.group_id] -= 1
-                if block.token_ids is None:
-                    queue.appendleft(block)
-                else:
-                    queue.append(block)
+                queue.freed(block)
 
     def refresh(self, blocks: Iterable[tuple[KVCacheBlock, int]]) -> None:
         """Move free blocks that still hold the content of the given serial to the tail (most
@@ -179,8 +185,7 @@ class BlockPool:
         queue = self.free_queue
         for block, serial in blocks:
             if block.ref_cnt == 0 and block.block_hash is not None and block.serial == serial:
-                queue.remove(block)
-                queue.append(block)
+                queue.refresh(block)
 
     # ---- prefix cache ------------------------------------------------------------------------
     def root_serial(self, cache_salt: str | None) -> int:
@@ -283,10 +288,16 @@ class BlockPool:
         return PartialMatch(best, best_len)
 
     def _evict(self, block: KVCacheBlock) -> None:
-        """Drop a block's content from every index."""
+        """Drop a block's content from every index (telling a content-tracking policy, and
+        marking the children orphans when no twin keeps the content)."""
         key = (block.group_id, block.parent_serial)
         siblings = self._children[key]
         siblings.remove((block.token_ids, block.block_id))
+        if self._tracks_content:
+            self.free_queue.evicted(block)
+            if block.block_hash is not None and (self._chained_groups is None
+                                                 or block.group_id in self._chained_groups):
+                self._orphan_children(block, siblings)
         if not siblings:
             del self._children[key]
         if block.block_hash is not None:
@@ -301,8 +312,29 @@ class BlockPool:
         block.token_ids = None
         block.serial = 0
         block.parent_serial = 0
+        block.orphan = False
         self.stats.evictions += 1
         self.cache_epoch += 1
+
+    def _orphan_children(self, block: KVCacheBlock, siblings: SortedList) -> None:
+        """Mark the children of an evicted full block orphans unless a twin (same parent,
+        same tokens, same serial) still holds its content."""
+        i = siblings.bisect_left((block.token_ids,))
+        while i < len(siblings) and siblings[i][0] == block.token_ids:
+            twin = self.blocks[siblings[i][1]]
+            if twin.block_hash is not None and twin.serial == block.serial:
+                return
+            i += 1
+        children = self._children.get((block.group_id, block.serial))
+        if not children:
+            return
+        queue = self.free_queue
+        for _, child_id in children:
+            child = self.blocks[child_id]
+            if not child.orphan:
+                child.orphan = True
+                if child.ref_cnt == 0:
+                    queue.orphaned(child)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content; refuses (returns False) while any block is in use."""
@@ -313,8 +345,10 @@ class BlockPool:
             block.token_ids = None
             block.serial = 0
             block.parent_serial = 0
+            block.orphan = False
         self._hash_index.clear()
         self._children.clear()
+        self.free_queue.reset()
         self.cache_epoch += 1
         if self.enable_events:
             self._events.append(AllBlocksCleared())

@@ -8,10 +8,11 @@ from types import MappingProxyType
 
 from kvstore.block_pool import BlockPool, BlockState, CacheStats, KVCacheEvent, PendingCopies
 from kvstore.errors import RequestTooLargeError
+from kvstore.eviction import DEFAULT_EVICTION, EvictionPolicy
 from kvstore.hashing import HashFn, hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks, KVCacheCoordinator
 from kvstore.request import Request
-from kvstore.specs import KVCacheConfig
+from kvstore.specs import FullAttentionSpec, KVCacheConfig
 
 # Per group, block ids (0 = the null block).
 BlockIds = tuple[tuple[int, ...], ...]
@@ -28,7 +29,8 @@ class KVCacheManager:
     call, so the worker must have run a batch of copies before it asks for the next one.
 
     Block hashes are computed with `hash_fn` (XXH3-128 by default); every request this
-    manager sees must be hashed with it.
+    manager sees must be hashed with it. `eviction` names the policy that orders free
+    cached pages for reuse (see kvstore.eviction; LRU by default).
     """
 
     __slots__ = ("config", "block_size", "enable_caching", "enable_partial_hits", "_hash_fn",
@@ -36,14 +38,17 @@ class KVCacheManager:
 
     def __init__(self, config: KVCacheConfig, enable_caching: bool = True,
                  enable_partial_hits: bool = True, enable_events: bool = False,
-                 hash_fn: HashFn = hash_block) -> None:
+                 hash_fn: HashFn = hash_block, eviction: str | EvictionPolicy = DEFAULT_EVICTION) -> None:
         self.config = config
         self.block_size = config.block_size
         self.enable_caching = enable_caching
         self.enable_partial_hits = enable_caching and enable_partial_hits
         self._hash_fn = hash_fn
         self._pool = BlockPool(config.num_blocks, enable_caching, enable_events,
-                               index_partial_blocks=self.enable_partial_hits)
+                               index_partial_blocks=self.enable_partial_hits, eviction=eviction,
+                               chained_groups=frozenset(
+                                   g for g, group in enumerate(config.groups)
+                                   if isinstance(group.spec, FullAttentionSpec)))
         # Copies queued for the worker and the pins that keep their pages alive.
         self._copies = PendingCopies(self._pool)
         self._coordinator = KVCacheCoordinator(config, self._pool, self._copies)

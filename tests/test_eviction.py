@@ -1,0 +1,214 @@
+"""Eviction policies: the seam, LRU bit-identity, MIN against brute force, and every policy
+under the manager and hybrid state machines."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize
+
+from kvstore.benchmarks.eviction_replay import brute_force_best_hit_blocks, gap_closed, min_replay
+from kvstore.benchmarks.mooncake_replay import pool_replay
+from kvstore.benchmarks.traces import MooncakeRequest, mooncake_lru_replay
+from kvstore.block import KVCacheBlock
+from kvstore.block_pool import BlockPool
+from kvstore.eviction import EVICTION_POLICIES, LRUPolicy, S3FIFOPolicy, make_policy
+from kvstore.kv_cache_manager import KVCacheManager
+from tests import test_hybrid as th
+from tests import test_kv_cache_manager as tm
+from tests.invariants import check_pool
+
+POLICIES = sorted(EVICTION_POLICIES)
+NON_LRU = [p for p in POLICIES if p != "lru"]
+BT = 512
+
+
+def trie_trace(paths: Sequence[Sequence[int]]) -> list[MooncakeRequest]:
+    """Requests whose ids are the nodes of a trie path (prefix-chained, like Mooncake's)."""
+    ids: dict[tuple[int, ...], int] = {}
+    out = []
+    for t, path in enumerate(paths):
+        hs = [ids.setdefault(tuple(path[:i + 1]), len(ids)) for i in range(len(path))]
+        out.append(MooncakeRequest(timestamp_ms=t, input_length=len(hs) * BT, output_length=1,
+                                   hash_ids=tuple(hs)))
+    return out
+
+
+paths_st = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=4), min_size=1, max_size=7)
+
+
+# ---- the seam ----------------------------------------------------------------------------------
+
+def test_make_policy_names_and_errors() -> None:
+    assert isinstance(make_policy("lru"), LRUPolicy)
+    assert isinstance(make_policy("s3fifo"), S3FIFOPolicy)
+    p = S3FIFOPolicy()
+    assert make_policy(p) is p
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("nope")
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        KVCacheManager(th.make_kv_cache_config([th.spec(None)], num_blocks=8), eviction="nope")
+
+
+def test_default_pool_is_lru() -> None:
+    assert BlockPool(4).free_queue.name == "lru"
+
+
+@settings(max_examples=80, deadline=None)
+@given(paths=paths_st, cap=st.integers(1, 6))
+def test_lru_pool_replay_equals_oracle(paths: list[list[int]], cap: int) -> None:
+    rows = trie_trace(paths)
+    pool = pool_replay(rows, cap, eviction="lru")
+    ref = mooncake_lru_replay(rows, cap)
+    assert pool["per_request_hit_tokens"] == ref["per_request_hit_tokens"]
+    assert pool["evictions"] == ref["evictions"]
+
+
+# ---- MIN ---------------------------------------------------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(paths=paths_st, cap=st.integers(1, 4))
+def test_min_equals_brute_force_optimum(paths: list[list[int]], cap: int) -> None:
+    rows = trie_trace(paths)
+    res = min_replay(rows, cap)
+    assert res["unlinked_present"] == 0, "MIN's cache is not prefix-closed"
+    assert res["hit_blocks"] == brute_force_best_hit_blocks(rows, cap)
+
+
+@settings(max_examples=60, deadline=None)
+@given(paths=paths_st, cap=st.integers(1, 6))
+def test_no_policy_beats_min(paths: list[list[int]], cap: int) -> None:
+    rows = trie_trace(paths)
+    best = min_replay(rows, cap)["hit_blocks"]
+    for name in POLICIES:
+        assert pool_replay(rows, cap, eviction=name)["hit_blocks"] <= best
+
+
+def test_min_on_a_hand_trace() -> None:
+    # Chains A, B, C, A of two blocks with room for two chains: MIN evicts B (never used
+    # again) for C, so A hits both blocks; LRU evicts A, the least recent.
+    rows = trie_trace([[0, 0], [1, 1], [2, 2], [0, 0]])
+    assert min_replay(rows, 4)["hit_blocks"] == 2
+    assert mooncake_lru_replay(rows, 4)["hit_blocks"] == 0
+
+
+def test_gap_closed() -> None:
+    assert gap_closed(0.3, 0.2, 0.4) == pytest.approx(0.5)
+    assert gap_closed(0.2, 0.2, 0.2) is None
+
+
+# ---- properties of every policy on chain replays -------------------------------------------------
+
+def reachable(pool: BlockPool, block: KVCacheBlock, roots: set[int]) -> bool:
+    """Whether the block's parent chain is cached back to a root (brute force)."""
+    serials = {b.serial for b in pool.blocks[1:] if b.block_hash is not None}
+    parents = {b.serial: b.parent_serial for b in pool.blocks[1:] if b.block_hash is not None}
+    s = block.parent_serial
+    seen = set()
+    while s not in roots:
+        if s not in serials or s in seen:
+            return False
+        seen.add(s)
+        s = parents[s]
+    return True
+
+
+@pytest.mark.parametrize("name", NON_LRU)
+@settings(max_examples=60, deadline=None)
+@given(paths=paths_st, cap=st.integers(1, 6))
+def test_orphans_go_before_reachable_pages(name: str, paths: list[list[int]], cap: int) -> None:
+    """Replay a chain trace and check at every eviction: a reachable page is evicted only when
+    no free page is an orphan; nothing in use or pinned is ever taken."""
+    rows = trie_trace(paths)
+    pool = BlockPool(cap + 1, eviction=name)
+    roots = {pool.root_serial(None)}
+    evict = pool._evict
+
+    def checked_evict(block: KVCacheBlock) -> None:
+        assert block.ref_cnt == 0 and block.pin_cnt == 0
+        if reachable(pool, block, roots):
+            for other in pool.free_queue:
+                if other.token_ids is not None and other is not block:
+                    assert reachable(pool, other, roots), "an orphan kept over a reachable page"
+        evict(block)
+
+    pool._evict = checked_evict  # type: ignore[method-assign]
+    for req in rows:
+        keep = req.hash_ids[:cap]
+        table: list[KVCacheBlock | None] = []
+        parent = next(iter(roots))
+        for h in keep:
+            b = pool.find_cached(0, h, (h,), parent_serial=parent)
+            if b is None:
+                break
+            table.append(b)
+            parent = b.serial
+        # Unlinked present blocks are not reused here: every missing block is computed anew.
+        pool.touch(b for b in table if b is not None)
+        new = pool.get_new_blocks(len(keep) - len(table), 0)
+        for b in new:
+            assert b.ref_cnt == 1
+        table += new
+        parent = next(iter(roots))
+        for i, (h, b) in enumerate(zip(keep, table, strict=True)):
+            assert b is not None
+            if b.token_ids is None:
+                parent = pool.cache_full_block(b, h, (h,), parent)
+            else:
+                parent = b.serial
+            del i
+        pool.free_blocks(reversed(table))  # type: ignore[arg-type]
+        check_pool(pool)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_reset_empties_every_policy(name: str) -> None:
+    rows = trie_trace([[0, 1], [0, 2], [1]])
+    pool = BlockPool(4, eviction=name)
+    root = pool.root_serial(None)
+    for req in rows:
+        blocks = pool.get_new_blocks(len(req.hash_ids), 0)
+        parent = root
+        for h, b in zip(req.hash_ids, blocks, strict=True):
+            parent = pool.cache_full_block(b, h, (h,), parent)
+        pool.free_blocks(reversed(blocks))
+    assert pool.reset_prefix_cache()
+    check_pool(pool)
+    assert len(pool.free_queue) == 3 and all(b.token_ids is None for b in pool.free_queue)
+
+
+# ---- every policy under the existing state machines ----------------------------------------------
+
+def _machine(base: type, name: str) -> type:
+    return type(f"{base.__name__}_{name}", (base,), {"EVICTION": name})
+
+
+for _name in NON_LRU:
+    for _base in (tm.OneGroupMachine, tm.TwoGroupMachine, tm.StaleLookupMachine):
+        _case = _machine(_base, _name).TestCase
+        _case.settings = tm.STATEFUL
+        globals()[f"Test{_base.__name__}_{_name}"] = _case
+
+
+class HybridPolicyMachine(th.HybridCacheMachine):
+    """The hybrid state machine with the eviction policy drawn too."""
+
+    @initialize(windows=st.lists(st.sampled_from(th.WINDOWS), min_size=1, max_size=2, unique=True),
+                full_position=st.integers(0, 2), num_blocks=st.integers(8, 24),
+                partial=st.booleans(), eviction=st.sampled_from(NON_LRU))
+    def setup(self, windows: list[int], full_position: int, num_blocks: int, partial: bool,
+              eviction: str = "lru") -> None:
+        layers: list[int | None] = list(windows)
+        layers.insert(min(full_position, len(layers)), None)
+        config = th.make_kv_cache_config([th.spec(w) for w in layers], num_blocks=num_blocks)
+        self.manager = KVCacheManager(config, enable_partial_hits=partial, eviction=eviction)
+        self.partial = partial
+        for salt in (None, "tenant"):
+            self.manager._pool.root_serial(salt)
+
+
+TestHybridPolicies = HybridPolicyMachine.TestCase
+TestHybridPolicies.settings = th.HybridCacheMachine.TestCase.settings
