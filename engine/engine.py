@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -233,7 +233,7 @@ class LLMEngine:
         self.config: KVCacheConfig = make_kv_cache_config(
             kv_cache_specs(model, block_size), memory_bytes=memory_bytes, num_blocks=num_blocks)
         self.tiers: TierConnector | None = None
-        manager_cls: Any = KVCacheManager
+        manager_cls: Callable[..., KVCacheManager] = KVCacheManager
         if host_tier_bytes or store_url:
             from kvstore.tiers.connector import TierConnector, TieredKVCacheManager, model_fingerprint
 
@@ -446,7 +446,10 @@ class LLMEngine:
         """This step's tier offloads and loads (None without tiers)."""
         if self.tiers is None:
             return None
-        return self.manager.take_pending_transfers()  # type: ignore[attr-defined, no-any-return]
+        from kvstore.tiers.connector import TieredKVCacheManager
+
+        assert isinstance(self.manager, TieredKVCacheManager)
+        return self.manager.take_pending_transfers()
 
     def _run_transfers(self) -> None:
         """Run pending tier transfers now (the offloads of requests that just finished)."""

