@@ -1,0 +1,143 @@
+"""A device cache plus a host tier on a Mooncake trace, at block level: the hit rate the
+host tier adds to device-only LRU.
+
+The device is the LRU cache of :func:`kvstore.benchmarks.traces.mooncake_lru_replay` (a
+request holds its hit blocks, evicts least recently used ones for the rest, releases
+deepest first). The host tier is a second LRU of hash ids below it. A request hits its
+device run, then the host tier extends it with the consecutive ids it holds (as
+``TieredKVCacheManager`` does). Two ways to fill the host tier:
+
+- ``on-free`` (what the engine does): when a request is freed, its blocks the host tier
+  lacks are stored there (a host hit refreshes the block; a device hit does not);
+- ``write-back``: blocks evicted from the device are stored there (exclusive of the
+  device).
+
+Run ``python -m kvstore.benchmarks.tier_replay`` (the conversation trace, 3M device
+tokens, 30M host tokens)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvstore.benchmarks.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    MooncakeRequest,
+    load_mooncake,
+    mooncake_lru_replay,
+    trace_file,
+)
+from kvstore.utils import hit_rate
+
+__all__ = ["MODES", "main", "tiered_replay"]
+
+MODES = ("on-free", "write-back")
+
+
+def tiered_replay(requests: Iterable[MooncakeRequest], device_blocks: int, host_blocks: int,
+                  mode: str = "on-free") -> dict[str, Any]:
+    """Replay rows (timestamp order) through a device LRU of ``device_blocks`` hash ids and
+    a host LRU of ``host_blocks``; hit blocks per tier and the block hit rates."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if device_blocks < 1 or host_blocks < 0:
+        raise ValueError(f"need device_blocks >= 1 and host_blocks >= 0, got {device_blocks}, "
+                         f"{host_blocks}")
+    rows = sorted(requests, key=lambda r: r.timestamp_ms)
+    dev: OrderedDict[int, None] = OrderedDict()
+    host: OrderedDict[int, None] = OrderedDict()
+    total = dev_hits = host_hits = input_tokens = hit_tokens = 0
+
+    def host_put(h: int) -> None:
+        if h in host:
+            host.move_to_end(h)
+            return
+        if host_blocks == 0:
+            return
+        while len(host) >= host_blocks:
+            host.popitem(last=False)
+        host[h] = None
+
+    for req in rows:
+        ids = req.hash_ids
+        total += len(ids)
+        k = 0
+        while k < len(ids) and ids[k] in dev:
+            k += 1
+        j = k
+        while j < len(ids) and ids[j] in host:
+            host.move_to_end(ids[j])  # a load refreshes the block in the host tier
+            j += 1
+        dev_hits += k
+        host_hits += j - k
+        input_tokens += req.input_length
+        hit_tokens += min(j * MOONCAKE_BLOCK_TOKENS, req.input_length)
+        keep = ids[:device_blocks]
+        for h in keep:
+            dev.pop(h, None)
+        while dev and len(dev) + len(keep) > device_blocks:
+            evicted, _ = dev.popitem(last=False)
+            if mode == "write-back":
+                host_put(evicted)
+        for h in reversed(keep):
+            dev[h] = None
+        if mode == "on-free":
+            for h in keep:
+                if h not in host:
+                    host_put(h)
+    return {"mode": mode, "device_blocks": device_blocks, "host_blocks": host_blocks,
+            "requests": len(rows), "total_blocks": total, "device_hit_blocks": dev_hits,
+            "host_hit_blocks": host_hits, "device_hit_rate": hit_rate(dev_hits, total),
+            "block_hit_rate": hit_rate(dev_hits + host_hits, total),
+            "token_hit_rate": hit_rate(hit_tokens, input_tokens)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print device-only LRU, device + host tier (both modes) and the unbounded bound."""
+    p = argparse.ArgumentParser(prog="python -m kvstore.benchmarks.tier_replay",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default=None, help="trace file (default: the conversation trace)")
+    p.add_argument("--device-tokens", type=int, default=3_000_000)
+    p.add_argument("--host-tokens", type=int, default=30_000_000)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    path = args.trace or trace_file("mooncake_conversation")
+    rows = load_mooncake(path)
+    bt = MOONCAKE_BLOCK_TOKENS
+    dev_blocks, host_blocks = args.device_tokens // bt, args.host_tokens // bt
+    t0 = time.perf_counter()
+    device_only, unbounded = mooncake_lru_replay(rows, dev_blocks), mooncake_lru_replay(rows, None)
+    out: dict[str, Any] = {
+        "trace": str(path), "device_tokens": args.device_tokens, "host_tokens": args.host_tokens,
+        "device_only": {k: device_only[k] for k in ("block_hit_rate", "token_hit_rate")},
+        "unbounded": {k: unbounded[k] for k in ("block_hit_rate", "token_hit_rate")},
+    }
+    for mode in MODES:
+        r = tiered_replay(rows, dev_blocks, host_blocks, mode)
+        out[mode] = {k: r[k] for k in ("block_hit_rate", "token_hit_rate", "device_hit_rate",
+                                       "device_hit_blocks", "host_hit_blocks", "total_blocks")}
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{path}: {len(rows)} requests, device {args.device_tokens:,} tokens, host tier "
+          f"{args.host_tokens:,} tokens ({bt}-token blocks)")
+    print(f"  {'':26s} {'blocks':>7s} {'tokens':>7s}")
+    rows_out = [("device-only LRU", out["device_only"])]
+    rows_out += [(f"device + host, {mode}", out[mode]) for mode in MODES]
+    rows_out.append(("unbounded (the bound)", out["unbounded"]))
+    for name, r in rows_out:
+        print(f"  {name:26s} {r['block_hit_rate']:7.3f} {r['token_hit_rate']:7.3f}")
+    for mode in MODES:
+        r = out[mode]
+        print(f"  {mode}: the host tier adds {r['host_hit_blocks'] / r['total_blocks']:.3f} of "
+              "all blocks")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
