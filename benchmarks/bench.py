@@ -43,6 +43,7 @@ from kvstore.benchmarks.sweep import (
     parse_pool_sizes,
     run_sweep,
     sigint_ignored,
+    with_evictions,
 )
 from kvstore.benchmarks.traces import ENV_VAR, TRACE_FILES, TRACE_SOURCES
 from kvstore.benchmarks.workloads import WORKLOADS, Workload, make_workload
@@ -413,6 +414,17 @@ def _policy_list(text: str) -> list[str]:
     return list(dict.fromkeys(policies))
 
 
+def _eviction_list(text: str) -> list[str]:
+    from kvstore.eviction import EVICTION_POLICIES
+
+    names = [e.strip() for e in text.split(",") if e.strip()]
+    unknown = [e for e in names if e not in EVICTION_POLICIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"give eviction policies among "
+                                         f"{', '.join(EVICTION_POLICIES)}")
+    return list(dict.fromkeys(names))
+
+
 def _pool_sizes(text: str) -> str:
     try:
         parse_pool_sizes(text, 1)  # the syntax; block counts become bytes once the shape is known
@@ -480,6 +492,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{QUICK_POINTS} with --quick)")
     p.add_argument("--policies", type=_policy_list, default=list(DEFAULT_POLICIES),
                    metavar="LIST", help=f"comma list of {', '.join(POLICIES)} (default: all)")
+    p.add_argument("--eviction", type=_eviction_list, default=None, metavar="LIST",
+                   help="comma list of eviction policies (kvstore.eviction); each caching policy "
+                        "runs once per name, side by side (NAME@EVICTION; default: lru)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK_POINTS} pool sizes, the first {QUICK_LIMIT} requests, "
@@ -533,6 +548,11 @@ def run_bench(args: argparse.Namespace) -> int:
     policies = args.policies
     if isinstance(policies, str):  # a caller's own namespace
         policies = _policy_list(policies)
+    evictions = getattr(args, "eviction", None)
+    if evictions:
+        if isinstance(evictions, str):
+            evictions = _eviction_list(evictions)
+        policies = with_evictions(policies, evictions)
     limit = args.limit
     if args.quick and limit is None:
         limit = QUICK_LIMIT

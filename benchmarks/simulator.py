@@ -150,7 +150,8 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
              enable_caching: bool = True, enable_partial_hits: bool = True,
              scheduler_config: SchedulerConfig | None = None, step_time: float = 0.02,
              record_timeline: bool = False,
-             on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None) -> SimResult:
+             on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
+             eviction: str = "lru") -> SimResult:
     """Replay requests in arrival order on a virtual clock (each step lasts `step_time`
     seconds; an idle system jumps to the next arrival) until all have finished.
 
@@ -160,7 +161,7 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
     ValueError when a request can never fit the pool, RuntimeError if pages leak."""
     specs = workload.requests if isinstance(workload, Workload) else workload
     manager = KVCacheManager(config, enable_caching=enable_caching,
-                             enable_partial_hits=enable_partial_hits)
+                             enable_partial_hits=enable_partial_hits, eviction=eviction)
     scheduler = Scheduler(manager, scheduler_config)
     scripted = {s.request_id: s.output_token_ids for s in specs if s.output_token_ids}
     # pop() yields the earliest arrival; ties in the given order.

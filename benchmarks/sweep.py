@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from kvstore.benchmarks.simulator import SimResult, simulate
@@ -142,6 +142,7 @@ class Policy:
     enable_caching: bool = True
     enable_partial_hits: bool = False
     reserve_full_output: bool = False
+    eviction: str = "lru"  # the pool's eviction policy (kvstore.eviction)
 
     def layer_specs(self, shape: ModelShape, block_size: int) -> list[KVCacheSpec]:
         """The layer list this policy's pool is built for."""
@@ -164,6 +165,36 @@ POLICIES: dict[str, Policy] = {
     )
 }
 DEFAULT_POLICIES: tuple[str, ...] = tuple(POLICIES)
+
+
+def policy_named(name: str) -> Policy:
+    """A policy by name; ``BASE@EVICTION`` is BASE with that eviction policy (registered in
+    POLICIES on first use)."""
+    from kvstore.eviction import EVICTION_POLICIES
+
+    policy = POLICIES.get(name)
+    if policy is None and "@" in name:
+        base, eviction = name.split("@", 1)
+        if base in POLICIES and eviction in EVICTION_POLICIES:
+            b = POLICIES[base]
+            policy = POLICIES[name] = replace(
+                b, name=name, label=f"{b.label}, {eviction} eviction", eviction=eviction)
+    if policy is None:
+        raise KeyError(f"unknown policy {name!r}")
+    return policy
+
+
+def with_evictions(policies: Sequence[str], evictions: Sequence[str]) -> list[str]:
+    """The caching policies once per eviction policy (``BASE@EVICTION``; LRU keeps the bare
+    name), uncached ones once."""
+    out: list[str] = []
+    for p in policies:
+        if not POLICIES[p].enable_caching:
+            out.append(p)
+            continue
+        for e in evictions:
+            out.append(p if e == "lru" else policy_named(f"{p}@{e}").name)
+    return list(dict.fromkeys(out))
 
 
 # ------------------------------------------------------------------------------ sizes
@@ -382,7 +413,7 @@ def _init_worker(workload: Workload, shape: ModelShape, block_size: int,
 
 def _run_task(task: SweepTask) -> tuple[SweepTask, SweepRow]:
     w = _WORKER
-    return task, run_point(w["workload"], POLICIES[task.policy], w["shape"], w["block_size"],
+    return task, run_point(w["workload"], policy_named(task.policy), w["shape"], w["block_size"],
                            task.budget, w["sched"], index=task.index)
 
 
@@ -416,7 +447,8 @@ def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size:
         config = make_kv_cache_config(specs, num_blocks=num_blocks)
         try:
             res = simulate(workload, config, enable_caching=policy.enable_caching,
-                           enable_partial_hits=policy.enable_partial_hits, scheduler_config=sched)
+                           enable_partial_hits=policy.enable_partial_hits, scheduler_config=sched,
+                           eviction=policy.eviction)
         except RequestTooLargeError as e:
             row.error = str(e)
         else:

@@ -207,7 +207,8 @@ class LLMEngine:
     Give the pool size as ``num_blocks`` (including the null block) or ``memory_bytes``.
     ``max_num_batched_tokens`` bounds the tokens of one step (longer prompts are
     prefilled in chunks); ``attention_backend`` is ``"reference"``, ``"triton"`` or
-    ``"auto"`` (see :class:`~kvstore.engine.runner.ModelRunner`).
+    ``"auto"`` (see :class:`~kvstore.engine.runner.ModelRunner`); ``eviction`` names the
+    policy that orders free cached pages for reuse (see :mod:`kvstore.eviction`).
     """
 
     def __init__(
@@ -226,6 +227,7 @@ class LLMEngine:
         store_url: str | None = None,
         tier_model_name: str | None = None,
         store_timeout_s: float = 0.5,
+        eviction: str = "lru",
     ) -> None:
         if device is None:
             device = next(model.parameters()).device
@@ -243,7 +245,7 @@ class LLMEngine:
                 store_timeout_s=store_timeout_s)
             manager_cls = functools.partial(TieredKVCacheManager, tiers=self.tiers)
         self.manager = manager_cls(self.config, enable_caching=enable_prefix_caching,
-                                      enable_partial_hits=enable_partial_hits)
+                                      enable_partial_hits=enable_partial_hits, eviction=eviction)
         self.cache = PagedKVCache(self.config, device=device)
         self.scheduler = Scheduler(self.manager, SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))

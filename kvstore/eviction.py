@@ -124,7 +124,7 @@ class S3FIFOPolicy(EvictionPolicy):
     name = "s3fifo"
     tracks_content = True
 
-    def __init__(self, small_fraction: float = 0.1) -> None:
+    def __init__(self, small_fraction: float = 0.25) -> None:
         if not 0.0 < small_fraction < 1.0:
             raise ValueError(f"small_fraction must be in (0, 1), got {small_fraction}")
         self.small_fraction = small_fraction
