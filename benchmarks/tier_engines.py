@@ -1,0 +1,144 @@
+"""Two engine processes sharing one Valkey store: the second hits the prefixes the first
+computed, and both produce the tokens of one engine without tiers.
+
+A throwaway valkey-server starts on 127.0.0.1 (or ``--store URL``). Process A serves
+``--prefixes`` long shared prefixes, each with its own suffix, then flushes its store
+writes and exits. Process B serves the same prefixes with other suffixes. A third process
+runs A's and B's prompts through one engine without tiers. Reported: the fraction of the
+prefix tokens A computed (full blocks) that B loaded from the store, and whether every
+output agrees.
+
+Run ``python -m kvstore.benchmarks.tier_engines``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "prompts_for", "serve"]
+
+
+def prompts_for(role: str, num_prefixes: int, prefix_len: int, suffix_len: int,
+                vocab: int) -> list[list[int]]:
+    """The prompts of engine ``role`` (``a`` or ``b``): each shared prefix plus a suffix of
+    its own."""
+    import torch
+
+    out = []
+    for i in range(num_prefixes):
+        g = torch.Generator().manual_seed(1000 + i)
+        prefix = torch.randint(0, vocab, (prefix_len,), generator=g).tolist()
+        g = torch.Generator().manual_seed(2000 + 100 * "ab".index(role) + i)
+        out.append(prefix + torch.randint(0, vocab, (suffix_len,), generator=g).tolist())
+    return out
+
+
+def serve(role: str, store_url: str | None, args: dict[str, Any]) -> dict[str, Any]:
+    """Build the seeded model and an engine (with the store when ``store_url``), run the
+    prompts of ``role`` (``a``, ``b``, or ``ab`` for both in turn), return tokens and
+    counters."""
+    import torch
+
+    from kvstore.engine.engine import LLMEngine, SamplingParams
+    from kvstore.models.model import DecoderModel, ModelConfig, tiny_llama
+
+    torch.manual_seed(0)
+    base = tiny_llama()
+    config = ModelConfig(**{**base.__dict__, "num_layers": args["layers"],
+                            "layer_types": base.layer_types[:1] * args["layers"]})
+    model = DecoderModel(config)
+    engine = LLMEngine(model, num_blocks=args["num_blocks"], block_size=args["block_size"],
+                       store_url=store_url)
+    prompts: list[list[int]] = []
+    for r in role:
+        prompts += prompts_for(r, args["prefixes"], args["prefix_len"], args["suffix_len"],
+                               config.vocab_size)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=args["max_tokens"]))
+    seconds = time.perf_counter() - t0
+    flushed = engine.flush_tiers(30.0)
+    s = engine.stats
+    engine.close()
+    return {"tokens": [o.outputs[0].token_ids for o in outs], "seconds": seconds,
+            "flushed": flushed, "computed_tokens": s.computed_tokens,
+            "store_hit_tokens": s.store_hit_tokens, "hit_tokens": s.hit_tokens,
+            "tier_stats": engine.tier_stats()}
+
+
+def _child(role: str, url: str | None, args: dict[str, Any], q: Any) -> None:
+    q.put(serve(role, url, args))
+
+
+def _in_process(role: str, url: str | None, args: dict[str, Any]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(role, url, args, q))
+    p.start()
+    out: dict[str, Any] = q.get(timeout=600)
+    p.join(60)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run A, then B, against one store, and a reference engine; print the figures."""
+    p = argparse.ArgumentParser(prog="python -m kvstore.benchmarks.tier_engines",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--store", default=None, help="valkey:// URL (default: start a server here)")
+    p.add_argument("--prefixes", type=int, default=8)
+    p.add_argument("--prefix-len", type=int, default=250)
+    p.add_argument("--suffix-len", type=int, default=20)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    args = {"prefixes": a.prefixes, "prefix_len": a.prefix_len, "suffix_len": a.suffix_len,
+            "max_tokens": a.max_tokens, "block_size": a.block_size, "num_blocks": a.num_blocks,
+            "layers": a.layers}
+    server = None
+    url = a.store
+    if url is None:
+        from kvstore.tiers.server import ValkeyServer
+
+        server = ValkeyServer().start()
+        url = server.url
+    try:
+        first = _in_process("a", url, args)
+        second = _in_process("b", url, args)
+        ref = _in_process("ab", None, args)
+    finally:
+        if server is not None:
+            server.stop()
+    prefix_tokens = a.prefixes * (a.prefix_len // a.block_size) * a.block_size
+    n = a.prefixes
+    result = {
+        "prefix_tokens_a_computed": prefix_tokens,
+        "store_hit_tokens_b": second["store_hit_tokens"],
+        "fraction": second["store_hit_tokens"] / prefix_tokens,
+        "tokens_equal": first["tokens"] + second["tokens"] == ref["tokens"],
+        "a_tokens_equal": first["tokens"] == ref["tokens"][:n],
+        "b_tokens_equal": second["tokens"] == ref["tokens"][n:],
+        "computed_tokens": {"a": first["computed_tokens"], "b": second["computed_tokens"]},
+        "seconds": {"a": round(first["seconds"], 3), "b": round(second["seconds"], 3)},
+        "a_flushed": first["flushed"], "store_b": second["tier_stats"].get("store", {}),
+    }
+    if a.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"A computed {prefix_tokens} prefix tokens (full blocks) over {n} prefixes; "
+              f"B loaded {second['store_hit_tokens']} of them from the store: "
+              f"{result['fraction']:.3f}")
+        print(f"tokens equal to one engine without tiers: A {result['a_tokens_equal']}, "
+              f"B {result['b_tokens_equal']}")
+        print(f"computed tokens: A {first['computed_tokens']}, B {second['computed_tokens']}; "
+              f"seconds: A {result['seconds']['a']}, B {result['seconds']['b']}")
+    return 0 if result["fraction"] >= 0.95 and result["tokens_equal"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
