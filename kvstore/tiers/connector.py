@@ -131,6 +131,7 @@ class TierConnector:
         self._in_store: OrderedDict[bytes, None] = OrderedDict()
         self._recent_keys = recent_keys
         self._offloads: list[PendingOffload] = []
+        self._host_pending: set[bytes] = set()  # keys queued for the host tier, not yet taken
 
     @classmethod
     def create(cls, config: KVCacheConfig, model_name: str, *, host_tier_bytes: int | None = None,
@@ -173,6 +174,7 @@ class TierConnector:
             for g, layout in enumerate(self.layouts):
                 if n == 0:
                     break
+                # (host hits refresh the host tier's order; store hits are remembered below)
                 before = _rejections(tier)
                 verified = load_verified(tier, layout, keys[g][pos:pos + n], tokens[pos:pos + n])
                 self.stats.rejected_values += _rejections(tier) - before
@@ -181,8 +183,7 @@ class TierConnector:
             for g in range(len(got) if n else 0):
                 payloads[g].extend(got[g][:n])
             if n and tier is self.store:
-                self._remember(keys[0][pos:pos + n] if len(keys) == 1
-                               else [k for ks in keys for k in ks[pos:pos + n]])
+                self._remember([k for ks in keys for k in ks[pos:pos + n]])
             per_tier.append(n)
             pos += n
         if pos == 0:
@@ -206,6 +207,8 @@ class TierConnector:
         if not hashes:
             return
         bs = self.block_size
+        # A store that just failed would drop the writes: skip it (and remember nothing).
+        store_up = self.store is not None and bool(getattr(self.store, "available", True))
         for g, layout in enumerate(self.layouts):
             table = tables[g][:len(hashes)]
             keys = request_keys(layout, hashes[:len(table)], request.cache_salt)
@@ -213,8 +216,11 @@ class TierConnector:
             for i, (block_id, key) in enumerate(zip(table, keys, strict=True)):
                 if block_id == 0:
                     continue
-                to_host = self.host is not None and self.host.contains([key]) == 0
-                to_store = self.store is not None and key not in self._in_store
+                to_host = (self.host is not None and key not in self._host_pending
+                           and self.host.contains([key]) == 0)
+                if to_host:
+                    self._host_pending.add(key)
+                to_store = store_up and key not in self._in_store
                 if to_host or to_store:
                     rows.append((block_id, key, tuple(request.token_ids[i * bs:(i + 1) * bs]),
                                  to_host, to_store))
@@ -227,6 +233,7 @@ class TierConnector:
     def take_offloads(self) -> list[PendingOffload]:
         """The queued offloads (the worker must run them before pages are overwritten)."""
         out, self._offloads = self._offloads, []
+        self._host_pending.clear()
         return out
 
     def _remember(self, keys: Sequence[bytes]) -> None:
