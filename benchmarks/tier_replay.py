@@ -12,8 +12,17 @@ device run, then the host tier extends it with the consecutive ids it holds (as
 - ``write-back``: blocks evicted from the device are stored there (exclusive of the
   device).
 
+The second model is several instances sharing one store (:func:`pooled_replay`): the
+rows are dealt round-robin (in replay order) over ``instances`` engines, each with its
+own device LRU of a share of the capacity; each one extends its device run with the
+consecutive ids the shared store holds, and on free writes the blocks the store lacks (as
+the engine does: write-through on free). The store is an LRU of hash ids shared by all
+instances, unbounded or of a given capacity; a load or a write refreshes an id. Requests
+run one at a time, so a block written by one instance is visible to the next request on
+any instance at once (no in-flight overlap, no store latency, no failures).
+
 Run ``python -m kvstore.benchmarks.tier_replay`` (the conversation trace, 3M device
-tokens, 30M host tokens)."""
+tokens, 30M host tokens; 4 instances with a store unbounded, of 30M and of 3M tokens)."""
 
 from __future__ import annotations
 
@@ -33,7 +42,7 @@ from kvstore.benchmarks.traces import (
 )
 from kvstore.utils import hit_rate
 
-__all__ = ["MODES", "main", "tiered_replay"]
+__all__ = ["MODES", "main", "pooled_replay", "tiered_replay"]
 
 MODES = ("on-free", "write-back")
 
@@ -96,6 +105,79 @@ def tiered_replay(requests: Iterable[MooncakeRequest], device_blocks: int, host_
             "token_hit_rate": hit_rate(hit_tokens, input_tokens)}
 
 
+def pooled_replay(requests: Iterable[MooncakeRequest], instances: int, device_blocks: int,
+                  store_blocks: int | None = 0) -> dict[str, Any]:
+    """Replay rows (timestamp order) dealt round-robin over ``instances`` device LRUs of
+    ``device_blocks`` hash ids each, sharing one store LRU of ``store_blocks`` ids (None:
+    unbounded; 0: no store, the instances are local-only). Hit blocks per tier, the block
+    and token hit rates over all instances, and each instance's block hit rate.
+
+    With one instance and no store this is :func:`mooncake_lru_replay` exactly."""
+    if instances < 1 or device_blocks < 1:
+        raise ValueError(f"need instances >= 1 and device_blocks >= 1, got {instances}, "
+                         f"{device_blocks}")
+    if store_blocks is not None and store_blocks < 0:
+        raise ValueError(f"store_blocks must be >= 0 or None, got {store_blocks}")
+    rows = sorted(requests, key=lambda r: r.timestamp_ms)
+    devs: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(instances)]
+    store: OrderedDict[int, None] = OrderedDict()
+    use_store = store_blocks is None or store_blocks > 0
+    total = dev_hits = store_hits = input_tokens = hit_tokens = 0
+    per_total = [0] * instances
+    per_hits = [0] * instances
+
+    for i, req in enumerate(rows):
+        n = i % instances
+        dev = devs[n]
+        ids = req.hash_ids
+        total += len(ids)
+        k = 0
+        while k < len(ids) and ids[k] in dev:
+            k += 1
+        j = k
+        if use_store:
+            while j < len(ids) and ids[j] in store:
+                store.move_to_end(ids[j])  # a load refreshes the block in the store
+                j += 1
+        dev_hits += k
+        store_hits += j - k
+        per_total[n] += len(ids)
+        per_hits[n] += j
+        input_tokens += req.input_length
+        hit_tokens += min(j * MOONCAKE_BLOCK_TOKENS, req.input_length)
+        keep = ids[:device_blocks]
+        for h in keep:
+            dev.pop(h, None)
+        while dev and len(dev) + len(keep) > device_blocks:
+            dev.popitem(last=False)
+        for h in reversed(keep):
+            dev[h] = None
+        if use_store:  # on free: write through the blocks the store lacks
+            for h in keep:
+                if h in store:
+                    continue
+                if store_blocks is not None:
+                    while len(store) >= store_blocks:
+                        store.popitem(last=False)
+                store[h] = None
+    return {"instances": instances, "device_blocks": device_blocks,
+            "store_blocks": store_blocks, "requests": len(rows), "total_blocks": total,
+            "device_hit_blocks": dev_hits, "store_hit_blocks": store_hits,
+            "device_hit_rate": hit_rate(dev_hits, total),
+            "block_hit_rate": hit_rate(dev_hits + store_hits, total),
+            "token_hit_rate": hit_rate(hit_tokens, input_tokens),
+            "per_instance_block_hit_rate": [hit_rate(h, t) for h, t in zip(per_hits, per_total, strict=True)]}
+
+
+def _store_tokens(text: str) -> int | None:
+    if text.lower() in ("inf", "unbounded", "none"):
+        return None
+    value = int(text.replace("_", "").replace(",", ""))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"store tokens must be >= 1 or 'inf', got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print device-only LRU, device + host tier (both modes) and the unbounded bound."""
     p = argparse.ArgumentParser(prog="python -m kvstore.benchmarks.tier_replay",
@@ -103,6 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trace", default=None, help="trace file (default: the conversation trace)")
     p.add_argument("--device-tokens", type=int, default=3_000_000)
     p.add_argument("--host-tokens", type=int, default=30_000_000)
+    p.add_argument("--instances", type=int, default=4,
+                   help="instances sharing one store, each with 1/N of --device-tokens")
+    p.add_argument("--store-tokens", type=_store_tokens, nargs="+", default=None,
+                   help="shared-store capacities in tokens ('inf': unbounded; default: "
+                        "unbounded, 10x and 1x --device-tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     path = args.trace or trace_file("mooncake_conversation")
@@ -120,6 +207,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = tiered_replay(rows, dev_blocks, host_blocks, mode)
         out[mode] = {k: r[k] for k in ("block_hit_rate", "token_hit_rate", "device_hit_rate",
                                        "device_hit_blocks", "host_hit_blocks", "total_blocks")}
+    n = args.instances
+    if n < 1 or dev_blocks < n:
+        p.error(f"--instances must be in 1..{dev_blocks} (device blocks), got {n}")
+    one = pooled_replay(rows, 1, dev_blocks, 0)
+    assert one["block_hit_rate"] == device_only["block_hit_rate"]  # the same model
+    pooled: dict[str, Any] = {"instances": n, "device_tokens_each": dev_blocks // n * bt,
+                              "one_instance": one,
+                              "local_only": pooled_replay(rows, n, dev_blocks // n, 0),
+                              "shared": []}
+    store_tokens = args.store_tokens or [None, 10 * args.device_tokens, args.device_tokens]
+    for st in store_tokens:
+        r = pooled_replay(rows, n, dev_blocks // n, None if st is None else max(1, st // bt))
+        r["store_tokens"] = st
+        pooled["shared"].append(r)
+    for r in (pooled["local_only"], *pooled["shared"]):
+        r["ratio_to_one_instance"] = r["block_hit_rate"] / one["block_hit_rate"]
+        r["token_ratio_to_one_instance"] = r["token_hit_rate"] / one["token_hit_rate"]
+    out["pooled"] = pooled
     out["seconds"] = round(time.perf_counter() - t0, 2)
     if args.json:
         print(json.dumps(out, indent=2))
@@ -136,6 +241,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = out[mode]
         print(f"  {mode}: the host tier adds {r['host_hit_blocks'] / r['total_blocks']:.3f} of "
               "all blocks")
+    each = pooled["device_tokens_each"]
+    print(f"\n{n} instances round-robin, {each:,} device tokens each, against one instance with "
+          f"{dev_blocks * bt:,}")
+    print(f"  {'':40s} {'blocks':>7s} {'tokens':>7s} {'ratio':>6s} {'store':>6s}")
+    table = [("one instance, all the capacity", one),
+             (f"{n} local-only instances", pooled["local_only"])]
+    for r in pooled["shared"]:
+        st = r["store_tokens"]
+        table.append((f"{n} + shared store, " + ("unbounded" if st is None else f"{st:,} tokens"), r))
+    for name, r in table:
+        ratio = r["block_hit_rate"] / one["block_hit_rate"]
+        sh = r.get("store_hit_blocks", 0) / r["total_blocks"]
+        print(f"  {name:40s} {r['block_hit_rate']:7.3f} {r['token_hit_rate']:7.3f} "
+              f"{ratio:5.2f}x {sh:6.3f}")
+    print("  ratio: block hit rate over the one instance's (goal for the shared store: >= 0.9x); "
+          "store: blocks hit in the store")
     return 0
 
 
