@@ -188,9 +188,9 @@ class KVCacheManager:
 
     def _grow(self, request: Request, num_new_tokens: int,
               num_lookahead_tokens: int) -> BlockIds | None:
-        # The decode hot path: checks inline.
-        if not isinstance(num_new_tokens, int) or num_new_tokens <= 0 or not isinstance(
-                num_lookahead_tokens, int) or num_lookahead_tokens < 0:
+        # The decode hot path: checks inline (exact types: a bool is not a count).
+        if type(num_new_tokens) is not int or num_new_tokens <= 0 or type(
+                num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
             self._check_counts(num_new_tokens, num_lookahead_tokens)
         rid = request.request_id
         live = self._requests.get(rid)
@@ -198,10 +198,12 @@ class KVCacheManager:
             if live is None:
                 raise ValueError(f"unknown request {rid!r}: admit it first")
             raise ValueError(f"duplicate request id {rid!r}: another request is live under it")
-        request.update_block_hashes(self.block_size, self._hash_fn)
         num_computed = request.num_computed_tokens
-        if num_computed + num_new_tokens > request.num_tokens:
+        if type(num_computed) is not int or num_computed < 0 or \
+                num_computed + num_new_tokens > request.num_tokens:
+            self._check_progress(request)
             self._check_length(request, num_computed, num_new_tokens)
+        request.update_block_hashes(self.block_size, self._hash_fn)
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         if all(m.is_noop(request, num_tokens) for m in self._coordinator.managers):
             # Most decode steps: the pages exist, nothing to cache, drop or copy.
@@ -242,6 +244,7 @@ class KVCacheManager:
         if self._requests.get(request.request_id) is not request:
             raise ValueError(f"unknown request {request.request_id!r} (never admitted, or "
                              "already freed)")
+        self._check_progress(request)
         request.update_block_hashes(self.block_size, self._hash_fn)
         self._coordinator.free(request)
         del self._requests[request.request_id]
@@ -301,10 +304,19 @@ class KVCacheManager:
 
     @staticmethod
     def _check_counts(num_new_tokens: int, num_lookahead_tokens: int) -> None:
-        if not isinstance(num_new_tokens, int) or num_new_tokens <= 0:
+        if not isinstance(num_new_tokens, int) or isinstance(num_new_tokens, bool) \
+                or num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be a positive int, got {num_new_tokens!r}")
-        if not isinstance(num_lookahead_tokens, int) or num_lookahead_tokens < 0:
+        if not isinstance(num_lookahead_tokens, int) or isinstance(num_lookahead_tokens, bool) \
+                or num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}")
+
+    @staticmethod
+    def _check_progress(request: Request) -> None:
+        n = request.num_computed_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= request.num_tokens:
+            raise ValueError(f"request {request.request_id!r}: num_computed_tokens must be an int "
+                             f"in [0, {request.num_tokens}], got {n!r}")
 
     @staticmethod
     def _check_length(request: Request, num_computed: int, num_new_tokens: int) -> None:

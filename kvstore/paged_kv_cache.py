@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvstore.kernels import copy_blocks, write_kv
@@ -52,11 +53,41 @@ class PagedKVCache:
         write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy page src onto page dst in every layer slot, for each (src, dst)."""
-        if not pairs:
+        """Copy page src onto page dst in every layer slot, for each (src, dst).
+
+        Every id must be an int (not a bool or a float) naming a real page, 1 to
+        num_blocks - 1 (block 0 is the null block); a destination may appear once and may not
+        also be a source. ValueError or TypeError otherwise, before anything is copied."""
+        checked = self._check_pairs(pairs)
+        if not checked:
             return
-        copy_blocks(list(zip(self.key_caches, self.value_caches, strict=True)), pairs)
-        self.copies_executed += len(pairs)
+        copy_blocks(list(zip(self.key_caches, self.value_caches, strict=True)), checked)
+        self.copies_executed += len(checked)
+
+    def _check_pairs(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        if isinstance(pairs, torch.Tensor):
+            pairs = pairs.tolist()
+        num_blocks = self.config.num_blocks
+        out = []
+        for k, pair in enumerate(pairs):
+            if isinstance(pair, torch.Tensor):
+                pair = pair.tolist()
+            try:
+                src, dst = pair
+            except (TypeError, ValueError):
+                raise ValueError(f"copy {k}: expected a (src, dst) pair of block ids, got "
+                                 f"{pair!r:.60}") from None
+            ids = []
+            for name, value in (("src", src), ("dst", dst)):
+                if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                    raise TypeError(f"copy {k}: {name} block id must be an int, got "
+                                    f"{type(value).__name__} {value!r}")
+                if not 1 <= value < num_blocks:
+                    raise ValueError(f"copy {k}: {name} block id {value} is not a page of this "
+                                     f"cache (1 to {num_blocks - 1}; 0 is the null block)")
+                ids.append(int(value))
+            out.append((ids[0], ids[1]))
+        return out
 
     def gather(self, layer: int, block_ids: Sequence[int], start: int, end: int
                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,33 +3,112 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from kvstore.hashing import BlockHash, HashFn, root_hash
 
+# Token ids are stored and hashed as int64: they must lie in [0, MAX_TOKEN_ID).
+MAX_TOKEN_ID = 1 << 63
 
-def as_token_list(token_ids: Sequence[int] | np.ndarray, what: str = "token ids") -> list[int]:
-    """Validate token ids (non-negative integers) and return them as a list."""
-    arr = np.asarray(token_ids)
+
+def check_salt(cache_salt: Any) -> str | None:
+    """Validate a cache salt: None or a str that encodes as UTF-8 (no lone surrogates)."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__} "
+                        f"{cache_salt!r:.60}")
+    try:
+        cache_salt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"cache_salt must be valid UTF-8 text: {exc.reason} at index "
+                         f"{exc.start}") from None
+    return cache_salt
+
+
+def check_count(value: Any, what: str, minimum: int = 0) -> int:
+    """Validate a count: an int (not a bool) of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r:.60}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _token(value: Any, what: str) -> int:
+    """One token id: an int or numpy integer (not a bool) in [0, 2**63)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} is a bool ({value!r}), not a token id")
+    if not isinstance(value, (int, np.integer)):
+        if isinstance(value, (list, tuple, range)) or getattr(value, "ndim", 0) != 0:
+            raise ValueError(f"token ids must be a flat sequence; {what} is a {type(value).__name__}")
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r:.60}")
+    value = int(value)
+    if not 0 <= value < MAX_TOKEN_ID:
+        raise ValueError(f"{what} must be in [0, 2**63), got {value}")
+    return value
+
+
+def _array_tokens(arr: np.ndarray, what: str) -> list[int]:
     if arr.ndim != 1:
         raise ValueError(f"{what} must be a flat sequence, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
+    if arr.dtype.kind == "O":
+        return _list_tokens(arr.tolist(), what)
+    if arr.size == 0:
+        return []
+    if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
-    if arr.size and int(arr.min()) < 0:
-        raise ValueError(f"{what} must be non-negative, got {int(arr.min())}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= MAX_TOKEN_ID:
+        raise ValueError(f"{what} must be in [0, 2**63), got {lo if lo < 0 else hi}")
     return arr.astype(np.int64, copy=False).tolist()
 
 
+def _list_tokens(items: list[Any], what: str) -> list[int]:
+    if all(type(t) is int for t in items):  # the common case, checked at C speed
+        if items and (min(items) < 0 or max(items) >= MAX_TOKEN_ID):
+            bad = next(t for t in items if not 0 <= t < MAX_TOKEN_ID)
+            raise ValueError(f"{what} must be in [0, 2**63), got {bad}")
+        return items
+    return [_token(t, f"{what}[{i}]") for i, t in enumerate(items)]
+
+
+def as_token_list(token_ids: Any, what: str = "token ids") -> list[int]:
+    """Validate token ids and return them as a new list of Python ints.
+
+    Accepts a flat list, tuple or range, a 1-D numpy array (any integer dtype, uint64
+    included) or anything with `tolist()` (a torch tensor, an `array.array`); every id must be
+    an integer in [0, 2**63), never a bool. TypeError or ValueError otherwise."""
+    if isinstance(token_ids, np.ndarray):
+        return _array_tokens(token_ids, what)
+    if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"{what} must be a sequence of ints, got {type(token_ids).__name__}")
+    if isinstance(token_ids, (list, tuple, range)):
+        items = list(token_ids)
+    elif hasattr(token_ids, "tolist"):  # a tensor (torch is never imported here) or array.array
+        items = token_ids.tolist()
+        if not isinstance(items, list):
+            raise ValueError(f"{what} must be a flat sequence, got a scalar "
+                             f"{type(token_ids).__name__}")
+    else:
+        raise TypeError(f"{what} must be a sequence of ints, got {type(token_ids).__name__}")
+    return _list_tokens(items, what)
+
+
 class Request:
-    """A sequence as the cache sees it; the scheduler advances `num_computed_tokens`."""
+    """A sequence as the cache sees it; the scheduler advances `num_computed_tokens`.
+
+    Tokens are added only through `append_token_ids`, which validates them like the
+    constructor; `cache_salt` is validated whenever it is set."""
 
     __slots__ = (
         "request_id",
         "token_ids",
         "num_prompt_tokens",
         "num_computed_tokens",
-        "cache_salt",
+        "_cache_salt",
         "block_hashes",
         "hash_fn",
         "max_tokens",
@@ -47,17 +126,28 @@ class Request:
         tokens = as_token_list(prompt_token_ids, "prompt_token_ids")
         if not tokens:
             raise ValueError(f"request {request_id!r} has an empty prompt")
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        max_tokens = check_count(max_tokens, "max_tokens")
+        self._cache_salt = check_salt(cache_salt)
         self.request_id = request_id
         self.token_ids: list[int] = tokens
         self.num_prompt_tokens = len(tokens)
         self.num_computed_tokens = 0
-        self.cache_salt = cache_salt
         self.block_hashes: list[BlockHash] = []
         # The function `block_hashes` were computed with (None until the first is).
         self.hash_fn: HashFn | None = None
         self.max_tokens = max_tokens
+
+    @property
+    def cache_salt(self) -> str | None:
+        """The tenant's salt: requests with different salts never share cached content."""
+        return self._cache_salt
+
+    @cache_salt.setter
+    def cache_salt(self, value: str | None) -> None:
+        value = check_salt(value)
+        if value != self._cache_salt and self.block_hashes:
+            raise ValueError(f"request {self.request_id!r} is already hashed under its salt")
+        self._cache_salt = value
 
     @property
     def num_tokens(self) -> int:
@@ -70,11 +160,17 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def append_token_ids(self, token_ids: Sequence[int] | int) -> None:
-        """Append generated tokens."""
-        if isinstance(token_ids, int):
-            if token_ids < 0:
-                raise ValueError(f"token id must be non-negative, got {token_ids}")
+        """Append generated tokens: one id (an int, or a 0-d array or tensor) or a flat
+        sequence of them, validated like the prompt; nothing is appended if any is bad."""
+        if type(token_ids) is int:  # the decode step
+            if not 0 <= token_ids < MAX_TOKEN_ID:
+                raise ValueError(f"token id must be in [0, 2**63), got {token_ids}")
             self.token_ids.append(token_ids)
+            return
+        if getattr(token_ids, "ndim", None) == 0:  # a numpy scalar, 0-d array or tensor
+            token_ids = token_ids.item()  # type: ignore[union-attr]
+        if isinstance(token_ids, (int, np.integer)):
+            self.token_ids.append(_token(token_ids, "token id"))
         else:
             self.token_ids.extend(as_token_list(token_ids))
 
@@ -89,7 +185,7 @@ class Request:
         hashes = self.block_hashes
         n_full = len(self.token_ids) // block_size
         if len(hashes) < n_full:
-            parent = hashes[-1] if hashes else root_hash(self.cache_salt)
+            parent = hashes[-1] if hashes else root_hash(self._cache_salt)
             tokens = self.token_ids
             for i in range(len(hashes), n_full):
                 parent = hash_fn(parent, tokens[i * block_size : (i + 1) * block_size])
@@ -98,7 +194,7 @@ class Request:
 
     def fork(self, child_id: str) -> Request:
         """A new request with the same tokens, progress, salt and hashes."""
-        child = Request(child_id, self.token_ids[: self.num_prompt_tokens], self.cache_salt,
+        child = Request(child_id, self.token_ids[: self.num_prompt_tokens], self._cache_salt,
                         self.max_tokens)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
@@ -113,5 +209,5 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, salt={self.cache_salt!r})"
+            f"computed={self.num_computed_tokens}, salt={self._cache_salt!r})"
         )

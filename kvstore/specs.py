@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any
 
 from kvstore.utils import cdiv
@@ -112,11 +113,39 @@ class KVCacheGroup:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """The whole cache: groups over one pool of `num_blocks` blocks, `num_slots` pages each."""
+    """The whole cache: groups over one pool of `num_blocks` blocks, `num_slots` pages each.
+
+    Every group's pages have one shape and dtype (they share the slot tensors); ValueError
+    for a config that breaks this or holds a layer twice."""
 
     num_blocks: int
     groups: tuple[KVCacheGroup, ...]
     num_slots: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.num_blocks) or self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be an int >= 2 (one is the null block), got "
+                             f"{self.num_blocks!r}")
+        if not _is_int(self.num_slots) or self.num_slots < 1:
+            raise ValueError(f"num_slots must be a positive int, got {self.num_slots!r}")
+        groups = tuple(self.groups)
+        if not groups or not all(isinstance(g, KVCacheGroup) for g in groups):
+            raise ValueError("a cache config needs at least one KVCacheGroup")
+        object.__setattr__(self, "groups", groups)
+        layers = [layer for g in groups for layer in g.layer_ids]
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"a layer is in two groups: {sorted(layers)}")
+        for g, group in enumerate(groups):
+            if not isinstance(group.spec, AttentionSpec):
+                raise ValueError(f"group {g} has no attention spec: {group.spec!r:.60}")
+            if not all(_is_int(layer) and layer >= 0 for layer in group.layer_ids):
+                raise ValueError(f"group {g} layer ids must be ints >= 0, got {group.layer_ids!r}")
+            if not 1 <= len(group.layer_ids) <= self.num_slots:
+                raise ValueError(f"group {g} has {len(group.layer_ids)} layers for "
+                                 f"{self.num_slots} slots")
+            problem = _page_mismatch(group.spec, groups[0].spec, f"group {g}", "group 0")
+            if problem:
+                raise ValueError(problem)
 
     @property
     def block_size(self) -> int:
@@ -144,20 +173,40 @@ class KVCacheConfig:
                 for j, layer in enumerate(group.layer_ids)}
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _page_mismatch(spec: AttentionSpec, first: AttentionSpec, what: str, first_what: str) -> str:
+    """Why `spec`'s pages cannot share slot tensors with `first`'s ('' when they can)."""
+    if spec.block_size != first.block_size:
+        return (f"{what} has block_size {spec.block_size}, {first_what} has {first.block_size}: "
+                "all groups of one pool must use one block size")
+    if spec.page_size_bytes != first.page_size_bytes:
+        return (f"{what} pages are {spec.page_size_bytes} bytes, {first_what} pages are "
+                f"{first.page_size_bytes}: groups sharing slot tensors need equal page sizes")
+    if (spec.num_kv_heads, spec.head_dim, spec.dtype) != (first.num_kv_heads, first.head_dim,
+                                                          first.dtype):
+        return (f"{what} pages are [{spec.block_size}, {spec.num_kv_heads}, {spec.head_dim}] "
+                f"{spec.dtype}, {first_what} pages are [{first.block_size}, {first.num_kv_heads}, "
+                f"{first.head_dim}] {first.dtype}: groups sharing slot tensors need one page "
+                "shape (block size, kv heads, head dim) and dtype, even where the bytes match")
+    return ""
+
+
 def group_layers(layer_specs: Sequence[KVCacheSpec]) -> tuple[tuple[KVCacheGroup, ...], int]:
-    """Group layers by spec into groups of equal size; returns the groups and the slot count."""
+    """Group layers by spec into groups of equal size; returns the groups and the slot count.
+    ValueError unless every layer has the first layer's block size, page shape and dtype."""
     if not layer_specs:
         raise ValueError("a cache needs at least one layer spec")
     first = layer_specs[0]
     for i, spec in enumerate(layer_specs):
-        if spec.block_size != first.block_size:
-            raise ValueError(
-                f"layer {i} has block_size {spec.block_size}, layer 0 has {first.block_size}: "
-                "all groups of one pool must use one block size")
-        if spec.page_size_bytes != first.page_size_bytes:
-            raise ValueError(
-                f"layer {i} pages are {spec.page_size_bytes} bytes, layer 0 pages are "
-                f"{first.page_size_bytes}: groups sharing slot tensors need equal page sizes")
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"layer {i}: expected a FullAttentionSpec or SlidingWindowSpec, got "
+                            f"{type(spec).__name__}")
+        problem = _page_mismatch(spec, first, f"layer {i}", "layer 0")
+        if problem:
+            raise ValueError(problem)
     by_spec: dict[KVCacheSpec, list[int]] = {}
     for i, spec in enumerate(layer_specs):
         by_spec.setdefault(spec, []).append(i)
@@ -173,18 +222,22 @@ def group_layers(layer_specs: Sequence[KVCacheSpec]) -> tuple[tuple[KVCacheGroup
 
 def make_kv_cache_config(layer_specs: Sequence[KVCacheSpec], memory_bytes: int | None = None,
                          num_blocks: int | None = None) -> KVCacheConfig:
-    """Group the layers and size the pool from a byte budget (or an explicit block count)."""
+    """Group the layers and size the pool from a byte budget (or an explicit block count);
+    both are ints (a float budget is refused rather than rounded)."""
     groups, num_slots = group_layers(layer_specs)
     bytes_per_block = groups[0].spec.page_size_bytes * num_slots
     if (memory_bytes is None) == (num_blocks is None):
         raise ValueError("give exactly one of memory_bytes and num_blocks")
     if num_blocks is None:
         assert memory_bytes is not None
-        num_blocks = memory_bytes // bytes_per_block
+        if not _is_int(memory_bytes):
+            raise ValueError(f"memory_bytes must be an int number of bytes, got "
+                             f"{type(memory_bytes).__name__} {memory_bytes!r}")
+        num_blocks = int(memory_bytes) // bytes_per_block
         if num_blocks < 2:
             raise ValueError(
                 f"memory_bytes={memory_bytes} holds {num_blocks} blocks of {bytes_per_block} bytes; "
                 "need at least 2 (one is the null block)")
-    elif not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
+    elif not _is_int(num_blocks) or num_blocks < 2:
         raise ValueError(f"num_blocks must be an int >= 2 (one is the null block), got {num_blocks!r}")
-    return KVCacheConfig(num_blocks=num_blocks, groups=groups, num_slots=num_slots)
+    return KVCacheConfig(num_blocks=int(num_blocks), groups=groups, num_slots=num_slots)

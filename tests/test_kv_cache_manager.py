@@ -19,18 +19,26 @@ from kvstore.hashing import hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
-from kvstore.specs import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, make_kv_cache_config
+from kvstore.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    SlidingWindowSpec,
+    make_kv_cache_config,
+)
 from kvstore.utils import cdiv, common_prefix_len
 
 BS = 4
 SPEC_A = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=8)
-SPEC_B = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_dim=4)  # same page bytes as A
 
 
 def config(num_blocks: int, groups: int = 1) -> KVCacheConfig:
-    """Full attention with one group (two identical layers) or two groups (distinct specs)."""
-    specs = [SPEC_A, SPEC_A] if groups == 1 else [SPEC_A, SPEC_B]
-    cfg = make_kv_cache_config(specs, num_blocks=num_blocks)
+    """Full attention with one group (two identical layers) or two groups of one layer each
+    (equal specs, as a large bucket is split into groups)."""
+    if groups == 1:
+        cfg = make_kv_cache_config([SPEC_A, SPEC_A], num_blocks=num_blocks)
+    else:
+        cfg = KVCacheConfig(num_blocks, (KVCacheGroup(SPEC_A, (0,)), KVCacheGroup(SPEC_A, (1,))), 1)
     assert len(cfg.groups) == groups
     return cfg
 

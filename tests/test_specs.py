@@ -252,10 +252,12 @@ def test_mismatched_page_size_names_layers() -> None:
     # A dtype change alone changes the page size too.
     with pytest.raises(ValueError, match="layer 1"):
         make_kv_cache_config([full(torch.float16), full(torch.float32)], num_blocks=10)
-    # Bytes are compared, so an fp32 layer with half the heads of an fp16 layer is allowed.
-    ok = make_kv_cache_config(
-        [full(torch.float16), FullAttentionSpec(BS, HEADS // 2, DIM, torch.float32)], num_blocks=10)
-    assert ok.page_size_bytes == 2 * BS * HEADS * DIM * 2
+    # Equal bytes are not enough: the groups share one page tensor per slot, so an fp32 layer
+    # with half the heads of an fp16 layer is refused (PagedKVCache would give it fp16 pages).
+    with pytest.raises(ValueError, match=r"layer 1 pages are \[16, 2, 64\] float32.*"
+                                         r"layer 0 pages are \[16, 4, 64\] float16"):
+        make_kv_cache_config(
+            [full(torch.float16), FullAttentionSpec(BS, HEADS // 2, DIM, torch.float32)], num_blocks=10)
 
 
 def test_mismatch_is_raised_for_budget_sizing_too() -> None:
