@@ -11,7 +11,7 @@ from sortedcontainers import SortedList
 
 from kvstore.block import KVCacheBlock
 from kvstore.eviction import DEFAULT_EVICTION, EvictionPolicy, make_policy
-from kvstore.hashing import BlockHash
+from kvstore.hashing import BlockHash, root_serial
 from kvstore.utils import common_prefix_len, hit_rate
 
 
@@ -117,7 +117,6 @@ class BlockPool:
         self._hash_index: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
         # (group, parent serial) -> sorted (token_ids, block_id) of full and partial children.
         self._children: dict[tuple[int, int], SortedList] = {}
-        self._root_serials: dict[str | None, int] = {}
         self._next_serial = 1
         self._events: list[KVCacheEvent] = []
         self.in_use_by_group: Counter[int] = Counter()
@@ -189,11 +188,9 @@ class BlockPool:
 
     # ---- prefix cache ------------------------------------------------------------------------
     def root_serial(self, cache_salt: str | None) -> int:
-        """The parent serial of first blocks under this salt."""
-        serial = self._root_serials.get(cache_salt)
-        if serial is None:
-            serial = self._root_serials[cache_salt] = self.new_serial()
-        return serial
+        """The parent serial of first blocks under this salt: derived from the salt alone, so
+        the pool keeps nothing per salt (see `kvstore.hashing.root_serial`)."""
+        return root_serial(cache_salt)
 
     def find_cached(self, group_id: int, block_hash: BlockHash, token_ids: Sequence[int],
                     parent_serial: int) -> KVCacheBlock | None:
@@ -222,24 +219,35 @@ class BlockPool:
         self._next_serial += 1
         return serial
 
+    def twin_serial(self, parent_serial: int, token_ids: tuple[int, ...],
+                    group_ids: Iterable[int]) -> int:
+        """The serial of a full cached block with this parent and these tokens in any of
+        `group_ids` (searched in order), or 0 if there is none."""
+        for group in group_ids:
+            siblings = self._children.get((group, parent_serial))
+            if not siblings:
+                continue
+            i = siblings.bisect_left((token_ids,))
+            while i < len(siblings) and siblings[i][0] == token_ids:
+                twin = self.blocks[siblings[i][1]]
+                if twin.block_hash is not None:
+                    return twin.serial
+                i += 1
+        return 0
+
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash,
                          token_ids: tuple[int, ...], parent_serial: int,
-                         parent_hash: BlockHash | None = None) -> int:
-        """Index a full block (in use by the caller); returns its content serial."""
+                         parent_hash: BlockHash | None = None, serial: int = 0) -> int:
+        """Index a full block (in use by the caller); returns its content serial: `serial` if
+        given, else that of a twin in its group (same parent, same tokens), else a new one."""
         if block.token_ids is not None:
             raise RuntimeError(f"block {block.block_id} is already cached")
         group = block.group_id
         siblings = self._siblings(group, parent_serial)
-        # Same parent and same tokens means same content: share the serial so chains
-        # computed independently by concurrent requests link up.
-        i = siblings.bisect_left((token_ids,))
-        serial = 0
-        if i < len(siblings) and siblings[i][0] == token_ids:
-            twin = self.blocks[siblings[i][1]]
-            if twin.block_hash is not None:
-                serial = twin.serial
         if serial == 0:
-            serial = self.new_serial()
+            # Same parent and same tokens means same content: share the serial so chains
+            # computed independently by concurrent requests link up.
+            serial = self.twin_serial(parent_serial, token_ids, (group,)) or self.new_serial()
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.serial = serial

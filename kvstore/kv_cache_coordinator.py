@@ -8,13 +8,22 @@ from typing import NamedTuple
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool, PendingCopies
 from kvstore.request import Request
-from kvstore.single_type_kv_cache_manager import SingleTypeKVCacheManager, make_manager
+from kvstore.single_type_kv_cache_manager import (
+    ChainSearch,
+    HitSearch,
+    SingleTypeKVCacheManager,
+    make_manager,
+)
 from kvstore.specs import KVCacheConfig
 
 
 @dataclass(frozen=True, slots=True)
 class ComputedBlocks:
-    """A prefix hit: per-group hit blocks, and per-group copy sources for a partial block."""
+    """A prefix hit: per-group hit blocks, and per-group copy sources for a partial block.
+
+    `parent_serials[i]` is the serial the request's block i hangs under (the salt's root
+    serial for block 0), for every hit block and the one after the hit; empty means no
+    hit."""
 
     request_id: str
     blocks: tuple[list[KVCacheBlock], ...]
@@ -22,6 +31,7 @@ class ComputedBlocks:
     num_full_hit_tokens: int
     num_partial_tokens: int
     cache_epoch: int = -1
+    parent_serials: tuple[int, ...] = ()
 
     @property
     def num_computed_tokens(self) -> int:
@@ -40,75 +50,146 @@ class AllocationPlan(NamedTuple):
 class KVCacheCoordinator:
     """All KV cache groups of one cache over one shared pool."""
 
-    __slots__ = ("config", "pool", "block_size", "managers")
+    __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_spine_groups")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies) -> None:
         self.config = config
         self.pool = pool
         self.block_size = config.block_size
+        n = len(config.groups)
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            make_manager(pool, group.spec, g, copies) for g, group in enumerate(config.groups))
+            make_manager(pool, group.spec, g, copies, n) for g, group in enumerate(config.groups))
+        # Where the lookup verifies the prompt's prefix block by block: the first
+        # full-attention group (which needs every block anyway), else every group.
+        full = [g for g, group in enumerate(config.groups) if group.spec.sliding_window is None]
+        self._full_group = full[0] if full else -1
+        self._spine_groups: tuple[int, ...] = (full[0],) if full else tuple(range(n))
+
+    def _verified_prefix(self, request: Request, max_blocks: int
+                         ) -> tuple[list[int], list[KVCacheBlock]]:
+        """The longest prefix of the request cached block by block from the salt's root in
+        some group: `parents[i]` is the serial block i hangs under for each of its blocks and
+        the one after it, and `blocks` the cached blocks it was found in (one per block).
+
+        A serial names one prefix exactly (the salt and every token before it) in every
+        group, so a block found under `parents[i]` holding block i's tokens holds exactly the
+        request's content there, whatever the hash says."""
+        pool, bs = self.pool, self.block_size
+        hashes, tokens = request.block_hashes, request.token_ids
+        parents = [pool.root_serial(request.cache_salt)]
+        blocks: list[KVCacheBlock] = []
+        groups = self._spine_groups
+        at = 0  # the group that held the previous block is asked first
+        for i in range(min(max_blocks, len(hashes))):
+            block_tokens = tokens[i * bs:(i + 1) * bs]
+            for k in range(len(groups)):
+                g = groups[(at + k) % len(groups)]
+                block = pool.find_cached(g, hashes[i], block_tokens, parents[i])
+                if block is not None:
+                    at = (at + k) % len(groups)
+                    break
+            else:
+                break
+            blocks.append(block)
+            parents.append(block.serial)
+        return parents, blocks
 
     def find_longest_hit(self, request: Request, max_tokens: int,
                          partial: bool) -> ComputedBlocks:
         """The longest prefix of at most `max_tokens` tokens cached for every group.
 
-        Whole blocks first: each group lowers the candidate length in turn until none
-        does. Then, if `partial`, the next block's leading tokens that every group has
-        under its last hit block, at most block_size - 1 of them."""
+        Whole blocks first: never past the prefix verified in the cache, then each group
+        lowers the candidate length in turn until none does (each group's search resumes
+        where it stopped, so the lookup is linear in the prompt's blocks per group). Then, if
+        `partial`, the next block's leading tokens that every group has under the hit's
+        prefix, at most block_size - 1 of them."""
         bs = self.block_size
-        num_blocks = max_tokens // bs
-        hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        parents, spine_blocks = self._verified_prefix(request, max_tokens // bs)
+        num_blocks = len(spine_blocks)
+        searches: list[HitSearch] = []
+        for g, manager in enumerate(self.managers):
+            if g == self._full_group:  # its chain is the verified prefix
+                searches.append(ChainSearch(manager, request, parents, spine_blocks))
+            else:
+                searches.append(manager.hit_search(request, parents))
         changed = True
         while changed:
             changed = False
-            for g, manager in enumerate(self.managers):
-                hits[g] = manager.find_longest_hit(request, num_blocks)
-                if len(hits[g]) < num_blocks:
-                    num_blocks = len(hits[g])
+            for search in searches:
+                n = search.longest(num_blocks)
+                if n < num_blocks:
+                    num_blocks = n
                     changed = True
-        # Every group's hit has exactly num_blocks blocks now (longer ones were cut by the loop).
-        hits = [h[:num_blocks] for h in hits]
+        # Every group's last answer was exactly num_blocks.
+        hits = tuple(search.blocks(num_blocks) for search in searches)
         full = num_blocks * bs
+        parent = parents[num_blocks]
         sources: list[KVCacheBlock | None] = [None] * len(self.managers)
         num_partial = 0
         if partial and max_tokens > full:
             query = tuple(request.token_ids[full:min(full + bs - 1, max_tokens)])
             num_partial = len(query)
-            for g, manager in enumerate(self.managers):
-                parent = manager.parent_serial_after(request, hits[g])
+            for g in range(len(self.managers)):
                 sources[g], n = self.pool.longest_partial_match(g, parent, query)
                 num_partial = min(num_partial, n)
                 if num_partial == 0:
                     break
             if num_partial == 0:
                 sources = [None] * len(self.managers)
-        return ComputedBlocks(request.request_id, tuple(hits), tuple(sources), full, num_partial,
-                              self.pool.cache_epoch)
+        return ComputedBlocks(request.request_id, hits, tuple(sources), full, num_partial,
+                              self.pool.cache_epoch, tuple(parents[:num_blocks + 1]))
+
+    def parent_serial(self, request: Request, computed: ComputedBlocks) -> int:
+        """The serial the block after the hit hangs under (the salt's root without a hit)."""
+        n = computed.num_full_hit_tokens // self.block_size
+        if n == 0 and not computed.parent_serials:
+            return self.pool.root_serial(request.cache_salt)
+        return computed.parent_serials[n]
+
+    def check_shape(self, request: Request, computed: ComputedBlocks) -> None:
+        """ValueError unless `computed` is shaped like a lookup of this cache for `request`."""
+        bs = self.block_size
+        n = computed.num_full_hit_tokens // bs if isinstance(computed.num_full_hit_tokens,
+                                                              int) else -1
+        ok = (n >= 0 and computed.num_full_hit_tokens == n * bs
+              and len(computed.blocks) == len(self.managers)
+              and all(len(blocks) == n for blocks in computed.blocks)
+              and len(computed.partial_sources) == len(self.managers)
+              and isinstance(computed.num_partial_tokens, int)
+              and 0 <= computed.num_partial_tokens < bs
+              and all((src is None) == (computed.num_partial_tokens == 0)
+                      for src in computed.partial_sources)
+              and (len(computed.parent_serials) == n + 1 or (n == 0 and not computed.parent_serials))
+              and (not computed.parent_serials
+                   or computed.parent_serials[0] == self.pool.root_serial(request.cache_salt)))
+        if not ok:
+            raise ValueError(f"computed blocks for {request.request_id!r} are not a lookup of this "
+                             "cache (pass what get_computed_blocks returned)")
 
     def is_current(self, request: Request, computed: ComputedBlocks) -> bool:
         """Whether a lookup's blocks still hold what it found (nothing evicted since, or
-        every hit block and copy source still holds the request's content, linked)."""
+        every hit block and copy source still holds the request's content under its
+        prefix). ValueError for a result that is not a lookup of this cache."""
+        self.check_shape(request, computed)
         if computed.cache_epoch == self.pool.cache_epoch:
             return True
         bs = self.block_size
         tokens, hashes = request.token_ids, request.block_hashes
         full = computed.num_full_hit_tokens
-        for g, manager in enumerate(self.managers):
-            prev = None
+        parents = computed.parent_serials
+        for g in range(len(self.managers)):
             for i, block in enumerate(computed.blocks[g]):
                 if block.block_id == 0:
                     continue
                 if (block.block_hash != hashes[i] or block.group_id != g
                         or block.token_ids != tuple(tokens[i * bs:(i + 1) * bs])
-                        or (prev is not None and block.parent_serial != prev.serial)):
+                        or block.parent_serial != parents[i]):
                     return False
-                prev = block
             src = computed.partial_sources[g]
             if src is not None:
                 n = computed.num_partial_tokens
                 if (src.token_ids is None or src.group_id != g
-                        or src.parent_serial != manager.parent_serial_after(request, computed.blocks[g])
+                        or src.parent_serial != self.parent_serial(request, computed)
                         or src.token_ids[:n] != tuple(tokens[full:full + n])):
                     return False
         return True
@@ -135,8 +216,9 @@ class KVCacheCoordinator:
         for g, manager in enumerate(self.managers):
             manager.take_hit(computed.blocks[g], computed.partial_sources[g],
                              computed.num_computed_tokens)
+        parent = self.parent_serial(request, computed)
         for g, manager in enumerate(self.managers):
-            manager.admit(request, computed.blocks[g], computed.partial_sources[g])
+            manager.admit(request, computed.blocks[g], computed.partial_sources[g], parent)
 
     def allocate(self, request: Request, num_tokens: int) -> tuple[tuple[int, ...], ...]:
         """Grow every group's table to `num_tokens` tokens (the caller checked it fits);

@@ -31,16 +31,19 @@ class SingleTypeKVCacheManager:
     """Block tables of one KV cache group; all groups draw from one shared pool, and queue
     their copies in the one `PendingCopies` of the cache."""
 
-    __slots__ = ("pool", "spec", "group_id", "block_size", "_copies", "_req_to_blocks",
-                 "_num_cached_blocks", "_last_serial")
+    __slots__ = ("pool", "spec", "group_id", "block_size", "_copies", "_twin_groups",
+                 "_req_to_blocks", "_num_cached_blocks", "_last_serial")
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
-                 copies: PendingCopies) -> None:
+                 copies: PendingCopies, num_groups: int = 1) -> None:
         self.pool = pool
         self.spec = spec
         self.group_id = group_id
         self.block_size = spec.block_size
         self._copies = copies
+        # Where a newly cached block looks for a twin to take its serial from: its own
+        # group first, then the others, so every group names one prefix by one serial.
+        self._twin_groups = (group_id,) + tuple(g for g in range(num_groups) if g != group_id)
         self._req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -65,17 +68,10 @@ class SingleTypeKVCacheManager:
         return self._num_cached_blocks[request_id]
 
     # ---- hits (pure) -------------------------------------------------------------------------
-    def find_longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
-        """Hit blocks for the longest prefix of at most `max_blocks` blocks valid for this type."""
+    def hit_search(self, request: Request, parents: Sequence[int]) -> HitSearch:
+        """This group's hit search for one lookup of `request`; `parents[i]` is the serial
+        block i must hang under (the prefix before it, verified in the cache)."""
         raise NotImplementedError
-
-    def parent_serial_after(self, request: Request, hit_blocks: Sequence[KVCacheBlock]) -> int:
-        """The parent serial of the block that follows `hit_blocks` (a fresh, unmatched one
-        when the last hit block is absent: nothing can be linked under unknown content)."""
-        if not hit_blocks:
-            return self.pool.root_serial(request.cache_salt)
-        last = hit_blocks[-1]
-        return self.pool.new_serial() if last.block_id == 0 else last.serial
 
     def kept_hit_blocks(self, hit_blocks: Sequence[KVCacheBlock],
                         num_computed_tokens: int) -> list[KVCacheBlock]:
@@ -145,16 +141,17 @@ class SingleTypeKVCacheManager:
             self._copies.pin(partial_src)
 
     def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
-              partial_src: KVCacheBlock | None) -> None:
+              partial_src: KVCacheBlock | None, parent_serial: int) -> None:
         """Start the table from the (already referenced) hit blocks and, for a partial hit,
-        a private copy of the source block."""
+        a private copy of the source block; the request's next block hangs under
+        `parent_serial` (the serial of the hit's prefix)."""
         rid = request.request_id
         table = self.kept_hit_blocks(hit_blocks, request.num_computed_tokens)
         if partial_src is not None:
             table.append(self._copy_destination(partial_src))
         self._req_to_blocks[rid] = table
         self._num_cached_blocks[rid] = len(hit_blocks)
-        self._last_serial[rid] = self.parent_serial_after(request, hit_blocks)
+        self._last_serial[rid] = parent_serial
 
     def _copy_destination(self, src: KVCacheBlock) -> KVCacheBlock:
         """A fresh page that will receive a copy of `src`, pinned like the source until the
@@ -213,14 +210,19 @@ class SingleTypeKVCacheManager:
         hashes = request.block_hashes
         tokens = request.token_ids
         parent_serial = self._last_serial[rid]
+        pool = self.pool
         for i in range(first, last):
             block = table[i]
             if block.block_hash is not None:  # shared with a fork that cached it already
                 parent_serial = block.serial
                 continue
-            parent_serial = self.pool.cache_full_block(
-                block, hashes[i], tuple(tokens[i * bs:(i + 1) * bs]), parent_serial,
-                hashes[i - 1] if i else None)
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            # The serial of this content in whichever group holds it already, so that the
+            # serial names the prefix in every group (a windowed run is checked against it).
+            serial = (pool.twin_serial(parent_serial, block_tokens, self._twin_groups)
+                      or pool.new_serial())
+            parent_serial = pool.cache_full_block(block, hashes[i], block_tokens, parent_serial,
+                                                  hashes[i - 1] if i else None, serial)
         self._num_cached_blocks[rid] = last
         self._last_serial[rid] = parent_serial
 
@@ -260,19 +262,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     __slots__ = ()
 
-    def find_longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
-        """Consecutive cached blocks from block 0, each linked to the one before."""
-        pool, g, bs = self.pool, self.group_id, self.block_size
-        hashes, tokens = request.block_hashes, request.token_ids
-        parent = pool.root_serial(request.cache_salt)
-        hits: list[KVCacheBlock] = []
-        for i in range(min(max_blocks, len(hashes))):
-            block = pool.find_cached(g, hashes[i], tokens[i * bs:(i + 1) * bs], parent_serial=parent)
-            if block is None:
-                break
-            hits.append(block)
-            parent = block.serial
-        return hits
+    def hit_search(self, request: Request, parents: Sequence[int]) -> HitSearch:
+        """Cached blocks from block 0, each under its prefix's serial."""
+        return ChainSearch(self, request, parents)
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -281,15 +273,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     __slots__ = ("_dropped",)
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
-                 copies: PendingCopies) -> None:
-        super().__init__(pool, spec, group_id, copies)
+                 copies: PendingCopies, num_groups: int = 1) -> None:
+        super().__init__(pool, spec, group_id, copies, num_groups)
         # Cached pages each request dropped from its window (with their content serials).
         self._dropped: dict[str, list[tuple[KVCacheBlock, int]]] = {}
 
     def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
-              partial_src: KVCacheBlock | None) -> None:
+              partial_src: KVCacheBlock | None, parent_serial: int) -> None:
         """Start the table (see the base class) and an empty record of dropped pages."""
-        super().admit(request, hit_blocks, partial_src)
+        super().admit(request, hit_blocks, partial_src, parent_serial)
         self._dropped[request.request_id] = []
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -303,44 +295,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         super().free(request)
         self.pool.refresh(reversed(self._dropped.pop(request.request_id)))
 
-    def find_longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
-        """The longest hit whose next query's window is cached: null blocks, then a run of
-        linked cached blocks covering the keys that query can see before itself."""
-        pool, g, bs = self.pool, self.group_id, self.block_size
-        hashes, tokens = request.block_hashes, request.token_ids
-        root = pool.root_serial(request.cache_salt)
-        end = min(max_blocks, len(hashes))  # the candidate hit ends before block `end`
-        # chains[i]: cached blocks at i from which a serial-linked chain reaches end - 1.
-        chains: dict[int, list[KVCacheBlock]] = {}
-        for i in range(end - 1, -2, -1):
-            start = self.spec.first_needed_position(end * bs) // bs
-            if i < start:
-                return self._pick_run(chains, start, end)
-            candidates = pool.cached_blocks(g, hashes[i], tokens[i * bs:(i + 1) * bs])
-            if i == 0:
-                candidates = [b for b in candidates if b.parent_serial == root]
-            linked = candidates
-            if i + 1 in chains:
-                wanted = {b.parent_serial for b in chains[i + 1]}
-                linked = [b for b in candidates if b.serial in wanted]
-            if linked:
-                chains[i] = linked
-            else:
-                # The run to the right is broken here: block i may end a shorter hit.
-                chains = {i: candidates} if candidates else {}
-                end = i + 1 if candidates else i
-        return []
-
-    def _pick_run(self, chains: dict[int, list[KVCacheBlock]], start: int,
-                  end: int) -> list[KVCacheBlock]:
-        """Null blocks before `start`, then one linked block per position up to `end`."""
-        run: list[KVCacheBlock] = []
-        for i in range(start, end):
-            options = chains[i]
-            if run:
-                options = [b for b in options if b.parent_serial == run[-1].serial]
-            run.append(options[0])
-        return [self.pool.null_block] * start + run
+    def hit_search(self, request: Request, parents: Sequence[int]) -> HitSearch:
+        """Null blocks, then cached blocks under their prefix's serial covering the keys the
+        next query can see before itself."""
+        return WindowSearch(self, request, parents)
 
     def _out_of_window(self, request_id: str, num_computed_tokens: int) -> list[int]:
         """Table indexes of pages no query from `num_computed_tokens` on can attend that are
@@ -377,6 +335,118 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             (b, b.serial) for b in reversed(removed) if b.block_hash is not None)
 
 
+class HitSearch:
+    """One group's longest hit for one lookup, asked again each time the agreed length falls.
+
+    `longest(cap)` is the longest hit of at most `cap` blocks this group can supply, and
+    `blocks(n)` the hit blocks of a length `longest` returned. Every hit block holds the
+    request's tokens of its position and hangs under the serial of the request's prefix
+    before it (`parents`), so it holds exactly what the request would compute, whatever the
+    hash. Caps passed to `longest` never rise; each block of the prompt is looked up at most
+    once per lookup, however often the cap falls."""
+
+    __slots__ = ("pool", "group_id", "block_size", "hashes", "tokens", "parents")
+
+    def __init__(self, manager: SingleTypeKVCacheManager, request: Request,
+                 parents: Sequence[int]) -> None:
+        self.pool = manager.pool
+        self.group_id = manager.group_id
+        self.block_size = manager.block_size
+        self.hashes = request.block_hashes
+        self.tokens = request.token_ids
+        self.parents = parents
+
+    def lookup(self, i: int) -> KVCacheBlock | None:
+        """The cached block of this group holding block i of the request, under its prefix."""
+        bs = self.block_size
+        return self.pool.find_cached(self.group_id, self.hashes[i],
+                                     self.tokens[i * bs:(i + 1) * bs], self.parents[i])
+
+    def longest(self, cap: int) -> int:
+        """The longest hit of at most `cap` blocks (at most the previous cap)."""
+        raise NotImplementedError
+
+    def blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The hit blocks of a length `longest` returned (null where not needed)."""
+        raise NotImplementedError
+
+
+class ChainSearch(HitSearch):
+    """Full attention: every block from block 0 must be cached."""
+
+    __slots__ = ("found", "complete")
+
+    def __init__(self, manager: SingleTypeKVCacheManager, request: Request,
+                 parents: Sequence[int], found: list[KVCacheBlock] | None = None) -> None:
+        super().__init__(manager, request, parents)
+        # Blocks 0.. found so far; `complete` once a block is missing.
+        self.found: list[KVCacheBlock] = found if found is not None else []
+        self.complete = found is not None
+
+    def longest(self, cap: int) -> int:
+        """The cached blocks from block 0, at most `cap` of them."""
+        found = self.found
+        while not self.complete and len(found) < cap:
+            block = self.lookup(len(found))
+            if block is None:
+                self.complete = True
+            else:
+                found.append(block)
+        return min(cap, len(found))
+
+    def blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The first `num_blocks` blocks of the chain."""
+        return self.found[:num_blocks]
+
+
+class WindowSearch(HitSearch):
+    """Sliding window: a hit ending before block `end` needs the blocks covering the keys its
+    next query (at `end * block_size`) sees before itself, from block `start(end)` on.
+
+    The search keeps a candidate `end` and the lowest block `low` such that blocks
+    [low, end) are verified. A missing block j rules out every end in (j, end] (all of their
+    windows contain j), so the candidate drops to j; otherwise `low` moves left until it
+    reaches the window's start. Both only move left, so each block is looked up once."""
+
+    __slots__ = ("spec", "found", "end", "low")
+
+    def __init__(self, manager: SingleTypeKVCacheManager, request: Request,
+                 parents: Sequence[int]) -> None:
+        super().__init__(manager, request, parents)
+        self.spec = manager.spec
+        self.found: dict[int, KVCacheBlock] = {}
+        self.end = -1  # no cap seen yet
+        self.low = 0
+
+    def start(self, end: int) -> int:
+        """The first block a hit ending before block `end` needs."""
+        return self.spec.first_needed_position(end * self.block_size) // self.block_size
+
+    def longest(self, cap: int) -> int:
+        """The longest hit of at most `cap` blocks whose window is cached."""
+        if self.end < 0 or cap < self.end:
+            self.low = cap if self.end < 0 else min(self.low, cap)
+            self.end = cap
+        while self.end > 0:
+            start = self.start(self.end)
+            while self.low > start:
+                j = self.low - 1
+                block = self.lookup(j)
+                if block is None:
+                    self.end = self.low = j  # every end in (j, end] needs block j
+                    break
+                self.found[j] = block
+                self.low = j
+            else:
+                return self.end
+        return 0
+
+    def blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Null blocks before the window of a hit of `num_blocks` blocks, then its blocks."""
+        start = min(self.start(num_blocks), num_blocks)
+        return [self.pool.null_block] * start + [self.found[j] for j in range(start, num_blocks)]
+
+
 # The manager class of each spec type.
 MANAGER_TYPES: dict[type[AttentionSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
@@ -384,10 +454,10 @@ MANAGER_TYPES: dict[type[AttentionSpec], type[SingleTypeKVCacheManager]] = {
 }
 
 
-def make_manager(pool: BlockPool, spec: KVCacheSpec, group_id: int,
-                 copies: PendingCopies) -> SingleTypeKVCacheManager:
-    """The manager for a spec's attention type."""
+def make_manager(pool: BlockPool, spec: KVCacheSpec, group_id: int, copies: PendingCopies,
+                 num_groups: int = 1) -> SingleTypeKVCacheManager:
+    """The manager for a spec's attention type, one of `num_groups` groups over `pool`."""
     cls = MANAGER_TYPES.get(type(spec))
     if cls is None:
         raise TypeError(f"no KV cache manager for {type(spec).__name__}")
-    return cls(pool, spec, group_id, copies)
+    return cls(pool, spec, group_id, copies, num_groups)

@@ -1,23 +1,24 @@
 """Hybrid attention (full + sliding-window groups over one pool): window drops, hits, all-or-nothing.
 
 The hit checks here are brute force over the pool's blocks and do not use the pool's indexes.
-A whole-block hit of `k` blocks (L = k * BS tokens) is *valid* for a group when, in that group,
-some chain of blocks c_s .. c_{k-1} exists where, for every position i in the chain,
+The *verified prefix* of a request is the longest run of its blocks 0, 1, .. each held, in
+some group, by a cached full block (`block_hash` set) whose `block_hash` equals the request's
+i-th chained hash, whose `token_ids` equal the request's tokens of block i and whose
+`parent_serial` is the serial of the verified block before it (the root serial of the
+request's salt for block 0). A serial names one exact prefix, so those serials are unique per
+position (checked); `parents[i]` is the serial block i must hang under.
 
-* c_i is a cached full block of the group (`block_hash` set) whose `block_hash` equals the
-  request's i-th chained hash and whose `token_ids` equal the request's tokens of block i;
-* c_i.parent_serial == c_{i-1}.serial (the serial link: c_i was cached as the successor of
-  c_{i-1}'s content), and if s == 0, c_0.parent_serial is the root serial of the request's salt;
-
-with s = 0 for a full-attention group and, for a window W, s = max(0, L - W + 1) // BS: the
-blocks covering positions [L - W + 1, L - 1], the keys before itself that the next query (at L)
-attends (q - W < k <= q). For W = 1 that range is empty: any length is valid for that group.
-Blocks before s must be null in the hit. The coordinator's hit must be valid for every group,
-made of such blocks, and *maximal*: no longer whole-block length up to the cap is valid for
-every group. A partial extension of p tokens must come, in every group, from an indexed block
-whose parent serial is the serial of the group's last hit block (the root serial with no hit)
-and whose first p tokens are the request's next p tokens, and p must be the largest such length
-common to all groups (capped at BS - 1 and the cap).
+A whole-block hit of `k` blocks (L = k * BS tokens) is *valid* for a group when k is at most
+the verified prefix and, in that group, every block i in [s, k) is held by a cached full block
+with that hash, those tokens and `parent_serial == parents[i]`, with s = 0 for a
+full-attention group and, for a window W, s = max(0, L - W + 1) // BS: the blocks covering
+positions [L - W + 1, L - 1], the keys before itself that the next query (at L) attends
+(q - W < k <= q). For W = 1 that range is empty. Blocks before s must be null in the hit. The
+coordinator's hit must be valid for every group, made of such blocks, and *maximal*: no
+longer whole-block length up to the cap is valid for every group. A partial extension of p
+tokens must come, in every group, from an indexed block whose parent serial is `parents[k]`
+and whose first p tokens are the request's next p tokens, and p must be the largest such
+length common to all groups (capped at BS - 1 and the cap).
 """
 from __future__ import annotations
 
@@ -138,32 +139,36 @@ def queue_ids(pool: BlockPool) -> list[int]:
 # ---- brute force over the pool -----------------------------------------------------------------
 
 
-def candidates(pool: BlockPool, group: int, req: Request, i: int) -> list[KVCacheBlock]:
-    """Cached full blocks of `group` holding exactly block i of `req` (hash and tokens)."""
+def candidates(pool: BlockPool, group: int | None, req: Request, i: int) -> list[KVCacheBlock]:
+    """Cached full blocks of `group` (None: any group) holding exactly block i of `req` (hash
+    and tokens)."""
     tokens = tuple(req.token_ids[i * BS:(i + 1) * BS])
     return [b for b in pool.blocks[1:]
-            if b.group_id == group and b.block_hash is not None
+            if (group is None or b.group_id == group) and b.block_hash is not None
             and b.block_hash == req.block_hashes[i] and b.token_ids == tokens]
+
+
+def verified_parents(pool: BlockPool, req: Request, max_blocks: int) -> list[int]:
+    """`parents[i]`, the serial block i hangs under, for every block of the verified prefix
+    (at most `max_blocks`) and the one after it."""
+    parents = [pool.root_serial(req.cache_salt)]
+    for i in range(min(max_blocks, len(req.block_hashes))):
+        serials = {b.serial for b in candidates(pool, None, req, i) if b.parent_serial == parents[i]}
+        assert len(serials) <= 1, f"block {i}: two serials {serials} name one prefix"
+        if not serials:
+            break
+        parents.append(serials.pop())
+    return parents
 
 
 def valid_for_group(pool: BlockPool, group: int, window: int | None, req: Request,
                     num_blocks: int) -> bool:
-    """Whether a serial-linked chain of cached blocks covers what a hit of `num_blocks` needs."""
-    start = hit_start_block(window, num_blocks)
-    if start >= num_blocks:  # nothing to hold (no hit, or W = 1)
-        return True
-    root = pool.root_serial(req.cache_salt)
-    serials: set[int] = set()
-    for i in range(start, num_blocks):
-        cands = candidates(pool, group, req, i)
-        if i == start:
-            ok = [c for c in cands if i > 0 or c.parent_serial == root]
-        else:
-            ok = [c for c in cands if c.parent_serial in serials]
-        serials = {c.serial for c in ok}
-        if not serials:
-            return False
-    return True
+    """Whether the group holds every block a hit of `num_blocks` needs, under its prefix."""
+    parents = verified_parents(pool, req, num_blocks)
+    if num_blocks >= len(parents):  # past the verified prefix
+        return False
+    return all(any(c.parent_serial == parents[i] for c in candidates(pool, group, req, i))
+               for i in range(hit_start_block(window, num_blocks), num_blocks))
 
 
 def best_whole_block_hit(manager: KVCacheManager, req: Request, cap_tokens: int) -> int:
@@ -186,7 +191,9 @@ def check_hit(manager: KVCacheManager, req: Request, computed: ComputedBlocks, c
     k = full // BS
     assert computed.num_computed_tokens <= cap_tokens
     assert computed.num_computed_tokens < req.num_tokens, "a hit covered the last token"
-    root = pool.root_serial(req.cache_salt)
+    parents = verified_parents(pool, req, k)
+    assert len(parents) > k, "a hit past the verified prefix"
+    assert computed.parent_serials == tuple(parents[:k + 1]) or (k == 0 and not computed.parent_serials)
     for g, window in enumerate(windows):
         blocks = computed.blocks[g]
         assert len(blocks) == k, f"group {g}: {len(blocks)} hit blocks for a {k}-block hit"
@@ -200,10 +207,7 @@ def check_hit(manager: KVCacheManager, req: Request, computed: ComputedBlocks, c
             assert block.group_id == g
             assert block.block_hash == req.block_hashes[i]
             assert block.token_ids == tuple(req.token_ids[i * BS:(i + 1) * BS])
-            if i == 0:
-                assert block.parent_serial == root
-            elif i > start:
-                assert block.parent_serial == blocks[i - 1].serial, f"group {g}: broken link at {i}"
+            assert block.parent_serial == parents[i], f"group {g}: block {i} under another prefix"
         assert valid_for_group(pool, g, window, req, k)
     best = best_whole_block_hit(manager, req, cap_tokens)
     assert k == best, (f"hit of {k} blocks is not maximal: {best} blocks are valid for every "
@@ -216,9 +220,8 @@ def check_hit(manager: KVCacheManager, req: Request, computed: ComputedBlocks, c
         return
     query = tuple(req.token_ids[full:min(full + BS - 1, cap_tokens)])
     expected = len(query)
+    parent = parents[k]
     for g in range(len(windows)):
-        blocks = computed.blocks[g]
-        parent = blocks[-1].serial if blocks else root
         longest = 0
         for b in pool.blocks[1:]:
             if b.group_id == g and b.token_ids is not None and b.parent_serial == parent:
@@ -511,12 +514,14 @@ def test_hit_stops_before_a_gap_in_the_window() -> None:
     check_hit(m, req, computed, 16, True)
     assert computed.num_full_hit_tokens == 8
     assert [b.block_id for b in computed.blocks[0]] == [ids[0], ids[1]]
-    # Cap 20: L = 20 needs blocks 3, 4 only: the gap is before the window.
+    # Cap 20: L = 20 needs blocks 3, 4 only, but with block 2 gone nothing shows that they
+    # hang under the request's prefix (their hashes say so, but a hash can collide): the hit
+    # never passes the prefix verified from the root, so it stays at 8.
     req = Request("c", prompt[:21])
     computed = m.get_computed_blocks(req)
     check_hit(m, req, computed, 20, True)
-    assert computed.num_full_hit_tokens == 20
-    assert [b.block_id for b in computed.blocks[0]] == [0, 0, 0, ids[3], ids[4]]
+    assert computed.num_full_hit_tokens == 8
+    assert [b.block_id for b in computed.blocks[0]] == [ids[0], ids[1]]
     check_manager(m)
 
 
