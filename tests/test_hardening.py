@@ -1,0 +1,805 @@
+"""Hardening (issue 15): bad input is refused at the door and changes nothing, salts cost no
+memory once their requests are gone, the hit search is linear however the groups disagree,
+and no hit ever serves content computed under another prefix or tenant, even when every
+block hash collides. Also the hit statistics of an all-W = 1 model (issue 14)."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import tracemalloc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from invariants import check_manager
+
+from kvstore.block_pool import BlockPool
+from kvstore.hashing import hash_block, make_keyed_hash
+from kvstore.kv_cache_coordinator import ComputedBlocks
+from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.paged_kv_cache import PagedKVCache
+from kvstore.request import Request
+from kvstore.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    make_kv_cache_config,
+)
+
+BS = 4
+
+
+def spec(window: int | None) -> KVCacheSpec:
+    if window is None:
+        return FullAttentionSpec(BS, 1, 8)
+    return SlidingWindowSpec(BS, 1, 8, window=window)
+
+
+def manager(windows: Sequence[int | None], num_blocks: int, partial: bool = True,
+            hash_fn: Callable[[int, Sequence[int]], int] = hash_block) -> KVCacheManager:
+    """One layer per entry (None = full attention), one group per distinct entry."""
+    config = make_kv_cache_config([spec(w) for w in windows], num_blocks=num_blocks)
+    return KVCacheManager(config, enable_partial_hits=partial, hash_fn=hash_fn)
+
+
+def constant_hash(parent: int, tokens: Sequence[int]) -> int:
+    return 0  # every block of every prompt and tenant collides
+
+
+def parent_only_hash(parent: int, tokens: Sequence[int]) -> int:
+    return parent  # every block of one salt hashes to its root
+
+
+def first_needed(window: int | None, num_computed: int) -> int:
+    return 0 if window is None else max(0, num_computed - window + 1)
+
+
+def snapshot(m: KVCacheManager) -> tuple[Any, ...]:
+    """Everything a call could change."""
+    pool = m._pool
+    return (
+        tuple((b.ref_cnt, b.pin_cnt, b.group_id, b.block_hash, b.token_ids, b.serial,
+               b.parent_serial) for b in pool.blocks),
+        tuple(b.block_id for b in pool.free_queue),
+        m.stats.as_dict(),
+        {rid: (id(r), r.num_computed_tokens, tuple(r.token_ids), m.block_table(rid))
+         for rid, r in m.requests.items()},
+        m.pinned_blocks,
+    )
+
+
+class Shadow:
+    """Simulated pages: slot s of page b holds (group, salt, tokens up to that position)."""
+
+    def __init__(self, m: KVCacheManager) -> None:
+        self.m = m
+        self.windows = [g.spec.sliding_window for g in m.config.groups]
+        self.pages: dict[int, list[Any]] = {}
+
+    def run_copies(self) -> None:
+        copies = self.m.take_pending_copies()
+        data = [list(self.pages.get(src, [None] * BS)) for src, _ in copies]
+        for (_, dst), page in zip(copies, data, strict=True):
+            self.pages[dst] = page
+
+    def expected(self, g: int, r: Request, p: int) -> tuple[int, str | None, tuple[int, ...]]:
+        return (g, r.cache_salt, tuple(r.token_ids[:p + 1]))
+
+    def forward(self, r: Request, n: int) -> None:
+        """Write positions [computed, computed + n) of `r` in every group, then advance it."""
+        pool = self.m._pool
+        start = r.num_computed_tokens
+        for g, ids in enumerate(self.m.block_table(r.request_id)):
+            for p in range(start, start + n):
+                block = pool.blocks[ids[p // BS]]
+                assert block.block_id != 0 and block.token_ids is None
+                assert block.ref_cnt - block.pin_cnt == 1, "a shared page written"
+                self.pages.setdefault(block.block_id, [None] * BS)[p % BS] = self.expected(g, r, p)
+        r.num_computed_tokens = start + n
+
+    def check_hit(self, r: Request, computed: ComputedBlocks) -> None:
+        """Every hit block and copy source holds r's own content: its tenant, its prefix."""
+        full = computed.num_full_hit_tokens
+        for g, blocks in enumerate(computed.blocks):
+            for i, block in enumerate(blocks):
+                if block.block_id == 0:
+                    continue
+                page = self.pages.get(block.block_id)
+                assert page is not None
+                for s in range(BS):
+                    assert page[s] == self.expected(g, r, i * BS + s), (
+                        f"{r.request_id} group {g} hit block {i} (page {block.block_id}) slot {s} "
+                        f"holds {page[s]}")
+            src = computed.partial_sources[g]
+            if src is not None:
+                page = self.pages[src.block_id]
+                for s in range(computed.num_partial_tokens):
+                    assert page[s] == self.expected(g, r, full + s), f"copy source slot {s}"
+
+    def check_reads(self, r: Request) -> None:
+        """Every position r's next query attends holds r's own content."""
+        nc = r.num_computed_tokens
+        for g, ids in enumerate(self.m.block_table(r.request_id)):
+            for p in range(first_needed(self.windows[g], nc), nc):
+                page = self.pages.get(ids[p // BS])
+                got = None if page is None else page[p % BS]
+                assert got == self.expected(g, r, p), (
+                    f"{r.request_id} (salt {r.cache_salt!r}) group {g} position {p}: page "
+                    f"{ids[p // BS]} holds {got}")
+
+    def run(self, r: Request, computed: ComputedBlocks | None = None, chunk: int = BS) -> None:
+        """Admit r on its hit and compute all its tokens, a chunk per step."""
+        m = self.m
+        if computed is None:
+            computed = m.get_computed_blocks(r)
+        self.check_hit(r, computed)
+        first = True
+        while first or r.num_computed_tokens < r.num_tokens:
+            nc = computed.num_computed_tokens if first else r.num_computed_tokens
+            n = min(chunk, r.num_tokens - nc)
+            assert m.allocate_slots(r, n, computed if first else None) is not None
+            first = False
+            self.run_copies()
+            self.forward(r, n)
+            self.check_reads(r)
+
+
+def evict(m: KVCacheManager, block_ids: Sequence[int]) -> None:
+    """Evict exactly these free cached blocks (made least recently used, then reused)."""
+    pool = m._pool
+    queue = pool.free_queue
+    for block_id in reversed(block_ids):
+        block = pool.blocks[block_id]
+        queue.remove(block)
+        queue.appendleft(block)  # type: ignore[attr-defined]
+    pool.free_blocks(pool.get_new_blocks(len(block_ids), 0))
+    assert all(pool.blocks[b].token_ids is None for b in block_ids)
+    check_manager(m)
+
+
+# =============================================================================================
+# 1-4. Validation at the door
+# =============================================================================================
+
+BAD_SALTS: list[Any] = [5, b"tenant", 1.5, ("a",), True, "\ud800", "tenant-\udfff", ["a"]]
+
+
+@pytest.mark.parametrize("salt", BAD_SALTS)
+def test_bad_salts_are_refused_at_the_door(salt: Any) -> None:
+    with pytest.raises((TypeError, ValueError), match="cache_salt"):
+        Request("r", [1, 2, 3], cache_salt=salt)
+    r = Request("r", [1, 2, 3])
+    with pytest.raises((TypeError, ValueError), match="cache_salt"):
+        r.cache_salt = salt
+    assert r.cache_salt is None
+
+
+def test_a_salt_cannot_change_once_hashed() -> None:
+    r = Request("r", list(range(9)), cache_salt="a")
+    r.cache_salt = "b"  # nothing hashed yet
+    r.update_block_hashes(BS, hash_block)
+    with pytest.raises(ValueError, match="hashed"):
+        r.cache_salt = "c"
+    r.cache_salt = "b"
+    assert r.cache_salt == "b"
+
+
+def test_a_request_with_any_salt_can_always_be_freed() -> None:
+    """The old failure: a bad salt was accepted while the prompt was shorter than a block,
+    then the first full block made allocate_slots and free raise for ever. Now every salt
+    that gets in is one the cache can hash, non-ASCII and empty ones included."""
+    m = manager([None, 4], num_blocks=20)
+    for salt in ("ténant-ü-😀", "", "\x00", "a" * 1000):
+        r = Request("r", [1, 2, 3], cache_salt=salt)
+        assert m.allocate_slots(r, 3, m.get_computed_blocks(r)) is not None
+        r.num_computed_tokens = 3
+        for _ in range(6):
+            r.append_token_ids(7)
+            assert m.allocate_slots(r, 1) is not None
+            r.num_computed_tokens += 1
+        m.free(r)
+        m.take_pending_copies()
+        m.take_pending_copies()
+        assert m.reset_prefix_cache()
+
+
+BAD_PROMPTS: list[Any] = [
+    [2**63], [1, 2**63], [2**64 - 1], [-1], [True], [1, True, 2], [np.True_], [1.0], [1, 2.5],
+    np.array([2**64 - 1], dtype=np.uint64), np.array([2**63], dtype=np.uint64),
+    np.array([True, False]), np.array([1.5]), np.array([[1, 2]]), np.array([1, -1]),
+    torch.tensor([True]), torch.tensor([1.0, 2.0]), torch.tensor([[1, 2]]), torch.tensor(3),
+    "abc", b"abc", 5, {1, 2}, [[1], [2]], [None],
+]
+
+
+@pytest.mark.parametrize("tokens", BAD_PROMPTS, ids=lambda t: f"{type(t).__name__}:{t!r:.30}")
+def test_bad_token_ids_are_refused_at_the_door(tokens: Any) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        Request("r", tokens)
+
+
+def test_token_ids_from_lists_arrays_and_tensors_alike() -> None:
+    expected = [0, 5, 2**63 - 1]
+    for tokens in (expected, tuple(expected), np.array(expected, dtype=np.int64),
+                   np.array(expected, dtype=np.uint64), np.array(expected, dtype=object),
+                   [np.int64(0), np.uint64(5), 2**63 - 1], torch.tensor(expected)):
+        r = Request("r", tokens)
+        assert r.token_ids == expected and all(type(t) is int for t in r.token_ids)
+    assert Request("r", np.array([1, 2], dtype=np.uint8)).token_ids == [1, 2]
+    assert Request("r", range(3)).token_ids == [0, 1, 2]
+
+
+BAD_APPENDS: list[Any] = [
+    True, False, np.True_, 2**63, -1, 1.5, np.uint64(2**63), np.float64(1.0), [2**63], [True],
+    np.array([2**64 - 1], dtype=np.uint64), torch.tensor(True), torch.tensor([1.5]), "7", None,
+    [[1]],
+]
+
+
+@pytest.mark.parametrize("tokens", BAD_APPENDS, ids=lambda t: f"{type(t).__name__}:{t!r:.30}")
+def test_bad_appended_tokens_change_nothing_and_the_request_still_frees(tokens: Any) -> None:
+    m = manager([None, 4], num_blocks=20)
+    shadow = Shadow(m)
+    r = Request("r", list(range(10)))
+    shadow.run(r)
+    before = snapshot(m)
+    with pytest.raises((TypeError, ValueError)):
+        r.append_token_ids(tokens)
+    assert snapshot(m) == before and r.num_tokens == 10
+    r.append_token_ids(np.int64(3))
+    r.append_token_ids(torch.tensor(4))
+    r.append_token_ids(np.array([5, 6], dtype=np.uint64))
+    assert r.token_ids[10:] == [3, 4, 5, 6] and all(type(t) is int for t in r.token_ids)
+    assert m.allocate_slots(r, 4) is not None
+    m.free(r)
+    check_manager(m)
+
+
+BAD_COUNTS: list[Any] = [True, False, 1.0, 0, -1, None, "1", np.float64(1.0)]
+
+
+@pytest.mark.parametrize("count", BAD_COUNTS, ids=repr)
+def test_bad_counts_change_nothing(count: Any) -> None:
+    m = manager([None, 4], num_blocks=20)
+    shadow = Shadow(m)
+    running = Request("running", list(range(10)))
+    shadow.run(running)
+    running.append_token_ids(1)
+    fresh = Request("fresh", list(range(6)))
+    computed = m.get_computed_blocks(fresh)
+    calls: list[Callable[[], object]] = [
+        lambda: m.allocate_slots(running, count),
+        lambda: m.allocate_slots(fresh, count, computed),
+        lambda: m.grow(running, count),
+        lambda: m.admit(fresh, count, computed),
+    ]
+    if not (type(count) is int and count == 0):  # 0 is a valid lookahead
+        calls += [lambda: m.allocate_slots(running, 1, num_lookahead_tokens=count),
+                  lambda: m.allocate_slots(fresh, 1, computed, num_lookahead_tokens=count)]
+    for call in calls:
+        before = snapshot(m)
+        with pytest.raises((TypeError, ValueError)):
+            call()
+        assert snapshot(m) == before
+    if not (type(count) is int and count == 0):
+        with pytest.raises((TypeError, ValueError)):
+            Request("x", [1], max_tokens=count)
+    assert m.allocate_slots(running, 1) is not None
+    m.free(running)
+    check_manager(m)
+
+
+@pytest.mark.parametrize("progress", [True, 2.5, -1, 12, None, np.int64(4)], ids=repr)
+def test_bad_progress_is_refused_and_the_request_frees_once_fixed(progress: Any) -> None:
+    """num_computed_tokens is the scheduler's to advance: a value that is not an int in
+    [0, num_tokens] is refused by grow and free, which change nothing."""
+    m = manager([None, 4], num_blocks=20)
+    shadow = Shadow(m)
+    r = Request("r", list(range(10)))
+    shadow.run(r)
+    r.append_token_ids(1)
+    before = snapshot(m)
+    r.num_computed_tokens = progress
+    for call in (lambda: m.allocate_slots(r, 1), lambda: m.free(r)):
+        with pytest.raises(ValueError, match="num_computed_tokens"):
+            call()
+    r.num_computed_tokens = 10
+    assert snapshot(m) == before
+    m.free(r)
+    check_manager(m)
+
+
+@pytest.mark.parametrize("budget", [1.5e6, 1_500_000.0, True, "1500000", None])
+def test_budgets_are_ints(budget: Any) -> None:
+    specs = [spec(None), spec(4)]
+    if budget is None:
+        with pytest.raises(ValueError, match="exactly one"):
+            make_kv_cache_config(specs, memory_bytes=budget)
+        return
+    with pytest.raises(ValueError, match="memory_bytes"):
+        make_kv_cache_config(specs, memory_bytes=budget)
+    with pytest.raises(ValueError, match="num_blocks"):
+        make_kv_cache_config(specs, num_blocks=budget)
+    config = make_kv_cache_config(specs, memory_bytes=np.int64(1_500_000))
+    assert type(config.num_blocks) is int
+    assert config.num_blocks == 1_500_000 // config.bytes_per_block
+
+
+def test_configs_built_by_hand_are_checked() -> None:
+    group = KVCacheGroup(spec(None), (0,))
+    with pytest.raises(ValueError, match="num_blocks"):
+        KVCacheConfig(93750.0, (group,), 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_blocks"):
+        KVCacheConfig(True, (group,), 1)
+    with pytest.raises(ValueError, match="two groups"):
+        KVCacheConfig(10, (group, KVCacheGroup(spec(4), (0,))), 1)
+    with pytest.raises(ValueError, match="slots"):
+        KVCacheConfig(10, (KVCacheGroup(spec(None), (0, 1)),), 1)
+    other = KVCacheGroup(FullAttentionSpec(BS, 2, 4), (1,))  # same page bytes, other shape
+    with pytest.raises(ValueError, match=r"group 1 pages are \[4, 2, 4\] float16"):
+        KVCacheConfig(10, (group, other), 1)
+
+
+@pytest.mark.parametrize("other", [
+    FullAttentionSpec(BS, 2, 4),  # twice the heads, half the head dim
+    FullAttentionSpec(BS, 1, 4, "float32"),  # half the head dim, twice the bytes per value
+    SlidingWindowSpec(BS, 1, 8, "bfloat16", window=4),  # same bytes, other dtype
+])
+def test_specs_with_equal_page_bytes_but_other_pages_are_refused(other: KVCacheSpec) -> None:
+    assert other.page_size_bytes == spec(None).page_size_bytes
+    with pytest.raises(ValueError, match=r"layer 1 pages are .* layer 0 pages are \[4, 1, 8\] "
+                                         r"float16.*shape .* and dtype"):
+        make_kv_cache_config([spec(None), other], num_blocks=10)
+
+
+# =============================================================================================
+# 6. Copy ids
+# =============================================================================================
+
+
+@pytest.mark.parametrize("pairs", [
+    [(1.5, 2.7)], [(1, 2.0)], [(True, 2)], [(1, False)], [(1, 8)], [(-1, 2)], [(0, 2)], [(1, 0)],
+    [(1, 2, 3)], [(1,)], [1], ["12"], [(None, 2)], [(1, 2), (3, 2)], [(1, 2), (2, 3)],
+    [(1, 2), (3.0, 4)],
+], ids=repr)
+def test_copy_blocks_refuses_bad_ids_and_copies_nothing(pairs: Any) -> None:
+    cache = PagedKVCache(make_kv_cache_config([spec(None), spec(4)], num_blocks=8))
+    gen = torch.Generator().manual_seed(0)
+    for t in cache.key_caches + cache.value_caches:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    before = [t.clone() for t in cache.key_caches + cache.value_caches]
+    with pytest.raises((TypeError, ValueError)):
+        cache.copy_blocks(pairs)
+    assert cache.copies_executed == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.key_caches + cache.value_caches,
+                                                 strict=True))
+    cache.copy_blocks([(np.int64(1), 2), (3, 4)])
+    cache.copy_blocks(torch.tensor([[5, 6]]))
+    assert cache.copies_executed == 3
+    assert torch.equal(cache.key_caches[0][2], before[0][1])
+    assert torch.equal(cache.key_caches[0][6], before[0][5])
+
+
+# =============================================================================================
+# 7. Salt roots cost nothing once their requests are gone
+# =============================================================================================
+
+
+def test_salted_requests_leave_no_memory_behind() -> None:
+    m = manager([None, 4], num_blocks=64)
+    prompt = list(range(100, 111))  # two full blocks and a partial one
+
+    def churn(n: int, tag: str) -> None:
+        for i in range(n):
+            r = Request(f"{tag}{i}", prompt, cache_salt=f"user-{tag}-{i}")
+            assert m.allocate_slots(r, r.num_tokens, m.get_computed_blocks(r)) is not None
+            r.num_computed_tokens = r.num_tokens
+            m.free(r)
+        m.take_pending_copies()
+        m.take_pending_copies()
+        assert m.reset_prefix_cache()
+
+    churn(300, "warm")  # warm up every allocation pattern first
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        churn(5000, "x")
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    # One table entry per salt (the old design) would be about 5,000 * 115 bytes.
+    assert grown < 20_000, f"{grown} bytes left behind by 5,000 salted requests"
+
+
+# =============================================================================================
+# 8. The hit search is linear in the prompt's blocks per group
+# =============================================================================================
+
+
+def count_lookups(m: KVCacheManager) -> list[int]:
+    """Count every index lookup of the pool (find_cached and cached_blocks calls)."""
+    pool = m._pool
+    count = [0]
+    find_cached, cached_blocks = pool.find_cached, pool.cached_blocks
+
+    def counting_find(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return find_cached(*args, **kwargs)
+
+    def counting_all(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return cached_blocks(*args, **kwargs)
+
+    pool.find_cached = counting_find  # type: ignore[method-assign]
+    pool.cached_blocks = counting_all  # type: ignore[method-assign]
+    return count
+
+
+@pytest.mark.parametrize("windows", [[None, 3, 4], [3, 4]], ids=["with-full", "windows-only"])
+@pytest.mark.parametrize("num_blocks", [40, 160])
+def test_disagreeing_windows_cost_linear_lookups(windows: list[int | None], num_blocks: int
+                                                 ) -> None:
+    """Windows 3 and 4 with block size 4: a hit ending before block e needs block e - 1 only.
+    One windowed group keeps the even blocks, the other the odd ones, so every length one
+    allows the other refuses: the agreement lowers the length one block per pass. The old
+    lookup walked the full group's chain again on every pass (quadratic)."""
+    m = manager(windows, num_blocks=3 * num_blocks + 8, partial=False)
+    shadow = Shadow(m)
+    prompt = list(range(1000, 1000 + num_blocks * BS)) + [1]
+    shadow.run(Request("r1", prompt), chunk=num_blocks * BS + 1)
+    m.free(m.requests["r1"])
+    a, b = (g for g, w in enumerate(shadow.windows) if w is not None)
+    tables = {g: [blk.block_id for blk in m._pool.blocks if blk.group_id == g and blk.token_ids]
+              for g in (a, b)}
+    by_position = {g: {m._pool.blocks[i].token_ids[0] - 1000: i for i in ids}  # type: ignore[index]
+                   for g, ids in tables.items()}
+    evict(m, [by_position[a][p * BS] for p in range(num_blocks) if p % 2 == 1]
+          + [by_position[b][p * BS] for p in range(num_blocks) if p % 2 == 0])
+    count = count_lookups(m)
+    computed = m.get_computed_blocks(Request("r2", prompt))
+    assert computed.num_full_hit_tokens == 0
+    # The verified prefix (up to two lookups a block without a full group), then each
+    # windowed group's blocks, each at most once: about 3n or 4n, where the old search
+    # made about n * n / 2 at n = num_blocks.
+    assert count[0] <= 4 * num_blocks + 8, (count[0], num_blocks)
+
+
+def test_lookup_cost_of_a_long_hit_is_linear() -> None:
+    m = manager([None, 8, 16], num_blocks=200, partial=False)
+    shadow = Shadow(m)
+    prompt = list(range(5000, 5000 + 60 * BS)) + [1]
+    shadow.run(Request("r1", prompt), chunk=64)
+    m.free(m.requests["r1"])
+    count = count_lookups(m)
+    computed = m.get_computed_blocks(Request("r2", prompt))
+    assert computed.num_full_hit_tokens == 60 * BS
+    assert count[0] <= 60 + 2 + 4 + 2  # the chain, then each window's blocks
+
+
+# =============================================================================================
+# 9. No hit crosses prefixes or tenants, even when every hash collides
+# =============================================================================================
+
+
+@pytest.mark.parametrize("hash_fn", [constant_hash, parent_only_hash, hash_block])
+def test_window_left_edge_never_takes_another_tenants_block(
+        hash_fn: Callable[[int, Sequence[int]], int]) -> None:
+    """Window-only (W = 4): a hit ending before block 2 needs block 1 only. Tenant A cached a
+    block 1 with tenant B's tokens under another block 0: under a colliding hash the old
+    search took it as the left edge of B's window and served A's K/V to B."""
+    m = manager([4], num_blocks=20, hash_fn=hash_fn)
+    shadow = Shadow(m)
+    shadow.run(Request("a", [1, 1, 1, 1, 5, 5, 5, 5, 9], cache_salt="A"))
+    m.free(m.requests["a"])
+    for rid, salt in (("b", "B"), ("a-unsalted", None)):
+        r = Request(rid, [2, 2, 2, 2, 5, 5, 5, 5, 9], cache_salt=salt)
+        computed = m.get_computed_blocks(r)
+        assert computed.num_computed_tokens == 0
+        shadow.run(r, computed)
+        m.free(r)
+    # Tenant B's own prefix is a hit now, and only B's.
+    r = Request("b2", [2, 2, 2, 2, 5, 5, 5, 5, 9, 3], cache_salt="B")
+    computed = m.get_computed_blocks(r)
+    assert computed.num_full_hit_tokens == 8
+    shadow.run(r, computed)
+    check_manager(m)
+
+
+@pytest.mark.parametrize("hash_fn", [constant_hash, parent_only_hash, hash_block])
+def test_hybrid_window_never_takes_another_prefixs_block(
+        hash_fn: Callable[[int, Sequence[int]], int]) -> None:
+    """Hybrid (full + W = 4): B's own chain is cached in the full group, but B's window block
+    was evicted while A's block with the same tokens (another prefix) was not. The old search
+    took A's block; now the window must hang under B's prefix, so the hit stops before it."""
+    m = manager([None, 4], num_blocks=30, hash_fn=hash_fn)
+    shadow = Shadow(m)
+    b_prompt = [2, 2, 2, 2, 5, 5, 5, 5, 9]
+    shadow.run(Request("b1", b_prompt, cache_salt="B"))
+    b_window_block_1 = m.block_table("b1")[1][1]
+    m.free(m.requests["b1"])
+    shadow.run(Request("a", [1, 1, 1, 1, 5, 5, 5, 5, 9], cache_salt="A"))
+    m.free(m.requests["a"])
+    evict(m, [b_window_block_1])
+    r = Request("b2", b_prompt, cache_salt="B")
+    computed = m.get_computed_blocks(r)
+    assert computed.num_full_hit_tokens == 4  # block 0 needs no window block of its own
+    shadow.run(r, computed)
+    check_manager(m)
+
+
+def test_keyed_hash() -> None:
+    secret = bytes(range(32))
+    h = make_keyed_hash(secret)
+    assert h(1, [1, 2, 3, 4]) == h(1, [1, 2, 3, 4])
+    assert h(1, [1, 2, 3, 4]) != h(2, [1, 2, 3, 4]) != h(1, [1, 2, 3, 5])
+    assert h(1, [1, 2, 3, 4]) != make_keyed_hash(secret[::-1])(1, [1, 2, 3, 4])
+    assert h(1, [1, 2, 3, 4]) != hash_block(1, [1, 2, 3, 4])
+    assert 0 <= h(2**128 - 1, [2**63 - 1]) < 2**128
+    for bad in (b"short", b"x" * 65, "a string secret" * 4):
+        with pytest.raises((TypeError, ValueError), match="secret"):
+            make_keyed_hash(bad)  # type: ignore[arg-type]
+    # Through the manager: hits as with the default hash.
+    m = manager([None, 4], num_blocks=20, hash_fn=h)
+    shadow = Shadow(m)
+    shadow.run(Request("a", list(range(13))))
+    m.free(m.requests["a"])
+    r = Request("b", list(range(13)))
+    computed = m.get_computed_blocks(r)
+    assert computed.num_computed_tokens == 12 and r.hash_fn is h
+    shadow.run(r, computed)
+
+
+# ---- the forced-collision state machines, every layout ---------------------------------------
+
+FAMILIES = [(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12), (1, 2, 3, 4, 6, 6, 7, 8, 9, 10, 11, 12),
+            (9, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)]  # equal blocks under other prefixes
+SALTS = [None, "A", "B"]
+MAX_TOKENS = 24
+
+
+class CollisionMachine(RuleBasedStateMachine):
+    """A scheduler over one layout with a hash under which blocks collide; a shadow device
+    tags every slot with its group, tenant and prefix, and every read and every hit is checked
+    against the reader's own. Also feeds the door bad input, which must change nothing."""
+
+    WINDOWS: list[int | None] = [None]
+    NUM_BLOCKS = 14
+    HASH: Callable[[int, Sequence[int]], int] = staticmethod(constant_hash)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = manager(self.WINDOWS, self.NUM_BLOCKS, hash_fn=type(self).HASH)
+        self.shadow = Shadow(self.m)
+        self.running: dict[str, Request] = {}
+        self.waiting: dict[str, Request] = {}
+        self.next_id = 0
+
+    def pick(self, data: st.DataObject, pool: dict[str, Request]) -> Request:
+        return pool[data.draw(st.sampled_from(sorted(pool)))]
+
+    def admit(self, r: Request, data: st.DataObject) -> None:
+        m = self.m
+        before = snapshot(m)
+        computed = m.get_computed_blocks(r)
+        assert snapshot(m) == before
+        self.shadow.check_hit(r, computed)
+        event(f"hit: {'yes' if computed.num_computed_tokens else 'no'}")
+        n = data.draw(st.integers(1, r.num_tokens - computed.num_computed_tokens))
+        try:
+            out = m.allocate_slots(r, n, computed)
+        except ValueError as e:
+            assert "whole pool" in str(e)
+            assert snapshot(m) == before
+            return
+        if out is None:
+            assert snapshot(m) == before
+            return
+        self.waiting.pop(r.request_id, None)
+        self.running[r.request_id] = r
+        self.shadow.run_copies()
+        self.shadow.forward(r, n)
+
+    @rule(family=st.sampled_from(FAMILIES), n=st.integers(1, 12),
+          suffix=st.lists(st.integers(0, 2), max_size=5), salt=st.sampled_from(SALTS),
+          data=st.data())
+    def arrive(self, family: tuple[int, ...], n: int, suffix: list[int], salt: str | None,
+               data: st.DataObject) -> None:
+        self.next_id += 1
+        r = Request(f"r{self.next_id}", list(family[:n]) + suffix, cache_salt=salt)
+        self.waiting[r.request_id] = r
+        self.admit(r, data)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def readmit(self, data: st.DataObject) -> None:
+        self.admit(self.pick(data, self.waiting), data)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        r = self.pick(data, self.running)
+        if r.num_computed_tokens == r.num_tokens:
+            if r.num_tokens >= MAX_TOKENS:
+                self.finish(r)
+                return
+            r.append_token_ids(data.draw(st.integers(0, 2)))
+        n = data.draw(st.integers(1, r.num_tokens - r.num_computed_tokens))
+        before = snapshot(self.m)
+        try:
+            out = self.m.allocate_slots(r, n)
+        except ValueError as e:
+            assert "whole pool" in str(e)
+            out = None
+        if out is None:
+            assert snapshot(self.m) == before
+            self.preempt(r)
+            return
+        self.shadow.run_copies()
+        self.shadow.forward(r, n)
+
+    def finish(self, r: Request) -> None:
+        self.m.free(r)
+        del self.running[r.request_id]
+
+    def preempt(self, r: Request) -> None:
+        self.finish(r)
+        r.num_computed_tokens = 0
+        self.waiting[r.request_id] = r
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), preempt=st.booleans())
+    def free(self, data: st.DataObject, preempt: bool) -> None:
+        r = self.pick(data, self.running)
+        if preempt:
+            self.preempt(r)
+        else:
+            self.finish(r)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = self.pick(data, self.running)
+        self.next_id += 1
+        child = parent.fork(f"r{self.next_id}")
+        self.m.fork(parent, child)
+        self.running[child.request_id] = child
+
+    @rule()
+    def worker(self) -> None:
+        self.shadow.run_copies()
+
+    @rule()
+    def reset(self) -> None:
+        before = snapshot(self.m)
+        if not self.m.reset_prefix_cache():
+            assert snapshot(self.m) == before
+
+    @rule(data=st.data(), salt=st.sampled_from(BAD_SALTS),
+          tokens=st.sampled_from(BAD_PROMPTS[:16]), token=st.sampled_from(BAD_APPENDS),
+          count=st.sampled_from(BAD_COUNTS))
+    def nasty(self, data: st.DataObject, salt: Any, tokens: Any, token: Any, count: Any) -> None:
+        """Bad input at every door: each call raises and changes nothing."""
+        before = snapshot(self.m)
+        with pytest.raises((TypeError, ValueError)):
+            Request("nasty", [1, 2, 3, 4, 5], cache_salt=salt)
+        with pytest.raises((TypeError, ValueError)):
+            Request("nasty", tokens)
+        if self.running:
+            r = self.pick(data, self.running)
+            with pytest.raises((TypeError, ValueError)):
+                r.append_token_ids(token)
+            with pytest.raises((TypeError, ValueError)):
+                self.m.allocate_slots(r, count)
+            with pytest.raises((TypeError, ValueError)):
+                r.cache_salt = salt
+        assert snapshot(self.m) == before
+
+    @invariant()
+    def exact(self) -> None:
+        check_manager(self.m)
+        for r in self.running.values():
+            self.shadow.check_reads(r)
+
+    def teardown(self) -> None:
+        for r in list(self.running.values()):
+            self.m.free(r)
+        self.m.take_pending_copies()
+        self.m.take_pending_copies()
+        check_manager(self.m)
+        assert self.m.num_free_blocks == self.m.num_usable_blocks
+        assert self.m.reset_prefix_cache()
+
+
+COLLISION_SETTINGS = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow,
+                                                     HealthCheck.filter_too_much],
+                              report_multiple_bugs=False)
+LAYOUTS: dict[str, tuple[list[int | None], int]] = {
+    "Full": ([None], 10),
+    "WindowOnly": ([4], 10),
+    "TwoWindows": ([3, 6], 16),
+    "Hybrid": ([None, 5], 16),
+    "ThreeGroups": ([None, 3, 8], 22),
+}
+for _name, (_windows, _blocks) in LAYOUTS.items():
+    for _hash_name, _hash in (("Constant", constant_hash), ("ParentOnly", parent_only_hash)):
+        _machine = type(f"{_name}{_hash_name}Machine", (CollisionMachine,),
+                        {"WINDOWS": _windows, "NUM_BLOCKS": _blocks, "HASH": staticmethod(_hash)})
+        _case = _machine.TestCase
+        _case.settings = COLLISION_SETTINGS
+        globals()[f"Test{_name}{_hash_name}Collisions"] = _case
+del _name, _windows, _blocks, _hash_name, _hash, _machine, _case
+
+
+# =============================================================================================
+# Issue 14: hit statistics count only tokens that came from the cache
+# =============================================================================================
+
+
+def test_window_one_model_reports_no_hit_on_an_empty_cache() -> None:
+    """All layers W = 1: every length is a valid hit for the window, but nothing was cached:
+    the first request reports 0 hit tokens (it reported 12 of 13), the second the 12 tokens
+    the first one cached."""
+    m = manager([1], num_blocks=20)
+    shadow = Shadow(m)
+    prompt = list(range(13))
+    r = Request("a", prompt)
+    computed = m.get_computed_blocks(r)
+    assert computed.num_computed_tokens == 0
+    shadow.run(r, computed)
+    assert m.stats.hit_tokens == 0 and m.stats.queried_tokens == 13
+    m.free(r)
+    again = Request("b", prompt)
+    computed = m.get_computed_blocks(again)
+    assert computed.num_computed_tokens == 12
+    shadow.run(again, computed)
+    assert m.stats.hit_tokens == 12
+
+
+def test_window_one_engine_counts_only_cached_tokens() -> None:
+    import dataclasses
+
+    from kvstore.engine.engine import LLMEngine, SamplingParams
+    from kvstore.models.model import DecoderModel, tiny_mistral
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(tiny_mistral(), sliding_window=1, num_layers=2,
+                              layer_types=("sliding_attention",) * 2)
+    engine = LLMEngine(DecoderModel(cfg), num_blocks=64, block_size=BS)
+    prompt = list(range(13))
+    (first,) = engine.generate([prompt], SamplingParams(max_tokens=2))
+    assert first.num_cached_tokens == 0 and engine.stats.hit_tokens == 0
+    (second,) = engine.generate([prompt], SamplingParams(max_tokens=2))
+    assert second.num_cached_tokens == 12 and engine.stats.hit_tokens == 12
+
+
+# =============================================================================================
+# The bookkeeping core still loads no torch
+# =============================================================================================
+
+
+def test_import_kvstore_and_validate_tokens_without_torch() -> None:
+    code = ("import sys, numpy as np, kvstore\n"
+            "r = kvstore.Request('r', np.array([1, 2], dtype=np.uint64), cache_salt='s')\n"
+            "r.append_token_ids(np.int64(3))\n"
+            "assert r.token_ids == [1, 2, 3]\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pool_keeps_no_table_of_salts() -> None:
+    pool = BlockPool(4)
+    roots = {pool.root_serial(s) for s in (None, "", "\x00", "\x00\x00", "a", "\x00a", "é")}
+    assert len(roots) == 7 and all(r < 0 for r in roots)
+    assert pool.root_serial("a") == pool.root_serial("a")
