@@ -1,11 +1,13 @@
 """Tiers in the engine, against real valkey-servers on 127.0.0.1: engines sharing a prefix
-through one store, a host tier restoring what a small device pool dropped, a store killed
-mid-run and back, corrupted stored values, salts. Every output is compared with one engine
-without tiers."""
+through one store (one server and a 3-master cluster), a host tier restoring what a small
+device pool dropped, a store killed mid-run and back, a full store (evicting or refusing),
+two engines writing the same blocks at once, corrupted stored values, salts. Every output
+is compared with one engine without tiers."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
@@ -18,7 +20,7 @@ from kvstore.engine.engine import LLMEngine, SamplingParams  # noqa: E402
 from kvstore.models.model import DecoderModel, tiny_llama, tiny_mistral  # noqa: E402
 from kvstore.tiers.codec import request_keys  # noqa: E402
 from kvstore.tiers.connector import TieredKVCacheManager  # noqa: E402
-from kvstore.tiers.server import ValkeyServer, find_server_binary  # noqa: E402
+from kvstore.tiers.server import ValkeyCluster, ValkeyServer, find_server_binary  # noqa: E402
 
 try:
     find_server_binary()
@@ -254,3 +256,141 @@ def test_sliding_window_models_are_refused():
     hybrid = DecoderModel(tiny_mistral())
     with pytest.raises(ValueError, match="full-attention layouts only"):
         LLMEngine(hybrid, num_blocks=32, block_size=BLOCK, host_tier_bytes=1 << 20)
+
+
+def client_for(url: str):
+    from redis import Redis
+
+    from kvstore.tiers.valkey_store import parse_store_url
+
+    return Redis.from_url(parse_store_url(url)[0], socket_timeout=5)
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
+def test_full_store_gives_misses_and_right_outputs(model, policy):
+    # A tiny-Llama block is a 4,212-byte value; an empty server uses about 1 MB, so 1.5 MB
+    # holds roughly a hundred values and the 20 prompts below write 220.
+    prompts = [tokens(44, seed=700 + i) + tokens(3, 800 + i) for i in range(20)]
+    want = reference(model, prompts)
+    with ValkeyServer(maxmemory="1500kb", maxmemory_policy=policy) as server:
+        a = engine(model, store_url=server.url, store_timeout_s=1.0)
+        b = engine(model, store_url=server.url, store_timeout_s=1.0)
+        try:
+            assert run(a, prompts) == want
+            assert a.flush_tiers(5.0)
+            st = a.tier_stats()["store"]
+            client = client_for(server.url)
+            info = client.info()
+            client.close()
+            assert info["used_memory"] <= 1500 * 1024 + 64 * 1024  # it really is full
+            if policy == "allkeys-lru":
+                assert info["evicted_keys"] > 0 and st.get("store_errors", 0) == 0
+            else:  # refused with OOM, counted, never raised
+                assert info["evicted_keys"] == 0 and st.get("store_errors", 0) > 0
+                assert st.get("dropped_stores", 0) >= st["store_errors"]
+            full = len(prompts[0]) // BLOCK * BLOCK
+            assert run(b, [prompts[0], prompts[-1]]) == [want[0], want[-1]]
+            if policy == "noeviction":  # the first values written stay; the last were refused
+                assert full <= b.stats.store_hit_tokens < 2 * full
+            else:  # evicted at random: within one second Valkey's LRU clock sees equal ages
+                assert b.stats.store_hit_tokens < 2 * full
+            assert b.stats.tier_rejected_values == 0
+            assert run(b, prompts) == want  # the rest: misses and hits, same tokens
+            assert b.stats.store_hit_tokens < len(prompts) * full
+            assert b.stats.tier_rejected_values == 0
+            assert b.flush_tiers(5.0)
+        finally:
+            a.close()
+            b.close()
+
+
+def test_two_engines_writing_the_same_blocks_at_once(model, shared_url):
+    salt = f"race-{RUN}"
+    prefix = tokens(40, seed=900)
+    prompts = [prefix + tokens(4 + i, 901 + i) for i in range(3)] + [tokens(43, seed=910)]
+    want = reference(model, prompts)
+    a = engine(model, store_url=shared_url)
+    b = engine(model, store_url=shared_url)
+    engines = (a, b)
+    outs: dict[int, dict[str, list[int]]] = {0: {}, 1: {}}
+    ids: dict[int, list[str]] = {}
+    done = threading.Event()
+    # Lockstep: each engine steps in its own thread, both at once, and waits for the other
+    # before the next step. Both look up in their first step, before either has freed a
+    # block, so both miss, compute and then write the same keys at the same steps.
+    barrier = threading.Barrier(
+        2, action=lambda: done.set() if not any(e.has_unfinished_requests for e in engines) else None,
+        timeout=30)
+    errors: list[BaseException] = []
+
+    def serve(n: int) -> None:
+        e = engines[n]
+        try:
+            ids[n] = [e.add_request(p, GREEDY, cache_salt=salt) for p in prompts]
+            barrier.wait()
+            while not done.is_set():
+                if e.has_unfinished_requests:
+                    for r in e.step():
+                        outs[n][r.request_id] = r.outputs[0].token_ids
+                barrier.wait()
+            assert e.flush_tiers(5.0)  # both flush at once too
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+            barrier.abort()
+
+    try:
+        threads = [threading.Thread(target=serve, args=(n,), daemon=True) for n in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert not errors, errors
+        for n in (0, 1):
+            assert [outs[n][i] for i in ids[n]] == want
+            assert engines[n].stats.store_hit_tokens == 0  # both missed ...
+            assert engines[n].tier_stats()["store"]["stores"] > 0  # ... and both wrote
+        # Every value read back is one of the two writers', complete, and verifies.
+        c = engine(model, store_url=shared_url)
+        try:
+            assert run(c, prompts, salt=salt) == want
+            # every full block but the one holding the last prompt token is a hit: the
+            # prefix from the store once, then from c's device; the rest from the store
+            s = c.stats
+            assert s.hit_tokens + s.store_hit_tokens == sum((len(p) - 1) // BLOCK * BLOCK
+                                                            for p in prompts)
+            assert s.hit_tokens == 2 * len(prefix)
+            assert s.tier_rejected_values == 0
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_engines_share_a_prefix_through_a_valkey_cluster(model):
+    prefix = tokens(41, seed=1000)
+    first, second = prefix + tokens(5, 1001), prefix + tokens(3, 1002)
+    want = reference(model, [first, second])
+    with ValkeyCluster(3) as cluster:
+        a = engine(model, store_url=cluster.url)
+        b = engine(model, store_url=cluster.url)
+        try:
+            assert cluster.url.startswith("valkey+cluster://")
+            got = run(a, [first])
+            assert a.flush_tiers(5.0)
+            got += run(b, [second])
+            assert got == want
+            assert b.stats.hit_tokens == 0
+            assert b.stats.store_hit_tokens == len(prefix) // BLOCK * BLOCK
+            assert b.stats.tier_rejected_values == 0
+            # the blocks are spread over the masters
+            sizes = []
+            for node in cluster.nodes:
+                client = client_for(f"valkey://127.0.0.1:{node.port}/0")
+                sizes.append(client.dbsize())
+                client.close()
+            assert sum(1 for n in sizes if n) >= 2 and sum(sizes) >= len(first) // BLOCK
+        finally:
+            a.close()
+            b.close()
