@@ -710,6 +710,13 @@ class CollisionMachine(RuleBasedStateMachine):
         check_manager(self.m)
         for r in self.running.values():
             self.shadow.check_reads(r)
+        # One serial names one prefix: indexed full blocks with one parent and one token
+        # block share their serial, whatever their group.
+        serials: dict[tuple[int, tuple[int, ...]], set[int]] = {}
+        for b in self.m._pool.blocks[1:]:
+            if b.block_hash is not None and b.token_ids is not None:
+                serials.setdefault((b.parent_serial, b.token_ids), set()).add(b.serial)
+        assert all(len(s) == 1 for s in serials.values()), serials
 
     def teardown(self) -> None:
         for r in list(self.running.values()):
