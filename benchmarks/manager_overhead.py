@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -135,7 +136,7 @@ def _fake_tokens(rng: np.random.Generator, n: int) -> deque[int]:
     return deque(rng.integers(0, 32000, size=n).tolist())
 
 
-def drive(name: str, specs: Sequence[RequestSpec], manager: KVCacheManager, **kw: float
+def drive(name: str, specs: Sequence[RequestSpec], manager: KVCacheManager, **kw: Any
           ) -> DriveResult:
     """Replay `specs` through `manager` to the end (see `drive_steps`)."""
     steps = drive_steps(name, specs, manager, **kw)
@@ -147,7 +148,7 @@ def drive(name: str, specs: Sequence[RequestSpec], manager: KVCacheManager, **kw
 
 
 def drive_side_by_side(runs: Sequence[tuple[str, Sequence[RequestSpec], KVCacheManager]],
-                       **kw: float) -> list[DriveResult]:
+                       **kw: Any) -> list[DriveResult]:
     """Replay several (name, workload, manager) runs at once, one engine step of each in
     turn, so that load from other processes on this machine hits every run alike."""
     gens = [drive_steps(name, specs, manager, **kw) for name, specs, manager in runs]
@@ -342,7 +343,8 @@ def profile_hot_path(specs: Sequence[RequestSpec], num_blocks: int, top: int = 2
     api = ("get_computed_blocks", "allocate_slots", "free", "take_pending_copies")
     rows = []
     api_rows = []
-    for (filename, line, func), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
+    profile = stats.stats  # type: ignore[attr-defined]  # pstats keeps its table untyped
+    for (filename, line, func), (_cc, ncalls, tottime, cumtime, _callers) in profile.items():
         name = f"{filename.split('/')[-1]}:{line}({func})"
         if filename.split("/")[-1] == "kv_cache_manager.py" and func in api:
             api_rows.append((cumtime, ncalls, name))
@@ -432,9 +434,12 @@ def run_cow(console: Console, quick: bool, repeats: int) -> None:
     for name, specs in cow_workloads(quick).items():
         total_tokens = sum(len(s.prompt_token_ids) + s.max_tokens for s in specs)
         num_blocks = total_tokens // BLOCK_SIZE + len(specs) + 64  # holds everything: no eviction
-        off, on = _best_of(repeats, lambda specs=specs, n=num_blocks, name=name: [
-            (name, specs, KVCacheManager(make_config(n), enable_partial_hits=False)),
-            (name, specs, KVCacheManager(make_config(n)))])
+        def runs(name: str = name, specs: Sequence[RequestSpec] = specs, n: int = num_blocks
+                 ) -> list[tuple[str, Sequence[RequestSpec], KVCacheManager]]:
+            return [(name, specs, KVCacheManager(make_config(n), enable_partial_hits=False)),
+                    (name, specs, KVCacheManager(make_config(n)))]
+
+        off, on = _best_of(repeats, runs)
         ideal = ideal_hit_tokens(specs, include_outputs=True)
         ideal_b = ideal_hit_tokens(specs, BLOCK_SIZE, include_outputs=True)
         prompt = ideal.prompt_tokens

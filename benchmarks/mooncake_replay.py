@@ -321,8 +321,8 @@ def run_mooncake_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACE
             f"{time.perf_counter() - t0:.1f}s; pool == oracle at every capacity: {agree}")
     plot_curves(curves, paper, out / "mooncake_hit_rate.png", gaps)
     table = []
-    for name, rows in curves.items():
-        for r in rows:
+    for name, curve in curves.items():
+        for r in curve:
             table.append({"trace": name, "source": "kvstore_pool", **r})
     for name in curves:
         for cap, rate in paper.get(name, []):

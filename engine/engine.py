@@ -369,9 +369,9 @@ class LLMEngine:
             if member_id in reasons:
                 member.finish_reason = reasons[member_id]
             elif drawn.tokens[k] in group.params.stop_token_ids:
-                request = group.requests[member.index]
-                assert request is not None
-                self.scheduler.finish(request, "stop")
+                stopped = group.requests[member.index]
+                assert stopped is not None
+                self.scheduler.finish(stopped, "stop")
                 member.finish_reason = reasons[member_id] = "stop"
 
     def _collect(self, reasons: dict[str, str]) -> list[RequestOutput]:
