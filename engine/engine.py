@@ -19,6 +19,7 @@ import torch
 
 from kvstore.engine.runner import ModelRunner, ModelRunnerOutput
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig
+from kvstore.hashing import HashFn, hash_block
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.models.model import DecoderModel
 from kvstore.paged_kv_cache import PagedKVCache
@@ -208,7 +209,9 @@ class LLMEngine:
     ``max_num_batched_tokens`` bounds the tokens of one step (longer prompts are
     prefilled in chunks); ``attention_backend`` is ``"reference"``, ``"triton"`` or
     ``"auto"`` (see :class:`~kvstore.engine.runner.ModelRunner`); ``eviction`` names the
-    policy that orders free cached pages for reuse (see :mod:`kvstore.eviction`).
+    policy that orders free cached pages for reuse (see :mod:`kvstore.eviction`);
+    ``hash_fn`` hashes blocks (``kvstore.make_keyed_hash(secret)`` where prompts come from
+    untrusted users: see the threat model in docs/design.md).
     """
 
     def __init__(
@@ -228,6 +231,7 @@ class LLMEngine:
         tier_model_name: str | None = None,
         store_timeout_s: float = 0.5,
         eviction: str = "lru",
+        hash_fn: HashFn = hash_block,
     ) -> None:
         if device is None:
             device = next(model.parameters()).device
@@ -245,7 +249,8 @@ class LLMEngine:
                 store_timeout_s=store_timeout_s)
             manager_cls = functools.partial(TieredKVCacheManager, tiers=self.tiers)
         self.manager = manager_cls(self.config, enable_caching=enable_prefix_caching,
-                                      enable_partial_hits=enable_partial_hits, eviction=eviction)
+                                      enable_partial_hits=enable_partial_hits, eviction=eviction,
+                                      hash_fn=hash_fn)
         self.cache = PagedKVCache(self.config, device=device)
         self.scheduler = Scheduler(self.manager, SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))

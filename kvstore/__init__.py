@@ -17,7 +17,7 @@ from kvstore.block_pool import (
     KVCacheEvent,
 )
 from kvstore.errors import RequestTooLargeError
-from kvstore.hashing import BlockHash, HashFn, hash_block
+from kvstore.hashing import BlockHash, HashFn, hash_block, make_keyed_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import BlockIds, KVCacheManager
 from kvstore.request import Request
@@ -58,6 +58,7 @@ __all__ = [
     "RequestTooLargeError",
     "SlidingWindowSpec",
     "hash_block",
+    "make_keyed_hash",
     "make_kv_cache_config",
 ]
 

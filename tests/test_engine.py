@@ -357,3 +357,21 @@ def test_cli_generate_from_checkpoint(pairs: dict, tmp_path, capsys: pytest.Capt
 def test_cli_without_subcommand_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     cli_main([])
     assert "generate" in capsys.readouterr().out
+
+
+def test_engine_takes_a_keyed_hash(pairs: dict) -> None:
+    """A keyed block hash reaches the manager, and outputs and hits equal the default
+    hash's."""
+    from kvstore import make_keyed_hash
+
+    keyed = make_keyed_hash(b"k" * 32)
+    _hf, model = pairs["llama"]
+    prompts = [list(range(1, 40)), list(range(1, 30)) + [7, 8]]
+    plain = LLMEngine(model, num_blocks=64, block_size=4)
+    secret = LLMEngine(model, num_blocks=64, block_size=4, hash_fn=keyed)
+    sampling = SamplingParams(max_tokens=3)
+    for prompt in prompts:  # one after the other: the second hits the first's prefix
+        assert plain.generate([prompt], sampling)[0].outputs[0].token_ids == \
+            secret.generate([prompt], sampling)[0].outputs[0].token_ids
+    assert secret.manager.hash_fn is keyed
+    assert secret.stats.hit_tokens == plain.stats.hit_tokens > 0
