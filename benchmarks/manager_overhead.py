@@ -362,6 +362,20 @@ def profile_hot_path(specs: Sequence[RequestSpec], num_blocks: int, top: int = 2
     return out.getvalue()
 
 
+def run_eviction(console: Console, num_requests: int, num_blocks: int, repeats: int,
+                 names: Sequence[str]) -> list[DriveResult]:
+    """Part 1's workload once per eviction policy (LRU first), side by side, with each
+    policy's manager time over LRU's."""
+    specs = overhead_workload(num_requests)
+    names = ["lru"] + [n for n in names if n != "lru"]
+    results = _best_of(repeats, lambda: [
+        (name, specs, KVCacheManager(make_config(num_blocks), eviction=name)) for name in names])
+    console.print(overhead_table(results, "Manager cost per call by eviction policy"))
+    for r in results[1:]:
+        console.print(f"{r.name} / lru: " + _ratio_line(r, results[0]))
+    return results
+
+
 # ----------------------------------------------------------------------------------- main
 
 
@@ -477,13 +491,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="alternated runs per setting; the fastest is kept")
     ap.add_argument("--profile", action="store_true", help="cProfile the hot path as well")
     ap.add_argument("--skip-cow", action="store_true", help="part 1 only")
+    ap.add_argument("--eviction", default=None,
+                    help="comma list of eviction policies: part 1 once per policy next to LRU "
+                         "(instead of the partial-index comparison)")
     args = ap.parse_args(argv)
     console = Console(width=150)
     num_requests = args.requests or (300 if args.quick else 2000)
     num_blocks = args.num_blocks or 5000
     repeats = args.repeats or 1
     t0 = time.perf_counter()
-    run_overhead(console, num_requests, num_blocks, repeats)
+    if args.eviction:
+        run_eviction(console, num_requests, num_blocks, repeats, args.eviction.split(","))
+    else:
+        run_overhead(console, num_requests, num_blocks, repeats)
     if not args.skip_cow:
         run_cow(console, args.quick, repeats)
     if args.profile:

@@ -22,6 +22,7 @@ class KVCacheBlock:
         "uses",
         "orphan",
         "free_tag",
+        "hint",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -47,6 +48,10 @@ class KVCacheBlock:
         self.orphan = False
         # Which of an eviction policy's free lists holds the page (policy-defined; -1: none).
         self.free_tag = -1
+        # Set by a sliding-window group when it frees the page: 1 if it sits within the window
+        # before a likely hit end (prompt end, output end, branch point), 0 if not; -1 for
+        # every other page (reset on allocation).
+        self.hint = -1
 
     @property
     def is_null(self) -> bool:

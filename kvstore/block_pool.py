@@ -92,13 +92,15 @@ class BlockPool:
     tail, blocks without content its head). Cached content stays findable until its
     block is taken for reuse (lazy eviction). `chained_groups` names the groups whose
     hits need a block's whole parent chain (None: all); in those, a policy that tracks
-    content learns when a block's parent content is gone.
+    content learns when a block's parent content is gone; one that tracks units also learns
+    when the pages of the other `num_groups` groups holding an evicted chained block's
+    content became useless (every hit through them needs that block).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
                  enable_events: bool = False, index_partial_blocks: bool = True,
                  eviction: str | EvictionPolicy = DEFAULT_EVICTION,
-                 chained_groups: frozenset[int] | None = None) -> None:
+                 chained_groups: frozenset[int] | None = None, num_groups: int = 1) -> None:
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -113,6 +115,10 @@ class BlockPool:
         self.free_queue.attach(self.blocks[1:])
         self._tracks_content = self.free_queue.tracks_content
         self._chained_groups = chained_groups
+        self.free_queue.set_layout(chained_groups is None or bool(chained_groups))
+        # Groups whose twins of an evicted chained block become orphans (policies tracking units).
+        self._unit_groups: tuple[int, ...] = (
+            tuple(range(num_groups)) if self.free_queue.tracks_units else ())
         # (group, hash) -> blocks holding that full content.
         self._hash_index: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
         # (group, parent serial) -> sorted (token_ids, block_id) of full and partial children.
@@ -151,6 +157,7 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt = 1
             block.uses = 0
+            block.hint = -1
             block.group_id = group_id
         if n:
             self.in_use_by_group[group_id] += n
@@ -185,6 +192,12 @@ class BlockPool:
         for block, serial in blocks:
             if block.ref_cnt == 0 and block.block_hash is not None and block.serial == serial:
                 queue.refresh(block)
+
+    def reused(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Tell the policy these cached blocks were asked for again though not taken."""
+        queue = self.free_queue
+        for block in blocks:
+            queue.reused(block)
 
     # ---- prefix cache ------------------------------------------------------------------------
     def root_serial(self, cache_salt: str | None) -> int:
@@ -333,16 +346,34 @@ class BlockPool:
             if twin.block_hash is not None and twin.serial == block.serial:
                 return
             i += 1
+        queue = self.free_queue
+        for g in self._unit_groups:
+            if g != block.group_id:
+                self._orphan_twins(g, block)
         children = self._children.get((block.group_id, block.serial))
         if not children:
             return
-        queue = self.free_queue
         for _, child_id in children:
             child = self.blocks[child_id]
             if not child.orphan:
                 child.orphan = True
                 if child.ref_cnt == 0:
                     queue.orphaned(child)
+
+    def _orphan_twins(self, group_id: int, block: KVCacheBlock) -> None:
+        """Mark the full blocks of `group_id` holding `block`'s content (same parent, tokens
+        and serial) orphans."""
+        siblings = self._children.get((group_id, block.parent_serial))
+        if not siblings:
+            return
+        i = siblings.bisect_left((block.token_ids,))
+        while i < len(siblings) and siblings[i][0] == block.token_ids:
+            twin = self.blocks[siblings[i][1]]
+            if twin.block_hash is not None and twin.serial == block.serial and not twin.orphan:
+                twin.orphan = True
+                if twin.ref_cnt == 0:
+                    self.free_queue.orphaned(twin)
+            i += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content; refuses (returns False) while any block is in use."""

@@ -13,6 +13,13 @@ it for pages to reuse (`take`). Every call is O(1) per page.
   then a small probation FIFO of pages never reused, then the main LRU of pages that were
   reused or whose content was evicted from probation recently (a ghost list of content
   hashes). One-shot prompts pass through probation without flushing reused prefixes.
+- ``window``: ``s3fifo`` plus window-aware retention for layouts with sliding-window groups.
+  A windowed page can serve only hits that end within W tokens after it, so the sliding
+  window groups tag the pages they free (`KVCacheBlock.hint`): near a likely hit end (a
+  prompt end, an output end, a branch point a lookup found) or not. Untagged window pages
+  go right after orphans, before any full-attention page. Tagged ones are kept as a unit
+  with the full-attention page of the same content: they leave only when that page's
+  content is evicted (the pool then marks them orphans) or when nothing else is free.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ __all__ = [
     "EvictionPolicy",
     "LRUPolicy",
     "S3FIFOPolicy",
+    "WindowPolicy",
     "EVICTION_POLICIES",
     "DEFAULT_EVICTION",
     "make_policy",
@@ -40,10 +48,16 @@ class EvictionPolicy:
     name: ClassVar[str] = ""
     # Whether the pool should tell the policy about orphaned and evicted content.
     tracks_content: ClassVar[bool] = False
+    # Whether evicting a full-attention page's content (no twin left in its group) should
+    # also orphan the pages of other groups holding the same content (same serial).
+    tracks_units: ClassVar[bool] = False
 
     def attach(self, blocks: list[KVCacheBlock]) -> None:
         """Take the pool's usable pages (all free, none cached) at construction."""
         raise NotImplementedError
+
+    def set_layout(self, has_chain: bool) -> None:
+        """Whether the pool has a full-attention group (hits need its whole chain)."""
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -71,6 +85,10 @@ class EvictionPolicy:
 
     def orphaned(self, block: KVCacheBlock) -> None:
         """A free cached page's parent content is gone (only when `tracks_content`)."""
+
+    def reused(self, block: KVCacheBlock) -> None:
+        """A lookup found this cached page (free or not) but another group cut the hit
+        before it."""
 
     def evicted(self, block: KVCacheBlock) -> None:
         """A page's content is about to be dropped (only when `tracks_content`)."""
@@ -154,7 +172,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._lists[tag].append(block)
 
     def _pop(self) -> KVCacheBlock:
-        empty, orphan, small, main = self._lists
+        empty, orphan, small, main = self._lists[:4]
         if len(empty):
             block = empty.popleft()
         elif len(orphan):
@@ -226,9 +244,91 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost.clear()
 
 
+# Extra free lists of WindowPolicy: window pages far from any likely hit end, and window
+# pages kept with the full-attention page of the same content (never reused, reused).
+_COLD, _HELD, _HELD_MAIN = 4, 5, 6
+
+
+class WindowPolicy(S3FIFOPolicy):
+    """``s3fifo`` with window-aware retention: empty, orphaned, then window pages far from a
+    likely hit end (FIFO), then probation and main as in ``s3fifo`` (full-attention pages,
+    partial blocks, and tagged window pages of a window-only layout), then tagged window
+    pages whose full-attention twin is still cached, only when nothing else is free: first
+    those never reused (FIFO), then those reused or recomputed after such an eviction (LRU;
+    the ghost list is shared with probation).
+
+    A tagged window page of a layout with a full-attention group leaves the held list when
+    the pool evicts the last full-attention page of the same content (it becomes an orphan),
+    so the full pages of a prefix and the window pages at its end are dropped together."""
+
+    name = "window"
+    tracks_units = True
+
+    def __init__(self, small_fraction: float = 0.25) -> None:
+        super().__init__(small_fraction)
+        self._lists += [FreeBlockQueue(), FreeBlockQueue(), FreeBlockQueue()]
+        self._has_chain = True
+
+    def set_layout(self, has_chain: bool) -> None:
+        """Without a full-attention group, tagged window pages age in probation and main."""
+        self._has_chain = has_chain
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """Empty, orphaned, far window, probation, main, then held window pages."""
+        lists = self._lists
+        for tag in (_EMPTY, _ORPHAN, _COLD, _SMALL, _MAIN, _HELD, _HELD_MAIN):
+            yield from lists[tag]
+
+    def _pop(self) -> KVCacheBlock:
+        lists = self._lists
+        for tag in (_EMPTY, _ORPHAN, _COLD):
+            if len(lists[tag]):
+                block = lists[tag].popleft()
+                block.free_tag = -1
+                return block
+        if len(lists[_SMALL]) or len(lists[_MAIN]):
+            return super()._pop()
+        if len(lists[_HELD]):
+            block = lists[_HELD].popleft()
+            if block.block_hash is not None:
+                self._remember(block.group_id, block.block_hash)
+        else:
+            block = lists[_HELD_MAIN].popleft()
+        block.free_tag = -1
+        return block
+
+    def reused(self, block: KVCacheBlock) -> None:
+        """Counted as a use (it would have been hit): out of probation into main."""
+        block.uses += 1
+        if block.ref_cnt == 0 and block.free_tag == _SMALL:
+            self._lists[_SMALL].remove(block)
+            self._push(block, _MAIN)
+
+    def _remember(self, group_id: int, block_hash: int) -> None:
+        ghost = self._ghost
+        ghost[(group_id, block_hash)] = None
+        if len(ghost) > self._ghost_cap:
+            del ghost[next(iter(ghost))]
+
+    def freed(self, block: KVCacheBlock) -> None:
+        """Empty, orphaned, far window page, held window page, else as ``s3fifo``."""
+        if block.token_ids is None or block.orphan:
+            super().freed(block)
+        elif block.hint == 0:
+            self._push(block, _COLD)
+        elif block.hint == 1 and self._has_chain and block.block_hash is not None:
+            if block.uses or self._ghost.pop((block.group_id, block.block_hash), 0) is None:
+                self._push(block, _HELD_MAIN)
+            else:
+                self._push(block, _HELD)
+        else:
+            super().freed(block)
+
+
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "s3fifo": S3FIFOPolicy,
+    "window": WindowPolicy,
 }
 DEFAULT_EVICTION = "lru"
 

@@ -23,7 +23,10 @@ class ComputedBlocks:
 
     `parent_serials[i]` is the serial the request's block i hangs under (the salt's root
     serial for block 0), for every hit block and the one after the hit; empty means no
-    hit."""
+    hit. `num_verified_tokens` is how far the prompt's prefix was found cached in the chain
+    the lookup verified (at least the hit; past it where a group cut the hit): a branch
+    point where later requests are likely to hit; `cut_blocks` are the blocks of that chain
+    past the hit."""
 
     request_id: str
     blocks: tuple[list[KVCacheBlock], ...]
@@ -32,6 +35,8 @@ class ComputedBlocks:
     num_partial_tokens: int
     cache_epoch: int = -1
     parent_serials: tuple[int, ...] = ()
+    num_verified_tokens: int = 0
+    cut_blocks: tuple[KVCacheBlock, ...] = ()
 
     @property
     def num_computed_tokens(self) -> int:
@@ -137,7 +142,8 @@ class KVCacheCoordinator:
             if num_partial == 0:
                 sources = [None] * len(self.managers)
         return ComputedBlocks(request.request_id, hits, tuple(sources), full, num_partial,
-                              self.pool.cache_epoch, tuple(parents[:num_blocks + 1]))
+                              self.pool.cache_epoch, tuple(parents[:num_blocks + 1]),
+                              len(spine_blocks) * bs, tuple(spine_blocks[num_blocks:]))
 
     def parent_serial(self, request: Request, computed: ComputedBlocks) -> int:
         """The serial the block after the hit hangs under (the salt's root without a hit)."""
@@ -217,8 +223,12 @@ class KVCacheCoordinator:
             manager.take_hit(computed.blocks[g], computed.partial_sources[g],
                              computed.num_computed_tokens)
         parent = self.parent_serial(request, computed)
+        ends = (computed.num_full_hit_tokens, computed.num_verified_tokens)
         for g, manager in enumerate(self.managers):
             manager.admit(request, computed.blocks[g], computed.partial_sources[g], parent)
+            manager.note_hit_ends(request, ends)
+        # A prefix the lookup found but a group cut: it was asked for again.
+        self.pool.reused(block for block in computed.cut_blocks if block.block_hash is not None)
 
     def allocate(self, request: Request, num_tokens: int) -> tuple[tuple[int, ...], ...]:
         """Grow every group's table to `num_tokens` tokens (the caller checked it fits);

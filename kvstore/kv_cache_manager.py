@@ -48,7 +48,8 @@ class KVCacheManager:
                                index_partial_blocks=self.enable_partial_hits, eviction=eviction,
                                chained_groups=frozenset(
                                    g for g, group in enumerate(config.groups)
-                                   if isinstance(group.spec, FullAttentionSpec)))
+                                   if isinstance(group.spec, FullAttentionSpec)),
+                               num_groups=len(config.groups))
         # Copies queued for the worker and the pins that keep their pages alive.
         self._copies = PendingCopies(self._pool)
         self._coordinator = KVCacheCoordinator(config, self._pool, self._copies)

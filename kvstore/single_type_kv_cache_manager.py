@@ -153,6 +153,10 @@ class SingleTypeKVCacheManager:
         self._num_cached_blocks[rid] = len(hit_blocks)
         self._last_serial[rid] = parent_serial
 
+    def note_hit_ends(self, request: Request, ends: Sequence[int]) -> None:
+        """Token counts where the admitted request's lookup found a likely hit end (its hit,
+        the verified prefix); only sliding-window groups use them."""
+
     def _copy_destination(self, src: KVCacheBlock) -> KVCacheBlock:
         """A fresh page that will receive a copy of `src`, pinned like the source until the
         copy has been handed out, so it is neither reused nor given a second copy before."""
@@ -270,30 +274,66 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Only the last W positions are kept; older pages return to the pool (still cached)."""
 
-    __slots__ = ("_dropped",)
+    __slots__ = ("_dropped", "_ends")
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1) -> None:
         super().__init__(pool, spec, group_id, copies, num_groups)
         # Cached pages each request dropped from its window (with their content serials).
         self._dropped: dict[str, list[tuple[KVCacheBlock, int]]] = {}
+        # Per request, the table index ranges [start, stop) within the window before a
+        # likely hit end (prompt end, lookup's hit and branch point): freed pages there are
+        # tagged worth keeping (KVCacheBlock.hint), the others not.
+        self._ends: dict[str, list[tuple[int, int]]] = {}
+
+    def _end_range(self, end: int) -> tuple[int, int]:
+        """Table indexes of the pages a hit ending at `end` tokens (or at the block boundary
+        before it) needs in this group, and the page holding `end` itself."""
+        bs = self.block_size
+        return (self.spec.first_needed_position(end // bs * bs) // bs, -(-end // bs))
 
     def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
               partial_src: KVCacheBlock | None, parent_serial: int) -> None:
-        """Start the table (see the base class) and an empty record of dropped pages."""
+        """Start the table (see the base class), an empty record of dropped pages and the
+        prompt end as a likely hit end (a repeat hits one token short of it)."""
         super().admit(request, hit_blocks, partial_src, parent_serial)
         self._dropped[request.request_id] = []
+        p = request.num_prompt_tokens
+        self._ends[request.request_id] = [self._end_range(p - 1), self._end_range(p)]
+
+    def note_hit_ends(self, request: Request, ends: Sequence[int]) -> None:
+        """Keep the pages before these token counts too (the lookup's hit and branch point)."""
+        ranges = self._ends[request.request_id]
+        for end in ends:
+            if end > 0:
+                ranges.append(self._end_range(end))
+
+    def _tag(self, request_id: str, index: int, block: KVCacheBlock,
+             extra: tuple[int, int] = (0, 0)) -> None:
+        """Set the hint of the page at table `index` (1: before a likely hit end)."""
+        near = extra[0] <= index < extra[1] or any(
+            start <= index < stop for start, stop in self._ends[request_id])
+        block.hint = 1 if near else 0
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """Share the parent's pages; the child has dropped none yet."""
+        """Share the parent's pages and its hit ends; the child has dropped none yet."""
         super().fork(parent_id, child_id)
         self._dropped[child_id] = []
+        self._ends[child_id] = list(self._ends[parent_id])
 
     def free(self, request: Request) -> None:
-        """Release the table; the pages the request dropped from its window earlier become
+        """Release the table, its pages tagged by whether they sit before the output end or
+        another likely hit end; the pages the request dropped from its window earlier become
         as recent as the rest of its content, so a later hit finds its window with its chain."""
+        rid = request.request_id
+        table = self._req_to_blocks[rid]
+        out = self._end_range(min(request.num_computed_tokens, len(table) * self.block_size))
+        for i, block in enumerate(table):
+            if block.block_id != 0:
+                self._tag(rid, i, block, out)
         super().free(request)
-        self.pool.refresh(reversed(self._dropped.pop(request.request_id)))
+        del self._ends[rid]
+        self.pool.refresh(reversed(self._dropped.pop(rid)))
 
     def hit_search(self, request: Request, parents: Sequence[int]) -> HitSearch:
         """Null blocks, then cached blocks under their prefix's serial covering the keys the
@@ -327,6 +367,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         table = self._req_to_blocks[request_id]
         removed = []
         for i in self._out_of_window(request_id, num_computed_tokens):
+            self._tag(request_id, i, table[i])
             removed.append(table[i])
             table[i] = self.pool.null_block
         self.pool.free_blocks(removed)
