@@ -212,3 +212,25 @@ class HybridPolicyMachine(th.HybridCacheMachine):
 
 TestHybridPolicies = HybridPolicyMachine.TestCase
 TestHybridPolicies.settings = th.HybridCacheMachine.TestCase.settings
+
+
+def test_window_policy_drops_far_window_pages_first_and_keeps_units() -> None:
+    """Untagged window pages go before any full page; a tagged window page leaves right after
+    the full page of its content (a unit), before an unrelated full page."""
+    pool = BlockPool(6, eviction="window", chained_groups=frozenset({0}), num_groups=2)
+    root = pool.root_serial(None)
+    full_a, full_b = pool.get_new_blocks(2, 0)
+    near, far = pool.get_new_blocks(2, 1)
+    s_a = pool.cache_full_block(full_a, 1, (1,), root)
+    pool.cache_full_block(full_b, 2, (2,), root)
+    pool.cache_full_block(near, 1, (1,), root, serial=s_a)
+    pool.cache_full_block(far, 3, (3,), root)
+    near.hint, far.hint = 1, 0
+    pool.free_blocks([full_a, full_b, near, far])
+    order = [b.block_id for b in pool.free_queue if b.token_ids is not None]
+    assert order[0] == far.block_id and order[-1] == near.block_id
+    taken = [pool.get_new_blocks(1, 0)[0] for _ in range(5)]
+    ids = [b.block_id for b in taken if b.block_id in (full_a.block_id, full_b.block_id,
+                                                       near.block_id, far.block_id)]
+    assert ids == [far.block_id, full_a.block_id, near.block_id, full_b.block_id]
+    check_pool(pool)
