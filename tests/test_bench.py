@@ -167,6 +167,7 @@ def test_sizes():
     assert MODEL_SHAPES["llama-3-8b"].bytes_per_token == 128 * 1024
 
 
+@pytest.mark.slow
 def test_sweep_end_points():
     """The largest default budget holds everything (no eviction, no preemption); the
     smallest still runs the largest request; naive idles more than paged."""
@@ -261,6 +262,7 @@ QUICK = ["bench", "--quick", "--workload", "mixed_default", "--limit", "12", "--
          "--jobs", "1"]
 
 
+@pytest.mark.slow
 def test_bench_quick_writes_json_csv_png(tmp_path):
     out = tmp_path / "bench"
     args = _parser().parse_args([*QUICK, "--seed", "3", "--out", str(out)])

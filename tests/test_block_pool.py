@@ -165,6 +165,7 @@ class FreeBlockQueueMachine(RuleBasedStateMachine):
 
 TestFreeBlockQueue = FreeBlockQueueMachine.TestCase
 TestFreeBlockQueue.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestFreeBlockQueue.pytestmark = [pytest.mark.slow]
 
 
 def test_queue_initial_order_and_fifo() -> None:
@@ -411,6 +412,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 TestBlockPoolMachine = BlockPoolMachine.TestCase
 TestBlockPoolMachine.settings = STATEFUL
+TestBlockPoolMachine.pytestmark = [pytest.mark.slow]
 
 
 # =============================================================================================

@@ -202,6 +202,7 @@ def _group_gone(pgid: int, timeout: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("presses", [1, 3])
 def test_ctrl_c_stops_workers_and_keeps_finished_points(tmp_path, presses):
     """In a terminal, Ctrl-C (SIGINT to the foreground process group) during a 2-worker

@@ -388,6 +388,7 @@ NUM_STEPS = 40
 SEEDS_PER_CHUNK = 50
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", range(3))
 @pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
 def test_random_schedules_keep_every_requests_kv(hybrid: bool, chunk: int) -> None:
@@ -398,6 +399,7 @@ def test_random_schedules_keep_every_requests_kv(hybrid: bool, chunk: int) -> No
     assert all(v > 0 for v in totals.values()), totals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
 def test_random_schedules_with_preemption_of_scheduled_requests(hybrid: bool) -> None:
     """As above, but the scheduler may also preempt or abort a request it already allocated

@@ -212,6 +212,7 @@ def test_preemption_and_eviction_match_hf(style: str, pairs: dict) -> None:
     assert small.manager.usage == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", STYLES)
 def test_triton_kernel_matches_hf(style: str, pairs: dict) -> None:
     """The Triton paged-attention kernel (interpreted on CPU) in the engine: a prompt longer

@@ -6,9 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+import test_hybrid as th
+import test_kv_cache_manager as tm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
+from invariants import check_pool
 
 from kvstore.benchmarks.eviction_replay import brute_force_best_hit_blocks, gap_closed, min_replay
 from kvstore.benchmarks.mooncake_replay import pool_replay
@@ -17,9 +20,6 @@ from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
 from kvstore.eviction import EVICTION_POLICIES, LRUPolicy, S3FIFOPolicy, make_policy
 from kvstore.kv_cache_manager import KVCacheManager
-from tests import test_hybrid as th
-from tests import test_kv_cache_manager as tm
-from tests.invariants import check_pool
 
 POLICIES = sorted(EVICTION_POLICIES)
 NON_LRU = [p for p in POLICIES if p != "lru"]
@@ -189,6 +189,7 @@ def _machine(base: type, name: str) -> type:
 for _name in NON_LRU:
     for _base in (tm.OneGroupMachine, tm.TwoGroupMachine, tm.StaleLookupMachine):
         _case = _machine(_base, _name).TestCase
+        _case.pytestmark = [pytest.mark.slow]
         _case.settings = tm.STATEFUL
         globals()[f"Test{_base.__name__}_{_name}"] = _case
 
@@ -212,6 +213,7 @@ class HybridPolicyMachine(th.HybridCacheMachine):
 
 TestHybridPolicies = HybridPolicyMachine.TestCase
 TestHybridPolicies.settings = th.HybridCacheMachine.TestCase.settings
+TestHybridPolicies.pytestmark = [pytest.mark.slow]
 
 
 def test_window_policy_drops_far_window_pages_first_and_keeps_units() -> None:

@@ -394,6 +394,7 @@ def test_copy_blocks_refuses_bad_ids_and_copies_nothing(pairs: Any) -> None:
 # =============================================================================================
 
 
+@pytest.mark.slow
 def test_salted_requests_leave_no_memory_behind() -> None:
     m = manager([None, 4], num_blocks=64)
     prompt = list(range(100, 111))  # two full blocks and a partial one
@@ -745,6 +746,7 @@ for _name, (_windows, _blocks) in LAYOUTS.items():
                         {"WINDOWS": _windows, "NUM_BLOCKS": _blocks, "HASH": staticmethod(_hash)})
         _case = _machine.TestCase
         _case.settings = COLLISION_SETTINGS
+        _case.pytestmark = [pytest.mark.slow]
         globals()[f"Test{_name}{_hash_name}Collisions"] = _case
 del _name, _windows, _blocks, _hash_name, _hash, _machine, _case
 

@@ -948,3 +948,4 @@ HybridCacheMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=50, deadline=None, report_multiple_bugs=False,
     phases=_PHASES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestHybridCache = HybridCacheMachine.TestCase
+TestHybridCache.pytestmark = [pytest.mark.slow]  # the longest machine: CI runs it, the inner loop skips it

@@ -42,6 +42,7 @@ def _ref(case):
 @pytest.mark.parametrize(
     "name,lens,h,hkv,d,bs,window,softcap,splits,dtype,bm,bn", GRID, ids=[c[0] for c in GRID]
 )
+@pytest.mark.slow
 def test_grid_matches_reference(name, lens, h, hkv, d, bs, window, softcap, splits, dtype, bm,
                                 bn):
     case = make_case(*lens, h, hkv, d, bs, window, softcap, dtype, seed=hash(name) % 1000,

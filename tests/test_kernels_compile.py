@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not PTXAS.exists(), reason="Triton's NVIDIA backend (ptxas) not bundled")
 def test_all_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

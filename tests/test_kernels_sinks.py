@@ -128,6 +128,7 @@ def test_softcap_applies_to_scores_not_to_the_sink():
 @pytest.mark.parametrize(
     "name,lens,h,hkv,d,bs,window,softcap,splits,dtype,bm,bn", GRID, ids=[c[0] for c in GRID]
 )
+@pytest.mark.slow
 def test_grid_with_sinks_matches_reference(name, lens, h, hkv, d, bs, window, softcap, splits,
                                            dtype, bm, bn):
     case = make_case(*lens, h, hkv, d, bs, window, softcap, dtype, seed=hash(name) % 1000,
@@ -142,6 +143,7 @@ def test_grid_with_sinks_matches_reference(name, lens, h, hkv, d, bs, window, so
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("splits", [1, 2, 7, 16])
 def test_split_kv_adds_the_sink_once(splits):
     """Many splits, several of them empty for the short sequence: the sink enters once."""

@@ -456,12 +456,16 @@ TestOneGroup = OneGroupMachine.TestCase
 TestOneGroup.settings = STATEFUL
 TestTwoGroups = TwoGroupMachine.TestCase
 TestTwoGroups.settings = STATEFUL
+TestTwoGroups.pytestmark = [pytest.mark.slow]
 TestFullBlockHitsOnly = FullBlockHitsOnlyMachine.TestCase
 TestFullBlockHitsOnly.settings = STATEFUL
+TestFullBlockHitsOnly.pytestmark = [pytest.mark.slow]
 TestCollidingHash = CollidingHashMachine.TestCase
 TestCollidingHash.settings = STATEFUL
+TestCollidingHash.pytestmark = [pytest.mark.slow]
 TestStaleLookups = StaleLookupMachine.TestCase
 TestStaleLookups.settings = STATEFUL
+TestStaleLookups.pytestmark = [pytest.mark.slow]
 
 
 # =============================================================================================

@@ -29,6 +29,8 @@ from kvstore.engine.engine import LLMEngine, RequestOutput, SamplingParams
 from kvstore.models.gguf import unpermute_rope
 from kvstore.models.model import hf_parameter_names
 
+pytestmark = pytest.mark.slow
+
 ATOL = 2e-3  # logits reach ~40; fp32 over 30 layers, paged vs dense attention
 TIE_GAP = 1e-2
 BLOCK = 8

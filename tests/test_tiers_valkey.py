@@ -307,6 +307,7 @@ def test_two_writers_on_the_same_keys_leave_one_verified_value(server):
         w.close()
 
 
+@pytest.mark.slow
 def test_cluster_round_trip():
     import redis
 
