@@ -502,10 +502,11 @@ def worker_main(kind: str) -> None:
         cmd = json.loads(line)
         try:
             if cmd["cmd"] == "where":
-                out: dict[str, Any] = {"path": sys.modules["kvstore"].__file__ or ""}
                 if kind == "vllm":
                     import vllm
-                    out["path"] = f"vllm {vllm.__version__} at {vllm.__file__}"
+                    out: dict[str, Any] = {"path": f"vllm {vllm.__version__} at {vllm.__file__}"}
+                else:
+                    out = {"path": sys.modules["kvstore"].__file__ or ""}
             elif cmd["cmd"] == "scenario":
                 out = run_scenario(kind, cmd["layout"], cmd["regime"], cmd["num_blocks"],
                                    cmd["num_requests"], cmd.get("profile_top", 0))
@@ -636,7 +637,9 @@ def main(argv: list[str] | None = None) -> None:
     workers: list[Worker] = []
     worktree: Path | None = None
     try:
-        workers.append(Worker("this revision", "kvstore", sys.executable,
+        this = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+                              capture_output=True, text=True).stdout.strip()
+        workers.append(Worker(f"this revision ({this})", "kvstore", sys.executable,
                               str(cache_layer_tree(REPO / "kvstore", tmp / "this"))))
         if args.baseline:
             worktree = tmp / "baseline-worktree"
