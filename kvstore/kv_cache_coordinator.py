@@ -217,6 +217,21 @@ class KVCacheCoordinator:
             resident += manager.spec.num_resident_blocks(num_computed_tokens, num_tokens)
         return AllocationPlan(need, released, resident)
 
+    def quiet_range(self, request: Request) -> tuple[int, int, int] | None:
+        """Right after every group's `is_noop` held: (lo, hi, max_tokens) such that growing
+        the request to at most `max_tokens` tokens needs nothing in any group while its
+        computed count is in [lo, hi) and its tables are unchanged; None if not promised."""
+        rid = request.request_id
+        lo = request.num_computed_tokens
+        hi = max_tokens = 1 << 62
+        for manager in self.managers:
+            quiet = manager.quiet_range(rid, lo)
+            if quiet is None:
+                return None
+            hi = min(hi, quiet[0])
+            max_tokens = min(max_tokens, quiet[1])
+        return lo, hi, max_tokens
+
     def admit(self, request: Request, computed: ComputedBlocks) -> None:
         """Take a checked prefix hit in every group."""
         for g, manager in enumerate(self.managers):

@@ -34,7 +34,7 @@ class KVCacheManager:
     """
 
     __slots__ = ("config", "block_size", "enable_caching", "enable_partial_hits", "_hash_fn",
-                 "_pool", "_copies", "_coordinator", "_requests", "_no_new_blocks")
+                 "_pool", "_copies", "_coordinator", "_requests", "_no_new_blocks", "_quiet")
 
     def __init__(self, config: KVCacheConfig, enable_caching: bool = True,
                  enable_partial_hits: bool = True, enable_events: bool = False,
@@ -55,6 +55,12 @@ class KVCacheManager:
         self._coordinator = KVCacheCoordinator(config, self._pool, self._copies)
         self._requests: dict[str, Request] = {}
         self._no_new_blocks: BlockIds = ((),) * len(config.groups)
+        # Per live request, (lo, hi, max_tokens) from the last decode that needed nothing:
+        # growing to at most max_tokens with a computed count in [lo, hi) needs nothing
+        # either, until the request's tables change (allocate, free, fork drop the entry).
+        # Other requests cannot change it: they can only share its cached pages, and a
+        # range is only given while none of its pages from lo on is cached or shared.
+        self._quiet: dict[str, tuple[int, int, int]] = {}
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -175,6 +181,7 @@ class KVCacheManager:
         if fitting is None:
             return None
         request.num_computed_tokens = fitting.num_computed_tokens
+        self._quiet.pop(rid, None)
         self._coordinator.admit(request, fitting)
         self._requests[rid] = request
         stats = self._pool.stats
@@ -206,9 +213,18 @@ class KVCacheManager:
             self._check_length(request, num_computed, num_new_tokens)
         request.update_block_hashes(self.block_size, self._hash_fn)
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
-        if all(m.is_noop(request, num_tokens) for m in self._coordinator.managers):
+        quiet = self._quiet.get(rid)
+        if quiet is not None and quiet[0] <= num_computed < quiet[1] and num_tokens <= quiet[2]:
             # Most decode steps: the pages exist, nothing to cache, drop or copy.
             return self._no_new_blocks
+        if all(m.is_noop(request, num_tokens) for m in self._coordinator.managers):
+            quiet = self._coordinator.quiet_range(request)
+            if quiet is None:
+                self._quiet.pop(rid, None)
+            else:
+                self._quiet[rid] = quiet
+            return self._no_new_blocks
+        self._quiet.pop(rid, None)
         plan = self._coordinator.num_blocks_needed(request, num_computed, num_tokens, None)
         self._check_pool_holds(rid, plan.num_resident, num_tokens)
         if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
@@ -247,6 +263,7 @@ class KVCacheManager:
                              "already freed)")
         self._check_progress(request)
         request.update_block_hashes(self.block_size, self._hash_fn)
+        self._quiet.pop(request.request_id, None)
         self._coordinator.free(request)
         del self._requests[request.request_id]
 
@@ -264,6 +281,7 @@ class KVCacheManager:
             raise ValueError("a forked child must have its parent's tokens, progress and salt "
                              "(use Request.fork)")
         child.copy_block_hashes(parent)
+        self._quiet.pop(parent.request_id, None)  # its pages become shared
         self._coordinator.fork(parent.request_id, child.request_id)
         self._requests[child.request_id] = child
 

@@ -26,6 +26,9 @@ class Skippable(NamedTuple):
 
 NOTHING_SKIPPABLE = Skippable(0, 0)
 
+# No bound on a computed-token count.
+_UNBOUNDED = 1 << 62
+
 
 class SingleTypeKVCacheManager:
     """Block tables of one KV cache group; all groups draw from one shared pool, and queue
@@ -123,6 +126,21 @@ class SingleTypeKVCacheManager:
         if any(is_shared(b) for b in self._blocks_to_write(table, num_computed, num_tokens)):
             return False
         return not self.has_skippable(rid, num_computed)
+
+    def quiet_range(self, request_id: str, num_computed_tokens: int) -> tuple[int, int] | None:
+        """Right after `is_noop` held at `num_computed_tokens`: (hi, max_tokens) such that
+        growing to at most `max_tokens` tokens stays a no-op for every computed count in
+        [num_computed_tokens, hi) until this request's table changes; None if no such
+        promise can be given (a page from here on is shared or cached: another request's
+        hit or a fork could change that)."""
+        table = self._req_to_blocks[request_id]
+        bs = self.block_size
+        for b in table[num_computed_tokens // bs:]:
+            if b.token_ids is not None or b.ref_cnt - b.pin_cnt > 1:
+                return None
+        hi = ((self._num_cached_blocks[request_id] + 1) * bs if self.pool.enable_caching
+              else _UNBOUNDED)
+        return hi, len(table) * bs
 
     def _blocks_to_write(self, table: list[KVCacheBlock], num_computed_tokens: int,
                          num_tokens: int) -> list[KVCacheBlock]:
@@ -353,8 +371,26 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return out
 
     def has_skippable(self, request_id: str, num_computed_tokens: int) -> bool:
-        """Whether any table entry falls out of the window."""
-        return bool(self._out_of_window(request_id, num_computed_tokens))
+        """Whether any table entry falls out of the window (the deepest of them, the first
+        `_out_of_window` would list, is not null yet)."""
+        table = self._req_to_blocks[request_id]
+        k = min(len(table), self.spec.first_needed_position(num_computed_tokens)
+                // self.block_size)
+        return k > 0 and table[k - 1].block_id != 0
+
+    def quiet_range(self, request_id: str, num_computed_tokens: int) -> tuple[int, int] | None:
+        """See the base class; also bounded where the window's first needed block moves."""
+        quiet = super().quiet_range(request_id, num_computed_tokens)
+        if quiet is None:
+            return None
+        bs = self.block_size
+        window = self.spec.sliding_window
+        assert window is not None
+        first = self.spec.first_needed_position(num_computed_tokens) // bs
+        if first < len(self._req_to_blocks[request_id]):
+            # The smallest count whose first needed position reaches block first + 1.
+            return min(quiet[0], (first + 1) * bs + window - 1), quiet[1]
+        return quiet
 
     def num_skippable(self, request_id: str, num_computed_tokens: int) -> Skippable:
         """Table entries that fall out of the window, and how many of them would become free."""
