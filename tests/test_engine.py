@@ -82,6 +82,56 @@ def make_engine(model: DecoderModel, **kw) -> LLMEngine:
     return LLMEngine(model, **kw)
 
 
+def check_engine_against_hf(hf: torch.nn.Module, model: DecoderModel, n: int, max_tokens: int,
+                            batched_tokens: int, small_batched_tokens: int) -> None:
+    """A model through LLMEngine on prompts of about ``n`` tokens, every output checked
+    against HF: a chunked shared-prefix batch (caching on and off agree), a partial hit
+    after a finish, a fork that copies the partial block, and a pool with room for the
+    longest request alone (preemption and eviction)."""
+    shared = tokens(n, seed=1)
+    prompts = [shared + tokens(5, seed=2), shared + tokens(2, seed=3), shared[: n // 2],
+               tokens(7, seed=4)]
+    results = []
+    for caching in (True, False):
+        engine = make_engine(model, enable_prefix_caching=caching,
+                             max_num_batched_tokens=batched_tokens)
+        results.append(engine.generate(prompts, greedy(max_tokens)))
+        assert engine.manager.usage == 0.0
+    assert sample_tokens(results[0]) == sample_tokens(results[1])
+    for out in results[0]:
+        check_against_hf(hf, out)
+
+    # A partial hit (mid-block) on a finished request's pages.
+    engine = make_engine(model)
+    first = engine.generate([shared + tokens(3, seed=5)], greedy(max_tokens))[0]
+    cut = n - 1 if (n - 1) % BLOCK else n - 2
+    second = engine.generate([shared[:cut] + [(shared[cut] + 1) % 256]], greedy(3))[0]
+    assert engine.stats.partial_hits > 0
+    assert second.num_cached_tokens == cut
+    check_against_hf(hf, first)
+    check_against_hf(hf, second)
+
+    # A fork: three greedy samples share the prompt's pages, copy the partial block.
+    out = engine.generate([shared[:cut]], greedy(max_tokens, n=3))[0]
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids
+    assert engine.stats.fork_copies > 0
+    check_against_hf(hf, out)
+
+    # A pool with room for the longest request alone: preemption and eviction.
+    prompts = [tokens(n + k, seed=10 + k) for k in range(3)] + [tokens(5, seed=14)]
+    roomy = make_engine(model, max_num_batched_tokens=small_batched_tokens)
+    groups = len(roomy.config.groups)
+    longest = n + 2 + max_tokens
+    small = make_engine(model, num_blocks=1 + groups * -(-longest // BLOCK),
+                        max_num_batched_tokens=small_batched_tokens)
+    outs = small.generate(prompts, greedy(max_tokens))
+    assert small.stats.preemptions > 0 and small.stats.evictions > 0
+    assert sample_tokens(outs) == sample_tokens(roomy.generate(prompts, greedy(max_tokens)))
+    for out in outs:
+        check_against_hf(hf, out)
+    assert small.manager.usage == 0.0
+
+
 # ---------------------------------------------------------------------------- HF parity
 
 

@@ -27,11 +27,7 @@ pytest.importorskip("safetensors")
 
 from test_engine import (  # noqa: E402
     BLOCK,
-    check_against_hf,
-    greedy,
-    make_engine,
-    sample_tokens,
-    tokens,
+    check_engine_against_hf,
 )
 from test_models_hf import ATOL, hf_logits, our_logits, random_prompts, randomize_  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
@@ -414,50 +410,8 @@ def test_engine_matches_hf(name: str, pairs: dict) -> None:
     enough to preempt and evict."""
     hf, model = pairs[name]
     cfg = model.config
-    n = original_context(cfg) + (cfg.sliding_window or 0) + 6
-    shared = tokens(n, seed=1)
-
-    # Shared-prefix batch with chunked prefill; caching on and off give the same tokens.
-    prompts = [shared + tokens(5, seed=2), shared + tokens(2, seed=3), shared[: n // 2],
-               tokens(7, seed=4)]
-    results = []
-    for caching in (True, False):
-        engine = make_engine(model, enable_prefix_caching=caching, max_num_batched_tokens=24)
-        results.append(engine.generate(prompts, greedy(6)))
-        assert engine.manager.usage == 0.0
-    assert sample_tokens(results[0]) == sample_tokens(results[1])
-    for out in results[0]:
-        check_against_hf(hf, out)
-
-    # A partial hit (mid-block) on a finished request's pages.
-    engine = make_engine(model)
-    first = engine.generate([shared + tokens(3, seed=5)], greedy(4))[0]
-    cut = n - 1 if (n - 1) % BLOCK else n - 2
-    second = engine.generate([shared[:cut] + [(shared[cut] + 1) % 256]], greedy(3))[0]
-    assert engine.stats.partial_hits > 0
-    assert second.num_cached_tokens == cut
-    check_against_hf(hf, first)
-    check_against_hf(hf, second)
-
-    # A fork: three greedy samples share the prompt's pages, copy the partial block.
-    prompt = shared[:cut]
-    out = make_engine(model).generate([prompt], greedy(5, n=3))[0]
-    assert out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids
-    check_against_hf(hf, out)
-
-    # A pool with room for the longest request alone: preemption and eviction.
-    prompts = [tokens(n + k, seed=10 + k) for k in range(3)] + [tokens(5, seed=14)]
-    roomy = make_engine(model)
-    groups = len(roomy.config.groups)
-    longest = n + 2 + 6
-    small = make_engine(model, num_blocks=1 + groups * -(-longest // BLOCK),
-                        max_num_batched_tokens=32)
-    outs = small.generate(prompts, greedy(6))
-    assert small.stats.preemptions > 0 and small.stats.evictions > 0
-    assert sample_tokens(outs) == sample_tokens(roomy.generate(prompts, greedy(6)))
-    for out in outs:
-        check_against_hf(hf, out)
-    assert small.manager.usage == 0.0
+    check_engine_against_hf(hf, model, original_context(cfg) + (cfg.sliding_window or 0) + 6,
+                            max_tokens=6, batched_tokens=24, small_batched_tokens=32)
 
 
 # ----------------------------------------------------------------------------- presets, CLI
