@@ -24,7 +24,13 @@ from typing import Any
 
 from kvstore.benchmarks.mooncake_replay import TRACES, pool_replay
 from kvstore.benchmarks.output import pyplot, write_csv, write_json
-from kvstore.benchmarks.traces import MOONCAKE_BLOCK_TOKENS, MooncakeRequest, load_mooncake, trace_file
+from kvstore.benchmarks.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    MooncakeRequest,
+    leading_run,
+    load_mooncake,
+    trace_file,
+)
 from kvstore.eviction import EVICTION_POLICIES
 from kvstore.utils import hit_rate
 
@@ -72,9 +78,7 @@ def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
     per_request: list[int] = []
     for r, req in enumerate(rows):
         ids = req.hash_ids
-        k = 0
-        while k < len(ids) and ids[k] in cache:
-            k += 1
+        k = leading_run(ids, cache)
         keep = ids[:cap]
         unlinked += sum(1 for h in keep[k:] if h in cache)
         hit = min(k * block_tokens, req.input_length)
@@ -121,9 +125,7 @@ def brute_force_best_hit_blocks(requests: Sequence[MooncakeRequest], capacity_bl
         if r == len(rows):
             return 0
         ids = rows[r].hash_ids
-        k = 0
-        while k < len(ids) and ids[k] in cache:
-            k += 1
+        k = leading_run(ids, cache)
         keep = ids[:cap]
         held = set(keep)
         need = len(cache | held) - cap

@@ -36,6 +36,7 @@ from typing import Any
 from kvstore.benchmarks.traces import (
     MOONCAKE_BLOCK_TOKENS,
     MooncakeRequest,
+    leading_run,
     load_mooncake,
     mooncake_lru_replay,
     trace_file,
@@ -74,9 +75,7 @@ def tiered_replay(requests: Iterable[MooncakeRequest], device_blocks: int, host_
     for req in rows:
         ids = req.hash_ids
         total += len(ids)
-        k = 0
-        while k < len(ids) and ids[k] in dev:
-            k += 1
+        k = leading_run(ids, dev)
         j = k
         while j < len(ids) and ids[j] in host:
             host.move_to_end(ids[j])  # a load refreshes the block in the host tier
@@ -131,9 +130,7 @@ def pooled_replay(requests: Iterable[MooncakeRequest], instances: int, device_bl
         dev = devs[n]
         ids = req.hash_ids
         total += len(ids)
-        k = 0
-        while k < len(ids) and ids[k] in dev:
-            k += 1
+        k = leading_run(ids, dev)
         j = k
         if use_store:
             while j < len(ids) and ids[j] in store:

@@ -15,7 +15,7 @@ import csv
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -73,6 +73,14 @@ TRACE_SOURCES: dict[str, tuple[str, str]] = {
     "azure_conv": ("https://github.com/Azure/AzurePublicDataset",
                    "data/AzureLLMInferenceTrace_conv.csv"),
 }
+
+
+def leading_run(ids: Sequence[int], present: Container[int]) -> int:
+    """How many of ``ids``, from the first, are in ``present`` (a prefix hit in blocks)."""
+    k = 0
+    while k < len(ids) and ids[k] in present:
+        k += 1
+    return k
 
 
 def default_trace_dir() -> Path:
@@ -397,9 +405,7 @@ def mooncake_lru_replay(
     per_request: list[int] = []
     for req in rows:
         ids = req.hash_ids
-        k = 0
-        while k < len(ids) and ids[k] in cache:
-            k += 1
+        k = leading_run(ids, cache)
         hit = min(k * block_tokens, req.input_length)
         per_request.append(hit)
         hit_tokens += hit
