@@ -55,7 +55,8 @@ class AllocationPlan(NamedTuple):
 class KVCacheCoordinator:
     """All KV cache groups of one cache over one shared pool."""
 
-    __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_spine_groups")
+    __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_spine_groups",
+                 "_cache_order")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies) -> None:
         self.config = config
@@ -69,6 +70,10 @@ class KVCacheCoordinator:
         full = [g for g, group in enumerate(config.groups) if group.spec.sliding_window is None]
         self._full_group = full[0] if full else -1
         self._spine_groups: tuple[int, ...] = (full[0],) if full else tuple(range(n))
+        # Full-attention groups cache their blocks first: a sliding group's null entries
+        # below a tier hit's window take their serials from them.
+        self._cache_order = tuple(self.managers[g] for g in full) + tuple(
+            m for g, m in enumerate(self.managers) if g not in full)
 
     def _verified_prefix(self, request: Request, max_blocks: int
                          ) -> tuple[list[int], list[KVCacheBlock]]:
@@ -248,12 +253,18 @@ class KVCacheCoordinator:
     def allocate(self, request: Request, num_tokens: int) -> tuple[tuple[int, ...], ...]:
         """Grow every group's table to `num_tokens` tokens (the caller checked it fits);
         returns the ids of the pages appended to each group's table."""
-        for manager in self.managers:
+        for manager in self._cache_order:
             manager.release_computed(request)
         return tuple([manager.allocate(request, num_tokens) for manager in self.managers])
 
     def free(self, request: Request) -> None:
-        """Release the request's pages in every group."""
+        """Release the request's pages in every group (full attention's blocks indexed first,
+        see `allocate`)."""
+        if len(self._cache_order) > 1 and self._cache_order[0] is not self.managers[0]:
+            for manager in self._cache_order:
+                manager.cache_blocks(request, min(request.num_computed_tokens,
+                                                  len(manager.table(request.request_id))
+                                                  * self.block_size))
         for manager in self.managers:
             manager.free(request)
 

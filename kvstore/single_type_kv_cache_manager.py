@@ -241,8 +241,17 @@ class SingleTypeKVCacheManager:
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             # The serial of this content in whichever group holds it already, so that the
             # serial names the prefix in every group (a windowed run is checked against it).
-            serial = (pool.twin_serial(parent_serial, block_tokens, self._twin_groups)
-                      or pool.new_serial())
+            serial = pool.twin_serial(parent_serial, block_tokens, self._twin_groups)
+            if block.block_id == 0:
+                # Null below the window of a tier hit: nothing to index; the chain goes on
+                # with the serial of a group that holds the block (full attention caches
+                # first), or waits for it.
+                if not serial:
+                    last = i
+                    break
+                parent_serial = serial
+                continue
+            serial = serial or pool.new_serial()
             parent_serial = pool.cache_full_block(block, hashes[i], block_tokens, parent_serial,
                                                   hashes[i - 1] if i else None, serial)
         self._num_cached_blocks[rid] = last
@@ -250,6 +259,14 @@ class SingleTypeKVCacheManager:
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block (sliding window)."""
+
+    def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
+        """Make table entries [start, stop) null and free their pages: fresh pages, not yet
+        written or cached, that a tier hit does not load (below a window's start)."""
+        table = self._req_to_blocks[request_id]
+        pages = [b for b in table[start:stop] if b.block_id != 0]
+        table[start:stop] = [self.pool.null_block] * (stop - start)
+        self.pool.free_blocks(reversed(pages))
 
     def free(self, request: Request) -> None:
         """Index computed content (full blocks and the partial tail), then release the table."""

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("redis")
 
 from kvstore.engine.engine import LLMEngine, SamplingParams  # noqa: E402
-from kvstore.models.model import DecoderModel, tiny_llama, tiny_mistral  # noqa: E402
+from kvstore.models.model import DecoderModel, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
 from kvstore.tiers.codec import request_keys  # noqa: E402
 from kvstore.tiers.connector import TieredKVCacheManager  # noqa: E402
 from kvstore.tiers.server import ValkeyCluster, ValkeyServer, find_server_binary  # noqa: E402
@@ -253,11 +253,75 @@ def test_another_model_never_loads_a_block(model, shared_url):
         b.close()
 
 
-def test_sliding_window_models_are_refused():
+def test_window_only_models_are_refused():
     torch.manual_seed(0)
-    hybrid = DecoderModel(tiny_mistral())
-    with pytest.raises(ValueError, match="full-attention layouts only"):
-        LLMEngine(hybrid, num_blocks=32, block_size=BLOCK, host_tier_bytes=1 << 20)
+    windowed = DecoderModel(tiny_mistral())
+    with pytest.raises(ValueError, match="at least one full-attention group"):
+        LLMEngine(windowed, num_blocks=32, block_size=BLOCK, host_tier_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> DecoderModel:
+    """Gemma-3 style: five sliding layers (window 8, two blocks) and one full layer."""
+    torch.manual_seed(0)
+    return DecoderModel(tiny_gemma3())
+
+
+def turn(e: LLMEngine, prompt: list[int]) -> list[int]:
+    """A prompt's greedy tokens (one request)."""
+    return run(e, [prompt])[0]
+
+
+def test_hybrid_second_engine_hits_the_first_engines_conversation(hybrid, shared_url):
+    salt = f"hybrid-{RUN}"
+    first = tokens(41, seed=1100)
+    ref = engine(hybrid, num_blocks=256)
+    out1 = run(ref, [first], salt)[0]
+    second = first + out1 + tokens(5, seed=1101)
+    want = [out1, run(ref, [second], salt)[0]]
+    a = engine(hybrid, store_url=shared_url, num_blocks=256)
+    b = engine(hybrid, store_url=shared_url, num_blocks=256)
+    try:
+        assert len(a.config.groups) > 1
+        got = run(a, [first], salt)
+        assert a.flush_tiers(5.0)
+        got += run(b, [second], salt)
+        assert got == want
+        assert b.stats.hit_tokens == 0
+        # a held its full blocks and the window at its end: b loads the full groups'
+        # blocks up to the hit end and each sliding group's window before it
+        computed = len(first) + len(out1) - 1
+        hit_blocks = computed // BLOCK
+        assert b.stats.store_hit_tokens == hit_blocks * BLOCK
+        window = 8
+        in_window = hit_blocks - (hit_blocks * BLOCK - window + 1) // BLOCK
+        n_full = sum(1 for g in a.config.groups if g.spec.sliding_window is None)
+        n_win = len(a.config.groups) - n_full
+        assert b.stats.tier_loaded_blocks == n_full * hit_blocks + n_win * in_window
+        assert b.tier_stats()["store"]["hits"] >= b.stats.tier_loaded_blocks
+        assert b.stats.tier_rejected_values == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_hybrid_host_tier_restores_a_conversation_the_device_pool_dropped(hybrid):
+    first = tokens(41, seed=1200)
+    fillers = [tokens(40, s) for s in range(1201, 1209)]
+    small = dict(num_blocks=100)
+    ref = engine(hybrid, **small)
+    out1 = run(ref, [first])[0]
+    second = first + out1 + tokens(6, seed=1210)
+    want = run(ref, fillers + [second])
+    e = engine(hybrid, host_tier_bytes=1 << 24, **small)
+    try:
+        got = run(e, [first] + fillers + [second])
+        assert got == [out1, *want]
+        s = e.stats
+        assert s.evictions > 0 and s.host_hit_tokens > 0
+        assert s.store_hit_tokens == 0 and s.tier_rejected_values == 0
+    finally:
+        e.close()
 
 
 def client_for(url: str):

@@ -14,8 +14,10 @@ forward.
   the host tier (synchronous) and the store (a background writer: the engine never waits
   for a store write).
 
-Full-attention layouts only: a sliding-window group's dropped pages are not offloaded,
-so :class:`TierConnector` refuses configs with sliding-window groups.
+Hybrid layouts: sliding-window groups load only their window before the hit's end (null
+entries below) and offload the pages they hold at free (pages dropped from the window
+mid-request are not offloaded). A layout needs a full-attention group (the verified
+chain): :class:`TierConnector` refuses window-only configs.
 
 Imports no torch; the worker-side functions import it when called."""
 
@@ -81,6 +83,9 @@ class TierHit:
     num_tokens: int  # the request's length when looked up
     per_tier: tuple[int, ...]
     payloads: tuple[tuple[memoryview, ...], ...]
+    # Per group, the first block (counted from ``start``) it loads: 0 for full attention;
+    # a sliding-window group loads only its window before the hit's end.
+    first_loaded: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -111,12 +116,15 @@ class TierConnector:
     def __init__(self, config: KVCacheConfig, model_name: str, *, host: Tier | None = None,
                  store: Tier | None = None, extra: str = "",
                  recent_keys: int = 1 << 16) -> None:
-        for g, group in enumerate(config.groups):
-            if not isinstance(group.spec, FullAttentionSpec):
-                raise ValueError(
-                    f"tiers support full-attention layouts only; group {g} is "
-                    f"{type(group.spec).__name__} (window {group.spec.sliding_window}). Run "
-                    "this model without host_tier_bytes / store_url")
+        full = tuple(g for g, group in enumerate(config.groups)
+                     if isinstance(group.spec, FullAttentionSpec))
+        if not full:
+            # A hit is verified against the full-attention chain (every block from the
+            # start); a window-only layout has no such chain in the tiers.
+            raise ValueError(
+                "tiers need at least one full-attention group; every group of this layout "
+                f"is sliding-window (window {config.groups[0].spec.sliding_window}). Run "
+                "this model without host_tier_bytes / store_url")
         if host is None and store is None:
             raise ValueError("a TierConnector needs a host tier, a store, or both")
         self.config = config
@@ -126,6 +134,8 @@ class TierConnector:
         self.host = host
         self.store = store
         self.tiers: tuple[Tier, ...] = tuple(t for t in (host, store) if t is not None)
+        self._full_groups = full
+        self._window_groups = tuple(g for g in range(len(config.groups)) if g not in full)
         self.stats = TierHitStats()
         # Keys recently written to (or read from) the store: not written again.
         self._in_store: OrderedDict[bytes, None] = OrderedDict()
@@ -156,8 +166,10 @@ class TierConnector:
     # ---- lookup ------------------------------------------------------------------------------
     def lookup(self, request: Request, start: int, max_blocks: int) -> TierHit | None:
         """The run of blocks ``[start, ...)`` (at most up to ``max_blocks``) that the tiers
-        hold and that verify in every group, or None for none. Bounded by the store's
-        timeout; never raises for a tier that fails."""
+        hold and that verify in every group, or None for none. A sliding-window group needs
+        only the blocks of its window before the run's end (the others stay null in its
+        table, as a device hit leaves them). Bounded by the store's timeout; never raises
+        for a tier that fails."""
         if start >= max_blocks:
             return None
         self.stats.lookups += 1
@@ -167,29 +179,89 @@ class TierConnector:
         keys = [request_keys(layout, hashes, request.cache_salt) for layout in self.layouts]
         payloads: list[list[memoryview]] = [[] for _ in self.layouts]
         per_tier: list[int] = []
+        full, windowed = self._full_groups, self._window_groups
         pos = 0
+        # Full-attention groups: the longest run every one of them holds, tier after tier.
         for tier in self.tiers:
-            n = tier.contains(keys[0][pos:]) if pos < len(tokens) else 0
-            got: list[list[memoryview]] = []
-            for g, layout in enumerate(self.layouts):
+            n = tier.contains(keys[full[0]][pos:]) if pos < len(tokens) else 0
+            got: dict[int, list[memoryview]] = {}
+            for g in full:
                 if n == 0:
                     break
-                # (host hits refresh the host tier's order; store hits are remembered below)
-                before = _rejections(tier)
-                verified = load_verified(tier, layout, keys[g][pos:pos + n], tokens[pos:pos + n])
-                self.stats.rejected_values += _rejections(tier) - before
-                got.append(verified)
-                n = min(n, len(verified))
-            for g in range(len(got) if n else 0):
+                got[g] = self._load(tier, g, keys[g][pos:pos + n], tokens[pos:pos + n])
+                n = min(n, len(got[g]))
+            for g in (got if n else ()):
                 payloads[g].extend(got[g][:n])
             if n and tier is self.store:
-                self._remember([k for ks in keys for k in ks[pos:pos + n]])
+                self._remember([k for g in full for k in keys[g][pos:pos + n]])
             per_tier.append(n)
             pos += n
-        if pos == 0:
+        # Sliding-window groups: the longest end <= pos whose window they all hold. A block
+        # j missing from a window rules out every end above j (their windows hold j too).
+        found: dict[int, dict[int, memoryview]] = {g: {} for g in windowed}
+        end = pos
+        while end > 0 and windowed:
+            missing = end
+            for g in windowed:
+                j = self._first_needed(g, start, end)
+                while j < missing:
+                    if j in found[g]:
+                        j += 1
+                        continue
+                    stop = j
+                    while stop < missing and stop not in found[g]:
+                        stop += 1
+                    best: list[memoryview] = []
+                    for tier in self.tiers:
+                        got_w = self._load(tier, g, keys[g][j:stop], tokens[j:stop])
+                        if tier is self.store and got_w:
+                            self._remember(keys[g][j:j + len(got_w)])
+                        if len(got_w) > len(best):
+                            best = got_w
+                        if len(best) == stop - j:
+                            break
+                    for i, payload in enumerate(best):
+                        found[g][j + i] = payload
+                    if len(best) < stop - j:
+                        missing = j + len(best)
+                        break
+                    j = stop
+            if missing == end:
+                break
+            end = missing
+        if end == 0:
             return None
+        # The tiers' shares of the run, cut at its end.
+        cut, left = [], end
+        for n in per_tier:
+            cut.append(min(n, left))
+            left -= cut[-1]
+        per_tier = cut
+        first = [0] * len(self.layouts)
+        for g in windowed:
+            first[g] = self._first_needed(g, start, end)
+            payloads[g] = [found[g][j] for j in range(first[g], end)]
+        for g in full:
+            payloads[g] = payloads[g][:end]
         return TierHit(start, request.num_tokens, tuple(per_tier),
-                       tuple(tuple(p) for p in payloads))
+                       tuple(tuple(p) for p in payloads), tuple(first))
+
+    def _first_needed(self, g: int, start: int, end: int) -> int:
+        """The first block (counted from ``start``) group g needs for a hit of ``start + end``
+        blocks: 0 for full attention, the window's first block for a sliding window."""
+        bs = self.block_size
+        first = self.config.groups[g].spec.first_needed_position((start + end) * bs) // bs
+        return min(end, max(0, first - start))
+
+    def _load(self, tier: Tier, g: int, keys: Sequence[bytes],
+              tokens: Sequence[tuple[int, ...]]) -> list[memoryview]:
+        """The leading run of group g's blocks under ``keys`` that ``tier`` holds and verify."""
+        if not keys:
+            return []
+        before = _rejections(tier)
+        verified = load_verified(tier, self.layouts[g], keys, tokens)
+        self.stats.rejected_values += _rejections(tier) - before
+        return verified
 
     def record_admission(self, hit: TierHit) -> None:
         """Count a hit's tokens per tier once its request is admitted on it."""
@@ -369,21 +441,32 @@ class TieredKVCacheManager(KVCacheManager):
             return super()._admit(request, num_new_tokens, computed, num_lookahead_tokens)
         extended, hit = pending
         bs = self.block_size
-        # Admit on the device part; the tier blocks are pages allocated like new tokens.
-        device = replace(extended, num_full_hit_tokens=hit.start * bs)
-        ids = super()._admit(request, num_new_tokens + hit.num_blocks * bs, device,
-                             num_lookahead_tokens)
+        n = hit.num_blocks
+        first = hit.first_loaded or (0,) * len(extended.blocks)
+        # Admit on the device part; the tier blocks are pages allocated like new tokens. A
+        # sliding-window group keeps only the window before the hit's end: its device hit
+        # blocks below it are null, like those of a device hit that long.
+        null = self._pool.null_block
+        window = [self._tiers._first_needed(g, 0, hit.start + n) for g in range(len(first))]
+        blocks = tuple(b if not window[g] else [null] * min(len(b), window[g]) + b[window[g]:]
+                       for g, b in enumerate(extended.blocks))
+        device = replace(extended, num_full_hit_tokens=hit.start * bs, blocks=blocks)
+        ids = super()._admit(request, num_new_tokens + n * bs, device, num_lookahead_tokens)
         if ids is None:
             return None  # the hit stays recorded: a retry reuses its payloads
         del self._tier_hits[rid]
-        n = hit.num_blocks
+        out = []
         for g, group_ids in enumerate(ids):
-            if len(group_ids) < n:  # cannot happen for full attention: a table grows in order
+            if len(group_ids) < n:  # cannot happen: a table grows in order
                 raise RuntimeError(f"group {g}: {len(group_ids)} new pages for {n} loaded blocks")
-            self._loads.append(PendingLoad(g, tuple(group_ids[:n]), hit.payloads[g]))
+            k = first[g]
+            if k:  # below the window: null entries, the pages back to the pool
+                self._coordinator.managers[g].null_fresh_entries(rid, hit.start, hit.start + k)
+            self._loads.append(PendingLoad(g, tuple(group_ids[k:n]), hit.payloads[g]))
+            out.append(tuple(group_ids[k:]))
         request.num_computed_tokens = extended.num_full_hit_tokens
         self._tiers.record_admission(hit)
-        return ids
+        return tuple(out)
 
     def free(self, request: Request) -> None:
         """Queue the request's full computed blocks for offload, then release it."""
