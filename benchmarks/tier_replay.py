@@ -48,6 +48,20 @@ __all__ = ["MODES", "main", "pooled_replay", "tiered_replay"]
 MODES = ("on-free", "write-back")
 
 
+def lru_hold(lru: OrderedDict[int, None], keep: Sequence[int], capacity: int) -> list[int]:
+    """A request's blocks ``keep`` enter the device LRU ``lru`` of ``capacity`` blocks as
+    its most recent content, the root last (so it is evicted last); returns the blocks
+    evicted to make room, oldest first."""
+    for h in keep:
+        lru.pop(h, None)
+    evicted = []
+    while lru and len(lru) + len(keep) > capacity:
+        evicted.append(lru.popitem(last=False)[0])
+    for h in reversed(keep):
+        lru[h] = None
+    return evicted
+
+
 def tiered_replay(requests: Iterable[MooncakeRequest], device_blocks: int, host_blocks: int,
                   mode: str = "on-free") -> dict[str, Any]:
     """Replay rows (timestamp order) through a device LRU of ``device_blocks`` hash ids and
@@ -85,14 +99,9 @@ def tiered_replay(requests: Iterable[MooncakeRequest], device_blocks: int, host_
         input_tokens += req.input_length
         hit_tokens += min(j * MOONCAKE_BLOCK_TOKENS, req.input_length)
         keep = ids[:device_blocks]
-        for h in keep:
-            dev.pop(h, None)
-        while dev and len(dev) + len(keep) > device_blocks:
-            evicted, _ = dev.popitem(last=False)
+        for evicted in lru_hold(dev, keep, device_blocks):
             if mode == "write-back":
                 host_put(evicted)
-        for h in reversed(keep):
-            dev[h] = None
         if mode == "on-free":
             for h in keep:
                 if h not in host:
@@ -143,12 +152,7 @@ def pooled_replay(requests: Iterable[MooncakeRequest], instances: int, device_bl
         input_tokens += req.input_length
         hit_tokens += min(j * MOONCAKE_BLOCK_TOKENS, req.input_length)
         keep = ids[:device_blocks]
-        for h in keep:
-            dev.pop(h, None)
-        while dev and len(dev) + len(keep) > device_blocks:
-            dev.popitem(last=False)
-        for h in reversed(keep):
-            dev[h] = None
+        lru_hold(dev, keep, device_blocks)
         if use_store:  # on free: write through the blocks the store lacks
             for h in keep:
                 if h in store:
