@@ -75,6 +75,12 @@ class EvictionPolicy:
         """A page's ref count reached zero."""
         raise NotImplementedError
 
+    def freed_all(self, blocks: list[KVCacheBlock]) -> None:
+        """Several pages' ref counts reached zero, in this order (one call per `free`)."""
+        freed = self.freed
+        for block in blocks:
+            freed(block)
+
     def remove(self, block: KVCacheBlock) -> None:
         """A free page was referenced again (a hit or a pin)."""
         raise NotImplementedError
@@ -121,6 +127,31 @@ class LRUPolicy(FreeBlockQueue, EvictionPolicy):
             self.appendleft(block)
         else:
             self.append(block)
+
+    def freed_all(self, blocks: list[KVCacheBlock]) -> None:
+        """`freed` for each page, in order, linked in one pass."""
+        head, tail = self._head, self._tail
+        last = tail.prev_free
+        assert last is not None
+        for block in blocks:
+            if block.prev_free is not None or block.next_free is not None:
+                raise ValueError(f"block {block.block_id} is already in the free queue")
+            if block.token_ids is None:
+                first = head.next_free
+                assert first is not None
+                first.prev_free = block
+                block.next_free = first
+                block.prev_free = head
+                head.next_free = block
+                if last is head:
+                    last = block
+            else:
+                last.next_free = block
+                block.prev_free = last
+                block.next_free = tail
+                tail.prev_free = block
+                last = block
+        self._len += len(blocks)
 
     def refresh(self, block: KVCacheBlock) -> None:
         """Move to the tail."""
