@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple
-
-from sortedcontainers import SortedList
 
 from kvstore.block import KVCacheBlock
 from kvstore.eviction import DEFAULT_EVICTION, EvictionPolicy, make_policy
@@ -119,10 +118,16 @@ class BlockPool:
         # Groups whose twins of an evicted chained block become orphans (policies tracking units).
         self._unit_groups: tuple[int, ...] = (
             tuple(range(num_groups)) if self.free_queue.tracks_units else ())
-        # (group, hash) -> blocks holding that full content.
-        self._hash_index: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
-        # (group, parent serial) -> sorted (token_ids, block_id) of full and partial children.
-        self._children: dict[tuple[int, int], SortedList] = {}
+        # (group, hash) -> the first block indexed under that key; `_hash_more` holds the
+        # others (twins computed side by side, or hash collisions), rare, so the common
+        # lookup is one dict probe.
+        self._hash_index: dict[tuple[int, BlockHash], KVCacheBlock] = {}
+        self._hash_more: dict[tuple[int, BlockHash], list[KVCacheBlock]] = {}
+        # (group, parent serial) -> sorted [(token_ids, block_id)] of full and partial
+        # children: kept only where something reads it (partial hits by longest common
+        # prefix, orphan marking by a content-tracking policy).
+        self._index_children = self.index_partial_blocks or self._tracks_content
+        self._children: dict[tuple[int, int], list[tuple[tuple[int, ...], int]]] = {}
         self._next_serial = 1
         self._events: list[KVCacheEvent] = []
         self.in_use_by_group: Counter[int] = Counter()
@@ -218,11 +223,15 @@ class BlockPool:
     def find_cached(self, group_id: int, block_hash: BlockHash, token_ids: Sequence[int],
                     parent_serial: int) -> KVCacheBlock | None:
         """A full cached block with this hash, these stored tokens and this parent."""
-        candidates = self._hash_index.get((group_id, block_hash))
-        if not candidates:
+        key = (group_id, block_hash)
+        block = self._hash_index.get(key)
+        if block is None:
             return None
-        token_ids = tuple(token_ids)
-        for block in candidates.values():
+        if type(token_ids) is not tuple:
+            token_ids = tuple(token_ids)
+        if block.parent_serial == parent_serial and block.token_ids == token_ids:
+            return block
+        for block in self._hash_more.get(key, ()):
             if block.parent_serial == parent_serial and block.token_ids == token_ids:
                 return block
         return None
@@ -230,11 +239,12 @@ class BlockPool:
     def cached_blocks(self, group_id: int, block_hash: BlockHash,
                       token_ids: Sequence[int]) -> list[KVCacheBlock]:
         """Every full cached block with this hash and these stored tokens, whatever its parent."""
-        candidates = self._hash_index.get((group_id, block_hash))
-        if not candidates:
+        key = (group_id, block_hash)
+        first = self._hash_index.get(key)
+        if first is None:
             return []
         token_ids = tuple(token_ids)
-        return [b for b in candidates.values() if b.token_ids == token_ids]
+        return [b for b in (first, *self._hash_more.get(key, ())) if b.token_ids == token_ids]
 
     def new_serial(self) -> int:
         """A serial no cached block has: the parent of blocks that follow unknown content."""
@@ -242,20 +252,20 @@ class BlockPool:
         self._next_serial += 1
         return serial
 
-    def twin_serial(self, parent_serial: int, token_ids: tuple[int, ...],
+    def twin_serial(self, block_hash: BlockHash, parent_serial: int, token_ids: tuple[int, ...],
                     group_ids: Iterable[int]) -> int:
-        """The serial of a full cached block with this parent and these tokens in any of
+        """The serial of a full cached block with this hash, parent and tokens in any of
         `group_ids` (searched in order), or 0 if there is none."""
+        index = self._hash_index
         for group in group_ids:
-            siblings = self._children.get((group, parent_serial))
-            if not siblings:
+            block = index.get((group, block_hash))
+            if block is None:
                 continue
-            i = siblings.bisect_left((token_ids,))
-            while i < len(siblings) and siblings[i][0] == token_ids:
-                twin = self.blocks[siblings[i][1]]
-                if twin.block_hash is not None:
-                    return twin.serial
-                i += 1
+            if block.parent_serial == parent_serial and block.token_ids == token_ids:
+                return block.serial
+            block = self.find_cached(group, block_hash, token_ids, parent_serial)
+            if block is not None:
+                return block.serial
         return 0
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash,
@@ -266,20 +276,27 @@ class BlockPool:
         if block.token_ids is not None:
             raise RuntimeError(f"block {block.block_id} is already cached")
         group = block.group_id
-        siblings = self._siblings(group, parent_serial)
         if serial == 0:
             # Same parent and same tokens means same content: share the serial so chains
             # computed independently by concurrent requests link up.
-            serial = self.twin_serial(parent_serial, token_ids, (group,)) or self.new_serial()
+            serial = (self.twin_serial(block_hash, parent_serial, token_ids, (group,))
+                      or self.new_serial())
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.serial = serial
         block.parent_serial = parent_serial
-        siblings.add((token_ids, block.block_id))
-        same = self._hash_index.get((group, block_hash))
-        if same is None:
-            same = self._hash_index[(group, block_hash)] = {}
-        same[block.block_id] = block
+        if self._index_children:
+            self._add_child(group, parent_serial, token_ids, block.block_id)
+        key = (group, block_hash)
+        index = self._hash_index
+        if key in index:
+            more = self._hash_more.get(key)
+            if more is None:
+                self._hash_more[key] = [block]
+            else:
+                more.append(block)
+        else:
+            index[key] = block
         if self.enable_events:
             self._events.append(BlockStored(block_hash, parent_hash, token_ids, group))
         return serial
@@ -289,17 +306,21 @@ class BlockPool:
         """Index a partially filled block by its tokens so later prompts can copy from it."""
         if block.token_ids is not None:
             raise RuntimeError(f"block {block.block_id} is already cached")
+        if not self.index_partial_blocks:
+            raise RuntimeError("this pool does not index partial blocks")
         block.token_ids = token_ids
         block.serial = 0
         block.parent_serial = parent_serial
-        self._siblings(block.group_id, parent_serial).add((token_ids, block.block_id))
+        self._add_child(block.group_id, parent_serial, token_ids, block.block_id)
 
-    def _siblings(self, group_id: int, parent_serial: int) -> SortedList:
+    def _add_child(self, group_id: int, parent_serial: int, token_ids: tuple[int, ...],
+                   block_id: int) -> None:
         key = (group_id, parent_serial)
         siblings = self._children.get(key)
         if siblings is None:
-            siblings = self._children[key] = SortedList()
-        return siblings
+            self._children[key] = [(token_ids, block_id)]
+        else:
+            insort(siblings, (token_ids, block_id))
 
     def longest_partial_match(self, group_id: int, parent_serial: int,
                               query: tuple[int, ...]) -> PartialMatch:
@@ -308,7 +329,7 @@ class BlockPool:
         if not siblings or not query:
             return PartialMatch(None, 0)
         # In sorted order the longest common prefix with `query` sits next to its insertion point.
-        i = siblings.bisect_left((query,))
+        i = bisect_left(siblings, (query,))
         best, best_len = None, 0
         for j in (i - 1, i):
             if 0 <= j < len(siblings):
@@ -321,24 +342,32 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a block's content from every index (telling a content-tracking policy, and
         marking the children orphans when no twin keeps the content)."""
-        key = (block.group_id, block.parent_serial)
-        siblings = self._children[key]
-        siblings.remove((block.token_ids, block.block_id))
-        if self._tracks_content:
-            self.free_queue.evicted(block)
-            if block.block_hash is not None and (self._chained_groups is None
-                                                 or block.group_id in self._chained_groups):
-                self._orphan_children(block, siblings)
-        if not siblings:
-            del self._children[key]
-        if block.block_hash is not None:
-            hkey = (block.group_id, block.block_hash)
-            same = self._hash_index[hkey]
-            del same[block.block_id]
-            if not same:
+        block_hash = block.block_hash
+        if self._index_children:
+            key = (block.group_id, block.parent_serial)
+            siblings = self._children[key]
+            del siblings[bisect_left(siblings, (block.token_ids, block.block_id))]
+            if self._tracks_content:
+                self.free_queue.evicted(block)
+                if block_hash is not None and (self._chained_groups is None
+                                               or block.group_id in self._chained_groups):
+                    self._orphan_children(block, siblings)
+            if not siblings:
+                del self._children[key]
+        if block_hash is not None:
+            hkey = (block.group_id, block_hash)
+            more = self._hash_more.get(hkey)
+            if more is None:
                 del self._hash_index[hkey]
+            else:
+                if self._hash_index[hkey] is block:
+                    self._hash_index[hkey] = more.pop(0)  # the oldest twin, as before
+                else:
+                    more.remove(block)
+                if not more:
+                    del self._hash_more[hkey]
             if self.enable_events:
-                self._events.append(BlockRemoved(block.block_hash, block.group_id))
+                self._events.append(BlockRemoved(block_hash, block.group_id))
         block.block_hash = None
         block.token_ids = None
         block.serial = 0
@@ -347,10 +376,11 @@ class BlockPool:
         self.stats.evictions += 1
         self.cache_epoch += 1
 
-    def _orphan_children(self, block: KVCacheBlock, siblings: SortedList) -> None:
+    def _orphan_children(self, block: KVCacheBlock,
+                         siblings: list[tuple[tuple[int, ...], int]]) -> None:
         """Mark the children of an evicted full block orphans unless a twin (same parent,
         same tokens, same serial) still holds its content."""
-        i = siblings.bisect_left((block.token_ids,))
+        i = bisect_left(siblings, (block.token_ids,))
         while i < len(siblings) and siblings[i][0] == block.token_ids:
             twin = self.blocks[siblings[i][1]]
             if twin.block_hash is not None and twin.serial == block.serial:
@@ -376,7 +406,7 @@ class BlockPool:
         siblings = self._children.get((group_id, block.parent_serial))
         if not siblings:
             return
-        i = siblings.bisect_left((block.token_ids,))
+        i = bisect_left(siblings, (block.token_ids,))
         while i < len(siblings) and siblings[i][0] == block.token_ids:
             twin = self.blocks[siblings[i][1]]
             if twin.block_hash is not None and twin.serial == block.serial and not twin.orphan:
@@ -396,6 +426,7 @@ class BlockPool:
             block.parent_serial = 0
             block.orphan = False
         self._hash_index.clear()
+        self._hash_more.clear()
         self._children.clear()
         self.free_queue.reset()
         self.cache_epoch += 1
@@ -416,10 +447,13 @@ class BlockPool:
 
     def num_cached_blocks(self) -> int:
         """Blocks in the full-block hash index."""
-        return sum(len(v) for v in self._hash_index.values())
+        return len(self._hash_index) + sum(len(v) for v in self._hash_more.values())
 
     def index_entries(self) -> list[tuple[int, int, int, tuple[int, ...]]]:
         """(block_id, group, parent_serial, tokens) of every indexed block, for invariant checks."""
+        if not self._index_children:  # only full blocks are indexed: the hash index has them
+            return [(b.block_id, b.group_id, b.parent_serial, b.token_ids)
+                    for b in self.blocks[1:] if b.token_ids is not None]
         out = []
         for (group, parent), siblings in self._children.items():
             for tokens, block_id in siblings:
@@ -428,7 +462,9 @@ class BlockPool:
 
     def hash_entries(self) -> list[tuple[int, int, BlockHash]]:
         """(block_id, group, hash) of every full-block index entry, for invariant checks."""
-        return [(bid, g, h) for (g, h), same in self._hash_index.items() for bid in same]
+        out = [(b.block_id, g, h) for (g, h), b in self._hash_index.items()]
+        out += [(b.block_id, g, h) for (g, h), more in self._hash_more.items() for b in more]
+        return out
 
 
 

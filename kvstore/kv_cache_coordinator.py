@@ -84,14 +84,14 @@ class KVCacheCoordinator:
         A serial names one prefix exactly (the salt and every token before it) in every
         group, so a block found under `parents[i]` holding block i's tokens holds exactly the
         request's content there, whatever the hash says."""
-        pool, bs = self.pool, self.block_size
-        hashes, tokens = request.block_hashes, request.token_ids
+        pool = self.pool
+        hashes, tokens = request.block_hashes, request.block_tokens
         parents = [pool.root_serial(request.cache_salt)]
         blocks: list[KVCacheBlock] = []
         groups = self._spine_groups
         at = 0  # the group that held the previous block is asked first
         for i in range(min(max_blocks, len(hashes))):
-            block_tokens = tokens[i * bs:(i + 1) * bs]
+            block_tokens = tokens[i]
             for k in range(len(groups)):
                 g = groups[(at + k) % len(groups)]
                 block = pool.find_cached(g, hashes[i], block_tokens, parents[i])
@@ -184,8 +184,8 @@ class KVCacheCoordinator:
         self.check_shape(request, computed)
         if computed.cache_epoch == self.pool.cache_epoch:
             return True
-        bs = self.block_size
         tokens, hashes = request.token_ids, request.block_hashes
+        block_tokens = request.block_tokens
         full = computed.num_full_hit_tokens
         parents = computed.parent_serials
         for g in range(len(self.managers)):
@@ -193,7 +193,7 @@ class KVCacheCoordinator:
                 if block.block_id == 0:
                     continue
                 if (block.block_hash != hashes[i] or block.group_id != g
-                        or block.token_ids != tuple(tokens[i * bs:(i + 1) * bs])
+                        or block.token_ids != block_tokens[i]
                         or block.parent_serial != parents[i]):
                     return False
             src = computed.partial_sources[g]

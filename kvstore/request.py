@@ -110,6 +110,7 @@ class Request:
         "num_computed_tokens",
         "_cache_salt",
         "block_hashes",
+        "block_tokens",
         "hash_fn",
         "max_tokens",
     )
@@ -133,6 +134,8 @@ class Request:
         self.num_prompt_tokens = len(tokens)
         self.num_computed_tokens = 0
         self.block_hashes: list[BlockHash] = []
+        # The token ids of each hashed block, as the tuples the pool stores and compares.
+        self.block_tokens: list[tuple[int, ...]] = []
         # The function `block_hashes` were computed with (None until the first is).
         self.hash_fn: HashFn | None = None
         self.max_tokens = max_tokens
@@ -187,9 +190,12 @@ class Request:
         if len(hashes) < n_full:
             parent = hashes[-1] if hashes else root_hash(self._cache_salt)
             tokens = self.token_ids
+            block_tokens = self.block_tokens
             for i in range(len(hashes), n_full):
-                parent = hash_fn(parent, tokens[i * block_size : (i + 1) * block_size])
+                block = tuple(tokens[i * block_size : (i + 1) * block_size])
+                parent = hash_fn(parent, block)
                 hashes.append(parent)
+                block_tokens.append(block)
         return hashes
 
     def fork(self, child_id: str) -> Request:
@@ -204,6 +210,7 @@ class Request:
     def copy_block_hashes(self, other: Request) -> None:
         """Take another request's block hashes (same tokens) and the function that made them."""
         self.block_hashes = list(other.block_hashes)
+        self.block_tokens = list(other.block_tokens)
         self.hash_fn = other.hash_fn
 
     def __repr__(self) -> str:

@@ -230,18 +230,19 @@ class SingleTypeKVCacheManager:
             return
         table = self._req_to_blocks[rid]
         hashes = request.block_hashes
-        tokens = request.token_ids
+        block_tokens = request.block_tokens
         parent_serial = self._last_serial[rid]
         pool = self.pool
+        twin_serial, twin_groups = pool.twin_serial, self._twin_groups
         for i in range(first, last):
             block = table[i]
             if block.block_hash is not None:  # shared with a fork that cached it already
                 parent_serial = block.serial
                 continue
-            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            tokens = block_tokens[i]
             # The serial of this content in whichever group holds it already, so that the
             # serial names the prefix in every group (a windowed run is checked against it).
-            serial = pool.twin_serial(parent_serial, block_tokens, self._twin_groups)
+            serial = twin_serial(hashes[i], parent_serial, tokens, twin_groups)
             if block.block_id == 0:
                 # Null below the window of a tier hit: nothing to index; the chain goes on
                 # with the serial of a group that holds the block (full attention caches
@@ -251,9 +252,9 @@ class SingleTypeKVCacheManager:
                     break
                 parent_serial = serial
                 continue
-            serial = serial or pool.new_serial()
-            parent_serial = pool.cache_full_block(block, hashes[i], block_tokens, parent_serial,
-                                                  hashes[i - 1] if i else None, serial)
+            parent_serial = pool.cache_full_block(block, hashes[i], tokens, parent_serial,
+                                                  hashes[i - 1] if i else None,
+                                                  serial or pool.new_serial())
         self._num_cached_blocks[rid] = last
         self._last_serial[rid] = parent_serial
 
@@ -447,14 +448,13 @@ class HitSearch:
         self.group_id = manager.group_id
         self.block_size = manager.block_size
         self.hashes = request.block_hashes
-        self.tokens = request.token_ids
+        self.tokens = request.block_tokens
         self.parents = parents
 
     def lookup(self, i: int) -> KVCacheBlock | None:
         """The cached block of this group holding block i of the request, under its prefix."""
-        bs = self.block_size
-        return self.pool.find_cached(self.group_id, self.hashes[i],
-                                     self.tokens[i * bs:(i + 1) * bs], self.parents[i])
+        return self.pool.find_cached(self.group_id, self.hashes[i], self.tokens[i],
+                                     self.parents[i])
 
     def longest(self, cap: int) -> int:
         """The longest hit of at most `cap` blocks (at most the previous cap)."""
