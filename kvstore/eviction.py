@@ -180,6 +180,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._lists = [FreeBlockQueue() for _ in range(4)]
         self._ghost: dict[tuple[int, int], None] = {}
         self._ghost_cap = 0
+        self._size = 0  # pages in all lists
 
     def attach(self, blocks: list[KVCacheBlock]) -> None:
         """All pages start empty; the ghost list holds as many entries as there are pages."""
@@ -188,9 +189,10 @@ class S3FIFOPolicy(EvictionPolicy):
         for block in blocks:
             block.free_tag = _EMPTY
             empty.append(block)
+        self._size += len(blocks)
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._lists)
+        return self._size
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         """Empty, orphaned, probation, then main pages (the order `take` drains them in,
@@ -204,14 +206,14 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def _pop(self) -> KVCacheBlock:
         empty, orphan, small, main = self._lists[:4]
-        if len(empty):
+        if empty._len:
             block = empty.popleft()
-        elif len(orphan):
+        elif orphan._len:
             block = orphan.popleft()
         else:
-            n_small = len(small)
-            if n_small and (not len(main)
-                            or n_small > self.small_fraction * (n_small + len(main))):
+            n_small = small._len
+            if n_small and (not main._len
+                            or n_small > self.small_fraction * (n_small + main._len)):
                 block = small.popleft()
                 if block.block_hash is not None:
                     ghost = self._ghost
@@ -225,32 +227,69 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def take(self, n: int, evict: Evict) -> list[KVCacheBlock]:
         """One page at a time, so pages orphaned by an eviction go before any other."""
+        empty = self._lists[_EMPTY]
+        if n <= empty._len:  # no content to evict
+            out = empty.popleft_n(n)
+            for block in out:
+                block.free_tag = -1
+            self._size -= n
+            return out
         out = []
+        pop = self._pop
         for _ in range(n):
-            block = self._pop()
+            block = pop()
+            self._size -= 1
             if block.token_ids is not None:
                 evict(block)
             out.append(block)
         return out
 
     def freed(self, block: KVCacheBlock) -> None:
-        """Empty, orphaned, reused-or-ghost (main) or new (probation)."""
-        if block.token_ids is None:
-            self._push(block, _EMPTY)
-        elif block.orphan:
-            self._push(block, _ORPHAN)
-        elif block.uses:
-            self._push(block, _MAIN)
-        elif block.block_hash is not None and self._ghost.pop((block.group_id, block.block_hash),
-                                                               0) is None:
-            self._push(block, _MAIN)
-        else:
-            self._push(block, _SMALL)
+        """See `freed_all`."""
+        self.freed_all([block])
+
+    def freed_all(self, blocks: list[KVCacheBlock]) -> None:
+        """Each page, in order, to the tail of its list: empty, orphaned, main (reused, or
+        its content was evicted from probation recently), or probation."""
+        lists = self._lists
+        ghost = self._ghost
+        for block in blocks:
+            if block.prev_free is not None or block.next_free is not None:
+                raise ValueError(f"block {block.block_id} is already in the free queue")
+            if block.token_ids is None:
+                tag = _EMPTY
+            elif block.orphan:
+                tag = _ORPHAN
+            elif block.uses:
+                tag = _MAIN
+            elif ghost and block.block_hash is not None and ghost.pop(
+                    (block.group_id, block.block_hash), 0) is None:
+                tag = _MAIN
+            else:
+                tag = _SMALL
+            block.free_tag = tag
+            q = lists[tag]
+            tail = q._tail
+            last = tail.prev_free
+            assert last is not None
+            last.next_free = block
+            block.prev_free = last
+            block.next_free = tail
+            tail.prev_free = block
+            q._len += 1
+            self._size += 1
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink from its list."""
-        self._lists[block.free_tag].remove(block)
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None or block.free_tag < 0:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._lists[block.free_tag]._len -= 1
         block.free_tag = -1
+        self._size -= 1
 
     def refresh(self, block: KVCacheBlock) -> None:
         """Move to the tail of its list."""
@@ -341,19 +380,43 @@ class WindowPolicy(S3FIFOPolicy):
         if len(ghost) > self._ghost_cap:
             del ghost[next(iter(ghost))]
 
-    def freed(self, block: KVCacheBlock) -> None:
-        """Empty, orphaned, far window page, held window page, else as ``s3fifo``."""
-        if block.token_ids is None or block.orphan:
-            super().freed(block)
-        elif block.hint == 0:
-            self._push(block, _COLD)
-        elif block.hint == 1 and self._has_chain and block.block_hash is not None:
-            if block.uses or self._ghost.pop((block.group_id, block.block_hash), 0) is None:
-                self._push(block, _HELD_MAIN)
+    def freed_all(self, blocks: list[KVCacheBlock]) -> None:
+        """Each page, in order, to the tail of its list: empty, orphaned, far window page,
+        held window page (never reused, or reused or recomputed after its content was
+        evicted), else as ``s3fifo``."""
+        lists = self._lists
+        ghost = self._ghost
+        has_chain = self._has_chain
+        for block in blocks:
+            if block.prev_free is not None or block.next_free is not None:
+                raise ValueError(f"block {block.block_id} is already in the free queue")
+            if block.token_ids is None:
+                tag = _EMPTY
+            elif block.orphan:
+                tag = _ORPHAN
+            elif block.hint == 0:
+                tag = _COLD
+            elif block.hint == 1 and has_chain and block.block_hash is not None:
+                tag = _HELD_MAIN if block.uses or ghost.pop(
+                    (block.group_id, block.block_hash), 0) is None else _HELD
+            elif block.uses:
+                tag = _MAIN
+            elif ghost and block.block_hash is not None and ghost.pop(
+                    (block.group_id, block.block_hash), 0) is None:
+                tag = _MAIN
             else:
-                self._push(block, _HELD)
-        else:
-            super().freed(block)
+                tag = _SMALL
+            block.free_tag = tag
+            q = lists[tag]
+            tail = q._tail
+            last = tail.prev_free
+            assert last is not None
+            last.next_free = block
+            block.prev_free = last
+            block.next_free = tail
+            tail.prev_free = block
+            q._len += 1
+            self._size += 1
 
 
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
