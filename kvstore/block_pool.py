@@ -181,24 +181,29 @@ class BlockPool:
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block, in the order given (callers pass deepest first)."""
+        if type(blocks) is not list:
+            blocks = list(blocks)
         in_use = self.in_use_by_group
         now_free = []
-        done: list[KVCacheBlock] = []
-        for block in blocks:
+        for i, block in enumerate(blocks):
             if block.ref_cnt <= 0:
-                # Undo this call's decrements, so a bad free leaves the pool as it was.
-                for b in done:
-                    if b.ref_cnt == 0:
-                        in_use[b.group_id] += 1
-                    b.ref_cnt += 1
+                self._undo_free(blocks[:i])
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
-            done.append(block)
             if block.ref_cnt == 0:
                 in_use[block.group_id] -= 1
                 now_free.append(block)
         if now_free:
             self.free_queue.freed_all(now_free)
+
+    def _undo_free(self, blocks: list[KVCacheBlock]) -> None:
+        """Take back the references a failed `free_blocks` dropped (none reached the policy),
+        so a bad free leaves the pool as it was."""
+        in_use = self.in_use_by_group
+        for block in blocks:
+            if block.ref_cnt == 0:
+                in_use[block.group_id] += 1
+            block.ref_cnt += 1
 
     def refresh(self, blocks: Iterable[tuple[KVCacheBlock, int]]) -> None:
         """Move free blocks that still hold the content of the given serial to the tail (most

@@ -86,11 +86,29 @@ class KVCacheCoordinator:
         request's content there, whatever the hash says."""
         pool = self.pool
         hashes, tokens = request.block_hashes, request.block_tokens
-        parents = [pool.root_serial(request.cache_salt)]
+        parent = pool.root_serial(request.cache_salt)
+        parents = [parent]
         blocks: list[KVCacheBlock] = []
         groups = self._spine_groups
+        n = min(max_blocks, len(hashes))
+        if len(groups) == 1:
+            # One probe per block; `find_cached` only for twins and collisions.
+            g = groups[0]
+            index = pool._hash_index
+            for i in range(n):
+                block = index.get((g, hashes[i]))
+                if block is None:
+                    break
+                if block.parent_serial != parent or block.token_ids != tokens[i]:
+                    block = pool.find_cached(g, hashes[i], tokens[i], parent)
+                    if block is None:
+                        break
+                blocks.append(block)
+                parent = block.serial
+                parents.append(parent)
+            return parents, blocks
         at = 0  # the group that held the previous block is asked first
-        for i in range(min(max_blocks, len(hashes))):
+        for i in range(n):
             block_tokens = tokens[i]
             for k in range(len(groups)):
                 g = groups[(at + k) % len(groups)]

@@ -134,6 +134,18 @@ class KVCacheManager:
                        num_lookahead_tokens: int = 0) -> BlockIds | None:
         """`admit` a request that is not live (with its `get_computed_blocks` result, or None
         for no hit), else `grow` it; see those."""
+        if type(request) is Request and computed is None:
+            # The decode hot path: a live request inside its quiet range (see `_quiet`) needs
+            # nothing; every check `grow` makes is made here too.
+            quiet = self._quiet.get(request.request_id)
+            if quiet is not None and self._requests[request.request_id] is request \
+                    and type(num_new_tokens) is int and num_new_tokens > 0 \
+                    and type(num_lookahead_tokens) is int and num_lookahead_tokens >= 0:
+                num_computed = request.num_computed_tokens
+                if type(num_computed) is int and quiet[0] <= num_computed < quiet[1] \
+                        and num_computed + num_new_tokens <= len(request.token_ids) \
+                        and num_computed + num_new_tokens + num_lookahead_tokens <= quiet[2]:
+                    return self._no_new_blocks
         self._check_request(request)
         if request.request_id not in self._requests:
             return self._admit(request, num_new_tokens, computed, num_lookahead_tokens)

@@ -480,11 +480,17 @@ class ChainSearch(HitSearch):
     def longest(self, cap: int) -> int:
         """The cached blocks from block 0, at most `cap` of them."""
         found = self.found
-        while not self.complete and len(found) < cap:
-            block = self.lookup(len(found))
-            if block is None:
-                self.complete = True
-            else:
+        if not self.complete and len(found) < cap:
+            index, g = self.pool._hash_index, self.group_id
+            hashes, tokens, parents = self.hashes, self.tokens, self.parents
+            for i in range(len(found), cap):
+                block = index.get((g, hashes[i]))
+                if block is not None and (block.parent_serial != parents[i]
+                                          or block.token_ids != tokens[i]):
+                    block = self.lookup(i)  # a twin or a collision
+                if block is None:
+                    self.complete = True
+                    break
                 found.append(block)
         return min(cap, len(found))
 
