@@ -361,7 +361,7 @@ class BlockPool:
                 del self._children[key]
         if block_hash is not None:
             hkey = (block.group_id, block_hash)
-            more = self._hash_more.get(hkey)
+            more = self._hash_more.get(hkey) if self._hash_more else None
             if more is None:
                 del self._hash_index[hkey]
             else:
@@ -373,10 +373,8 @@ class BlockPool:
                     del self._hash_more[hkey]
             if self.enable_events:
                 self._events.append(BlockRemoved(block_hash, block.group_id))
-        block.block_hash = None
-        block.token_ids = None
-        block.serial = 0
-        block.parent_serial = 0
+        block.block_hash = block.token_ids = None
+        block.serial = block.parent_serial = 0
         block.orphan = False
         self.stats.evictions += 1
         self.cache_epoch += 1

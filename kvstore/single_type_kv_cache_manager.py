@@ -527,17 +527,24 @@ class WindowSearch(HitSearch):
         if self.end < 0 or cap < self.end:
             self.low = cap if self.end < 0 else min(self.low, cap)
             self.end = cap
+        index, g = self.pool._hash_index, self.group_id
+        hashes, tokens, parents, found = self.hashes, self.tokens, self.parents, self.found
         while self.end > 0:
             start = self.start(self.end)
-            while self.low > start:
-                j = self.low - 1
-                block = self.lookup(j)
+            low = self.low
+            while low > start:
+                j = low - 1
+                block = index.get((g, hashes[j]))
+                if block is not None and (block.parent_serial != parents[j]
+                                          or block.token_ids != tokens[j]):
+                    block = self.lookup(j)  # a twin or a collision
                 if block is None:
                     self.end = self.low = j  # every end in (j, end] needs block j
                     break
-                self.found[j] = block
-                self.low = j
+                found[j] = block
+                low = j
             else:
+                self.low = low
                 return self.end
         return 0
 
