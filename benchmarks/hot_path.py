@@ -112,7 +112,7 @@ class KvstoreSide:
 
     name = "kvstore"
 
-    def __init__(self, layout: str, num_blocks: int) -> None:
+    def __init__(self, layout: str, num_blocks: int, partial: bool = False) -> None:
         from kvstore import hashing
         from kvstore.kv_cache_manager import KVCacheManager
         from kvstore.request import Request
@@ -125,7 +125,8 @@ class KvstoreSide:
         config = make_kv_cache_config(layers, num_blocks=num_blocks)
         if len(config.groups) != NUM_GROUPS[layout]:
             raise RuntimeError(f"{layout}: {len(config.groups)} groups, expected {NUM_GROUPS[layout]}")
-        self.manager = KVCacheManager(config)
+        # Partial hits off by default: vLLM has none, so both sides do the same work.
+        self.manager = KVCacheManager(config, enable_partial_hits=partial)
         self._Request = Request
         self.hash_fn = getattr(self.manager, "hash_fn", hashing.hash_block)
         self.hash_s = 0.0
@@ -427,7 +428,9 @@ def drive(side: Any, specs: list[Spec], scenario: str,
 
 def make_side(kind: str, layout: str, num_blocks: int, **kw: Any) -> Any:
     """A fresh manager of `kind` ('kvstore' or 'vllm') for the scenario."""
-    return VllmSide(layout, num_blocks, **kw) if kind == "vllm" else KvstoreSide(layout, num_blocks)
+    if kind == "vllm":
+        return VllmSide(layout, num_blocks, **{k: v for k, v in kw.items() if k != "partial"})
+    return KvstoreSide(layout, num_blocks, **kw)
 
 
 @contextmanager
@@ -441,10 +444,10 @@ def _no_gc() -> Iterator[None]:
 
 
 def run_scenario(kind: str, layout: str, regime: str, num_blocks: int, num_requests: int,
-                 profile_top: int = 0) -> dict[str, Any]:
+                 profile_top: int = 0, partial: bool = False) -> dict[str, Any]:
     """One replay in this process (cyclic GC off, as timeit does); a JSON-able dict."""
     specs = make_workload(num_requests)
-    side = make_side(kind, layout, num_blocks)
+    side = make_side(kind, layout, num_blocks, partial=partial)
     prof = cProfile.Profile() if profile_top else None
     with _no_gc():
         if prof:
@@ -509,7 +512,8 @@ def worker_main(kind: str) -> None:
                     out = {"path": sys.modules["kvstore"].__file__ or ""}
             elif cmd["cmd"] == "scenario":
                 out = run_scenario(kind, cmd["layout"], cmd["regime"], cmd["num_blocks"],
-                                   cmd["num_requests"], cmd.get("profile_top", 0))
+                                   cmd["num_requests"], cmd.get("profile_top", 0),
+                                   cmd.get("partial", False))
             else:
                 out = run_scale(kind, cmd["num_blocks"], cmd["num_requests"])
         except Exception as exc:  # reported to the parent, which decides
@@ -536,13 +540,15 @@ def cache_layer_tree(src_kvstore: Path, dest: Path) -> Path:
 class Worker:
     """A worker subprocess serving one side."""
 
-    def __init__(self, label: str, kind: str, python: str, pythonpath: str | None) -> None:
+    def __init__(self, label: str, kind: str, python: str, pythonpath: str | None,
+                 partial: bool = False) -> None:
         env = dict(os.environ)
         if pythonpath is not None:
             env["PYTHONPATH"] = pythonpath
         env.pop("PYTHONHASHSEED", None)
         env["PYTHONHASHSEED"] = "0"  # vLLM's NONE_HASH seed; no effect on kvstore's hashes
         self.label = label
+        self.partial = partial  # kvstore sides: run with partial-block hits on
         self.proc = subprocess.Popen(
             [python, str(Path(__file__).resolve()), "--worker", kind], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env=env, text=True, cwd=tempfile.gettempdir())
@@ -624,6 +630,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale", action="store_true", help="pools of 16k, 100k and 1M blocks")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="cProfile each scenario (this revision) and print the top N functions")
+    ap.add_argument("--partial", choices=("off", "on", "both"), default="off",
+                    help="kvstore's partial-block hits (vLLM has none); 'both' also runs this "
+                         "revision with them on, side by side, and prints what they cost")
     args = ap.parse_args(argv)
     if args.worker:
         worker_main(args.worker)
@@ -639,8 +648,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         this = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
                               capture_output=True, text=True).stdout.strip()
-        workers.append(Worker(f"this revision ({this})", "kvstore", sys.executable,
-                              str(cache_layer_tree(REPO / "kvstore", tmp / "this"))))
+        this_tree = str(cache_layer_tree(REPO / "kvstore", tmp / "this"))
+        workers.append(Worker(f"this revision ({this})", "kvstore", sys.executable, this_tree,
+                              partial=args.partial == "on"))
+        if args.partial == "both":
+            workers.append(Worker(f"this revision ({this}), partial hits on", "kvstore",
+                                  sys.executable, this_tree, partial=True))
         if args.baseline:
             worktree = tmp / "baseline-worktree"
             subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q",
@@ -648,7 +661,8 @@ def main(argv: list[str] | None = None) -> None:
             rev = subprocess.run(["git", "-C", str(worktree), "rev-parse", "--short", "HEAD"],
                                  check=True, capture_output=True, text=True).stdout.strip()
             workers.append(Worker(f"kvstore {rev}", "kvstore", sys.executable,
-                                  str(cache_layer_tree(worktree / "kvstore", tmp / "baseline"))))
+                                  str(cache_layer_tree(worktree / "kvstore", tmp / "baseline")),
+                                  partial=args.partial == "on"))
         if args.vllm:
             workers.append(Worker("vLLM", "vllm", args.vllm, None))
         specs = make_workload(num_requests)
@@ -665,7 +679,7 @@ def main(argv: list[str] | None = None) -> None:
             kept: dict[str, Result] = {}
             for _ in range(repeats):
                 for w in workers:
-                    out = w.ask(cmd)
+                    out = w.ask({**cmd, "partial": w.partial})
                     if "error" in out:
                         raise RuntimeError(f"{w.label}, {layout} {regime}: {out['error']}")
                     r = _result(out)
@@ -702,7 +716,8 @@ def main(argv: list[str] | None = None) -> None:
             for layout, regime, num_blocks in scenarios:
                 out = workers[0].ask({"cmd": "scenario", "layout": layout, "regime": regime,
                                       "num_blocks": num_blocks, "num_requests": num_requests,
-                                      "profile_top": args.profile})
+                                      "profile_top": args.profile,
+                                      "partial": workers[0].partial})
                 print(f"### {layout}, {regime}\n```\n{out.get('profile', out.get('error'))}```")
     finally:
         for w in workers:

@@ -291,7 +291,12 @@ class BlockPool:
         block.serial = serial
         block.parent_serial = parent_serial
         if self._index_children:
-            self._add_child(group, parent_serial, token_ids, block.block_id)
+            ckey = (group, parent_serial)
+            siblings = self._children.get(ckey)
+            if siblings is None:
+                self._children[ckey] = [(token_ids, block.block_id)]
+            else:
+                insort(siblings, (token_ids, block.block_id))
         key = (group, block_hash)
         index = self._hash_index
         if key in index:

@@ -363,10 +363,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         as recent as the rest of its content, so a later hit finds its window with its chain."""
         rid = request.request_id
         table = self._req_to_blocks[rid]
-        out = self._end_range(min(request.num_computed_tokens, len(table) * self.block_size))
-        for i, block in enumerate(table):
+        near = bytearray(len(table))  # 1 where a table index is before a likely hit end
+        for start, stop in (self._end_range(min(request.num_computed_tokens,
+                                                len(table) * self.block_size)),
+                            *self._ends[rid]):
+            start = max(start, 0)
+            if stop > start:
+                near[start:stop] = b"\x01" * (min(stop, len(near)) - min(start, len(near)))
+        for block, hint in zip(table, near, strict=True):
             if block.block_id != 0:
-                self._tag(rid, i, block, out)
+                block.hint = hint
         super().free(request)
         del self._ends[rid]
         self.pool.refresh(reversed(self._dropped.pop(rid)))
