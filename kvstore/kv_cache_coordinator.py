@@ -271,18 +271,20 @@ class KVCacheCoordinator:
     def allocate(self, request: Request, num_tokens: int) -> tuple[tuple[int, ...], ...]:
         """Grow every group's table to `num_tokens` tokens (the caller checked it fits);
         returns the ids of the pages appended to each group's table."""
+        serials: dict[int, int] | None = {} if len(self.managers) > 1 else None
         for manager in self._cache_order:
-            manager.release_computed(request)
+            manager.release_computed(request, serials)
         return tuple([manager.allocate(request, num_tokens) for manager in self.managers])
 
     def free(self, request: Request) -> None:
         """Release the request's pages in every group (full attention's blocks indexed first,
         see `allocate`)."""
         if len(self._cache_order) > 1 and self._cache_order[0] is not self.managers[0]:
+            serials: dict[int, int] = {}
             for manager in self._cache_order:
                 manager.cache_blocks(request, min(request.num_computed_tokens,
                                                   len(manager.table(request.request_id))
-                                                  * self.block_size))
+                                                  * self.block_size), serials)
         for manager in self.managers:
             manager.free(request)
 

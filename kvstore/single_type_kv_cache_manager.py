@@ -184,10 +184,11 @@ class SingleTypeKVCacheManager:
         self._copies.queue(src, dst)
         return dst
 
-    def release_computed(self, request: Request) -> None:
+    def release_computed(self, request: Request, serials: dict[int, int] | None = None) -> None:
         """Cache the blocks computed so far and drop pages out of the next query's window
-        (done for every group before any group allocates, so dropped pages can be reused)."""
-        self.cache_blocks(request, request.num_computed_tokens)
+        (done for every group before any group allocates, so dropped pages can be reused);
+        `serials` as in `cache_blocks`."""
+        self.cache_blocks(request, request.num_computed_tokens, serials)
         self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
 
     def allocate(self, request: Request, num_tokens: int) -> tuple[int, ...]:
@@ -218,8 +219,12 @@ class SingleTypeKVCacheManager:
         table.extend(new_blocks)
         return tuple([b.block_id for b in new_blocks])
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Index the request's blocks that are full and computed."""
+    def cache_blocks(self, request: Request, num_computed_tokens: int,
+                     serials: dict[int, int] | None = None) -> None:
+        """Index the request's blocks that are full and computed. `serials` (block index ->
+        content serial) is shared by the groups caching one request in one call: a serial
+        names content in every group, so the first group to learn it spares the others the
+        search for a twin."""
         if not self.pool.enable_caching:
             return
         rid = request.request_id
@@ -242,7 +247,9 @@ class SingleTypeKVCacheManager:
             tokens = block_tokens[i]
             # The serial of this content in whichever group holds it already, so that the
             # serial names the prefix in every group (a windowed run is checked against it).
-            serial = twin_serial(hashes[i], parent_serial, tokens, twin_groups)
+            serial = serials.get(i, 0) if serials is not None else 0
+            if not serial:
+                serial = twin_serial(hashes[i], parent_serial, tokens, twin_groups)
             if block.block_id == 0:
                 # Null below the window of a tier hit: nothing to index; the chain goes on
                 # with the serial of a group that holds the block (full attention caches
@@ -255,6 +262,8 @@ class SingleTypeKVCacheManager:
             parent_serial = pool.cache_full_block(block, hashes[i], tokens, parent_serial,
                                                   hashes[i - 1] if i else None,
                                                   serial or pool.new_serial())
+            if serials is not None:
+                serials[i] = parent_serial
         self._num_cached_blocks[rid] = last
         self._last_serial[rid] = parent_serial
 
@@ -344,13 +353,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if end > 0:
                 ranges.append(self._end_range(end))
 
-    def _tag(self, request_id: str, index: int, block: KVCacheBlock,
-             extra: tuple[int, int] = (0, 0)) -> None:
-        """Set the hint of the page at table `index` (1: before a likely hit end)."""
-        near = extra[0] <= index < extra[1] or any(
-            start <= index < stop for start, stop in self._ends[request_id])
-        block.hint = 1 if near else 0
-
     def fork(self, parent_id: str, child_id: str) -> None:
         """Share the parent's pages and its hit ends; the child has dropped none yet."""
         super().fork(parent_id, child_id)
@@ -426,10 +428,17 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Replace pages no future query can attend with the null block, deepest freed first."""
         table = self._req_to_blocks[request_id]
         removed = []
+        ends = self._ends[request_id]
+        null = self.pool.null_block
         for i in self._out_of_window(request_id, num_computed_tokens):
-            self._tag(request_id, i, table[i])
-            removed.append(table[i])
-            table[i] = self.pool.null_block
+            block = table[i]
+            block.hint = 0
+            for start, stop in ends:
+                if start <= i < stop:
+                    block.hint = 1
+                    break
+            removed.append(block)
+            table[i] = null
         self.pool.free_blocks(removed)
         # Kept shallowest first (appending, no per-step shifting); freed deepest first.
         self._dropped[request_id].extend(
