@@ -31,6 +31,7 @@ from kvstore.benchmarks.output import (
     write_json,
     write_text,
 )
+from kvstore.benchmarks.simulator import TierOptions, open_store, parse_mem_store
 from kvstore.benchmarks.sweep import (
     DEFAULT_POLICIES,
     MODEL_SHAPES,
@@ -41,6 +42,8 @@ from kvstore.benchmarks.sweep import (
     SweepTask,
     format_bytes,
     parse_pool_sizes,
+    parse_size,
+    policy_named,
     run_sweep,
     sigint_ignored,
     with_evictions,
@@ -116,14 +119,19 @@ def _count(n: float) -> str:
 
 
 # The table's columns: (name, name in the narrow table or None, justify). The narrow
-# table fits 80 terminal columns; --wide shows all of them.
+# table fits 80 terminal columns; --wide shows all of them. The tier columns appear only
+# in a sweep with tiers, whose narrow table leaves out vs unb and steps to make room.
 _COLUMNS: tuple[tuple[str, str | None, Literal["left", "right"]], ...] = (
     ("KV budget", "KV budget", "right"), ("policy", "policy", "left"), ("blocks", None, "right"),
-    ("hit", "hit", "right"), ("vs unbnd", "vs unb", "right"), ("vs ideal", None, "right"),
+    ("hit", "hit", "right"), ("device", None, "right"), ("host", "host", "right"),
+    ("store", "store", "right"), ("total hit", None, "right"),
+    ("vs unbnd", "vs unb", "right"), ("vs ideal", None, "right"),
     ("partial tok", None, "right"), ("evict", "evict", "right"), ("preempt", "preempt", "right"),
     ("recompute", "recomp", "right"), ("computed", "computed", "right"),
     ("steps", "steps", "right"), ("peak KV", "peak KV", "right"), ("idle KV", None, "right"),
 )
+_TIER_COLUMNS = frozenset({"device", "host", "store", "total hit"})
+_NARROW_WITHOUT_TIERS = frozenset({"vs unbnd", "steps"})
 TABLE_LEGEND = (
     "hit: prompt tokens served from the cache at first admission; vs unb: hit tokens over "
     "the unbounded replay's; evict: cached blocks reused for new content; preempt: "
@@ -131,6 +139,14 @@ TABLE_LEGEND = (
     "computed; steps: scheduler steps to finish; peak KV: most KV memory in use; k/M: "
     "thousands/millions; -: not applicable (no caching). --wide adds blocks, vs ideal, "
     "partial-hit tokens and idle reserved KV.")
+TIER_LEGEND = (
+    "hit: prompt tokens served at first admission, from the device pool or the tiers; host, "
+    "store: the part of it from the host tier and the store; NAME+tiers: NAME with the tiers "
+    "below its pool; evict: cached blocks reused for new content; preempt: preemptions; "
+    "recomp: tokens computed again after a preemption; computed: all tokens computed; peak "
+    "KV: most device KV memory in use; k/M: thousands/millions; -: not applicable. --wide "
+    "adds blocks, the device's part of hit, the total hit rate over all admissions, vs "
+    "unbounded, vs ideal, partial-hit tokens, steps and idle reserved KV.")
 
 
 def _short_bytes(n: float) -> str:
@@ -147,11 +163,21 @@ def _cells(r: SweepRow, wide: bool) -> list[str]:
     size = format_bytes if wide else _short_bytes
     budget = r.budget_label if wide else _short_bytes(r.budget_bytes or 0)
     if r.metrics is None:
-        return [budget or "", r.policy, str(r.num_blocks), *(["-"] * 10), "[red]does not fit[/red]"]
+        return [budget or "", r.policy, str(r.num_blocks), *(["-"] * 14), "[red]does not fit[/red]"]
     m = r.metrics
-    caching = POLICIES[r.policy].enable_caching
+    policy = policy_named(r.policy)
+    caching = policy.enable_caching
+    tiered = policy.tiered
+
+    def share(n: int) -> str:
+        return _pct(n / m.prompt_tokens if m.prompt_tokens else 0.0)
+
     return [budget or "", r.policy, str(r.num_blocks),
             _pct(m.prompt_hit_rate) if caching else "-",
+            share(m.prompt_device_hit_tokens) if caching else "-",
+            share(m.prompt_host_hit_tokens) if tiered else "-",
+            share(m.prompt_store_hit_tokens) if tiered else "-",
+            _pct(m.total_hit_rate) if caching else "-",
             _pct(r.vs_unbounded), _pct(r.vs_ideal),
             _count(m.partial_hit_tokens) if caching else "-",
             _count(m.evictions), str(m.preemptions), _count(m.recomputed_tokens),
@@ -168,11 +194,16 @@ def print_table(result: SweepResult, console: Any, wide: bool = False) -> None:
     m = result.meta
     title = (f"{m.workload} on {m.model_shape} (block {m.block_size}): ideal hit "
              f"{_pct(m.ideal_token_hit_rate)} token / {_pct(m.ideal_block_hit_rate)} block")
+    tiers = bool(m.tiers)
+    if tiers:
+        title += "; tiers: " + TierOptions(m.tiers.get("host_bytes"), m.tiers.get("store")).describe()
     if wide:
         t = Table(title=title, show_lines=False)
     else:  # no borders or padding: one space between columns
         t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
-    keep = [i for i, (_, narrow, _) in enumerate(_COLUMNS) if wide or narrow]
+    keep = [i for i, (name, narrow, _) in enumerate(_COLUMNS)
+            if (tiers or name not in _TIER_COLUMNS)
+            and (wide or (narrow and not (tiers and name in _NARROW_WITHOUT_TIERS)))]
     for i in keep:
         name, narrow, just = _COLUMNS[i]
         t.add_column(name if wide else narrow or name, justify=just, no_wrap=not wide)
@@ -190,7 +221,8 @@ def print_table(result: SweepResult, console: Any, wide: bool = False) -> None:
         t.add_row(*(cells[i] for i in keep))
     console.print(t)
     if not wide:
-        console.print(TABLE_LEGEND + (" no fit: the pool cannot hold some request."
+        console.print((TIER_LEGEND if tiers else TABLE_LEGEND)
+                      + (" no fit: the pool cannot hold some request."
                                       if not all(r.feasible for r in result.rows) else ""),
                       style="dim")
 
@@ -433,6 +465,31 @@ def _pool_sizes(text: str) -> str:
     return text
 
 
+def _tier_bytes(text: str) -> int:
+    """argparse type: a positive byte count, bare (bytes) or with a unit (8GiB)."""
+    try:
+        value = int(text) if text.strip().isdigit() else parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def _store_spec(text: str) -> str:
+    """argparse type: ``mem``, ``mem:SIZE`` or a Valkey URL (its syntax; reachability is
+    checked before the sweep)."""
+    from kvstore.tiers.valkey_store import parse_store_url
+
+    text = text.strip()
+    try:
+        if parse_mem_store(text) is False:
+            parse_store_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}; or mem, or mem:SIZE for an in-process store") from None
+    return text
+
+
 def _out_folder(text: str) -> Path:
     path = Path(text).expanduser()
     for p in (path, *path.parents):
@@ -514,6 +571,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "docs/figures is made: --out docs/figures --in-place)")
     p.add_argument("--wide", action="store_true",
                    help="print every column of the table (the default fits 80 columns)")
+    p.add_argument("--host-tier-bytes", type=_tier_bytes, metavar="N",
+                   help="a host tier of N bytes (8GiB, or a byte count) below the device pool: "
+                        "each caching policy also runs as NAME+tiers, side by side")
+    p.add_argument("--store", type=_store_spec, metavar="URL",
+                   help="a shared store below the device pool (and the host tier): a Valkey URL "
+                        "(valkey://host:port/db, valkey+cluster://host:port), or mem / mem:SIZE "
+                        "for an in-process one; each caching policy also runs as NAME+tiers")
 
 
 def _arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -569,6 +633,13 @@ def run_bench(args: argparse.Namespace) -> int:
         error(f"argument --pool-sizes: {e}")
     if not workload.requests:
         error(f"argument --workload: {args.workload} has no requests")
+    tiers = TierOptions(getattr(args, "host_tier_bytes", None), getattr(args, "store", None))
+    if tiers:
+        flag = "--host-tier-bytes" if tiers.host_bytes else "--store"
+        if not any(policy_named(p).enable_caching for p in policies):
+            error(f"argument {flag}: tiers need a caching policy in --policies")
+        if tiers.store:
+            _check_store(tiers.store, error)
     out = Path(args.out)
     points = args.points if args.points is not None else (QUICK_POINTS if args.quick else DEFAULT_POINTS)
     run = RunInfo.now(_arguments(args), seed=args.seed)
@@ -582,7 +653,7 @@ def run_bench(args: argparse.Namespace) -> int:
     jobs = args.jobs if args.jobs is not None else min(4, os.cpu_count() or 1)
     try:
         result = _sweep_with_progress(console, workload, shape.name, args.block_size, budgets,
-                                      points, policies, sched, jobs)
+                                      points, policies, sched, jobs, tiers or None)
     except SweepInterrupted as e:
         return _save_interrupted(e.partial, out, args.in_place, run)
     print_table(result, console, wide=args.wide)
@@ -617,7 +688,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _sweep_with_progress(console: Any, workload: Workload, shape: str, block_size: int,
                          budgets: list[int] | None, points: int, policies: Sequence[str],
-                         sched: SchedulerConfig, jobs: int) -> SweepResult:
+                         sched: SchedulerConfig, jobs: int,
+                         tiers: TierOptions | None = None) -> SweepResult:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -634,7 +706,20 @@ def _sweep_with_progress(console: Any, workload: Workload, shape: str, block_siz
 
         return run_sweep(workload, shape=shape, block_size=block_size, budgets=budgets,
                          num_points=points, policies=policies, scheduler_config=sched,
-                         jobs=jobs, progress=on_done, on_start=on_start)
+                         jobs=jobs, progress=on_done, on_start=on_start, tiers=tiers)
+
+
+def _check_store(spec: str, error: Callable[[str], NoReturn]) -> None:
+    """A Valkey store must answer before the sweep starts."""
+    if parse_mem_store(spec) is not False:
+        return
+    store = open_store(spec)
+    try:
+        if not store.ping():  # type: ignore[attr-defined]
+            error(f"argument --store: cannot reach {spec} "
+                  f"({getattr(store, 'last_error', None) or 'no answer'})")
+    finally:
+        store.close()
 
 
 def _save_interrupted(partial: SweepResult, out: Path, in_place: bool, run: RunInfo) -> int:

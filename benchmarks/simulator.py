@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -14,6 +15,83 @@ from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import KVCacheConfig
 from kvstore.utils import hit_rate
+
+if TYPE_CHECKING:
+    from kvstore.tiers.base import Tier
+    from kvstore.tiers.model import PlaceholderConnector
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    """Tiers below the device pool for a replay: a host tier of ``host_bytes`` and a shared
+    store (``mem``: in-process and unbounded, ``mem:SIZE``: bounded, or a ``valkey://`` URL).
+    Values are placeholders (:mod:`kvstore.tiers.model`): capacities are charged the real
+    value sizes, and lookups and offloads follow the engine's connector."""
+
+    host_bytes: int | None = None
+    store: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.host_bytes or self.store)
+
+    def describe(self) -> str:
+        """One line: the host tier's size and the store."""
+        from kvstore.benchmarks.sweep import format_bytes
+
+        parts = []
+        if self.host_bytes:
+            parts.append(f"host tier {format_bytes(self.host_bytes)}")
+        if self.store:
+            parts.append(f"store {self.store}")
+        return ", ".join(parts)
+
+
+def parse_mem_store(text: str) -> int | None | bool:
+    """For ``mem`` (unbounded): None; ``mem:SIZE``: its bytes; anything else: False."""
+    from kvstore.benchmarks.sweep import parse_size
+
+    if text == "mem":
+        return None
+    if text.startswith("mem:"):
+        size = parse_size(text[4:])
+        if size <= 0:
+            raise ValueError(f"store size must be positive, got {text[4:]!r}")
+        return size
+    return False
+
+
+def open_store(spec: str, timeout_s: float = 2.0) -> Tier:
+    """The store a replay writes to: a ``ModelTier`` for ``mem[:SIZE]``, else a synchronous
+    ``ValkeyStore`` on the URL (ValueError for a bad one)."""
+    from kvstore.tiers.model import ModelTier
+
+    mem = parse_mem_store(spec)
+    if mem is not False:
+        assert not isinstance(mem, bool)
+        return ModelTier(mem, name="store")
+    from kvstore.tiers.valkey_store import ValkeyStore
+
+    return ValkeyStore(spec, sync_stores=True, timeout_s=timeout_s)
+
+
+def _tier_connector(config: KVCacheConfig, tiers: TierOptions) -> PlaceholderConnector:
+    from kvstore.tiers.model import ModelTier, PlaceholderConnector
+
+    host = ModelTier(tiers.host_bytes, name="host") if tiers.host_bytes else None
+    store = open_store(tiers.store) if tiers.store else None
+    # A name of its own: replays sharing a server never see each other's keys.
+    return PlaceholderConnector(config, f"kvstore-bench-{uuid.uuid4().hex}", host=host, store=store)
+
+
+def _close_tiers(connector: PlaceholderConnector) -> None:
+    """Delete what the replay wrote to a server, then close."""
+    store = connector.store
+    delete = getattr(store, "delete", None)
+    if delete is not None:
+        keys = connector.stored_keys
+        for s in range(0, len(keys), 1024):
+            delete(keys[s:s + 1024])
+    connector.close()
 
 
 @dataclass
@@ -56,12 +134,33 @@ class SimResult:
     peak_idle_slots: int = 0  # most idle slot-tokens in any one step
     finish_time: float = 0.0  # virtual clock when the last request finished (s)
     free_blocks_at_end: int = 0
+    # Tiers below the device (0 without them). Over all admissions: tokens admitted from
+    # the host tier and the store (``hit_tokens`` stays the device's); at first admission:
+    # the same split of ``prompt_hit_tokens``. Blocks offloaded to and loaded from them.
+    host_hit_tokens: int = 0
+    store_hit_tokens: int = 0
+    prompt_host_hit_tokens: int = 0
+    prompt_store_hit_tokens: int = 0
+    tier_offloaded_blocks: int = 0
+    tier_loaded_blocks: int = 0
+    tier_rejected_values: int = 0
     timeline: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
         """Tokens served from the cache over tokens looked up, over all admissions."""
         return hit_rate(self.hit_tokens, self.queried_tokens)
+
+    @property
+    def total_hit_rate(self) -> float:
+        """Device, host and store hit tokens over tokens looked up, over all admissions."""
+        return hit_rate(self.hit_tokens + self.host_hit_tokens + self.store_hit_tokens,
+                        self.queried_tokens)
+
+    @property
+    def prompt_device_hit_tokens(self) -> int:
+        """First-admission hit tokens found in the device pool."""
+        return self.prompt_hit_tokens - self.prompt_host_hit_tokens - self.prompt_store_hit_tokens
 
     @property
     def prompt_hit_rate(self) -> float:
@@ -117,7 +216,8 @@ class SimResult:
     def summary(self) -> dict[str, Any]:
         """Every counter and derived figure, without the timeline (JSON-friendly)."""
         out = {k: v for k, v in asdict(self).items() if k != "timeline"}
-        for name in ("hit_rate", "prompt_hit_rate", "usable_blocks", "kv_bytes", "peak_kv_bytes",
+        for name in ("hit_rate", "total_hit_rate", "prompt_device_hit_tokens",
+                     "prompt_hit_rate", "usable_blocks", "kv_bytes", "peak_kv_bytes",
                      "mean_idle_slots", "mean_idle_bytes", "peak_idle_bytes",
                      "mean_idle_fraction", "leaked_blocks"):
             out[name] = getattr(self, name)
@@ -151,17 +251,48 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
              scheduler_config: SchedulerConfig | None = None, step_time: float = 0.02,
              record_timeline: bool = False,
              on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
-             eviction: str = "lru") -> SimResult:
+             eviction: str = "lru", tiers: TierOptions | None = None) -> SimResult:
     """Replay requests in arrival order on a virtual clock (each step lasts `step_time`
     seconds; an idle system jumps to the next arrival) until all have finished.
 
     Decoded tokens are the requests' scripted outputs when they have them, else
     deterministic stand-ins. `on_step` sees the scheduler right after each step was
-    scheduled (pages allocated, copies taken) and before it is applied. Raises
-    ValueError when a request can never fit the pool, RuntimeError if pages leak."""
+    scheduled (pages allocated, copies taken) and before it is applied. With `tiers`,
+    lookups reach into a host tier and a store as the engine's do (the step's offloads
+    and loads run right after it is scheduled; writes are synchronous), and a server's
+    keys written by the replay are deleted at its end. Raises ValueError when a request
+    can never fit the pool, RuntimeError if pages leak."""
     specs = workload.requests if isinstance(workload, Workload) else workload
-    manager = KVCacheManager(config, enable_caching=enable_caching,
-                             enable_partial_hits=enable_partial_hits, eviction=eviction)
+    connector = _tier_connector(config, tiers) if tiers else None
+    try:
+        return _simulate(specs, config, enable_caching, enable_partial_hits, scheduler_config,
+                         step_time, record_timeline, on_step, eviction, connector)
+    finally:
+        if connector is not None:
+            _close_tiers(connector)
+
+
+def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: bool,
+              enable_partial_hits: bool, scheduler_config: SchedulerConfig | None,
+              step_time: float, record_timeline: bool,
+              on_step: Callable[[Scheduler, SchedulerOutput], None] | None, eviction: str,
+              connector: PlaceholderConnector | None) -> SimResult:
+    manager: KVCacheManager
+    if connector is None:
+        manager = KVCacheManager(config, enable_caching=enable_caching,
+                                 enable_partial_hits=enable_partial_hits, eviction=eviction)
+    else:
+        from kvstore.tiers.connector import TieredKVCacheManager
+
+        tiered = TieredKVCacheManager(config, enable_caching=enable_caching,
+                                      enable_partial_hits=enable_partial_hits, eviction=eviction,
+                                      tiers=connector)
+        manager = tiered
+
+        def run_transfers() -> None:
+            t = tiered.take_pending_transfers()
+            connector.run_offloads(None, t.offloads)
+            connector.run_loads(None, t.loads)
     scheduler = Scheduler(manager, scheduler_config)
     scripted = {s.request_id: s.output_token_ids for s in specs if s.output_token_ids}
     # pop() yields the earliest arrival; ties in the given order.
@@ -172,6 +303,7 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
     timeline: list[dict[str, float]] = []
     prompt_tokens = expected_tokens = output_tokens = 0
     first_hit: dict[str, int] = {}
+    first_tiers: dict[str, tuple[int, int]] = {}
     while pending or scheduler.has_unfinished:
         if not scheduler.has_unfinished and pending and pending[-1].arrival > clock:
             clock = float(pending[-1].arrival)
@@ -185,10 +317,16 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
             output_tokens += spec.max_tokens
             expected_tokens += len(spec.prompt_token_ids) + spec.max_tokens - 1
         output = scheduler.schedule()
+        if connector is not None:  # the worker's part: offloads, then loads
+            run_transfers()
         for item in output.scheduled:
             rid = item.request.request_id
             if rid not in first_hit:  # admitted this step: progress is the hit length
                 first_hit[rid] = item.request.num_computed_tokens
+                if connector is not None and rid in connector.admitted:
+                    first_tiers[rid] = connector.admitted[rid]
+            if connector is not None:
+                connector.admitted.pop(rid, None)
         if on_step is not None:
             on_step(scheduler, output)
         sampled = {}
@@ -212,6 +350,8 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
         clock += step_time
     # The worker has run the last batch of copies: release the pins on their sources.
     manager.take_pending_copies()
+    if connector is not None:
+        run_transfers()  # the last requests' offloads
     stats, sstats = manager.stats, scheduler.stats
     if manager.num_free_blocks != manager.num_usable_blocks:
         raise RuntimeError("blocks leaked: the pool is not empty after every request finished")
@@ -229,4 +369,17 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
         num_blocks=config.num_blocks, bytes_per_block=config.bytes_per_block,
         block_size=config.block_size,
         peak_idle_slots=peak_idle, finish_time=clock,
-        free_blocks_at_end=manager.num_free_blocks, timeline=timeline)
+        free_blocks_at_end=manager.num_free_blocks, timeline=timeline,
+        **_tier_figures(connector, first_tiers))
+
+
+def _tier_figures(connector: PlaceholderConnector | None,
+                  first: dict[str, tuple[int, int]]) -> dict[str, int]:
+    if connector is None:
+        return {}
+    t = connector.stats
+    return {"host_hit_tokens": t.host_hit_tokens, "store_hit_tokens": t.store_hit_tokens,
+            "prompt_host_hit_tokens": sum(h for h, _ in first.values()),
+            "prompt_store_hit_tokens": sum(s for _, s in first.values()),
+            "tier_offloaded_blocks": t.offloaded_blocks, "tier_loaded_blocks": t.loaded_blocks,
+            "tier_rejected_values": t.rejected_values}

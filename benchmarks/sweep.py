@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from kvstore.benchmarks.simulator import SimResult, simulate
+from kvstore.benchmarks.simulator import SimResult, TierOptions, simulate
 from kvstore.benchmarks.workloads import Workload, ideal_hit_tokens
 from kvstore.engine.scheduler import SchedulerConfig
 from kvstore.errors import RequestTooLargeError
@@ -143,6 +143,13 @@ class Policy:
     enable_partial_hits: bool = False
     reserve_full_output: bool = False
     eviction: str = "lru"  # the pool's eviction policy (kvstore.eviction)
+    tiered: bool = False  # with the sweep's tiers below the device pool (NAME+tiers)
+    base: str = ""  # the device-only policy a tiered one extends
+
+    @property
+    def reference(self) -> str:
+        """The policy whose unbounded replay this one is scored against."""
+        return self.base or self.name
 
     def layer_specs(self, shape: ModelShape, block_size: int) -> list[KVCacheSpec]:
         """The layer list this policy's pool is built for."""
@@ -167,12 +174,21 @@ POLICIES: dict[str, Policy] = {
 DEFAULT_POLICIES: tuple[str, ...] = tuple(POLICIES)
 
 
+TIERED_SUFFIX = "+tiers"
+
+
 def policy_named(name: str) -> Policy:
-    """A policy by name; ``BASE@EVICTION`` is BASE with that eviction policy (registered in
-    POLICIES on first use)."""
+    """A policy by name; ``BASE@EVICTION`` is BASE with that eviction policy, ``NAME+tiers``
+    a caching policy with the sweep's tiers (both registered in POLICIES on first use)."""
     from kvstore.eviction import EVICTION_POLICIES
 
     policy = POLICIES.get(name)
+    if policy is None and name.endswith(TIERED_SUFFIX):
+        b = policy_named(name[:-len(TIERED_SUFFIX)])
+        if not b.enable_caching or b.tiered:
+            raise KeyError(f"unknown policy {name!r}: tiers need a caching policy")
+        policy = POLICIES[name] = replace(b, name=name, label=f"{b.label}, with tiers",
+                                          tiered=True, base=b.name)
     if policy is None and "@" in name:
         base, eviction = name.split("@", 1)
         if base in POLICIES and eviction in EVICTION_POLICIES:
@@ -195,6 +211,16 @@ def with_evictions(policies: Sequence[str], evictions: Sequence[str]) -> list[st
         for e in evictions:
             out.append(p if e == "lru" else policy_named(f"{p}@{e}").name)
     return list(dict.fromkeys(out))
+
+
+def with_tiers(policies: Sequence[str]) -> list[str]:
+    """Each caching policy followed by itself with tiers (``NAME+tiers``)."""
+    out: list[str] = []
+    for p in policies:
+        out.append(p)
+        if policy_named(p).enable_caching:
+            out.append(policy_named(p + TIERED_SUFFIX).name)
+    return out
 
 
 # ------------------------------------------------------------------------------ sizes
@@ -300,6 +326,17 @@ class ReplayMetrics:
     peak_idle_bytes: int
     mean_idle_fraction: float
     leaked_blocks: int
+    # Tiers (0 without them): hit tokens by where they were found, at first admission
+    # (device + host + store = prompt_hit_tokens) and over all admissions.
+    prompt_device_hit_tokens: int
+    prompt_host_hit_tokens: int
+    prompt_store_hit_tokens: int
+    host_hit_tokens: int
+    store_hit_tokens: int
+    total_hit_rate: float
+    tier_offloaded_blocks: int
+    tier_loaded_blocks: int
+    tier_rejected_values: int
     saved_tokens: int  # expected - computed: work the cache saved (negative: recompute cost more)
 
     @classmethod
@@ -383,6 +420,8 @@ class SweepMeta:
     total_replays: int = 0
     completed_replays: int = 0
     interrupted: bool = False  # Ctrl-C: only `completed_replays` of the rows are present
+    # Tiers of the NAME+tiers policies: host tier bytes and store (empty without tiers).
+    tiers: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
@@ -405,24 +444,29 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(workload: Workload, shape: ModelShape, block_size: int,
-                 sched: SchedulerConfig, ignore_sigint: bool = False) -> None:
+                 sched: SchedulerConfig, tiers: TierOptions | None = None,
+                 ignore_sigint: bool = False) -> None:
     if ignore_sigint:  # Ctrl-C is the parent's to handle: it terminates the workers
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _WORKER.update(workload=workload, shape=shape, block_size=block_size, sched=sched)
+    _WORKER.update(workload=workload, shape=shape, block_size=block_size, sched=sched,
+                   tiers=tiers)
 
 
 def _run_task(task: SweepTask) -> tuple[SweepTask, SweepRow]:
     w = _WORKER
     return task, run_point(w["workload"], policy_named(task.policy), w["shape"], w["block_size"],
-                           task.budget, w["sched"], index=task.index)
+                           task.budget, w["sched"], index=task.index, tiers=w["tiers"])
 
 
 def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size: int,
               budget: int | None, sched: SchedulerConfig | None = None,
-              index: int = 0) -> SweepRow:
-    """One policy at one budget (None: a pool that never evicts). The row is not
-    ``feasible`` when the budget holds fewer than 2 blocks or some request can never fit
-    the pool (:class:`~kvstore.errors.RequestTooLargeError`)."""
+              index: int = 0, tiers: TierOptions | None = None) -> SweepRow:
+    """One policy at one budget (None: a pool that never evicts); a tiered policy replays
+    with `tiers` below the pool. The row is not ``feasible`` when the budget holds fewer
+    than 2 blocks or some request can never fit the pool
+    (:class:`~kvstore.errors.RequestTooLargeError`)."""
+    if policy.tiered and not tiers:
+        raise ValueError(f"policy {policy.name} needs tiers (TierOptions)")
     sched = sched or SchedulerConfig()
     if policy.reserve_full_output != sched.reserve_full_output:
         sched = SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs,
@@ -448,7 +492,7 @@ def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size:
         try:
             res = simulate(workload, config, enable_caching=policy.enable_caching,
                            enable_partial_hits=policy.enable_partial_hits, scheduler_config=sched,
-                           eviction=policy.eviction)
+                           eviction=policy.eviction, tiers=tiers if policy.tiered else None)
         except RequestTooLargeError as e:
             row.error = str(e)
         else:
@@ -533,9 +577,12 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
               policies: Sequence[str] = DEFAULT_POLICIES,
               scheduler_config: SchedulerConfig | None = None, jobs: int | None = None,
               progress: Callable[[SweepTask, SweepRow], None] | None = None,
-              on_start: Callable[[int], None] | None = None) -> SweepResult:
+              on_start: Callable[[int], None] | None = None,
+              tiers: TierOptions | None = None) -> SweepResult:
     """Replay `workload` under every policy at every budget (bytes, largest first), plus
-    an unbounded reference per caching policy, over `jobs` processes.
+    an unbounded reference per device-only caching policy, over `jobs` processes. With
+    `tiers`, each caching policy also runs as ``NAME+tiers`` (unless the list names its
+    tiered variants already).
 
     `on_start(n)` is told how many replays will run; `progress(task, row)` is called as
     each one finishes. Ctrl-C stops the workers and raises :class:`SweepInterrupted`
@@ -545,12 +592,17 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {list(POLICIES)}")
+    if tiers and not any(POLICIES[p].tiered for p in policies):
+        policies = with_tiers(policies)
+    if not tiers and any(POLICIES[p].tiered for p in policies):
+        raise ValueError("tiered policies need tiers (TierOptions)")
     sched = scheduler_config or SchedulerConfig()
     budgets = list(budgets) if budgets is not None else default_budgets(
         workload, shape, block_size, num_points)
     budgets = sorted(budgets, reverse=True)
     tasks = [SweepTask(p, b, i) for i, b in enumerate(budgets) for p in policies]
-    tasks += [SweepTask(p, None, -1) for p in policies if POLICIES[p].enable_caching]
+    tasks += [SweepTask(p, None, -1) for p in policies
+              if POLICIES[p].enable_caching and not POLICIES[p].tiered]
     if on_start is not None:
         on_start(len(tasks))
     jobs = jobs if jobs is not None else min(4, os.cpu_count() or 1)
@@ -564,24 +616,25 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
     t0 = time.perf_counter()
     try:
         if jobs <= 1:
-            _init_worker(workload, shape, block_size, sched)
+            _init_worker(workload, shape, block_size, sched, tiers)
             for task in tasks:
                 on_row(*_run_task(task))
         else:
             # Longest first (small pools run the most steps) to balance the workers.
             _run_parallel(sorted(tasks, key=lambda t: math.inf if t.budget is None else t.budget),
-                          jobs, (workload, shape, block_size, sched), on_row)
+                          jobs, (workload, shape, block_size, sched, tiers), on_row)
     except KeyboardInterrupt:
         with sigint_ignored():
-            partial = _collect(workload, shape, block_size, budgets, policies, sched, jobs,
+            partial = _collect(workload, shape, block_size, budgets, policies, sched, jobs, tiers,
                                rows, len(tasks), time.perf_counter() - t0)
         raise SweepInterrupted(partial) from None
-    return _collect(workload, shape, block_size, budgets, policies, sched, jobs, rows,
+    return _collect(workload, shape, block_size, budgets, policies, sched, jobs, tiers, rows,
                     len(tasks), time.perf_counter() - t0)
 
 
 def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: list[int],
-             policies: Sequence[str], sched: SchedulerConfig, jobs: int, rows: list[SweepRow],
+             policies: Sequence[str], sched: SchedulerConfig, jobs: int,
+             tiers: TierOptions | None, rows: list[SweepRow],
              total: int, wall: float) -> SweepResult:
     """The result from the rows that finished: sorted, labelled, scored against the
     unbounded replays and the ideal."""
@@ -597,7 +650,7 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
         if r.metrics is None:
             continue
         policy = POLICIES[r.policy]
-        ref = unbounded.get(r.policy)
+        ref = unbounded.get(policy.reference)
         ideal = ideal_tok if policy.enable_partial_hits else ideal_blk
         if policy.enable_caching:
             hits = r.metrics.prompt_hit_tokens
@@ -633,6 +686,7 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
         total_replays=total,
         completed_replays=len(rows) + len(unbounded),
         interrupted=len(rows) + len(unbounded) < total,
+        tiers={"host_bytes": tiers.host_bytes, "store": tiers.store} if tiers else {},
     )
     result = SweepResult(meta, rows, unbounded)
     result.findings = find_tension(result)
@@ -671,7 +725,7 @@ def find_tension(result: SweepResult) -> dict[str, Any]:
             "first_preemption": first(name, lambda r: r.preemptions > 0),
             "thrash": first(name, lambda r: r.recomputed_tokens >= 0.25 * r.computed_tokens),
         }
-        ref = result.unbounded.get(name)
+        ref = result.unbounded.get(POLICIES[name].reference if name in POLICIES else name)
         if ref is not None and ref.metrics is not None:
             base = ref.metrics.prompt_hit_rate
             info["unbounded_prompt_hit_rate"] = base

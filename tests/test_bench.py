@@ -18,6 +18,7 @@ from kvstore.benchmarks import sweep
 from kvstore.benchmarks.bench import add_bench_parser, load_bench_workload, print_table
 from kvstore.benchmarks.mooncake_replay import gap_analysis, pool_replay, run_mooncake_replay
 from kvstore.benchmarks.sweep import (
+    DEFAULT_POLICIES,
     MODEL_SHAPES,
     POLICIES,
     default_budgets,
@@ -277,7 +278,7 @@ def test_bench_quick_writes_json_csv_png(tmp_path):
     assert len(data["rows"]) == 4 * 5
     assert data["run"]["version"] == kvstore.__version__
     assert data["run"]["seed"] == 3 and data["run"]["arguments"]["seed"] == 3
-    assert data["run"]["arguments"]["policies"] == list(POLICIES)
+    assert data["run"]["arguments"]["policies"] == list(DEFAULT_POLICIES)
     assert datetime.fromisoformat(data["run"]["timestamp"]).tzinfo is not None
     with open(run / "sweep.csv") as f:
         rows = list(csv.DictReader(f))

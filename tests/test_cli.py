@@ -96,6 +96,12 @@ def test_generate_device_and_backend_need_cuda(capsys, monkeypatch):
     (["--seed", "-1"], "--seed"),
     (["--workload", "nope"], "--workload"),
     (["--trace", "/nonexistent/trace.jsonl"], "--trace"),
+    (["--host-tier-bytes", "0"], "--host-tier-bytes"),
+    (["--host-tier-bytes", "lots"], "--host-tier-bytes"),
+    (["--host-tier-bytes", "1MiB", "--policies", "naive,paged"], "--host-tier-bytes"),
+    (["--store", "ftp://cache-host"], "--store"),
+    (["--store", "mem:0B"], "--store"),
+    (["--store", "valkey://127.0.0.1:1/0"], "--store"),  # nothing listens on port 1
 ])
 def test_bench_rejects_bad_flags(capsys, tmp_path, argv, flag):
     line = _usage_error(capsys, [*BENCH, "--out", str(tmp_path / "out"), *argv])

@@ -15,6 +15,9 @@ from kvstore.tiers.codec import KEY_NBYTES, BlockLayout, Buffer, decode_block
 StoreItem = tuple[bytes, Buffer]
 #: Writes a batch of items (the return value is ignored).
 WriteFn = Callable[[list[StoreItem]], object]
+#: Verifies one value (``decode_block``'s signature): its payload, or None and a counted reason.
+DecodeFn = Callable[[BlockLayout, bytes, Sequence[int], Buffer | None, dict[str, int] | None],
+                    memoryview | None]
 
 
 class TierStats:
@@ -106,10 +109,11 @@ def leading_run(present: Sequence[bool]) -> int:
 
 
 def load_verified(tier: Tier, layout: BlockLayout, keys: Sequence[bytes],
-                  token_ids: Sequence[Sequence[int]]) -> list[memoryview]:
+                  token_ids: Sequence[Sequence[int]], decode: DecodeFn = decode_block) -> list[memoryview]:
     """Payloads of the leading run of ``keys`` that load and verify (size, layout digest, key,
     tokens, checksum): the first block that fails ends the run. Counts ``hits``, ``misses``
-    and each rejected value's reason in ``tier.stats``."""
+    and each rejected value's reason in ``tier.stats``. ``decode`` verifies one value
+    (``decode_block``, or ``kvstore.tiers.model.decode_placeholder`` for payload-free values)."""
     if len(keys) != len(token_ids):
         raise ValueError(f"{len(keys)} keys but {len(token_ids)} token id lists")
     if not keys:
@@ -118,7 +122,7 @@ def load_verified(tier: Tier, layout: BlockLayout, keys: Sequence[bytes],
     out: list[memoryview] = []
     reasons: dict[str, int] = {}
     for key, tokens, value in zip(keys, token_ids, values, strict=True):
-        payload = decode_block(layout, key, tokens, value, reasons)
+        payload = decode(layout, key, tokens, value, reasons)
         if payload is None:
             break
         out.append(payload)

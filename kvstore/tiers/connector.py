@@ -32,8 +32,8 @@ from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import BlockIds, KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import FullAttentionSpec, KVCacheConfig
-from kvstore.tiers.base import Tier, load_verified
-from kvstore.tiers.codec import REJECT_REASONS, BlockLayout, request_keys
+from kvstore.tiers.base import StoreItem, Tier, load_verified
+from kvstore.tiers.codec import REJECT_REASONS, BlockLayout, Buffer, decode_block, request_keys
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +86,7 @@ class TierHit:
     # Per group, the first block (counted from ``start``) it loads: 0 for full attention;
     # a sliding-window group loads only its window before the hit's end.
     first_loaded: tuple[int, ...] = ()
+    request_id: str = ""
 
     @property
     def num_blocks(self) -> int:
@@ -244,7 +245,7 @@ class TierConnector:
         for g in full:
             payloads[g] = payloads[g][:end]
         return TierHit(start, request.num_tokens, tuple(per_tier),
-                       tuple(tuple(p) for p in payloads), tuple(first))
+                       tuple(tuple(p) for p in payloads), tuple(first), request.request_id)
 
     def _first_needed(self, g: int, start: int, end: int) -> int:
         """The first block (counted from ``start``) group g needs for a hit of ``start + end``
@@ -259,9 +260,14 @@ class TierConnector:
         if not keys:
             return []
         before = _rejections(tier)
-        verified = load_verified(tier, self.layouts[g], keys, tokens)
+        verified = load_verified(tier, self.layouts[g], keys, tokens, self.decode_value)
         self.stats.rejected_values += _rejections(tier) - before
         return verified
+
+    def decode_value(self, layout: BlockLayout, key: bytes, token_ids: Sequence[int],
+                     value: Buffer | None, counters: dict[str, int] | None) -> memoryview | None:
+        """One value's verified payload, or None with the reason counted (``decode_block``)."""
+        return decode_block(layout, key, token_ids, value, counters)
 
     def record_admission(self, hit: TierHit) -> None:
         """Count a hit's tokens per tier once its request is admitted on it."""
@@ -317,13 +323,17 @@ class TierConnector:
             seen.popitem(last=False)
 
     # ---- worker side -------------------------------------------------------------------------
-    def run_offloads(self, cache: PagedKVCache, offloads: Sequence[PendingOffload]) -> None:
-        """Gather and encode the blocks, then hand them to the host tier and the store."""
+    def offload_values(self, cache: PagedKVCache, off: PendingOffload) -> list[StoreItem]:
+        """The (key, value) items of one offload: its pages gathered and encoded."""
         from kvstore.tiers.host import offload_items
 
+        return offload_items(cache, self.layouts[off.group_id], off.group_id,
+                             off.block_ids, off.keys, off.token_ids)
+
+    def run_offloads(self, cache: PagedKVCache, offloads: Sequence[PendingOffload]) -> None:
+        """Gather and encode the blocks, then hand them to the host tier and the store."""
         for off in offloads:
-            items = offload_items(cache, self.layouts[off.group_id], off.group_id,
-                                  off.block_ids, off.keys, off.token_ids)
+            items = self.offload_values(cache, off)
             self.stats.offloaded_blocks += len(items)
             if self.host is not None:
                 host_items = [it for it, h in zip(items, off.to_host, strict=True) if h]
@@ -343,6 +353,10 @@ class TierConnector:
             if load.block_ids:
                 restore_payloads(cache, load.group_id, load.block_ids, load.payloads)
                 self.stats.loaded_blocks += len(load.block_ids)
+        self.release_loads(loads)
+
+    def release_loads(self, loads: Sequence[PendingLoad]) -> None:
+        """Let the host tier reuse the slots these loads read from."""
 
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Each tier's own counters (``TierStats.snapshot``), by ``host`` / ``store``."""

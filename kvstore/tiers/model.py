@@ -1,0 +1,234 @@
+"""Payload-free tiers, for replaying workloads without device tensors (``kvstore bench``).
+
+- A placeholder value stands for one block of one group: the layout digest, the key, the
+  size of the real value it stands for and the block's token ids, under an XXH3-64
+  checksum, without K/V bytes (about 200 bytes for 16-token blocks).
+  ``decode_placeholder`` verifies it as ``decode_block`` verifies a real value, counting the
+  same reasons.
+- ``ModelTier``: an in-process LRU of placeholder values whose byte capacity is charged the
+  real value sizes, so a host tier of N bytes holds as many blocks as the real one.
+- ``PlaceholderConnector``: a ``TierConnector`` that looks up, admits and offloads exactly as
+  the engine's does (the same lookup, the same offload decisions) and writes placeholder
+  values instead of gathering pages; loads write nothing.
+
+Any ``Tier`` can hold placeholder values; a ``ValkeyStore`` then holds small values, so a
+server's ``maxmemory`` does not bound it as it would bound real ones. Imports no torch."""
+
+from __future__ import annotations
+
+import struct
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from kvstore.specs import KVCacheConfig
+from kvstore.tiers.base import StoreItem, Tier, TierStats, check_items, check_keys, leading_run
+from kvstore.tiers.codec import KEY_NBYTES, BlockLayout, Buffer
+from kvstore.tiers.connector import PendingLoad, PendingOffload, TierConnector, TierHit
+
+if TYPE_CHECKING:
+    from kvstore.paged_kv_cache import PagedKVCache
+
+__all__ = [
+    "PLACEHOLDER_MAGIC",
+    "ModelTier",
+    "PlaceholderConnector",
+    "decode_placeholder",
+    "encode_placeholder",
+    "placeholder_nbytes",
+]
+
+PLACEHOLDER_MAGIC = b"KVP1"
+# magic, layout digest, key, bytes of the real value, token count
+_HEAD = struct.Struct("<4s16s32sQI")
+_CHECK_NBYTES = 8
+_EMPTY = memoryview(b"")
+
+
+def encode_placeholder(layout: BlockLayout, key: bytes, token_ids: Sequence[int]) -> bytes:
+    """A placeholder value for the block ``token_ids`` of ``layout`` under ``key``."""
+    if not isinstance(key, bytes) or len(key) != KEY_NBYTES:
+        raise ValueError(f"key must be {KEY_NBYTES} bytes (from block_key), got {key!r:.60}")
+    if len(token_ids) != layout.block_size:
+        raise ValueError(f"a block holds {layout.block_size} tokens, got {len(token_ids)} token ids")
+    body = _HEAD.pack(PLACEHOLDER_MAGIC, layout.digest, key, layout.value_nbytes,
+                      layout.block_size) + array("q", token_ids).tobytes()
+    return body + xxhash.xxh3_64_digest(body)
+
+
+def placeholder_nbytes(value: Buffer) -> int:
+    """The size of the real value a placeholder stands for (the length of anything else)."""
+    view = memoryview(value).cast("B")
+    if view.nbytes >= _HEAD.size and bytes(view[:4]) == PLACEHOLDER_MAGIC:
+        return int(_HEAD.unpack_from(view)[3])
+    return view.nbytes
+
+
+def decode_placeholder(layout: BlockLayout, key: bytes, token_ids: Sequence[int],
+                       value: Buffer | None, counters: dict[str, int] | None = None) -> memoryview | None:
+    """An empty payload when ``value`` is this key's placeholder for this layout holding
+    exactly ``token_ids`` with a matching checksum; otherwise None and one count under the
+    reason (``decode_block``'s names). Never raises for a bad value."""
+    reason = _verify(layout, key, token_ids, value)
+    if reason is None:
+        return _EMPTY
+    if counters is not None:
+        counters[reason] = counters.get(reason, 0) + 1
+    return None
+
+
+def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None) -> str | None:
+    if value is None:
+        return "miss"
+    view = memoryview(value).cast("B")
+    if view.nbytes != _HEAD.size + 8 * layout.block_size + _CHECK_NBYTES:
+        return "wrong_size"
+    magic, digest, stored_key, nbytes, n_tokens = _HEAD.unpack_from(view)
+    if magic != PLACEHOLDER_MAGIC:
+        return "bad_header"
+    if n_tokens != layout.block_size or nbytes != layout.value_nbytes:
+        return "wrong_size"
+    if digest != layout.digest:
+        return "wrong_layout"
+    if stored_key != key:
+        return "wrong_key"
+    try:
+        expected = array("q", token_ids).tobytes()
+    except (TypeError, OverflowError):
+        return "wrong_tokens"
+    if len(token_ids) != layout.block_size or view[_HEAD.size:-_CHECK_NBYTES] != expected:
+        return "wrong_tokens"
+    if xxhash.xxh3_64_digest(view[:-_CHECK_NBYTES]) != bytes(view[-_CHECK_NBYTES:]):
+        return "bad_checksum"
+    return None
+
+
+class ModelTier:
+    """An in-process tier, least recently loaded or stored evicted first, whose capacity
+    (``None``: unbounded) is charged ``placeholder_nbytes`` of each value: the size of the real
+    value a placeholder stands for. Thread-safe."""
+
+    def __init__(self, capacity_bytes: int | None, *, name: str = "model") -> None:
+        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or isinstance(
+                capacity_bytes, bool) or capacity_bytes < 0):
+            raise ValueError(f"capacity_bytes must be a non-negative int or None, got {capacity_bytes!r}")
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._values: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
+        self._nbytes = 0
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes charged for the values held."""
+        return self._nbytes
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are held without a gap (order unchanged)."""
+        check_keys(keys)
+        with self._lock:
+            return leading_run([k in self._values for k in keys])
+
+    def load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """The held value of each key (None where absent); a hit becomes most recent."""
+        check_keys(keys)
+        out: list[Buffer | None] = []
+        with self._lock:
+            for k in keys:
+                held = self._values.get(k)
+                if held is not None:
+                    self._values.move_to_end(k)
+                out.append(None if held is None else held[0])
+        self.stats.merge({"gets": len(keys), "get_hits": sum(v is not None for v in out)})
+        return out
+
+    def store(self, items: Sequence[StoreItem]) -> None:
+        """Keep the values as most recent, evicting the least recent to make room; a value
+        charged more than the whole capacity is dropped and counted."""
+        check_items(items)
+        cap = self.capacity_bytes
+        dropped = evicted = 0
+        with self._lock:
+            for key, value in items:
+                data = bytes(value)
+                size = placeholder_nbytes(data)
+                old = self._values.pop(key, None)
+                if old is not None:
+                    self._nbytes -= old[1]
+                if cap is not None and size > cap:
+                    dropped += 1
+                    continue
+                while cap is not None and self._nbytes + size > cap:
+                    self._nbytes -= self._values.popitem(last=False)[1][1]
+                    evicted += 1
+                self._values[key] = (data, size)
+                self._nbytes += size
+        self.stats.merge({"stores": len(items) - dropped, "dropped_stores": dropped,
+                          "evictions": evicted})
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Stores are synchronous: always True."""
+        return True
+
+    def close(self) -> None:
+        """Drop everything held."""
+        with self._lock:
+            self._values.clear()
+            self._nbytes = 0
+
+
+class PlaceholderConnector(TierConnector):
+    """A ``TierConnector`` over placeholder values: the same lookup (leading runs, the
+    window of each sliding group, verification) and the same offload decisions, with
+    nothing to gather or scatter (``cache`` may be None). Keys written to the store are
+    listed in ``stored_keys``, and each admitted hit's tokens per tier by request id in
+    ``admitted``, for the replay to read."""
+
+    def __init__(self, config: KVCacheConfig, model_name: str, *, host: Tier | None = None,
+                 store: Tier | None = None, extra: str = "", recent_keys: int = 1 << 16) -> None:
+        super().__init__(config, model_name, host=host, store=store, extra=extra,
+                         recent_keys=recent_keys)
+        self.stored_keys: list[bytes] = []
+        self.admitted: dict[str, tuple[int, int]] = {}  # request id -> (host, store) tokens
+
+    def decode_value(self, layout: BlockLayout, key: bytes, token_ids: Sequence[int],
+                     value: Buffer | None, counters: dict[str, int] | None) -> memoryview | None:
+        """``decode_placeholder``."""
+        return decode_placeholder(layout, key, token_ids, value, counters)
+
+    def offload_values(self, cache: PagedKVCache | None, off: PendingOffload) -> list[StoreItem]:
+        """Placeholder values for the blocks of one offload (``cache`` is not read)."""
+        layout = self.layouts[off.group_id]
+        items: list[StoreItem] = [(k, encode_placeholder(layout, k, t))
+                                  for k, t in zip(off.keys, off.token_ids, strict=True)]
+        self.stored_keys.extend(k for k, s in zip(off.keys, off.to_store, strict=True) if s)
+        return items
+
+    def run_offloads(self, cache: PagedKVCache | None, offloads: Sequence[PendingOffload]) -> None:
+        """Store placeholder values of the offloaded blocks in the tiers."""
+        super().run_offloads(cache, offloads)  # type: ignore[arg-type]
+
+    def run_loads(self, cache: PagedKVCache | None, loads: Sequence[PendingLoad]) -> None:
+        """Count the loads; there are no pages to write."""
+        for load in loads:
+            self.stats.loaded_blocks += len(load.block_ids)
+        self.release_loads(loads)
+
+    def record_admission(self, hit: TierHit) -> None:
+        """Count a hit's tokens per tier, and note them under its request id."""
+        super().record_admission(hit)
+        host = store = 0
+        for i, n in enumerate(hit.per_tier):
+            if self.tier_name(i) == "host":
+                host += n * self.block_size
+            else:
+                store += n * self.block_size
+        self.admitted[hit.request_id] = (host, store)

@@ -1,0 +1,196 @@
+"""Payload-free tiers for the bench simulator: placeholder values and their verification,
+the model tier's capacity, replays with a host tier and a store (in-process and a real
+Valkey), and ``kvstore bench --host-tier-bytes / --store``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kvstore.benchmarks.bench import load_bench_workload, print_table
+from kvstore.benchmarks.simulator import TierOptions, simulate
+from kvstore.benchmarks.sweep import MODEL_SHAPES, run_sweep
+from kvstore.benchmarks.workloads import make_workload
+from kvstore.cli import main
+from kvstore.specs import FullAttentionSpec, make_kv_cache_config
+from kvstore.tiers import BlockLayout, load_verified, request_keys
+from kvstore.tiers.model import (
+    ModelTier,
+    decode_placeholder,
+    encode_placeholder,
+    placeholder_nbytes,
+)
+
+BS = 4
+LAYOUT = BlockLayout("m", FullAttentionSpec(BS, 2, 8, "bfloat16"), (0, 1))
+TOKENS = [tuple(range(i * BS, (i + 1) * BS)) for i in range(3)]
+
+
+def keys(salt: str | None = None) -> list[bytes]:
+    from kvstore.hashing import hash_block, root_hash
+
+    hashes, parent = [], root_hash(salt)
+    for t in TOKENS:
+        parent = hash_block(parent, t)
+        hashes.append(parent)
+    return request_keys(LAYOUT, hashes, salt)
+
+
+def test_placeholder_round_trip_and_every_rejection():
+    k = keys()
+    value = encode_placeholder(LAYOUT, k[0], TOKENS[0])
+    assert len(value) < 200 and placeholder_nbytes(value) == LAYOUT.value_nbytes
+    assert placeholder_nbytes(b"x" * 10) == 10
+    assert decode_placeholder(LAYOUT, k[0], TOKENS[0], value) is not None
+    other = BlockLayout("m2", LAYOUT.spec, LAYOUT.layer_ids)
+    cases = {
+        "miss": None,
+        "wrong_size": value[:-1],
+        "bad_header": b"XXXX" + value[4:],
+        "wrong_layout": encode_placeholder(other, k[0], TOKENS[0]),
+        "wrong_key": encode_placeholder(LAYOUT, k[1], TOKENS[0]),
+        "wrong_tokens": encode_placeholder(LAYOUT, k[0], TOKENS[1]),
+        "bad_checksum": value[:-1] + bytes([value[-1] ^ 1]),
+    }
+    for reason, bad in cases.items():
+        counters: dict[str, int] = {}
+        assert decode_placeholder(LAYOUT, k[0], TOKENS[0], bad, counters) is None
+        assert counters == {reason: 1}
+
+
+def test_load_verified_with_placeholders_stops_at_the_first_bad_value():
+    tier = ModelTier(None)
+    k = keys()
+    tier.store([(k[0], encode_placeholder(LAYOUT, k[0], TOKENS[0])),
+                (k[1], encode_placeholder(LAYOUT, k[1], TOKENS[0])),  # wrong tokens
+                (k[2], encode_placeholder(LAYOUT, k[2], TOKENS[2]))])
+    out = load_verified(tier, LAYOUT, k, TOKENS, decode_placeholder)
+    assert len(out) == 1
+    assert tier.stats["wrong_tokens"] == 1 and tier.stats["hits"] == 1
+
+
+def test_model_tier_charges_the_real_value_size():
+    k = keys()
+    tier = ModelTier(2 * LAYOUT.value_nbytes + 1)
+    for key, t in zip(k, TOKENS, strict=True):
+        tier.store([(key, encode_placeholder(LAYOUT, key, t))])
+    assert len(tier) == 2 and tier.num_bytes == 2 * LAYOUT.value_nbytes
+    assert tier.contains(k) == 0 and tier.contains(k[1:]) == 2  # the oldest went first
+    assert tier.stats["evictions"] == 1
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        ModelTier(-1)
+
+
+def _replay(num_blocks: int, tiers: TierOptions | None, layout: str = "full", limit: int = 60):
+    w = make_workload("mixed_default", seed=0)
+    shape = MODEL_SHAPES["tiny"]
+    specs = shape.full_specs(16) if layout == "full" else shape.hybrid_specs(16)
+    return simulate(w.requests[:limit], make_kv_cache_config(specs, num_blocks=num_blocks),
+                    enable_partial_hits=True, tiers=tiers)
+
+
+def test_host_tier_adds_hits_at_the_same_device_budget():
+    device = _replay(200, None)
+    tiered = _replay(200, TierOptions(host_bytes=1 << 20))
+    assert tiered.prompt_host_hit_tokens > 0 and tiered.host_hit_tokens >= tiered.prompt_host_hit_tokens
+    assert tiered.prompt_hit_tokens > device.prompt_hit_tokens
+    assert tiered.total_hit_rate > device.total_hit_rate
+    assert tiered.tier_offloaded_blocks > 0 and tiered.tier_loaded_blocks > 0
+    assert tiered.tier_rejected_values == 0 and tiered.store_hit_tokens == 0
+    # Every token is computed, or found on the device or in a tier.
+    for r in (device, tiered):
+        assert (r.computed_tokens + r.hit_tokens + r.host_hit_tokens + r.store_hit_tokens
+                == r.expected_tokens + r.discarded_tokens)
+        assert r.prompt_device_hit_tokens + r.prompt_host_hit_tokens + r.prompt_store_hit_tokens \
+            == r.prompt_hit_tokens
+    # A tiny host tier holds less and finds less.
+    small = _replay(200, TierOptions(host_bytes=256 << 10))
+    assert small.prompt_host_hit_tokens < tiered.prompt_host_hit_tokens
+
+
+def test_hybrid_replay_with_a_store():
+    device = _replay(1200, None, "hybrid")
+    tiered = _replay(1200, TierOptions(store="mem"), "hybrid")
+    assert tiered.prompt_store_hit_tokens > 0
+    assert tiered.prompt_hit_tokens >= device.prompt_hit_tokens
+    assert (tiered.computed_tokens + tiered.hit_tokens + tiered.store_hit_tokens
+            == tiered.expected_tokens + tiered.discarded_tokens)
+
+
+@pytest.fixture(scope="module")
+def valkey_url():
+    pytest.importorskip("redis")
+    from kvstore.tiers.server import ValkeyServer, find_server_binary
+
+    url = os.environ.get("KVSTORE_VALKEY_URL")
+    if url:
+        yield url
+        return
+    try:
+        find_server_binary()
+    except Exception as exc:  # no server binary here
+        pytest.skip(str(exc))
+    with ValkeyServer() as server:
+        yield server.url
+
+
+@pytest.mark.slow
+def test_a_real_store_replays_as_the_in_process_one_and_is_left_clean(valkey_url):
+    from kvstore.tiers.valkey_store import ValkeyStore
+
+    probe = ValkeyStore(valkey_url, sync_stores=True)
+    client = probe._get_client()
+    before = client.dbsize()
+    mem = _replay(200, TierOptions(host_bytes=128 << 10, store="mem"))
+    real = _replay(200, TierOptions(host_bytes=128 << 10, store=valkey_url))
+    assert real.prompt_store_hit_tokens > 0
+    for name in ("prompt_hit_tokens", "prompt_host_hit_tokens", "prompt_store_hit_tokens",
+                 "store_hit_tokens", "computed_tokens", "tier_offloaded_blocks"):
+        assert getattr(real, name) == getattr(mem, name), name
+    assert client.dbsize() == before  # the replay deleted what it wrote
+    probe.close()
+
+
+def test_sweep_with_tiers_side_by_side_in_80_columns():
+    from rich.console import Console
+
+    w = load_bench_workload("mixed_default", limit=40, seed=0)
+    shape = MODEL_SHAPES["tiny"]
+    res = run_sweep(w, shape=shape, block_size=16, budgets=[200 * shape.block_bytes(16)],
+                    policies=["paged", "prefix"], jobs=1, tiers=TierOptions(host_bytes=1 << 20))
+    by = {r.policy: r for r in res.rows}
+    assert set(by) == {"paged", "prefix", "prefix+tiers"}
+    assert set(res.unbounded) == {"prefix"}
+    dev, tiered = by["prefix"].metrics, by["prefix+tiers"].metrics
+    assert dev is not None and tiered is not None
+    assert tiered.prompt_host_hit_tokens > 0 and dev.prompt_host_hit_tokens == 0
+    assert tiered.prompt_hit_rate >= dev.prompt_hit_rate
+    assert by["prefix+tiers"].vs_unbounded is not None
+    assert res.meta.tiers == {"host_bytes": 1 << 20, "store": None}
+    console = Console(width=80, record=True, color_system=None)
+    print_table(res, console)
+    text = console.export_text()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    assert "prefix+tiers" in text and " host " in text and "store" in text
+    console = Console(width=250, record=True, color_system=None)
+    print_table(res, console, wide=True)
+    text = console.export_text()
+    assert "total hit" in text and "device" in text and "steps" in text
+
+
+def test_bench_cli_host_tier_rows_in_json_and_csv(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["bench", "--model-shape", "tiny", "--jobs", "1", "--limit", "40",
+                 "--policies", "prefix", "--pool-sizes", "200", "--host-tier-bytes", "1MiB",
+                 "--store", "mem", "--out", str(out), "--in-place"]) == 0
+    rows = {r["policy"]: r for r in json.loads((out / "sweep.json").read_text())["rows"]}
+    dev, tiered = rows["prefix"], rows["prefix+tiers"]
+    assert tiered["prompt_host_hit_tokens"] + tiered["prompt_store_hit_tokens"] > 0
+    assert tiered["prompt_hit_rate"] >= dev["prompt_hit_rate"]
+    assert tiered["total_hit_rate"] >= dev["total_hit_rate"]
+    header = (out / "sweep.csv").read_text().splitlines()[0].split(",")
+    assert {"prompt_host_hit_tokens", "prompt_store_hit_tokens", "prompt_device_hit_tokens",
+            "total_hit_rate"} <= set(header)
+    assert "prefix+tiers" in capsys.readouterr().out
