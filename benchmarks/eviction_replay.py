@@ -7,7 +7,10 @@ oracle over the same request model (:func:`min_replay`): when a request's blocks
 room, it evicts the cached block (not held by the request) whose next use is furthest,
 deeper blocks first on ties, which keeps the cache prefix-closed, so every present block
 of a request is in its hit run and MIN maximizes hit blocks. Each policy is reported as
-its token hit rate and as the fraction of the LRU-to-MIN gap it closes.
+its token hit rate and as the fraction of the LRU-to-MIN gap it closes. A second offline
+line, :func:`reuse_oracle_replay`, is LRU that knows which blocks are never used again and
+evicts those first: what a perfect predictor of *whether* a block returns (not when) is
+worth.
 
 Run ``python -m kvstore.benchmarks.eviction_replay --out docs/figures``.
 """
@@ -18,6 +21,7 @@ import argparse
 import heapq
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,7 @@ from kvstore.utils import hit_rate
 __all__ = [
     "GAP_CAPACITIES",
     "min_replay",
+    "reuse_oracle_replay",
     "brute_force_best_hit_blocks",
     "gap_closed",
     "policy_curves",
@@ -115,6 +120,47 @@ def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
     }
 
 
+def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
+                        block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> dict[str, Any]:
+    """LRU over the request model of `mooncake_lru_replay`, except that a block no later
+    request uses is evicted before any other (least recently used first among those, then
+    among the rest): offline, it knows whether a block returns but not when. Returns
+    ``token_hit_rate``, ``hit_tokens``, ``hit_blocks``, ``evictions``."""
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    rows = _sorted(requests)
+    cap = capacity_blocks
+    later: set[int] = set()
+    returns: list[frozenset[int]] = [frozenset()] * len(rows)
+    for r in range(len(rows) - 1, -1, -1):
+        ids = rows[r].hash_ids[:cap]
+        returns[r] = frozenset(h for h in ids if h in later)
+        later.update(ids)
+    dead: OrderedDict[int, None] = OrderedDict()  # never used again; first = LRU
+    live: OrderedDict[int, None] = OrderedDict()
+    input_tokens = hit_tokens = hit_blocks = evictions = 0
+    for r, req in enumerate(rows):
+        ids = req.hash_ids
+        k = 0
+        while k < len(ids) and (ids[k] in live or ids[k] in dead):
+            k += 1
+        hit_tokens += min(k * block_tokens, req.input_length)
+        hit_blocks += k
+        input_tokens += req.input_length
+        keep = ids[:cap]
+        for h in keep:
+            live.pop(h, None)
+            dead.pop(h, None)
+        while (dead or live) and len(dead) + len(live) + len(keep) > cap:
+            (dead if dead else live).popitem(last=False)
+            evictions += 1
+        back = returns[r]
+        for h in reversed(keep):
+            (live if h in back else dead)[h] = None
+    return {"capacity_blocks": cap, "hit_tokens": hit_tokens, "hit_blocks": hit_blocks,
+            "evictions": evictions, "token_hit_rate": hit_rate(hit_tokens, input_tokens)}
+
+
 def brute_force_best_hit_blocks(requests: Sequence[MooncakeRequest], capacity_blocks: int) -> int:
     """The most leading-run hit blocks any eviction schedule achieves (exhaustive search over
     which unheld blocks each request evicts; for tiny traces only)."""
@@ -156,13 +202,14 @@ def policy_curves(rows: Sequence[MooncakeRequest], capacities: Sequence[int],
         row["min"] = opt["token_hit_rate"]
         row["min_unlinked_present"] = opt["unlinked_present"]
         row["min_s"] = time.perf_counter() - t0
+        row["reuse_oracle"] = reuse_oracle_replay(rows, blocks)["token_hit_rate"]
         for name in policies:
             t0 = time.perf_counter()
             row[name] = pool_replay(rows, blocks, eviction=name)["token_hit_rate"]
             row[f"{name}_s"] = time.perf_counter() - t0
         lru = row.get("lru")
         if lru is not None:
-            for name in policies:
+            for name in [*policies, "reuse_oracle"]:
                 row[f"{name}_gap_closed"] = gap_closed(row[name], lru, row["min"])
         out.append(row)
     return out
@@ -175,9 +222,11 @@ def plot_policy_curves(curves: dict[str, list[dict[str, Any]]], policies: Sequen
     fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
     for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
         xs = [r["capacity_tokens"] for r in rows]
-        for p in list(policies) + ["min"]:
-            ax.plot(xs, [r[p] for r in rows], "--" if p == "min" else "-o", ms=3,
-                    label="MIN (offline)" if p == "min" else p)
+        for p in list(policies):
+            ax.plot(xs, [r[p] for r in rows], "-o", ms=3, label=p)
+        ax.plot(xs, [r["reuse_oracle"] for r in rows], ":", color="gray",
+                label="LRU knowing which blocks return (offline)")
+        ax.plot(xs, [r["min"] for r in rows], "--", color="black", label="MIN (offline)")
         ax.set_xscale("log")
         ax.set_xlabel("capacity (tokens, 512-token blocks)")
         ax.set_ylabel("token hit rate (whole blocks)")
@@ -215,12 +264,12 @@ def run_eviction_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACE
 
 def format_table(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str]) -> list[str]:
     """A markdown table: per trace and capacity, each policy's hit rate (gap closed) and MIN."""
-    head = "| trace | capacity | " + " | ".join(policies) + " | MIN |"
-    lines = [head, "|" + "---|" * (3 + len(policies))]
+    head = "| trace | capacity | " + " | ".join(policies) + " | reuse oracle | MIN |"
+    lines = [head, "|" + "---|" * (4 + len(policies))]
     for name, rows in curves.items():
         for r in rows:
             cells = []
-            for p in policies:
+            for p in [*policies, "reuse_oracle"]:
                 g = r.get(f"{p}_gap_closed")
                 cells.append(f"{r[p]:.3f}" + ("" if p == "lru" or g is None else f" ({g:+.0%})"))
             lines.append(f"| {name} | {r['capacity_tokens'] / 1e6:g}M | " + " | ".join(cells)
