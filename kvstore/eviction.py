@@ -322,22 +322,34 @@ _COLD, _HELD, _HELD_MAIN = 4, 5, 6
 class WindowPolicy(S3FIFOPolicy):
     """``s3fifo`` with window-aware retention: empty, orphaned, then window pages far from a
     likely hit end (FIFO), then probation and main as in ``s3fifo`` (full-attention pages,
-    partial blocks, and tagged window pages of a window-only layout), then tagged window
-    pages whose full-attention twin is still cached, only when nothing else is free: first
-    those never reused (FIFO), then those reused or recomputed after such an eviction (LRU;
-    the ghost list is shared with probation).
+    partial blocks, tagged window pages a hit already used, and tagged window pages of a
+    window-only layout), then tagged window pages whose full-attention twin is still cached,
+    only when nothing else is free: first those never used (FIFO), then those recomputed
+    after such an eviction (LRU; the ghost list is shared with probation).
 
     A tagged window page of a layout with a full-attention group leaves the held list when
     the pool evicts the last full-attention page of the same content (it becomes an orphan),
-    so the full pages of a prefix and the window pages at its end are dropped together."""
+    so the full pages of a prefix and the window pages at its end are dropped together. A
+    tagged page that a hit used and that is freed again sits at an end a request already
+    continued past (a conversation's earlier turn, or a shared prefix's end): it ages in main
+    with the full pages, so ends nobody returns to leave and busy ones stay.
+
+    Probation holds `small_fraction` of the free cached pages until the first sliding-window
+    page is freed, `hybrid_small_fraction` from then on (a hybrid layout: a prefix kept
+    longer in probation keeps its window end with it)."""
 
     name = "window"
     tracks_units = True
 
-    def __init__(self, small_fraction: float = 0.25) -> None:
+    def __init__(self, small_fraction: float = 0.25, hybrid_small_fraction: float = 0.5) -> None:
         super().__init__(small_fraction)
+        if not 0.0 < hybrid_small_fraction < 1.0:
+            raise ValueError(f"hybrid_small_fraction must be in (0, 1), got "
+                             f"{hybrid_small_fraction}")
+        self.hybrid_small_fraction = hybrid_small_fraction
         self._lists += [FreeBlockQueue(), FreeBlockQueue(), FreeBlockQueue()]
         self._has_chain = True
+        self._saw_window = False
 
     def set_layout(self, has_chain: bool) -> None:
         """Without a full-attention group, tagged window pages age in probation and main."""
@@ -367,6 +379,12 @@ class WindowPolicy(S3FIFOPolicy):
         block.free_tag = -1
         return block
 
+    def _see_window(self) -> bool:
+        """A sliding-window page was freed: the layout is hybrid (returns False)."""
+        self._saw_window = True
+        self.small_fraction = self.hybrid_small_fraction
+        return False
+
     def reused(self, block: KVCacheBlock) -> None:
         """Counted as a use (it would have been hit): out of probation into main."""
         block.uses += 1
@@ -394,11 +412,16 @@ class WindowPolicy(S3FIFOPolicy):
                 tag = _EMPTY
             elif block.orphan:
                 tag = _ORPHAN
-            elif block.hint == 0:
+            elif block.hint >= 0 and (not self._saw_window and self._see_window()
+                                      or block.hint == 0):
                 tag = _COLD
             elif block.hint == 1 and has_chain and block.block_hash is not None:
-                tag = _HELD_MAIN if block.uses or ghost.pop(
-                    (block.group_id, block.block_hash), 0) is None else _HELD
+                if block.uses:
+                    tag = _MAIN
+                elif ghost.pop((block.group_id, block.block_hash), 0) is None:
+                    tag = _HELD_MAIN
+                else:
+                    tag = _HELD
             elif block.uses:
                 tag = _MAIN
             elif ghost and block.block_hash is not None and ghost.pop(
