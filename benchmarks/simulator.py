@@ -290,9 +290,7 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
         manager = tiered
 
         def run_transfers() -> None:
-            t = tiered.take_pending_transfers()
-            connector.run_offloads(None, t.offloads)
-            connector.run_loads(None, t.loads)
+            tiered.take_pending_transfers().run(None)
     scheduler = Scheduler(manager, scheduler_config)
     scripted = {s.request_id: s.output_token_ids for s in specs if s.output_token_ids}
     # pop() yields the earliest arrival; ties in the given order.

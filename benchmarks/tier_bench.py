@@ -8,8 +8,11 @@ bytes, measured in one run:
   CUDA) against ``host.copy_(contiguous device tensor)`` of the same bytes;
 * restore: ``scatter_blocks`` (host buffer -> scattered freshly chosen pages) against
   ``device_tensor.copy_(host)``;
-* the full host-tier path: gather + encode (header, tokens, XXH3-128) + ``HostTier.store``,
-  and ``HostTier.load`` + verify + scatter, against the same plain copies;
+* the full host-tier path: ``HostTier.store_blocks`` (gather straight into the arena's
+  slots, then header, tokens and XXH3-128 written in place), and ``HostTier.load`` (views of
+  the slots) + verify + scatter, against the same plain copies; and the generic path
+  (``offload_items``: gather + encode into new ``bytes``, then ``HostTier.store`` copying
+  them into slots);
 * store put/get: ``ValkeyStore.store_now`` / ``ValkeyStore.load`` (and ``load_verified``,
   which also decodes) against raw pipelined SET / GET of the same keys and sizes through
   the same ``redis`` client. Without ``--store`` a throwaway valkey-server is started on
@@ -116,15 +119,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         parent = hash_block(parent, block_tokens)
         hashes.append(parent)
     keys = request_keys(layout, hashes, None)
-    tier = HostTier(4 * n * layout.value_nbytes)
-    rows["host tier offload (gather + encode + store)"] = side_by_side(
-        lambda: tier.store(offload_items(cache, layout, 0, src_ids, keys, tokens)), plain_d2h,
+    tier = HostTier(4 * n * HostTier.slot_nbytes_for(layout), pin=pin)
+    rows["host tier offload (store_blocks: gather into slots + seal)"] = side_by_side(
+        lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens), plain_d2h,
         nbytes, device, args.reps)
     rows["host tier restore (load + verify + scatter)"] = side_by_side(
         lambda: restore_payloads(cache, 0, dst_ids, load_verified(tier, layout, keys, tokens)),
         plain_h2d, nbytes, device, args.reps)
     k = cache.key_caches[0].view(torch.uint8)
     assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
+    rows["host tier verify only (load + XXH3 of every value)"] = side_by_side(
+        lambda: load_verified(tier, layout, keys, tokens), plain_h2d, nbytes, device, args.reps)
+    rows["host tier offload, generic (offload_items + store)"] = side_by_side(
+        lambda: tier.store(offload_items(cache, layout, 0, src_ids, keys, tokens)), plain_d2h,
+        nbytes, device, args.reps)
 
     if not args.no_store:
         rows.update(store_rows(args, offload_items(cache, layout, 0, src_ids, keys, tokens),

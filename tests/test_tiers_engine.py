@@ -115,6 +115,7 @@ def test_host_tier_restores_a_prefix_the_device_pool_dropped(model):
         assert s.evictions > 0 and s.hit_tokens < len(prefix)
         assert s.host_hit_tokens + s.hit_tokens == len(prefix)
         assert s.store_hit_tokens == 0 and s.tier_rejected_values == 0
+        assert e.tiers is not None and not e.tiers.host._held  # type: ignore[union-attr]
     finally:
         e.close()
 
@@ -129,6 +130,8 @@ def test_preempted_request_reloads_its_blocks_from_the_host_tier(model):
         if host:
             assert e.stats.preemptions > 0
             assert e.stats.host_hit_tokens > 0
+            # Every hold the lookups took on host slots was released once loaded.
+            assert e.tiers is not None and not e.tiers.host._held  # type: ignore[union-attr]
         e.close()
     assert outs[None] == outs[1 << 24]
 

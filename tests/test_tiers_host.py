@@ -375,3 +375,64 @@ def test_importing_tiers_imports_no_torch():
     code = "import sys, kvstore, kvstore.tiers, kvstore.tiers.valkey_store; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --- the host tier's arena ----------------------------------------------------------------------
+
+
+def test_store_blocks_seals_in_place_the_bytes_encode_block_makes():
+    src, dst = filled_cache(seed=3), PagedKVCache(hybrid_config())
+    g = 1
+    layout = BlockLayout.for_group("m", src.config, g)
+    keys = request_keys(layout, chain(TOKENS), None)
+    tier = HostTier(3 * HostTier.slot_nbytes_for(layout))
+    # Scattered slots: store, drop the middle one, store again (runs of one and two slots).
+    assert tier.store_blocks(src, layout, g, [2, 6, 7], keys, TOKENS) == 3
+    expected = dict(offload_items(src, layout, g, [2, 6, 7], keys, TOKENS))
+    assert [bytes(v) for v in tier.load(keys)] == [expected[k] for k in keys]
+    assert tier.discard([keys[1]]) == 1
+    assert tier.store_blocks(src, layout, g, [9], [keys[1]], [TOKENS[1]]) == 1
+    assert bytes(tier.load([keys[1]])[0]) == dict(offload_items(src, layout, g, [9], [keys[1]],
+                                                               [TOKENS[1]]))[keys[1]]
+    payloads = load_verified(tier, layout, keys, [TOKENS[0], TOKENS[1], TOKENS[2]])
+    restore_payloads(dst, g, [8, 3, 11], payloads)
+    for j in range(len(src.config.groups[g].layer_ids)):
+        assert torch.equal(dst.key_caches[j][[8, 3, 11]], src.key_caches[j][[2, 9, 7]])
+        assert torch.equal(dst.value_caches[j][[8, 3, 11]], src.value_caches[j][[2, 9, 7]])
+    # The payload starts on an aligned offset in its slot, the value right before it.
+    assert (HostTier.slot_nbytes_for(layout) % 64 == 0
+            and HostTier.slot_nbytes_for(layout) >= layout.value_nbytes)
+
+
+def test_arena_reuses_its_slots_and_copies_what_it_evicts():
+    evicted: list = []
+    tier = HostTier(350, on_evict=evicted.extend)  # 100-byte values: 3 slots
+    its = items(10)
+    for it in its:
+        tier.store([it])
+    assert tier.arena_bytes == 300 and len(tier) == 3 and tier.num_slots == 3
+    assert evicted == its[:7]  # copies of the values as they were, not views of reused slots
+    assert tier.peek([its[9][0], its[0][0]]) == [its[9][1], None]
+    tier.store([(its[8][0], b"z" * 101)])  # larger than a slot: dropped, the old value gone
+    assert tier.load([its[8][0]]) == [None] and tier.stats["dropped_stores"] == 1
+
+
+def test_held_slots_are_not_reused_until_released():
+    tier = HostTier(300)  # 3 slots
+    its = items(7)
+    tier.store(its[:3])
+    view = tier.load([its[0][0]])[0]
+    handle = tier.hold([its[0][0], its[1][0]])
+    tier.store(its[3:5])  # evicts 2, then 3: the held 0 and 1 stay, least recent as they are
+    assert bytes(view) == its[0][1]
+    assert [v is not None for v in tier.load([k for k, _ in its[:5]])] == [True, True, False, False, True]
+    other = tier.hold([its[4][0]])
+    tier.store([its[5]])  # every slot held: dropped
+    assert tier.stats["dropped_stores"] == 1 and tier.load([its[5][0]]) == [None]
+    tier.store([(its[0][0], b"n" * 100)])  # replaced while held: no slot for the new value
+    assert bytes(view) == its[0][1] and tier.load([its[0][0]]) == [None]
+    tier.release(handle)  # the retired slot of 0 is free again, 1 can be evicted
+    tier.release(other)
+    tier.store(its[5:7])
+    assert [v is not None for v in tier.load([its[1][0], its[4][0], its[5][0], its[6][0]])] == \
+        [False, True, True, True]

@@ -158,6 +158,24 @@ def encode_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], payl
     return b"".join((head, check.digest(), tokens, body))  # the payload is copied once
 
 
+def seal_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: memoryview) -> None:
+    """Write the header (checksum included) and token ids into ``value``, a writable
+    ``layout.value_nbytes`` buffer whose payload (from ``HEADER_NBYTES + 8 * block_size``)
+    is already in place: the bytes ``encode_block`` would return for that payload."""
+    if not isinstance(key, bytes) or len(key) != KEY_NBYTES:
+        raise ValueError(f"key must be {KEY_NBYTES} bytes (from block_key), got {key!r:.60}")
+    if value.nbytes != layout.value_nbytes:
+        raise ValueError(f"value buffer is {value.nbytes} bytes, the layout needs {layout.value_nbytes}")
+    tokens = _token_bytes(layout, token_ids)
+    _HEADER.pack_into(value, 0, MAGIC, CODEC_VERSION, 0, layout.digest, key, layout.block_size,
+                      layout.payload_nbytes, b"\0" * 16)
+    value[HEADER_NBYTES:HEADER_NBYTES + len(tokens)] = tokens
+    check = xxhash.xxh3_128()
+    check.update(value[:_CHECKSUM_OFFSET])
+    check.update(value[HEADER_NBYTES:])
+    value[_CHECKSUM_OFFSET:HEADER_NBYTES] = check.digest()
+
+
 #: Names of the counters decode_block increments, one per way a value can be refused.
 REJECT_REASONS = ("wrong_size", "bad_header", "wrong_version", "wrong_layout", "wrong_key",
                   "wrong_tokens", "bad_checksum")

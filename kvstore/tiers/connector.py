@@ -87,6 +87,8 @@ class TierHit:
     # a sliding-window group loads only its window before the hit's end.
     first_loaded: tuple[int, ...] = ()
     request_id: str = ""
+    # The host tier's hold on the slots the payloads view (released once loaded or dropped).
+    held: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -143,6 +145,7 @@ class TierConnector:
         self._recent_keys = recent_keys
         self._offloads: list[PendingOffload] = []
         self._host_pending: set[bytes] = set()  # keys queued for the host tier, not yet taken
+        self._host_keys: list[bytes] = []  # host keys verified by the lookup under way
 
     @classmethod
     def create(cls, config: KVCacheConfig, model_name: str, *, host_tier_bytes: int | None = None,
@@ -152,7 +155,9 @@ class TierConnector:
         ``store_url`` (either may be None)."""
         from kvstore.tiers.host import HostTier
 
-        host = HostTier(host_tier_bytes) if host_tier_bytes else None
+        slot = max(HostTier.slot_nbytes_for(BlockLayout.for_group(model_name, config, g, extra))
+                   for g in range(len(config.groups)))
+        host = HostTier(host_tier_bytes, slot_nbytes=slot) if host_tier_bytes else None
         store: Tier | None = None
         if store_url:
             from kvstore.tiers.valkey_store import ValkeyStore
@@ -174,6 +179,7 @@ class TierConnector:
         if start >= max_blocks:
             return None
         self.stats.lookups += 1
+        self._host_keys = []
         bs = self.block_size
         hashes = request.block_hashes[start:max_blocks]
         tokens = [tuple(request.token_ids[i * bs:(i + 1) * bs]) for i in range(start, max_blocks)]
@@ -230,8 +236,11 @@ class TierConnector:
             if missing == end:
                 break
             end = missing
+        host_keys, self._host_keys = self._host_keys, []
         if end == 0:
             return None
+        hold = getattr(self.host, "hold", None)
+        held = tuple(hold(host_keys)) if hold is not None and host_keys else ()
         # The tiers' shares of the run, cut at its end.
         cut, left = [], end
         for n in per_tier:
@@ -245,7 +254,7 @@ class TierConnector:
         for g in full:
             payloads[g] = payloads[g][:end]
         return TierHit(start, request.num_tokens, tuple(per_tier),
-                       tuple(tuple(p) for p in payloads), tuple(first), request.request_id)
+                       tuple(tuple(p) for p in payloads), tuple(first), request.request_id, held)
 
     def _first_needed(self, g: int, start: int, end: int) -> int:
         """The first block (counted from ``start``) group g needs for a hit of ``start + end``
@@ -262,7 +271,15 @@ class TierConnector:
         before = _rejections(tier)
         verified = load_verified(tier, self.layouts[g], keys, tokens, self.decode_value)
         self.stats.rejected_values += _rejections(tier) - before
+        if tier is self.host and verified:
+            self._host_keys.extend(keys[:len(verified)])
         return verified
+
+    def release(self, held: Sequence[int]) -> None:
+        """Undo the host tier's hold of a hit's slots (once loaded, or dropped)."""
+        release = getattr(self.host, "release", None)
+        if held and release is not None:
+            release(held)
 
     def decode_value(self, layout: BlockLayout, key: bytes, token_ids: Sequence[int],
                      value: Buffer | None, counters: dict[str, int] | None) -> memoryview | None:
@@ -323,40 +340,60 @@ class TierConnector:
             seen.popitem(last=False)
 
     # ---- worker side -------------------------------------------------------------------------
-    def offload_values(self, cache: PagedKVCache, off: PendingOffload) -> list[StoreItem]:
+    def offload_values(self, cache: PagedKVCache | None, off: PendingOffload) -> list[StoreItem]:
         """The (key, value) items of one offload: its pages gathered and encoded."""
         from kvstore.tiers.host import offload_items
 
+        if cache is None:
+            raise ValueError("this connector moves payloads: it needs the device cache")
         return offload_items(cache, self.layouts[off.group_id], off.group_id,
                              off.block_ids, off.keys, off.token_ids)
 
-    def run_offloads(self, cache: PagedKVCache, offloads: Sequence[PendingOffload]) -> None:
-        """Gather and encode the blocks, then hand them to the host tier and the store."""
-        for off in offloads:
-            items = self.offload_values(cache, off)
-            self.stats.offloaded_blocks += len(items)
-            if self.host is not None:
-                host_items = [it for it, h in zip(items, off.to_host, strict=True) if h]
-                if host_items:
-                    self.host.store(host_items)
-            if self.store is not None:
-                store_items = [it for it, s in zip(items, off.to_store, strict=True) if s]
-                if store_items:
-                    self.store.store(store_items)
+    def run_offloads(self, cache: PagedKVCache | None, offloads: Sequence[PendingOffload]) -> None:
+        """Hand the blocks to the host tier (a ``HostTier`` gathers them straight into its
+        slots) and the store (encoded values; copies of the host tier's where it has them)."""
+        from kvstore.tiers.host import HostTier
 
-    def run_loads(self, cache: PagedKVCache, loads: Sequence[PendingLoad]) -> None:
+        host, store = self.host, self.store
+        for off in offloads:
+            n = len(off.block_ids)
+            to_host = [i for i in range(n) if off.to_host[i]] if host is not None else []
+            to_store = [i for i in range(n) if off.to_store[i]] if store is not None else []
+            self.stats.offloaded_blocks += len(set(to_host) | set(to_store))
+            direct = isinstance(host, HostTier) and cache is not None
+            if to_host and direct:
+                assert isinstance(host, HostTier) and cache is not None
+                host.store_blocks(cache, self.layouts[off.group_id], off.group_id,
+                                  [off.block_ids[i] for i in to_host], [off.keys[i] for i in to_host],
+                                  [off.token_ids[i] for i in to_host])
+            values: dict[int, Buffer] = {}
+            if direct and to_store:
+                assert isinstance(host, HostTier)
+                copies = host.peek([off.keys[i] for i in to_store])
+                values.update((i, v) for i, v in zip(to_store, copies, strict=True) if v is not None)
+            need = sorted((set() if direct else set(to_host)) | (set(to_store) - set(values)))
+            if need:
+                items = self.offload_values(cache, _subset(off, need))
+                values.update((i, v) for i, (_, v) in zip(need, items, strict=True))
+            if to_host and not direct:
+                assert host is not None
+                host.store([(off.keys[i], values[i]) for i in to_host])
+            if to_store:
+                assert store is not None
+                store.store([(off.keys[i], values[i]) for i in to_store])
+
+    def run_loads(self, cache: PagedKVCache | None, loads: Sequence[PendingLoad]) -> None:
         """Write verified payloads into their device pages (queued on the current stream on
         CUDA, so a forward queued after sees them)."""
         from kvstore.tiers.host import restore_payloads
 
+        if loads and cache is None:
+            raise ValueError("this connector moves payloads: it needs the device cache")
         for load in loads:
             if load.block_ids:
+                assert cache is not None
                 restore_payloads(cache, load.group_id, load.block_ids, load.payloads)
                 self.stats.loaded_blocks += len(load.block_ids)
-        self.release_loads(loads)
-
-    def release_loads(self, loads: Sequence[PendingLoad]) -> None:
-        """Let the host tier reuse the slots these loads read from."""
 
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Each tier's own counters (``TierStats.snapshot``), by ``host`` / ``store``."""
@@ -372,6 +409,13 @@ class TierConnector:
             t.close()
 
 
+def _subset(off: PendingOffload, rows: Sequence[int]) -> PendingOffload:
+    """The offload of rows ``rows`` of ``off`` only."""
+    return PendingOffload(off.group_id, tuple(off.block_ids[i] for i in rows),
+                          tuple(off.keys[i] for i in rows), tuple(off.token_ids[i] for i in rows),
+                          tuple(off.to_host[i] for i in rows), tuple(off.to_store[i] for i in rows))
+
+
 def _rejections(tier: Tier) -> int:
     stats = tier.stats
     return sum(stats[r] for r in REJECT_REASONS)
@@ -385,16 +429,22 @@ class TierTransfers:
     connector: TierConnector
     offloads: list[PendingOffload] = field(default_factory=list)
     loads: list[PendingLoad] = field(default_factory=list)
+    # The host tier's holds on the slots the loads read, released once they ran.
+    holds: list[tuple[int, ...]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.offloads or self.loads)
+        return bool(self.offloads or self.loads or self.holds)
 
-    def run(self, cache: PagedKVCache) -> None:
-        """Run the offloads, then the loads, on ``cache``."""
+    def run(self, cache: PagedKVCache | None) -> None:
+        """Run the offloads, then the loads, on ``cache`` (None for a payload-free
+        connector), then release the loads' holds."""
         if self.offloads:
             self.connector.run_offloads(cache, self.offloads)
         if self.loads:
             self.connector.run_loads(cache, self.loads)
+        for held in self.holds:
+            self.connector.release(held)
+        self.holds = []
 
 
 class TieredKVCacheManager(KVCacheManager):
@@ -406,7 +456,7 @@ class TieredKVCacheManager(KVCacheManager):
     blocks for offload. ``take_pending_transfers()`` hands both to the worker, which runs
     them before the step's copies and forward."""
 
-    __slots__ = ("_tiers", "_tier_hits", "_loads")
+    __slots__ = ("_tiers", "_tier_hits", "_loads", "_holds")
 
     def __init__(self, config: KVCacheConfig, *args: Any, tiers: TierConnector, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -416,6 +466,7 @@ class TieredKVCacheManager(KVCacheManager):
         # request id -> (the extended hit handed out, what the tiers add to it)
         self._tier_hits: dict[str, tuple[ComputedBlocks, TierHit]] = {}
         self._loads: list[PendingLoad] = []
+        self._holds: list[tuple[int, ...]] = []  # of the hits admitted since the last take
 
     @property
     def tiers(self) -> TierConnector:
@@ -438,6 +489,8 @@ class TieredKVCacheManager(KVCacheManager):
                 previous[1].num_tokens == request.num_tokens:
             hit = previous[1]  # looked up at an admission that did not fit: reuse the payloads
         else:
+            if previous is not None:
+                self._tiers.release(previous[1].held)
             hit = self._tiers.lookup(request, start, max_blocks)
         if hit is None:
             return computed
@@ -480,13 +533,17 @@ class TieredKVCacheManager(KVCacheManager):
             out.append(tuple(group_ids[k:]))
         request.num_computed_tokens = extended.num_full_hit_tokens
         self._tiers.record_admission(hit)
+        if hit.held:
+            self._holds.append(hit.held)
         return tuple(out)
 
     def free(self, request: Request) -> None:
         """Queue the request's full computed blocks for offload, then release it."""
         self._check_request(request)
         rid = request.request_id
-        self._tier_hits.pop(rid, None)
+        dropped = self._tier_hits.pop(rid, None)
+        if dropped is not None:
+            self._tiers.release(dropped[1].held)
         if self.requests.get(rid) is request and self.enable_caching:
             request.update_block_hashes(self.block_size, self.hash_fn)
             tables = self.block_table(rid)
@@ -503,7 +560,8 @@ class TieredKVCacheManager(KVCacheManager):
 
     def take_pending_transfers(self) -> TierTransfers:
         """This step's offloads and loads, for the worker to run before the copies."""
-        return TierTransfers(self._tiers, self._tiers.take_offloads(), self.take_pending_loads())
+        holds, self._holds = self._holds, []
+        return TierTransfers(self._tiers, self._tiers.take_offloads(), self.take_pending_loads(), holds)
 
 
 def model_fingerprint(model: Any) -> str:

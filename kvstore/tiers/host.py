@@ -9,10 +9,10 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.tiers.base import StoreItem, TierStats, check_items, check_keys, leading_run
-from kvstore.tiers.codec import BlockLayout, Buffer, encode_block
+from kvstore.tiers.codec import HEADER_NBYTES, BlockLayout, Buffer, encode_block, seal_block
 
 if TYPE_CHECKING:
     import torch
@@ -21,91 +21,296 @@ if TYPE_CHECKING:
 
 EvictFn = Callable[[list[StoreItem]], None]
 
+# Slots are multiples of this, and a block's payload starts at such an offset in its slot.
+_ALIGN = 64
+# Bytes of arena allocated at a time (the arena grows up to the capacity, then slots are reused).
+_CHUNK_BYTES = 256 << 20
+
+
+def _payload_offset(layout: BlockLayout) -> int:
+    """Where a value starts in its slot, so that its payload starts on an aligned offset."""
+    return -(HEADER_NBYTES + 8 * layout.block_size) % _ALIGN
+
 
 class HostTier:
-    """Encoded block values in CPU memory, at most ``capacity_bytes`` of them (values only),
-    least recently loaded or stored evicted first. ``on_evict`` receives what is evicted
-    (a write-back hook, e.g. into a shared store's ``store``). Thread-safe.
+    """Encoded block values in CPU memory, least recently loaded or stored evicted first.
+    Thread-safe.
+
+    Values live in fixed-size slots of a preallocated uint8 arena (pinned when ``pin``,
+    default: when CUDA is available), which grows in chunks up to ``capacity_bytes //
+    slot_nbytes`` slots and then reuses the least recent slot. ``slot_nbytes`` is
+    ``slot_nbytes_for(layout)`` of the largest layout stored (by default, fixed by the first
+    value stored); a larger value is dropped and counted. ``store_blocks`` gathers device
+    pages straight into slots and seals them in place; ``load`` returns views of the slots
+    (no copy), valid until the slot is reused: ``hold`` keeps slots from reuse until
+    ``release``. ``on_evict`` receives copies of what is evicted (a write-back hook, e.g.
+    into a shared store's ``store``).
 
     The LRU order here is a stand-in: once the block pool has its eviction-policy seam, the
     host tier should take its order from that policy."""
 
     name = "host"
 
-    def __init__(self, capacity_bytes: int, *, on_evict: EvictFn | None = None) -> None:
+    def __init__(self, capacity_bytes: int, *, on_evict: EvictFn | None = None,
+                 slot_nbytes: int | None = None, pin: bool | None = None) -> None:
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
+        if slot_nbytes is not None and (not isinstance(slot_nbytes, int) or slot_nbytes < 1):
+            raise ValueError(f"slot_nbytes must be a positive int or None, got {slot_nbytes!r}")
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
         self._on_evict = on_evict
-        self._lock = threading.Lock()
-        self._values: OrderedDict[bytes, bytes] = OrderedDict()
+        self._pin = pin
+        self._lock = threading.RLock()
+        self.slot_nbytes: int | None = slot_nbytes
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, LRU first
+        self._start: list[int] = []  # per slot: where its value starts
+        self._len: list[int] = []  # per slot: its value's length (0: free)
+        self._held: dict[int, int] = {}  # slot -> holds
+        self._retired: set[int] = set()  # held slots whose key was replaced or dropped
+        self._free: list[int] = []
+        self._chunks: list[Any] = []  # uint8 tensors [slots, slot_nbytes]
+        self._rows: list[Any] = []  # their numpy views
+        self._per_chunk = 0
         self._nbytes = 0
+
+    @staticmethod
+    def slot_nbytes_for(layout: BlockLayout) -> int:
+        """The slot size that holds one value of ``layout`` with its payload aligned."""
+        n = _payload_offset(layout) + layout.value_nbytes
+        return -(-n // _ALIGN) * _ALIGN
+
+    @property
+    def num_slots(self) -> int:
+        """Slots the capacity allows (0 until the slot size is known)."""
+        return self.capacity_bytes // self.slot_nbytes if self.slot_nbytes else 0
 
     @property
     def num_bytes(self) -> int:
         """Bytes of the values held."""
         return self._nbytes
 
-    def __len__(self) -> int:
-        return len(self._values)
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of arena allocated so far."""
+        return len(self._start) * (self.slot_nbytes or 0)
 
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # ---- slots ---------------------------------------------------------------------------------
+    def _view(self, slot: int) -> memoryview:
+        """The value held in a slot (a view of the arena)."""
+        row = self._rows[slot // self._per_chunk][slot % self._per_chunk]
+        start = self._start[slot]
+        return memoryview(row[start:start + self._len[slot]]).cast("B")
+
+    def _row(self, slot: int) -> Any:
+        return self._rows[slot // self._per_chunk][slot % self._per_chunk]
+
+    def _grow(self) -> bool:
+        """Allocate the next chunk of slots; False at the capacity."""
+        import torch
+
+        assert self.slot_nbytes is not None
+        total = self.num_slots
+        have = len(self._start)
+        if have >= total:
+            return False
+        if not self._per_chunk:
+            self._per_chunk = max(1, min(total, _CHUNK_BYTES // self.slot_nbytes))
+        n = self._per_chunk
+        pin = torch.cuda.is_available() if self._pin is None else self._pin
+        chunk = torch.empty((n, self.slot_nbytes), dtype=torch.uint8, pin_memory=bool(pin))
+        self._chunks.append(chunk)
+        self._rows.append(chunk.numpy())
+        # Slots past the capacity in the last chunk are never handed out.
+        usable = min(n, total - have)
+        self._start.extend([0] * n)
+        self._len.extend([0] * n)
+        self._free.extend(range(have + usable - 1, have - 1, -1))
+        return True
+
+    def _take_slot(self, evicted: list[StoreItem]) -> int | None:
+        """A free slot: a fresh one, else the least recent unheld value's (evicted)."""
+        if self._free or self._grow():
+            return self._free.pop()
+        victim = next((k for k, slot in self._index.items() if slot not in self._held), None)
+        if victim is None:
+            return None  # every slot is held
+        key = victim
+        slot = self._index.pop(key)
+        if self._on_evict is not None:
+            evicted.append((key, bytes(self._view(slot))))
+        else:
+            evicted.append((key, b""))
+        self._nbytes -= self._len[slot]
+        self._len[slot] = 0
+        return slot
+
+    def _unlink(self, key: bytes) -> None:
+        """Drop a key's value (its slot is freed, or retired while held)."""
+        slot = self._index.pop(key, None)
+        if slot is None:
+            return
+        self._nbytes -= self._len[slot]
+        if slot in self._held:
+            self._retired.add(slot)
+        else:
+            self._len[slot] = 0
+            self._free.append(slot)
+
+    def _place(self, key: bytes, nbytes: int, start: int, evicted: list[StoreItem]) -> int | None:
+        """A slot for a new value of ``key`` (the old one dropped), or None when it cannot fit."""
+        self._unlink(key)
+        if self.slot_nbytes is None:
+            self.slot_nbytes = start + nbytes
+        if start + nbytes > self.slot_nbytes or not self.num_slots:
+            return None
+        slot = self._take_slot(evicted)
+        if slot is None:
+            return None
+        self._start[slot] = start
+        self._len[slot] = nbytes
+        return slot
+
+    def _publish(self, key: bytes, slot: int) -> None:
+        self._index[key] = slot
+        self._nbytes += self._len[slot]
+
+    def _finish_store(self, stored: int, dropped: int, evicted: list[StoreItem]) -> None:
+        self.stats.merge({"stores": stored, "dropped_stores": dropped, "evictions": len(evicted)})
+        if evicted and self._on_evict is not None:
+            self._on_evict(evicted)
+
+    # ---- the Tier interface --------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are held without a gap (order unchanged)."""
         check_keys(keys)
         with self._lock:
-            return leading_run([k in self._values for k in keys])
+            return leading_run([k in self._index for k in keys])
 
     def load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        """The held value of each key (None where absent); a hit becomes most recent."""
+        """A view of each key's value (None where absent); a hit becomes most recent. A view
+        stays valid until its slot is reused: ``hold`` the keys to use it later."""
         check_keys(keys)
         out: list[Buffer | None] = []
         with self._lock:
             for k in keys:
-                v = self._values.get(k)
-                if v is not None:
-                    self._values.move_to_end(k)
-                out.append(v)
+                slot = self._index.get(k)
+                if slot is None:
+                    out.append(None)
+                    continue
+                self._index.move_to_end(k)
+                out.append(self._view(slot))
         hits = sum(v is not None for v in out)
         self.stats.merge({"gets": len(keys), "get_hits": hits})
         return out
 
+    def peek(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Copies of the keys' values (None where absent); order and counters unchanged."""
+        check_keys(keys)
+        with self._lock:
+            return [None if (slot := self._index.get(k)) is None else bytes(self._view(slot))
+                    for k in keys]
+
     def store(self, items: Sequence[StoreItem]) -> None:
-        """Copy the values in as most recent, evicting the least recent to make room; a value
-        larger than the whole capacity is dropped and counted."""
+        """Copy the values into slots as most recent, evicting the least recent to make room;
+        a value larger than a slot (or than the capacity) is dropped and counted."""
         check_items(items)
         evicted: list[StoreItem] = []
         dropped = 0
         with self._lock:
             for key, value in items:
-                data = value if isinstance(value, bytes) else bytes(value)
-                old = self._values.pop(key, None)
-                if old is not None:
-                    self._nbytes -= len(old)
-                if len(data) > self.capacity_bytes:
+                view = memoryview(value).cast("B")
+                slot = self._place(key, view.nbytes, 0, evicted)
+                if slot is None:
                     dropped += 1
                     continue
-                while self._nbytes + len(data) > self.capacity_bytes:
-                    k, v = self._values.popitem(last=False)
-                    self._nbytes -= len(v)
-                    evicted.append((k, v))
-                self._values[key] = data
-                self._nbytes += len(data)
-        self.stats.merge({"stores": len(items) - dropped, "dropped_stores": dropped,
-                          "evictions": len(evicted)})
-        if evicted and self._on_evict is not None:
-            self._on_evict(evicted)
+                self._row(slot)[:view.nbytes] = view
+                self._publish(key, slot)
+        self._finish_store(len(items) - dropped, dropped, evicted)
+
+    def store_blocks(self, cache: PagedKVCache, layout: BlockLayout, group_id: int,
+                     block_ids: Sequence[int], keys: Sequence[bytes],
+                     token_ids: Sequence[Sequence[int]]) -> int:
+        """Gather blocks of one group straight into slots and seal each as the value
+        ``encode_block`` would make (no intermediate buffer); returns how many were stored."""
+        if not len(block_ids) == len(keys) == len(token_ids):
+            raise ValueError(f"got {len(block_ids)} block ids, {len(keys)} keys, "
+                             f"{len(token_ids)} token lists")
+        check_keys(keys)
+        P = block_payload_nbytes(cache, group_id)
+        if P != layout.payload_nbytes:
+            raise ValueError(f"layout packs {layout.payload_nbytes} bytes per block, group {group_id} "
+                             f"of this cache holds {P}")
+        _block_index(cache, block_ids, unique=False)
+        start = _payload_offset(layout)
+        off = start + HEADER_NBYTES + 8 * layout.block_size
+        V = layout.value_nbytes
+        evicted: list[StoreItem] = []
+        with self._lock:
+            if self.slot_nbytes is None:
+                self.slot_nbytes = self.slot_nbytes_for(layout)
+            placed: list[tuple[int, int]] = []  # (slot, i)
+            last = {key: i for i, key in enumerate(keys)}
+            for i, key in enumerate(keys):
+                if last[key] != i:
+                    continue  # the last of repeated keys wins, as in store()
+                slot = self._place(key, V, start, evicted)
+                if slot is not None:
+                    placed.append((slot, i))
+            placed.sort()
+            # Runs of consecutive slots in one chunk: one gather each.
+            s = 0
+            while s < len(placed):
+                e = s + 1
+                c = placed[s][0] // self._per_chunk
+                while (e < len(placed) and placed[e][0] == placed[e - 1][0] + 1
+                       and placed[e][0] // self._per_chunk == c):
+                    e += 1
+                r0 = placed[s][0] % self._per_chunk
+                rows = self._chunks[c][r0:r0 + e - s]
+                _gather_rows(cache, group_id, [block_ids[i] for _, i in placed[s:e]], rows, off, P)
+                s = e
+            for slot, i in placed:
+                row = self._row(slot)
+                seal_block(layout, keys[i], token_ids[i], memoryview(row[start:start + V]).cast("B"))
+                self._publish(keys[i], slot)
+        self._finish_store(len(placed), len(keys) - len(placed), evicted)
+        return len(placed)
+
+    def hold(self, keys: Sequence[bytes]) -> tuple[int, ...]:
+        """Keep the slots of these keys (those held) from reuse until ``release`` of the
+        returned handle, so views from ``load`` stay valid."""
+        check_keys(keys)
+        with self._lock:
+            slots = tuple(self._index[k] for k in keys if k in self._index)
+            for slot in slots:
+                self._held[slot] = self._held.get(slot, 0) + 1
+        return slots
+
+    def release(self, handle: Sequence[int]) -> None:
+        """Undo one ``hold``."""
+        with self._lock:
+            for slot in handle:
+                n = self._held.get(slot, 0) - 1
+                if n > 0:
+                    self._held[slot] = n
+                    continue
+                self._held.pop(slot, None)
+                if slot in self._retired:
+                    self._retired.discard(slot)
+                    self._len[slot] = 0
+                    self._free.append(slot)
 
     def discard(self, keys: Sequence[bytes]) -> int:
         """Drop these keys; returns how many were held."""
         check_keys(keys)
-        n = 0
         with self._lock:
+            n = sum(k in self._index for k in keys)
             for k in keys:
-                v = self._values.pop(k, None)
-                if v is not None:
-                    self._nbytes -= len(v)
-                    n += 1
+                self._unlink(k)
         return n
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -113,9 +318,16 @@ class HostTier:
         return True
 
     def close(self) -> None:
-        """Drop everything held."""
+        """Drop everything held and the arena."""
         with self._lock:
-            self._values.clear()
+            self._index.clear()
+            self._chunks.clear()
+            self._rows.clear()
+            self._start.clear()
+            self._len.clear()
+            self._free.clear()
+            self._held.clear()
+            self._retired.clear()
             self._nbytes = 0
 
 
@@ -207,6 +419,36 @@ def gather_blocks(cache: PagedKVCache, group_id: int, block_ids: Sequence[int],
         dst[s:s + len(idx)].copy_(staging, non_blocking=True)
     torch.cuda.current_stream(cache.device).synchronize()
     return out
+
+
+def _gather_rows(cache: PagedKVCache, group_id: int, block_ids: Sequence[int], rows: torch.Tensor,
+                 off: int, nbytes: int) -> None:
+    """Pack blocks into ``rows[i, off:off + nbytes]`` (``rows``: a contiguous uint8 host
+    tensor, one row per block), laid out as ``gather_blocks`` lays out a row."""
+    import torch
+
+    L = _group_slots(cache, group_id)
+    n = len(block_ids)
+    nb = cache.config.num_blocks
+    if cache.device.type == "cpu":
+        dst = rows[:, off:off + nbytes].view(cache.dtype).view(n, L, 2, -1)
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        for j in range(L):
+            for kv, caches in enumerate((cache.key_caches, cache.value_caches)):
+                torch.index_select(caches[j].view(nb, -1), 0, idx, out=dst[:, j, kv])
+        return
+    # On an accelerator: gather whole rows in device staging, then one contiguous copy each.
+    chunk = max(1, _STAGING_BYTES // rows.shape[1])
+    idx_all = torch.as_tensor(list(block_ids), dtype=torch.long, device=cache.device)
+    for s in range(0, n, chunk):
+        idx = idx_all[s:s + chunk]
+        staging = torch.empty((len(idx), rows.shape[1]), dtype=torch.uint8, device=cache.device)
+        sv = staging[:, off:off + nbytes].view(cache.dtype).view(len(idx), L, 2, -1)
+        for j in range(L):
+            sv[:, j, 0] = cache.key_caches[j].view(nb, -1)[idx]
+            sv[:, j, 1] = cache.value_caches[j].view(nb, -1)[idx]
+        rows[s:s + len(idx)].copy_(staging, non_blocking=True)
+    torch.cuda.current_stream(cache.device).synchronize()
 
 
 def scatter_blocks(cache: PagedKVCache, group_id: int, block_ids: Sequence[int],

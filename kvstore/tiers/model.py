@@ -212,15 +212,10 @@ class PlaceholderConnector(TierConnector):
         self.stored_keys.extend(k for k, s in zip(off.keys, off.to_store, strict=True) if s)
         return items
 
-    def run_offloads(self, cache: PagedKVCache | None, offloads: Sequence[PendingOffload]) -> None:
-        """Store placeholder values of the offloaded blocks in the tiers."""
-        super().run_offloads(cache, offloads)  # type: ignore[arg-type]
-
     def run_loads(self, cache: PagedKVCache | None, loads: Sequence[PendingLoad]) -> None:
         """Count the loads; there are no pages to write."""
         for load in loads:
             self.stats.loaded_blocks += len(load.block_ids)
-        self.release_loads(loads)
 
     def record_admission(self, hit: TierHit) -> None:
         """Count a hit's tokens per tier, and note them under its request id."""
