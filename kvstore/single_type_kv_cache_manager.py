@@ -292,7 +292,7 @@ class SingleTypeKVCacheManager:
                 self.pool.cache_partial_block(
                     block, tuple(request.token_ids[tail * bs:num_computed]), self._last_serial[rid])
         # Deepest first, so a chain's root is the last of it to be evicted.
-        self.pool.free_blocks(b for b in reversed(table) if b.block_id != 0)
+        self.pool.free_blocks([b for b in reversed(table) if b.block_id != 0])
         del self._req_to_blocks[rid]
         del self._num_cached_blocks[rid]
         del self._last_serial[rid]
