@@ -34,7 +34,8 @@ class KVCacheManager:
     """
 
     __slots__ = ("config", "block_size", "enable_caching", "enable_partial_hits", "_hash_fn",
-                 "_pool", "_copies", "_coordinator", "_requests", "_no_new_blocks", "_quiet")
+                 "_pool", "_copies", "_coordinator", "_requests", "_no_new_blocks", "_quiet",
+                 "_num_groups")
 
     def __init__(self, config: KVCacheConfig, enable_caching: bool = True,
                  enable_partial_hits: bool = True, enable_events: bool = False,
@@ -55,6 +56,7 @@ class KVCacheManager:
         self._coordinator = KVCacheCoordinator(config, self._pool, self._copies)
         self._requests: dict[str, Request] = {}
         self._no_new_blocks: BlockIds = ((),) * len(config.groups)
+        self._num_groups = len(config.groups)
         # Per live request, (lo, hi, max_tokens) from the last decode that needed nothing:
         # growing to at most max_tokens with a computed count in [lo, hi) needs nothing
         # either, until the request's tables change (allocate, free, fork drop the entry).
@@ -225,23 +227,36 @@ class KVCacheManager:
             self._check_length(request, num_computed, num_new_tokens)
         request.update_block_hashes(self.block_size, self._hash_fn)
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
-        quiet = self._quiet.get(rid)
-        if quiet is not None and quiet[0] <= num_computed < quiet[1] and num_tokens <= quiet[2]:
-            # Most decode steps: the pages exist, nothing to cache, drop or copy.
-            return self._no_new_blocks
-        if all(m.is_noop(request, num_tokens) for m in self._coordinator.managers):
-            quiet = self._coordinator.quiet_range(request)
-            if quiet is None:
-                self._quiet.pop(rid, None)
-            else:
+        coordinator = self._coordinator
+        quiet = self._quiet.pop(rid, None)
+        if quiet is not None:
+            if quiet[0] <= num_computed < quiet[1] and num_tokens <= quiet[2]:
+                # Most decode steps: the pages exist, nothing to cache, drop or copy.
+                self._quiet[rid] = quiet
+                return self._no_new_blocks
+            # A range ends where some group has work (a block to cache or to add, a page
+            # leaving the window): no need to ask every group whether it has any.
+        elif all(m.is_noop(request, num_tokens) for m in coordinator.managers):
+            quiet = coordinator.quiet_range(request)
+            if quiet is not None:
                 self._quiet[rid] = quiet
             return self._no_new_blocks
-        self._quiet.pop(rid, None)
-        plan = self._coordinator.num_blocks_needed(request, num_computed, num_tokens, None)
-        self._check_pool_holds(rid, plan.num_resident, num_tokens)
-        if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
-            return None
-        return self._coordinator.allocate(request, num_tokens)
+        # Each table position written from the computed count on costs a group at most one
+        # free page (a new page, or a private copy of a shared one): when the free pages
+        # cover that bound the exact plan is not needed.
+        bs = self.block_size
+        if self._num_groups * (-(-num_tokens // bs) - num_computed // bs) > self._pool.num_free_blocks:
+            plan = coordinator.num_blocks_needed(request, num_computed, num_tokens, None)
+            self._check_pool_holds(rid, plan.num_resident, num_tokens)
+            if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
+                return None
+        ids = coordinator.allocate(request, num_tokens)
+        # The tables now hold everything growing to num_tokens needs at this computed count
+        # (each group's `is_noop` holds), so the next quiet range starts here.
+        quiet = coordinator.quiet_range(request)
+        if quiet is not None:
+            self._quiet[rid] = quiet
+        return ids
 
     def _fit_admission(self, request: Request, computed: ComputedBlocks,
                        num_more_tokens: int) -> ComputedBlocks | None:
