@@ -463,3 +463,30 @@ def test_engines_share_a_prefix_through_a_valkey_cluster(model):
         finally:
             a.close()
             b.close()
+
+
+def test_hybrid_window_dropped_mid_request_is_offloaded_for_a_later_hit(hybrid):
+    """A sliding group drops the window before its prompt's end while decoding past it;
+    that window is offloaded as it is dropped, so a later prompt sharing the prompt up to
+    there (after the device pool forgot it) loads it from the host tier."""
+    from kvstore.engine.engine import SamplingParams
+
+    first = tokens(41, seed=1300)
+    second = first[:40] + tokens(5, seed=1301)
+    fillers = [tokens(40, s) for s in range(1302, 1310)]
+    long = SamplingParams(max_tokens=24)  # well past the window of 8
+
+    def serve(e: LLMEngine) -> list[list[int]]:
+        out = [o.outputs[0].token_ids for o in e.generate([first], long)]
+        return out + run(e, fillers + [second])
+
+    want = serve(engine(hybrid, num_blocks=160))
+    e = engine(hybrid, host_tier_bytes=1 << 24, num_blocks=160)
+    try:
+        assert serve(e) == want
+        s = e.stats
+        assert s.evictions > 0 and s.hit_tokens == 0
+        # every full block of the shared 40 tokens, with each sliding group's window before it
+        assert s.host_hit_tokens == 40 and s.tier_rejected_values == 0
+    finally:
+        e.close()

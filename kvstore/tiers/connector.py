@@ -298,32 +298,36 @@ class TierConnector:
     def queue_offload(self, request: Request, tables: BlockIds, num_full_blocks: int) -> None:
         """Queue the first ``num_full_blocks`` blocks of a request's tables (computed, full)
         that some tier does not hold yet. Call before the pages are released."""
-        hashes = request.block_hashes[:num_full_blocks]
-        if not hashes:
-            return
+        n = min(num_full_blocks, len(request.block_hashes))
+        for g in range(len(self.layouts)):
+            self.queue_offload_blocks(request, g, [(i, b) for i, b in enumerate(tables[g][:n])])
+
+    def queue_offload_blocks(self, request: Request, group_id: int,
+                             blocks: Sequence[tuple[int, int]]) -> None:
+        """Queue blocks of one group, as (block index in the request, page id) pairs of full
+        computed blocks, that some tier does not hold yet (null pages are skipped). Call
+        before the pages can be overwritten."""
         bs = self.block_size
         # A store that just failed would drop the writes: skip it (and remember nothing).
         store_up = self.store is not None and bool(getattr(self.store, "available", True))
-        for g, layout in enumerate(self.layouts):
-            table = tables[g][:len(hashes)]
-            keys = request_keys(layout, hashes[:len(table)], request.cache_salt)
-            rows = []
-            for i, (block_id, key) in enumerate(zip(table, keys, strict=True)):
-                if block_id == 0:
-                    continue
-                to_host = (self.host is not None and key not in self._host_pending
-                           and self.host.contains([key]) == 0)
-                if to_host:
-                    self._host_pending.add(key)
-                to_store = store_up and key not in self._in_store
-                if to_host or to_store:
-                    rows.append((block_id, key, tuple(request.token_ids[i * bs:(i + 1) * bs]),
-                                 to_host, to_store))
-            if to_store_keys := [r[1] for r in rows if r[4]]:
-                self._remember(to_store_keys)
-            if rows:
-                ids, ks, toks, th, ts = zip(*rows, strict=True)
-                self._offloads.append(PendingOffload(g, ids, ks, toks, th, ts))
+        blocks = [(i, b) for i, b in blocks if b != 0]
+        hashes = request.block_hashes
+        keys = request_keys(self.layouts[group_id], [hashes[i] for i, _ in blocks], request.cache_salt)
+        rows = []
+        for (i, block_id), key in zip(blocks, keys, strict=True):
+            to_host = (self.host is not None and key not in self._host_pending
+                       and self.host.contains([key]) == 0)
+            if to_host:
+                self._host_pending.add(key)
+            to_store = store_up and key not in self._in_store
+            if to_host or to_store:
+                rows.append((block_id, key, tuple(request.token_ids[i * bs:(i + 1) * bs]),
+                             to_host, to_store))
+        if to_store_keys := [r[1] for r in rows if r[4]]:
+            self._remember(to_store_keys)
+        if rows:
+            ids, ks, toks, th, ts = zip(*rows, strict=True)
+            self._offloads.append(PendingOffload(group_id, ids, ks, toks, th, ts))
 
     def take_offloads(self) -> list[PendingOffload]:
         """The queued offloads (the worker must run them before pages are overwritten)."""
@@ -456,7 +460,7 @@ class TieredKVCacheManager(KVCacheManager):
     blocks for offload. ``take_pending_transfers()`` hands both to the worker, which runs
     them before the step's copies and forward."""
 
-    __slots__ = ("_tiers", "_tier_hits", "_loads", "_holds")
+    __slots__ = ("_tiers", "_tier_hits", "_loads", "_holds", "_watch")
 
     def __init__(self, config: KVCacheConfig, *args: Any, tiers: TierConnector, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -467,6 +471,9 @@ class TieredKVCacheManager(KVCacheManager):
         self._tier_hits: dict[str, tuple[ComputedBlocks, TierHit]] = {}
         self._loads: list[PendingLoad] = []
         self._holds: list[tuple[int, ...]] = []  # of the hits admitted since the last take
+        # request id -> sliding-window pages to offload when dropped, as (computed count at
+        # which the page leaves the window, group, block index), soonest first.
+        self._watch: dict[str, list[tuple[int, int, int]]] = {}
 
     @property
     def tiers(self) -> TierConnector:
@@ -505,7 +512,10 @@ class TieredKVCacheManager(KVCacheManager):
         rid = request.request_id
         pending = self._tier_hits.get(rid)
         if pending is None or computed is not pending[0]:
-            return super()._admit(request, num_new_tokens, computed, num_lookahead_tokens)
+            ids = super()._admit(request, num_new_tokens, computed, num_lookahead_tokens)
+            if ids is not None:
+                self._watch_window_ends(request, computed)
+            return ids
         extended, hit = pending
         bs = self.block_size
         n = hit.num_blocks
@@ -532,6 +542,7 @@ class TieredKVCacheManager(KVCacheManager):
             self._loads.append(PendingLoad(g, tuple(group_ids[k:n]), hit.payloads[g]))
             out.append(tuple(group_ids[k:]))
         request.num_computed_tokens = extended.num_full_hit_tokens
+        self._watch_window_ends(request, extended)
         self._tiers.record_admission(hit)
         if hit.held:
             self._holds.append(hit.held)
@@ -544,6 +555,7 @@ class TieredKVCacheManager(KVCacheManager):
         dropped = self._tier_hits.pop(rid, None)
         if dropped is not None:
             self._tiers.release(dropped[1].held)
+        self._watch.pop(rid, None)
         if self.requests.get(rid) is request and self.enable_caching:
             request.update_block_hashes(self.block_size, self.hash_fn)
             tables = self.block_table(rid)
@@ -552,6 +564,77 @@ class TieredKVCacheManager(KVCacheManager):
                            len(request.block_hashes))
             self._tiers.queue_offload(request, tables, num_full)
         super().free(request)
+
+    def grow(self, request: Request, num_new_tokens: int,
+             num_lookahead_tokens: int = 0) -> BlockIds | None:
+        """``KVCacheManager.grow``; sliding-window pages that leave the window within the
+        window before a likely hit end (the prompt's end, the lookup's hit end and branch
+        point) are queued for offload as they are dropped."""
+        watch = self._watch.get(request.request_id)
+        if watch is None or request.num_computed_tokens < watch[0][0]:
+            return super().grow(request, num_new_tokens, num_lookahead_tokens)
+        return self._grow_watched(request, num_new_tokens, num_lookahead_tokens, watch)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks | None = None,
+                       num_lookahead_tokens: int = 0) -> BlockIds | None:
+        """``KVCacheManager.allocate_slots``, growing a live request through ``grow``."""
+        if computed is None and self.requests.get(request.request_id) is request:
+            return self.grow(request, num_new_tokens, num_lookahead_tokens)
+        return super().allocate_slots(request, num_new_tokens, computed, num_lookahead_tokens)
+
+    def _grow_watched(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int,
+                      watch: list[tuple[int, int, int]]) -> BlockIds | None:
+        rid = request.request_id
+        due = [(g, i) for at, g, i in watch if at <= request.num_computed_tokens]
+        before = self.block_table(rid)
+        ids = super().grow(request, num_new_tokens, num_lookahead_tokens)
+        if ids is None:
+            return None
+        after = self.block_table(rid)
+        gone = {(g, i) for g, i in due if i < len(after[g]) and after[g][i] == 0}
+        offload: dict[int, list[tuple[int, int]]] = {}
+        for g, i in sorted(gone):
+            if i < len(before[g]) and before[g][i] != 0:
+                offload.setdefault(g, []).append((i, before[g][i]))
+        for g, blocks in offload.items():
+            self._tiers.queue_offload_blocks(request, g, blocks)
+        rest = [w for w in watch if (w[1], w[2]) not in gone]
+        if rest:
+            self._watch[rid] = rest
+        else:
+            del self._watch[rid]
+        return ids
+
+    def _watch_window_ends(self, request: Request, computed: ComputedBlocks | None) -> None:
+        """Note which sliding-window pages of an admitted request to offload when dropped:
+        those in the window before the prompt's end and, for a hit, before its end and the
+        lookup's branch point."""
+        tiers = self._tiers
+        if not tiers._window_groups or not self.enable_caching:
+            return
+        bs = self.block_size
+        p = request.num_prompt_tokens
+        ends = {(p - 1) // bs, p // bs}
+        if computed is not None:
+            ends |= {computed.num_full_hit_tokens // bs, computed.num_verified_tokens // bs}
+        first_kept = request.num_computed_tokens
+        watch = set()
+        for g in tiers._window_groups:
+            spec = self.config.groups[g].spec
+            window = spec.sliding_window
+            assert window is not None
+            for e in ends:
+                if e <= 0:
+                    continue
+                for i in range(spec.first_needed_position(e * bs) // bs, e):
+                    # Page i leaves the window once the next query is past its last token
+                    # by the window; those already out at admission are null.
+                    at = (i + 1) * bs + window - 1
+                    if at > first_kept:
+                        watch.add((at, g, i))
+        if watch:
+            self._watch[request.request_id] = sorted(watch)
 
     def take_pending_loads(self) -> list[PendingLoad]:
         """Loads queued by admissions since the last call."""
