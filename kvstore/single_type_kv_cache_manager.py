@@ -135,7 +135,8 @@ class SingleTypeKVCacheManager:
         hit or a fork could change that)."""
         table = self._req_to_blocks[request_id]
         bs = self.block_size
-        for b in table[num_computed_tokens // bs:]:
+        for i in range(num_computed_tokens // bs, len(table)):
+            b = table[i]
             if b.token_ids is not None or b.ref_cnt - b.pin_cnt > 1:
                 return None
         hi = ((self._num_cached_blocks[request_id] + 1) * bs if self.pool.enable_caching
@@ -189,20 +190,20 @@ class SingleTypeKVCacheManager:
         (done for every group before any group allocates, so dropped pages can be reused);
         `serials` as in `cache_blocks`."""
         self.cache_blocks(request, request.num_computed_tokens, serials)
-        self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
 
     def allocate(self, request: Request, num_tokens: int) -> tuple[int, ...]:
         """Copy shared pages about to be written and append pages up to `num_tokens`;
         returns the ids of the appended pages."""
-        rid = request.request_id
         pool = self.pool
-        table = self._req_to_blocks[rid]
+        table = self._req_to_blocks[request.request_id]
+        bs = self.block_size
         num_computed = request.num_computed_tokens
-        start = num_computed // self.block_size
-        for i, block in enumerate(self._blocks_to_write(table, num_computed, num_tokens), start):
-            if not is_shared(block):
+        end = -(-num_tokens // bs)
+        for i in range(num_computed // bs, min(end, len(table))):
+            block = table[i]
+            if block.ref_cnt - block.pin_cnt <= 1:  # not shared
                 continue
-            if i * self.block_size >= num_computed:
+            if i * bs >= num_computed:
                 # Shared but holding no computed token yet: a fresh page will do.
                 table[i] = pool.get_new_blocks(1, self.group_id)[0]
                 pool.free_blocks((block,))
@@ -212,7 +213,7 @@ class SingleTypeKVCacheManager:
             self._copies.pin(block)
             table[i] = self._copy_destination(block)
             pool.stats.fork_copies += 1
-        n_new = cdiv(num_tokens, self.block_size) - len(table)
+        n_new = end - len(table)
         if n_new <= 0:
             return ()
         new_blocks = pool.get_new_blocks(n_new, self.group_id)
@@ -319,11 +320,13 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Only the last W positions are kept; older pages return to the pool (still cached)."""
 
-    __slots__ = ("_dropped", "_ends")
+    __slots__ = ("_dropped", "_ends", "_window")
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1) -> None:
         super().__init__(pool, spec, group_id, copies, num_groups)
+        assert spec.sliding_window is not None
+        self._window = spec.sliding_window
         # Cached pages each request dropped from its window (with their content serials).
         self._dropped: dict[str, list[tuple[KVCacheBlock, int]]] = {}
         # Per request, the table index ranges [start, stop) within the window before a
@@ -379,6 +382,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         del self._ends[rid]
         self.pool.refresh(reversed(self._dropped.pop(rid)))
 
+    def release_computed(self, request: Request, serials: dict[int, int] | None = None) -> None:
+        """Cache the blocks computed so far, then drop the pages out of the next query's
+        window (see the base class)."""
+        self.cache_blocks(request, request.num_computed_tokens, serials)
+        self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+
     def hit_search(self, request: Request, parents: Sequence[int]) -> HitSearch:
         """Null blocks, then cached blocks under their prefix's serial covering the keys the
         next query can see before itself."""
@@ -410,9 +419,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if quiet is None:
             return None
         bs = self.block_size
-        window = self.spec.sliding_window
-        assert window is not None
-        first = self.spec.first_needed_position(num_computed_tokens) // bs
+        window = self._window
+        first = max(0, num_computed_tokens - window + 1) // bs
         if first < len(self._req_to_blocks[request_id]):
             # The smallest count whose first needed position reaches block first + 1.
             return min(quiet[0], (first + 1) * bs + window - 1), quiet[1]
@@ -427,6 +435,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block, deepest freed first."""
         table = self._req_to_blocks[request_id]
+        k = min(len(table), max(0, num_computed_tokens - self._window + 1) // self.block_size)
+        if k == 0 or table[k - 1].block_id == 0:
+            return  # nothing newly out of the window
         removed = []
         ends = self._ends[request_id]
         null = self.pool.null_block
