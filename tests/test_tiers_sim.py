@@ -194,3 +194,31 @@ def test_bench_cli_host_tier_rows_in_json_and_csv(tmp_path, capsys):
     assert {"prompt_host_hit_tokens", "prompt_store_hit_tokens", "prompt_device_hit_tokens",
             "total_hit_rate"} <= set(header)
     assert "prefix+tiers" in capsys.readouterr().out
+
+
+def test_a_tier_hit_too_large_to_admit_at_once_falls_back_to_the_device_hit():
+    """A hybrid tier hit allocates a page per loaded block in every group before the
+    sliding groups give back those below their window: on a pool that holds the request
+    only chunk by chunk, the request is admitted on its device hit instead of failing."""
+    import random
+
+    from kvstore.benchmarks.workloads import RequestSpec
+    from kvstore.engine.scheduler import SchedulerConfig
+
+    rng = random.Random(0)
+    long = tuple(rng.randrange(30000) for _ in range(2000))
+    reqs = [RequestSpec("a", 0.0, long, 8)]
+    reqs += [RequestSpec(f"f{i}", 1.0 + i, tuple(rng.randrange(30000) for _ in range(1500)), 8)
+             for i in range(6)]
+    reqs += [RequestSpec("b", 20.0, long[:1990] + (1, 2, 3), 8)]
+    specs = MODEL_SHAPES["tiny"].hybrid_specs(16)
+    sched = SchedulerConfig(256, 16)
+    host = TierOptions(host_bytes=64 << 20)
+    small = make_kv_cache_config(specs, num_blocks=300)
+    device = simulate(reqs, small, scheduler_config=sched)
+    tiered = simulate(reqs, small, scheduler_config=sched, tiers=host)
+    assert tiered.prompt_host_hit_tokens == 0 and tiered.computed_tokens == device.computed_tokens
+    # With room for the whole hit at once, the same request loads it from the host tier.
+    roomy = simulate(reqs, make_kv_cache_config(specs, num_blocks=800), scheduler_config=sched,
+                     tiers=host)
+    assert roomy.prompt_host_hit_tokens == 1984

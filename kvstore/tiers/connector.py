@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from kvstore.errors import RequestTooLargeError
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import BlockIds, KVCacheManager
 from kvstore.request import Request
@@ -106,6 +107,8 @@ class TierHitStats:
     loaded_blocks: int = 0  # blocks written into device pages by the worker (all groups)
     offloaded_blocks: int = 0  # blocks gathered from device pages and handed to the tiers
     rejected_values: int = 0  # values that failed verification (wrong size, tokens, checksum...)
+    # Hits dropped because admitting them at once would take more pages than the pool has.
+    oversized_hits: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Every counter."""
@@ -468,7 +471,8 @@ class TieredKVCacheManager(KVCacheManager):
             raise ValueError("the TierConnector was built for another KV cache config")
         self._tiers = tiers
         # request id -> (the extended hit handed out, what the tiers add to it)
-        self._tier_hits: dict[str, tuple[ComputedBlocks, TierHit]] = {}
+        # request id -> (the extended hit handed out, what the tiers add, the device hit)
+        self._tier_hits: dict[str, tuple[ComputedBlocks, TierHit, ComputedBlocks]] = {}
         self._loads: list[PendingLoad] = []
         self._holds: list[tuple[int, ...]] = []  # of the hits admitted since the last take
         # request id -> sliding-window pages to offload when dropped, as (computed count at
@@ -504,7 +508,7 @@ class TieredKVCacheManager(KVCacheManager):
         n = len(computed.partial_sources)
         extended = replace(computed, num_full_hit_tokens=(start + hit.num_blocks) * bs,
                            partial_sources=(None,) * n, num_partial_tokens=0)
-        self._tier_hits[rid] = (extended, hit)
+        self._tier_hits[rid] = (extended, hit, computed)
         return extended
 
     def _admit(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None,
@@ -516,7 +520,7 @@ class TieredKVCacheManager(KVCacheManager):
             if ids is not None:
                 self._watch_window_ends(request, computed)
             return ids
-        extended, hit = pending
+        extended, hit, on_device = pending
         bs = self.block_size
         n = hit.num_blocks
         first = hit.first_loaded or (0,) * len(extended.blocks)
@@ -528,7 +532,19 @@ class TieredKVCacheManager(KVCacheManager):
         blocks = tuple(b if not window[g] else [null] * min(len(b), window[g]) + b[window[g]:]
                        for g, b in enumerate(extended.blocks))
         device = replace(extended, num_full_hit_tokens=hit.start * bs, blocks=blocks)
-        ids = super()._admit(request, num_new_tokens + n * bs, device, num_lookahead_tokens)
+        try:
+            ids = super()._admit(request, num_new_tokens + n * bs, device, num_lookahead_tokens)
+        except RequestTooLargeError:
+            # Every group allocates a page per loaded block before the sliding groups return
+            # those below their window: more than the whole pool here. Admit on the device
+            # hit alone (the request computes what the tiers held).
+            del self._tier_hits[rid]
+            self._tiers.release(hit.held)
+            self._tiers.stats.oversized_hits += 1
+            ids = super()._admit(request, num_new_tokens, on_device, num_lookahead_tokens)
+            if ids is not None:
+                self._watch_window_ends(request, on_device)
+            return ids
         if ids is None:
             return None  # the hit stays recorded: a retry reuses its payloads
         del self._tier_hits[rid]
