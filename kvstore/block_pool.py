@@ -179,39 +179,36 @@ class BlockPool:
             block.ref_cnt += 1
             block.uses += 1
 
-    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference per block, in the order given (callers pass deepest first)."""
+    def free_blocks(self, blocks: Iterable[KVCacheBlock], group_id: int = -1) -> None:
+        """Drop one reference per block, in the order given (callers pass deepest first);
+        `group_id`, when given, is the group every block belongs to."""
         if type(blocks) is not list:
             blocks = list(blocks)
-        in_use = self.in_use_by_group
         now_free = []
         for i, block in enumerate(blocks):
-            if block.ref_cnt <= 0:
-                self._undo_free(blocks[:i])
+            n = block.ref_cnt - 1
+            if n < 0:
+                for b in blocks[:i]:  # a bad free leaves the pool as it was
+                    b.ref_cnt += 1
                 raise RuntimeError(f"double free of block {block.block_id}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                in_use[block.group_id] -= 1
+            block.ref_cnt = n
+            if n == 0:
                 now_free.append(block)
         if now_free:
+            in_use = self.in_use_by_group
+            if group_id >= 0:
+                in_use[group_id] -= len(now_free)
+            else:
+                for block in now_free:
+                    in_use[block.group_id] -= 1
             self.free_queue.freed_all(now_free)
-
-    def _undo_free(self, blocks: list[KVCacheBlock]) -> None:
-        """Take back the references a failed `free_blocks` dropped (none reached the policy),
-        so a bad free leaves the pool as it was."""
-        in_use = self.in_use_by_group
-        for block in blocks:
-            if block.ref_cnt == 0:
-                in_use[block.group_id] += 1
-            block.ref_cnt += 1
 
     def refresh(self, blocks: Iterable[tuple[KVCacheBlock, int]]) -> None:
         """Move free blocks that still hold the content of the given serial to the tail (most
         recently used), in the order given."""
-        queue = self.free_queue
-        for block, serial in blocks:
-            if block.ref_cnt == 0 and block.block_hash is not None and block.serial == serial:
-                queue.refresh(block)
+        self.free_queue.refresh_all([block for block, serial in blocks
+                                     if block.ref_cnt == 0 and block.block_hash is not None
+                                     and block.serial == serial])
 
     def reused(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Tell the policy these cached blocks were asked for again though not taken."""

@@ -89,6 +89,12 @@ class EvictionPolicy:
         """A free cached page is as recent as the request that just ended."""
         raise NotImplementedError
 
+    def refresh_all(self, blocks: list[KVCacheBlock]) -> None:
+        """`refresh` for each page, in order (one call per request end)."""
+        refresh = self.refresh
+        for block in blocks:
+            refresh(block)
+
     def orphaned(self, block: KVCacheBlock) -> None:
         """A free cached page's parent content is gone (only when `tracks_content`)."""
 
@@ -157,6 +163,22 @@ class LRUPolicy(FreeBlockQueue, EvictionPolicy):
         """Move to the tail."""
         self.remove(block)
         self.append(block)
+
+    def refresh_all(self, blocks: list[KVCacheBlock]) -> None:
+        """Move each page to the tail, in order, relinking in one pass."""
+        tail = self._tail
+        for block in blocks:
+            prev, nxt = block.prev_free, block.next_free
+            if prev is None or nxt is None:
+                raise ValueError(f"block {block.block_id} is not in the free queue")
+            prev.next_free = nxt
+            nxt.prev_free = prev
+            last = tail.prev_free
+            assert last is not None
+            last.next_free = block
+            block.prev_free = last
+            block.next_free = tail
+            tail.prev_free = block
 
 
 # Free lists of S3FIFOPolicy, in the order they are drained.

@@ -293,7 +293,7 @@ class SingleTypeKVCacheManager:
                 self.pool.cache_partial_block(
                     block, tuple(request.token_ids[tail * bs:num_computed]), self._last_serial[rid])
         # Deepest first, so a chain's root is the last of it to be evicted.
-        self.pool.free_blocks([b for b in reversed(table) if b.block_id != 0])
+        self.pool.free_blocks([b for b in reversed(table) if b.block_id != 0], self.group_id)
         del self._req_to_blocks[rid]
         del self._num_cached_blocks[rid]
         del self._last_serial[rid]
@@ -450,7 +450,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                     break
             removed.append(block)
             table[i] = null
-        self.pool.free_blocks(removed)
+        self.pool.free_blocks(removed, self.group_id)
         # Kept shallowest first (appending, no per-step shifting); freed deepest first.
         self._dropped[request_id].extend(
             (b, b.serial) for b in reversed(removed) if b.block_hash is not None)
