@@ -56,7 +56,7 @@ class KVCacheCoordinator:
     """All KV cache groups of one cache over one shared pool."""
 
     __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_spine_groups",
-                 "_cache_order")
+                 "_search_sets", "_cache_order")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies) -> None:
         self.config = config
@@ -70,6 +70,12 @@ class KVCacheCoordinator:
         full = [g for g, group in enumerate(config.groups) if group.spec.sliding_window is None]
         self._full_group = full[0] if full else -1
         self._spine_groups: tuple[int, ...] = (full[0],) if full else tuple(range(n))
+        # The other groups, in sets sharing one spec: each set is searched as one.
+        sets: dict[object, list[SingleTypeKVCacheManager]] = {}
+        for g, manager in enumerate(self.managers):
+            if g != self._full_group:
+                sets.setdefault(manager.spec, []).append(manager)
+        self._search_sets = tuple(tuple(ms) for ms in sets.values())
         # Full-attention groups cache their blocks first: a sliding group's null entries
         # below a tier hit's window take their serials from them.
         self._cache_order = tuple(self.managers[g] for g in full) + tuple(
@@ -135,11 +141,11 @@ class KVCacheCoordinator:
         parents, spine_blocks = self._verified_prefix(request, max_tokens // bs)
         num_blocks = len(spine_blocks)
         searches: list[HitSearch] = []
-        for g, manager in enumerate(self.managers):
-            if g == self._full_group:  # its chain is the verified prefix
-                searches.append(ChainSearch(manager, request, parents, spine_blocks))
-            else:
-                searches.append(manager.hit_search(request, parents))
+        if self._full_group >= 0:  # its chain is the verified prefix
+            searches.append(ChainSearch((self.managers[self._full_group],), request, parents,
+                                        spine_blocks))
+        for managers in self._search_sets:
+            searches.append(managers[0].hit_search(managers, request, parents))
         changed = True
         while changed:
             changed = False
@@ -149,7 +155,11 @@ class KVCacheCoordinator:
                     num_blocks = n
                     changed = True
         # Every group's last answer was exactly num_blocks.
-        hits = tuple(search.blocks(num_blocks) for search in searches)
+        per_group: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        for search in searches:
+            for g, blocks in zip(search.group_ids, search.blocks(num_blocks), strict=True):
+                per_group[g] = blocks
+        hits = tuple(per_group)
         full = num_blocks * bs
         parent = parents[num_blocks]
         sources: list[KVCacheBlock | None] = [None] * len(self.managers)

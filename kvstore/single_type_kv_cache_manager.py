@@ -71,9 +71,12 @@ class SingleTypeKVCacheManager:
         return self._num_cached_blocks[request_id]
 
     # ---- hits (pure) -------------------------------------------------------------------------
-    def hit_search(self, request: Request, parents: Sequence[int]) -> HitSearch:
-        """This group's hit search for one lookup of `request`; `parents[i]` is the serial
-        block i must hang under (the prefix before it, verified in the cache)."""
+    @staticmethod
+    def hit_search(managers: Sequence[SingleTypeKVCacheManager], request: Request,
+                   parents: Sequence[int]) -> HitSearch:
+        """The hit search of one lookup over these groups of this type (one spec);
+        `parents[i]` is the serial block i must hang under (the prefix before it, verified
+        in the cache)."""
         raise NotImplementedError
 
     def kept_hit_blocks(self, hit_blocks: Sequence[KVCacheBlock],
@@ -312,9 +315,12 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     __slots__ = ()
 
-    def hit_search(self, request: Request, parents: Sequence[int]) -> HitSearch:
-        """Cached blocks from block 0, each under its prefix's serial."""
-        return ChainSearch(self, request, parents)
+    @staticmethod
+    def hit_search(managers: Sequence[SingleTypeKVCacheManager], request: Request,
+                   parents: Sequence[int]) -> HitSearch:
+        """The hit search of one lookup over these groups of this type (one spec):
+        cached blocks from block 0, each under its prefix's serial (`parents[i]`)."""
+        return ChainSearch(managers, request, parents)
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -388,10 +394,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.cache_blocks(request, request.num_computed_tokens, serials)
         self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
 
-    def hit_search(self, request: Request, parents: Sequence[int]) -> HitSearch:
-        """Null blocks, then cached blocks under their prefix's serial covering the keys the
-        next query can see before itself."""
-        return WindowSearch(self, request, parents)
+    @staticmethod
+    def hit_search(managers: Sequence[SingleTypeKVCacheManager], request: Request,
+                   parents: Sequence[int]) -> HitSearch:
+        """The hit search of one lookup over these groups of this type (one spec): null
+        blocks, then cached blocks under their prefix's serial (`parents[i]`) covering the
+        keys the next query can see before itself."""
+        return WindowSearch(managers, request, parents)
 
     def _out_of_window(self, request_id: str, num_computed_tokens: int) -> list[int]:
         """Table indexes of pages no query from `num_computed_tokens` on can attend that are
@@ -457,37 +466,51 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 
 class HitSearch:
-    """One group's longest hit for one lookup, asked again each time the agreed length falls.
+    """The longest hit of one lookup in a set of groups sharing one spec, asked again each
+    time the agreed length falls.
 
-    `longest(cap)` is the longest hit of at most `cap` blocks this group can supply, and
-    `blocks(n)` the hit blocks of a length `longest` returned. Every hit block holds the
-    request's tokens of its position and hangs under the serial of the request's prefix
-    before it (`parents`), so it holds exactly what the request would compute, whatever the
-    hash. Caps passed to `longest` never rise; each block of the prompt is looked up at most
-    once per lookup, however often the cap falls."""
+    `longest(cap)` is the longest hit of at most `cap` blocks every group of the set can
+    supply, and `blocks(n)` the hit blocks of a length `longest` returned, one list per group.
+    Every hit block holds the request's tokens of its position and hangs under the serial of
+    the request's prefix before it (`parents`), so it holds exactly what the request would
+    compute, whatever the hash. Caps passed to `longest` never rise; each block of the prompt
+    is looked up at most once per group per lookup, however often the cap falls. Groups with
+    one spec are searched together, block by block, as one group whose block is present
+    only where every group holds it (their agreed hit is the same)."""
 
-    __slots__ = ("pool", "group_id", "block_size", "hashes", "tokens", "parents")
+    __slots__ = ("pool", "group_ids", "block_size", "hashes", "tokens", "parents")
 
-    def __init__(self, manager: SingleTypeKVCacheManager, request: Request,
+    def __init__(self, managers: Sequence[SingleTypeKVCacheManager], request: Request,
                  parents: Sequence[int]) -> None:
-        self.pool = manager.pool
-        self.group_id = manager.group_id
-        self.block_size = manager.block_size
+        self.pool = managers[0].pool
+        self.group_ids = tuple(m.group_id for m in managers)
+        self.block_size = managers[0].block_size
         self.hashes = request.block_hashes
         self.tokens = request.block_tokens
         self.parents = parents
 
-    def lookup(self, i: int) -> KVCacheBlock | None:
-        """The cached block of this group holding block i of the request, under its prefix."""
-        return self.pool.find_cached(self.group_id, self.hashes[i], self.tokens[i],
-                                     self.parents[i])
+    def lookup(self, i: int) -> list[KVCacheBlock] | None:
+        """The cached blocks of every group holding block i of the request under its prefix
+        (one per group), or None if some group has none."""
+        index, find = self.pool._hash_index, self.pool.find_cached
+        h, t, p = self.hashes[i], self.tokens[i], self.parents[i]
+        row = []
+        for g in self.group_ids:
+            block = index.get((g, h))
+            if block is not None and (block.parent_serial != p or block.token_ids != t):
+                block = find(g, h, t, p)  # a twin or a collision
+            if block is None:
+                return None
+            row.append(block)
+        return row
 
     def longest(self, cap: int) -> int:
         """The longest hit of at most `cap` blocks (at most the previous cap)."""
         raise NotImplementedError
 
-    def blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """The hit blocks of a length `longest` returned (null where not needed)."""
+    def blocks(self, num_blocks: int) -> list[list[KVCacheBlock]]:
+        """Per group of the set, the hit blocks of a length `longest` returned (null where
+        not needed)."""
         raise NotImplementedError
 
 
@@ -496,33 +519,46 @@ class ChainSearch(HitSearch):
 
     __slots__ = ("found", "complete")
 
-    def __init__(self, manager: SingleTypeKVCacheManager, request: Request,
+    def __init__(self, managers: Sequence[SingleTypeKVCacheManager], request: Request,
                  parents: Sequence[int], found: list[KVCacheBlock] | None = None) -> None:
-        super().__init__(manager, request, parents)
-        # Blocks 0.. found so far; `complete` once a block is missing.
-        self.found: list[KVCacheBlock] = found if found is not None else []
+        super().__init__(managers, request, parents)
+        # Blocks 0.. found so far (one group) or rows of them (several); `complete` once a
+        # block is missing. `found`, for a single group, is its chain verified already.
+        self.found: list = [] if found is None else found
         self.complete = found is not None
 
     def longest(self, cap: int) -> int:
         """The cached blocks from block 0, at most `cap` of them."""
         found = self.found
         if not self.complete and len(found) < cap:
-            index, g = self.pool._hash_index, self.group_id
+            if len(self.group_ids) > 1:
+                lookup = self.lookup
+                for i in range(len(found), cap):
+                    row = lookup(i)
+                    if row is None:
+                        self.complete = True
+                        break
+                    found.append(row)
+                return min(cap, len(found))
+            index, g, find = self.pool._hash_index, self.group_ids[0], self.pool.find_cached
             hashes, tokens, parents = self.hashes, self.tokens, self.parents
             for i in range(len(found), cap):
                 block = index.get((g, hashes[i]))
                 if block is not None and (block.parent_serial != parents[i]
                                           or block.token_ids != tokens[i]):
-                    block = self.lookup(i)  # a twin or a collision
+                    block = find(g, hashes[i], tokens[i], parents[i])  # a twin or a collision
                 if block is None:
                     self.complete = True
                     break
                 found.append(block)
         return min(cap, len(found))
 
-    def blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """The first `num_blocks` blocks of the chain."""
-        return self.found[:num_blocks]
+    def blocks(self, num_blocks: int) -> list[list[KVCacheBlock]]:
+        """The first `num_blocks` blocks of the chain, per group."""
+        rows = self.found[:num_blocks]
+        if len(self.group_ids) == 1:
+            return [rows]
+        return [[row[k] for row in rows] for k in range(len(self.group_ids))]
 
 
 class WindowSearch(HitSearch):
@@ -536,11 +572,12 @@ class WindowSearch(HitSearch):
 
     __slots__ = ("spec", "found", "end", "low")
 
-    def __init__(self, manager: SingleTypeKVCacheManager, request: Request,
+    def __init__(self, managers: Sequence[SingleTypeKVCacheManager], request: Request,
                  parents: Sequence[int]) -> None:
-        super().__init__(manager, request, parents)
-        self.spec = manager.spec
-        self.found: dict[int, KVCacheBlock] = {}
+        super().__init__(managers, request, parents)
+        self.spec = managers[0].spec
+        # Block index -> its block (one group) or its row of blocks (several).
+        self.found: dict = {}
         self.end = -1  # no cap seen yet
         self.low = 0
 
@@ -549,35 +586,57 @@ class WindowSearch(HitSearch):
         return self.spec.first_needed_position(end * self.block_size) // self.block_size
 
     def longest(self, cap: int) -> int:
-        """The longest hit of at most `cap` blocks whose window is cached."""
+        """The longest hit of at most `cap` blocks whose window is cached in every group."""
         if self.end < 0 or cap < self.end:
             self.low = cap if self.end < 0 else min(self.low, cap)
             self.end = cap
-        index, g = self.pool._hash_index, self.group_id
+        index, find, groups = self.pool._hash_index, self.pool.find_cached, self.group_ids
+        g0 = groups[0] if len(groups) == 1 else -1
         hashes, tokens, parents, found = self.hashes, self.tokens, self.parents, self.found
         while self.end > 0:
             start = self.start(self.end)
             low = self.low
             while low > start:
                 j = low - 1
-                block = index.get((g, hashes[j]))
-                if block is not None and (block.parent_serial != parents[j]
-                                          or block.token_ids != tokens[j]):
-                    block = self.lookup(j)  # a twin or a collision
-                if block is None:
-                    self.end = self.low = j  # every end in (j, end] needs block j
-                    break
-                found[j] = block
-                low = j
+                h, t, p = hashes[j], tokens[j], parents[j]
+                if g0 >= 0:
+                    block = index.get((g0, h))
+                    if block is not None and (block.parent_serial != p or block.token_ids != t):
+                        block = find(g0, h, t, p)  # a twin or a collision
+                    if block is None:
+                        self.end = self.low = j  # every end in (j, end] needs block j
+                        break
+                    found[j] = block
+                    low = j
+                    continue
+                row = []
+                for g in groups:
+                    block = index.get((g, h))
+                    if block is not None and (block.parent_serial != p or block.token_ids != t):
+                        block = find(g, h, t, p)
+                    if block is None:
+                        break
+                    row.append(block)
+                else:
+                    found[j] = row
+                    low = j
+                    continue
+                self.end = self.low = j
+                break
             else:
                 self.low = low
                 return self.end
         return 0
 
-    def blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Null blocks before the window of a hit of `num_blocks` blocks, then its blocks."""
+    def blocks(self, num_blocks: int) -> list[list[KVCacheBlock]]:
+        """Per group, null blocks before the window of a hit of `num_blocks` blocks, then its
+        blocks."""
         start = min(self.start(num_blocks), num_blocks)
-        return [self.pool.null_block] * start + [self.found[j] for j in range(start, num_blocks)]
+        null = [self.pool.null_block] * start
+        rows = [self.found[j] for j in range(start, num_blocks)]
+        if len(self.group_ids) == 1:
+            return [null + rows]
+        return [null + [row[k] for row in rows] for k in range(len(self.group_ids))]
 
 
 # The manager class of each spec type.
