@@ -96,7 +96,9 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
     """Replay Mooncake rows through a KVCacheManager of `layout` at the bytes of an all-full
     cache of `capacity_tokens` tokens. Returns ``token_hit_rate``, ``hit_tokens``,
     ``input_tokens``, ``hit_blocks``, ``total_blocks``, ``num_blocks`` (the pool's pages),
-    ``truncated`` (rows cut to what the pool can hold at once), ``per_request_hit_tokens``
+    ``truncated`` (rows cut to what the pool can hold at once), ``cut_tokens`` and
+    ``cut_rate`` (tokens past the hit whose full-attention chain was cached but whose window
+    pages were not: hits a sliding-window group cut), ``per_request_hit_tokens``
     and, per group, ``groups``: its layers, pages stored, evicted, cached at the end and on
     average (sampled after every request), and hit pages."""
     specs = layer_specs(layout, block_tokens)
@@ -116,7 +118,7 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
     resident = [0] * ng
     resident_sum = [0] * ng
     hit_pages = [0] * ng
-    input_tokens = hit_tokens = hit_blocks = total_blocks = truncated = 0
+    input_tokens = hit_tokens = hit_blocks = total_blocks = truncated = cut_tokens = 0
     per_request: list[int] = []
     for n, row in enumerate(rows):
         ids = row.hash_ids
@@ -153,6 +155,8 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
         for g in range(ng):
             resident_sum[g] += resident[g]
         hit = min(k * block_tokens, row.input_length)
+        cut_tokens += min(computed.num_verified_tokens, row.input_length) - min(
+            hit, computed.num_verified_tokens)
         per_request.append(hit)
         hit_tokens += hit
         hit_blocks += k
@@ -184,6 +188,8 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
         "total_blocks": total_blocks,
         "hit_blocks": hit_blocks,
         "token_hit_rate": hit_rate(hit_tokens, input_tokens),
+        "cut_tokens": cut_tokens,
+        "cut_rate": hit_rate(cut_tokens, input_tokens),
         "groups": groups,
         "per_request_hit_tokens": per_request,
     }
@@ -209,6 +215,7 @@ def capacity_row(rows: Sequence[MooncakeRequest], cap: int,
     for name in policies:
         res = hybrid_replay(rows, cap, name)
         row[name] = res["token_hit_rate"]
+        row[f"{name}_cut"] = res["cut_rate"]
         row["groups"][name] = res["groups"]
         row["truncated"] = res["truncated"]
     row["seconds"] = time.perf_counter() - t0
@@ -261,9 +268,11 @@ def format_table(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str
 
 def format_groups(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str]) -> list[str]:
     """A markdown table: per trace, capacity and policy, pages kept (mean cached) and
-    evicted, and hit pages, for the full group and the window groups together."""
+    evicted, and hit pages, for the full group and the window groups together, and the
+    share of input tokens a window group cut from a cached full chain."""
     lines = ["| trace | budget | policy | full: mean cached / evicted / hit | "
-             "window: mean cached / evicted / hit |", "|---|---|---|---|---|"]
+             "window: mean cached / evicted / hit | cut by a window |",
+             "|---|---|---|---|---|---|"]
     for name, rows in curves.items():
         for r in rows:
             for p in policies:
@@ -274,7 +283,7 @@ def format_groups(curves: dict[str, list[dict[str, Any]]], policies: Sequence[st
                                  f"{sum(g['evicted'] for g in gs):,} / "
                                  f"{sum(g['hit_pages'] for g in gs):,}")
                 lines.append(f"| {name} | {r['capacity_tokens'] / 1e6:g}M | {p} | "
-                             + " | ".join(cells) + " |")
+                             + " | ".join(cells) + f" | {r[f'{p}_cut']:.3f} |")
     return lines
 
 

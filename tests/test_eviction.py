@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 from invariants import check_pool
 
-from kvstore.benchmarks.eviction_replay import brute_force_best_hit_blocks, gap_closed, min_replay
+from kvstore.benchmarks.eviction_replay import (
+    brute_force_best_hit_blocks,
+    gap_closed,
+    min_replay,
+    reuse_oracle_replay,
+)
+from kvstore.benchmarks.hybrid_replay import hybrid_replay, layer_specs
 from kvstore.benchmarks.mooncake_replay import pool_replay
 from kvstore.benchmarks.traces import MooncakeRequest, mooncake_lru_replay
 from kvstore.block import KVCacheBlock
@@ -236,3 +242,93 @@ def test_window_policy_drops_far_window_pages_first_and_keeps_units() -> None:
                                                        near.block_id, far.block_id)]
     assert ids == [far.block_id, full_a.block_id, near.block_id, full_b.block_id]
     check_pool(pool)
+
+
+def test_window_policy_ages_used_ends_in_main_and_holds_fresh_ones() -> None:
+    """A tagged window page a hit already used (an end a request continued past) joins main
+    with the full pages and leaves before a fresh tagged end, which is held."""
+    pool = BlockPool(8, eviction="window", chained_groups=frozenset({0}), num_groups=2)
+    policy = pool.free_queue
+    root = pool.root_serial(None)
+    full_old, full_new, other = pool.get_new_blocks(3, 0)
+    used_end, fresh_end = pool.get_new_blocks(2, 1)
+    s_old = pool.cache_full_block(full_old, 1, (1,), root)
+    s_new = pool.cache_full_block(full_new, 2, (2,), s_old)
+    pool.cache_full_block(other, 3, (3,), root)
+    pool.cache_full_block(used_end, 1, (1,), root, serial=s_old)
+    pool.cache_full_block(fresh_end, 2, (2,), s_old, serial=s_new)
+    pool.touch([used_end])  # a hit used it; the request continued to full_new
+    used_end.hint = fresh_end.hint = 1
+    assert policy.small_fraction == 0.25  # no window page freed yet
+    pool.free_blocks([full_new, full_old, other, fresh_end, used_end, used_end])
+    assert policy.small_fraction == 0.5  # a sliding-window page was freed: hybrid
+    order = [b.block_id for b in policy if b.token_ids is not None]
+    assert order.index(used_end.block_id) < order.index(fresh_end.block_id)
+    assert order[-1] == fresh_end.block_id  # held: only when nothing else is free
+    assert used_end.free_tag == 3  # main, with the reused full pages
+    check_pool(pool)
+
+
+def test_window_policy_keeps_s3fifo_share_without_window_pages() -> None:
+    rows = trie_trace([[0, 1, 2], [0, 1, 3], [4, 5], [0, 1, 2]])
+    assert pool_replay(rows, 4, eviction="window") == pool_replay(rows, 4, eviction="s3fifo")
+
+
+# ---- the reuse oracle and the hybrid replay -----------------------------------------------------
+
+def test_reuse_oracle_on_a_hand_trace() -> None:
+    # Chains A, B, C, A: B and C never return, so the oracle evicts them and A hits.
+    rows = trie_trace([[0, 0], [1, 1], [2, 2], [0, 0]])
+    assert reuse_oracle_replay(rows, 4)["hit_blocks"] == 2
+    assert reuse_oracle_replay(rows, 2)["hit_blocks"] == 0  # A is evicted to admit B
+
+
+@settings(max_examples=60, deadline=None)
+@given(paths=paths_st, cap=st.integers(1, 6))
+def test_reuse_oracle_within_lru_and_min(paths: list[list[int]], cap: int) -> None:
+    rows = trie_trace(paths)
+    oracle = reuse_oracle_replay(rows, cap)["hit_blocks"]
+    assert oracle <= min_replay(rows, cap)["hit_blocks"]
+    # Unbounded, it is LRU (nothing is evicted either way).
+    big = sum(len(r.hash_ids) for r in rows)
+    assert reuse_oracle_replay(rows, big)["hit_blocks"] == mooncake_lru_replay(rows, big)["hit_blocks"]
+
+
+def _turns() -> list[MooncakeRequest]:
+    """A conversation: turn 2 repeats turn 1's 3 full blocks (its partial 4th block gets a
+    new id, as in the Mooncake traces) and adds 2; turn 3 continues turn 2 the same way."""
+    return [MooncakeRequest(0, 3 * BT + 100, 10, (0, 1, 2, 3)),
+            MooncakeRequest(1, 5 * BT + 7, 10, (0, 1, 2, 4, 5, 6)),
+            MooncakeRequest(2, 6 * BT + 1, 10, (0, 1, 2, 4, 5, 7, 8))]
+
+
+@pytest.mark.parametrize("layout", ["hybrid", "full"])
+@pytest.mark.parametrize("name", POLICIES)
+def test_hybrid_replay_continues_at_the_last_full_block(layout: str, name: str) -> None:
+    """With room for everything, each turn hits exactly the previous turn's full blocks: the
+    window pages before the prompt end are there, the partial block is not a hit."""
+    res = hybrid_replay(_turns(), 1_000_000, name, layout=layout)
+    assert res["per_request_hit_tokens"] == [0, 3 * BT, 5 * BT]
+    assert res["cut_tokens"] == 0
+    kinds = {g["kind"] for g in res["groups"]}
+    assert kinds == ({"full", "window"} if layout == "hybrid" else {"full"})
+    for g in res["groups"]:
+        assert g["stored"] - g["evicted"] == g["cached_end"]
+        # Full blocks computed: 3, then 2 more, then 1 more (partial blocks are not stored).
+        assert g["stored"] == 6
+        assert g["evicted"] == 0
+    full = [g for g in res["groups"] if g["kind"] == "full"]
+    assert [g["hit_pages"] for g in full] == [8]
+    # A window group's hit holds only the window before the hit end (W = 2 blocks).
+    for g in res["groups"]:
+        if g["kind"] == "window":
+            assert g["hit_pages"] == 4
+
+
+def test_hybrid_layout_pages_and_budget() -> None:
+    specs = layer_specs("hybrid")
+    assert sum(s.sliding_window is None for s in specs) == 10 and len(specs) == 62
+    # 1M tokens of an all-full cache: 1953 blocks x 62 layers = 12108 pages of 10 layers.
+    res = hybrid_replay(_turns()[:1], 1_000_000, "lru")
+    assert res["num_blocks"] == 1_000_000 // BT * 62 // 10
+    assert hybrid_replay(_turns()[:1], 1_000_000, "lru", layout="full")["num_blocks"] == 1953
