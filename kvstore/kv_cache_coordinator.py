@@ -250,6 +250,12 @@ class KVCacheCoordinator:
             resident += manager.spec.num_resident_blocks(num_computed_tokens, num_tokens)
         return AllocationPlan(need, released, resident)
 
+    def num_resident_blocks(self, num_computed_tokens: int, num_tokens: int) -> int:
+        """Pages a request of `num_tokens` tokens holds in all groups once its next query is
+        at `num_computed_tokens`."""
+        return sum(m.spec.num_resident_blocks(num_computed_tokens, num_tokens)
+                   for m in self.managers)
+
     def quiet_range(self, request: Request) -> tuple[int, int, int] | None:
         """Right after every group's `is_noop` held: (lo, hi, max_tokens) such that growing
         the request to at most `max_tokens` tokens needs nothing in any group while its

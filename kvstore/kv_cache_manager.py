@@ -263,10 +263,21 @@ class KVCacheManager:
         """The hit to admit on so that its pages and `num_more_tokens` more fit the pool:
         `computed`, or its full-block part alone, or None."""
         num_tokens = computed.num_computed_tokens + num_more_tokens
+        num_free = self._pool.num_free_blocks
+        # Every group takes a new page for each position past the hit (and its partial
+        # block): when the free pages do not cover that, neither the hit nor its full-block
+        # part fits, and the exact plan is not needed.
+        num_hit_blocks = computed.num_full_hit_tokens // self.block_size
+        bound = self._num_groups * (-(-num_tokens // self.block_size) - num_hit_blocks
+                                    - (computed.num_partial_tokens > 0))
+        if bound > num_free:
+            self._check_pool_holds(request.request_id, self._coordinator.num_resident_blocks(
+                computed.num_computed_tokens, num_tokens), num_tokens)
+            return None
         plan = self._coordinator.num_blocks_needed(request, computed.num_computed_tokens,
                                                    num_tokens, computed)
         self._check_pool_holds(request.request_id, plan.num_resident, num_tokens)
-        if plan.num_free_needed <= self._pool.num_free_blocks + plan.num_released:
+        if plan.num_free_needed <= num_free + plan.num_released:
             return computed
         if not computed.num_partial_tokens:
             return None
