@@ -115,7 +115,12 @@ def _pct(x: float | None) -> str:
 
 
 def _count(n: float) -> str:
-    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else f"{n:.0f}"
+    """At most 5 characters: ``9999``, ``12.3k``, ``123k``, ``1.23M``."""
+    if n >= 1e6:
+        return f"{n / 1e6:.2f}M"
+    if n >= 1e5:
+        return f"{n / 1e3:.0f}k"
+    return f"{n / 1e3:.1f}k" if n >= 1e4 else f"{n:.0f}"
 
 
 # The table's columns: (name, name in the narrow table or None, justify). The narrow

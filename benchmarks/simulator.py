@@ -30,6 +30,7 @@ class TierOptions:
 
     host_bytes: int | None = None
     store: str | None = None
+    window_offload: str = "ends"  # kvstore.tiers.connector.WINDOW_OFFLOADS
 
     def __bool__(self) -> bool:
         return bool(self.host_bytes or self.store)
@@ -80,7 +81,8 @@ def _tier_connector(config: KVCacheConfig, tiers: TierOptions) -> PlaceholderCon
     host = ModelTier(tiers.host_bytes, name="host") if tiers.host_bytes else None
     store = open_store(tiers.store) if tiers.store else None
     # A name of its own: replays sharing a server never see each other's keys.
-    return PlaceholderConnector(config, f"kvstore-bench-{uuid.uuid4().hex}", host=host, store=store)
+    return PlaceholderConnector(config, f"kvstore-bench-{uuid.uuid4().hex}", host=host, store=store,
+                                window_offload=tiers.window_offload)
 
 
 def _close_tiers(connector: PlaceholderConnector) -> None:

@@ -110,6 +110,17 @@ def test_host_tier_adds_hits_at_the_same_device_budget():
     assert small.prompt_host_hit_tokens < tiered.prompt_host_hit_tokens
 
 
+def test_dropped_windows_at_likely_hit_ends_add_host_hits():
+    hits = {m: _replay(1200, TierOptions(host_bytes=4 << 20, window_offload=m), "hybrid")
+            for m in ("none", "ends", "all")}
+    assert hits["none"].prompt_host_hit_tokens < hits["ends"].prompt_host_hit_tokens \
+        <= hits["all"].prompt_host_hit_tokens
+    assert hits["none"].tier_offloaded_blocks <= hits["ends"].tier_offloaded_blocks \
+        <= hits["all"].tier_offloaded_blocks
+    with pytest.raises(ValueError, match="window_offload"):
+        _replay(1200, TierOptions(host_bytes=1 << 20, window_offload="some"), "hybrid")
+
+
 def test_hybrid_replay_with_a_store():
     device = _replay(1200, None, "hybrid")
     tiered = _replay(1200, TierOptions(store="mem"), "hybrid")
@@ -174,6 +185,10 @@ def test_sweep_with_tiers_side_by_side_in_80_columns():
     text = console.export_text()
     assert "…" not in text and max(map(len, text.splitlines())) <= 80
     assert "prefix+tiers" in text and " host " in text and "store" in text
+    from kvstore.benchmarks.bench import _count
+
+    assert [_count(n) for n in (9999, 12345, 114_800, 999_499, 1_234_567)] == \
+        ["9999", "12.3k", "115k", "999k", "1.23M"]  # the narrow table's counts stay 5 wide
     console = Console(width=250, record=True, color_system=None)
     print_table(res, console, wide=True)
     text = console.export_text()

@@ -115,13 +115,24 @@ class TierHitStats:
         return dict(self.__dict__)
 
 
+#: Which sliding-window pages dropped mid-request are offloaded as they are dropped:
+#: ``ends``, those in the window before a likely hit end; ``all``; ``none`` (only the pages
+#: held at free are offloaded).
+WINDOW_OFFLOADS = ("ends", "all", "none")
+
+
 class TierConnector:
     """The tiers of one engine (``host`` then ``store``, either optional), with the block
-    layout of each KV cache group and the bookkeeping of what was offloaded."""
+    layout of each KV cache group and the bookkeeping of what was offloaded.
+    ``window_offload`` (one of ``WINDOW_OFFLOADS``) picks the sliding-window pages dropped
+    mid-request that are offloaded."""
 
     def __init__(self, config: KVCacheConfig, model_name: str, *, host: Tier | None = None,
                  store: Tier | None = None, extra: str = "",
-                 recent_keys: int = 1 << 16) -> None:
+                 recent_keys: int = 1 << 16, window_offload: str = "ends") -> None:
+        if window_offload not in WINDOW_OFFLOADS:
+            raise ValueError(f"window_offload must be one of {WINDOW_OFFLOADS}, got {window_offload!r}")
+        self.window_offload = window_offload
         full = tuple(g for g, group in enumerate(config.groups)
                      if isinstance(group.spec, FullAttentionSpec))
         if not full:
@@ -625,9 +636,9 @@ class TieredKVCacheManager(KVCacheManager):
     def _watch_window_ends(self, request: Request, computed: ComputedBlocks | None) -> None:
         """Note which sliding-window pages of an admitted request to offload when dropped:
         those in the window before the prompt's end and, for a hit, before its end and the
-        lookup's branch point."""
+        lookup's branch point (every page with ``window_offload="all"``)."""
         tiers = self._tiers
-        if not tiers._window_groups or not self.enable_caching:
+        if not tiers._window_groups or not self.enable_caching or tiers.window_offload == "none":
             return
         bs = self.block_size
         p = request.num_prompt_tokens
@@ -635,20 +646,19 @@ class TieredKVCacheManager(KVCacheManager):
         if computed is not None:
             ends |= {computed.num_full_hit_tokens // bs, computed.num_verified_tokens // bs}
         first_kept = request.num_computed_tokens
-        watch = set()
+        watch = []
         for g in tiers._window_groups:
             spec = self.config.groups[g].spec
             window = spec.sliding_window
             assert window is not None
-            for e in ends:
-                if e <= 0:
-                    continue
-                for i in range(spec.first_needed_position(e * bs) // bs, e):
-                    # Page i leaves the window once the next query is past its last token
-                    # by the window; those already out at admission are null.
-                    at = (i + 1) * bs + window - 1
-                    if at > first_kept:
-                        watch.add((at, g, i))
+            if tiers.window_offload == "all":
+                pages = set(range((p + request.max_tokens) // bs))
+            else:
+                pages = {i for e in ends if e > 0
+                         for i in range(spec.first_needed_position(e * bs) // bs, e)}
+            # Page i leaves the window once the next query is past its last token by the
+            # window; those already out at admission are null.
+            watch += [(at, g, i) for i in pages if (at := (i + 1) * bs + window - 1) > first_kept]
         if watch:
             self._watch[request.request_id] = sorted(watch)
 

@@ -193,9 +193,10 @@ class PlaceholderConnector(TierConnector):
     ``admitted``, for the replay to read."""
 
     def __init__(self, config: KVCacheConfig, model_name: str, *, host: Tier | None = None,
-                 store: Tier | None = None, extra: str = "", recent_keys: int = 1 << 16) -> None:
+                 store: Tier | None = None, extra: str = "", recent_keys: int = 1 << 16,
+                 window_offload: str = "ends") -> None:
         super().__init__(config, model_name, host=host, store=store, extra=extra,
-                         recent_keys=recent_keys)
+                         recent_keys=recent_keys, window_offload=window_offload)
         self.stored_keys: list[bytes] = []
         self.admitted: dict[str, tuple[int, int]] = {}  # request id -> (host, store) tokens
 
