@@ -10,14 +10,15 @@ forward.
   indexed in the device pool at the request's next step, like computed blocks.
 - Offload: when a request is freed (finished or preempted), its full computed blocks that
   the tiers do not hold yet are queued as a ``PendingOffload``; the worker gathers them
-  before anything else of the next step can overwrite the pages, and hands the values to
-  the host tier (synchronous) and the store (a background writer: the engine never waits
-  for a store write).
+  before anything else of the next step can overwrite the pages, into the host tier's
+  slots (synchronous) and as values for the store (a background writer: the engine never
+  waits for a store write).
 
 Hybrid layouts: sliding-window groups load only their window before the hit's end (null
-entries below) and offload the pages they hold at free (pages dropped from the window
-mid-request are not offloaded). A layout needs a full-attention group (the verified
-chain): :class:`TierConnector` refuses window-only configs.
+entries below) and offload the pages they hold at free, and the pages they drop
+mid-request that lie in the window before a likely hit end (``window_offload``). A layout
+needs a full-attention group (the verified chain): :class:`TierConnector` refuses
+window-only configs.
 
 Imports no torch; the worker-side functions import it when called."""
 
@@ -164,7 +165,7 @@ class TierConnector:
     @classmethod
     def create(cls, config: KVCacheConfig, model_name: str, *, host_tier_bytes: int | None = None,
                store_url: str | None = None, store_timeout_s: float = 0.5,
-               extra: str = "") -> TierConnector:
+               extra: str = "", window_offload: str = "ends") -> TierConnector:
         """A connector with a ``HostTier`` of ``host_tier_bytes`` and a ``ValkeyStore`` at
         ``store_url`` (either may be None)."""
         from kvstore.tiers.host import HostTier
@@ -177,7 +178,8 @@ class TierConnector:
             from kvstore.tiers.valkey_store import ValkeyStore
 
             store = ValkeyStore(store_url, timeout_s=store_timeout_s)
-        return cls(config, model_name, host=host, store=store, extra=extra)
+        return cls(config, model_name, host=host, store=store, extra=extra,
+                   window_offload=window_offload)
 
     def tier_name(self, i: int) -> str:
         """``host`` or ``store`` for tier i."""

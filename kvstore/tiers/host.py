@@ -1,8 +1,9 @@
-"""The host tier (CPU memory with its own byte capacity and LRU order) and the batched
-transfers between device pages and packed host buffers.
+"""The host tier (encoded values in fixed-size slots of a preallocated CPU arena, with its
+own byte capacity and LRU order) and the batched transfers between device pages and packed
+host buffers.
 
-The tier itself stores encoded values and imports no torch; the transfer functions import
-torch when called."""
+Importing this module imports no torch; the arena and the transfer functions import it
+when first used."""
 
 from __future__ import annotations
 
