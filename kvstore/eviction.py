@@ -13,13 +13,17 @@ it for pages to reuse (`take`). Every call is O(1) per page.
   then a small probation FIFO of pages never reused, then the main LRU of pages that were
   reused or whose content was evicted from probation recently (a ghost list of content
   hashes). One-shot prompts pass through probation without flushing reused prefixes.
-- ``window``: ``s3fifo`` plus window-aware retention for layouts with sliding-window groups.
+- ``adaptive``: ``s3fifo`` whose probation share adapts as ARC's target does, from a second
+  ghost list of content evicted from main: recomputed content that had left probation grows
+  the share, recomputed content that had left main shrinks it.
+- ``window``: ``adaptive`` plus window-aware retention for layouts with sliding-window groups.
   A windowed page can serve only hits that end within W tokens after it, so the sliding
   window groups tag the pages they free (`KVCacheBlock.hint`): near a likely hit end (a
   prompt end, an output end, a branch point a lookup found) or not. Untagged window pages
   go right after orphans, before any full-attention page. Tagged ones are kept as a unit
   with the full-attention page of the same content: they leave only when that page's
-  content is evicted (the pool then marks them orphans) or when nothing else is free.
+  content is evicted (the pool then marks them orphans) or when nothing else is free; once a
+  hit has used them and a request continued past them, they age in main with the full pages.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = [
     "EvictionPolicy",
     "LRUPolicy",
     "S3FIFOPolicy",
+    "AdaptivePolicy",
     "WindowPolicy",
     "EVICTION_POLICIES",
     "DEFAULT_EVICTION",
@@ -183,6 +188,8 @@ class LRUPolicy(FreeBlockQueue, EvictionPolicy):
 
 # Free lists of S3FIFOPolicy, in the order they are drained.
 _EMPTY, _ORPHAN, _SMALL, _MAIN = range(4)
+# Bounds of an adaptive probation share.
+_MIN_SHARE, _MAX_SHARE = 0.05, 0.9
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -190,10 +197,17 @@ class S3FIFOPolicy(EvictionPolicy):
 
     Probation is drained while it holds more than `small_fraction` of the free cached
     pages. Content evicted from probation is remembered by (group, block hash) in a ghost
-    list as long as the pool; when it is cached and freed again it joins main directly."""
+    list as long as the pool; when it is cached and freed again it joins main directly.
+
+    With `adaptive` (the ``adaptive`` policy), content evicted from main is remembered in a
+    second ghost list as long as the pool, and the share adapts as ARC adapts its target:
+    content recomputed after leaving probation grows it (probation was too short to see
+    the reuse), content recomputed after leaving main shrinks it (main was too small), each
+    by max(1, other ghost / this ghost) pages, within [0.05, 0.9] of the free pages."""
 
     name = "s3fifo"
     tracks_content = True
+    adaptive: ClassVar[bool] = False
 
     def __init__(self, small_fraction: float = 0.25) -> None:
         if not 0.0 < small_fraction < 1.0:
@@ -201,12 +215,13 @@ class S3FIFOPolicy(EvictionPolicy):
         self.small_fraction = small_fraction
         self._lists = [FreeBlockQueue() for _ in range(4)]
         self._ghost: dict[tuple[int, int], None] = {}
+        self._main_ghost: dict[tuple[int, int], None] = {}
         self._ghost_cap = 0
         self._size = 0  # pages in all lists
 
     def attach(self, blocks: list[KVCacheBlock]) -> None:
-        """All pages start empty; the ghost list holds as many entries as there are pages."""
-        self._ghost_cap = len(blocks)
+        """All pages start empty; each ghost list holds as many entries as there are pages."""
+        self._ghost_cap = max(1, len(blocks))
         empty = self._lists[_EMPTY]
         for block in blocks:
             block.free_tag = _EMPTY
@@ -244,8 +259,28 @@ class S3FIFOPolicy(EvictionPolicy):
                         del ghost[next(iter(ghost))]
             else:
                 block = main.popleft()
+                if self.adaptive and block.block_hash is not None:
+                    ghost = self._main_ghost
+                    ghost[(block.group_id, block.block_hash)] = None
+                    if len(ghost) > self._ghost_cap:
+                        del ghost[next(iter(ghost))]
         block.free_tag = -1
         return block
+
+    def _probation_ghost_hit(self) -> None:
+        """Content evicted from probation came back: grow the probation share."""
+        step = max(1.0, len(self._main_ghost) / max(1, len(self._ghost))) / self._ghost_cap
+        self.small_fraction = min(_MAX_SHARE, self.small_fraction + step)
+
+    def _main_ghost_hit(self, key: tuple[int, int]) -> bool:
+        """Whether content evicted from main came back (then shrink the probation share)."""
+        ghost = self._main_ghost
+        if key not in ghost:
+            return False
+        del ghost[key]
+        step = max(1.0, len(self._ghost) / max(1, len(ghost))) / self._ghost_cap
+        self.small_fraction = max(_MIN_SHARE, self.small_fraction - step)
+        return True
 
     def take(self, n: int, evict: Evict) -> list[KVCacheBlock]:
         """One page at a time, so pages orphaned by an eviction go before any other."""
@@ -272,9 +307,11 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def freed_all(self, blocks: list[KVCacheBlock]) -> None:
         """Each page, in order, to the tail of its list: empty, orphaned, main (reused, or
-        its content was evicted from probation recently), or probation."""
+        its content was evicted from probation, or with `adaptive` from main, recently), or
+        probation."""
         lists = self._lists
         ghost = self._ghost
+        adaptive = self.adaptive
         for block in blocks:
             if block.prev_free is not None or block.next_free is not None:
                 raise ValueError(f"block {block.block_id} is already in the free queue")
@@ -284,8 +321,13 @@ class S3FIFOPolicy(EvictionPolicy):
                 tag = _ORPHAN
             elif block.uses:
                 tag = _MAIN
-            elif ghost and block.block_hash is not None and ghost.pop(
-                    (block.group_id, block.block_hash), 0) is None:
+            elif block.block_hash is None:
+                tag = _SMALL
+            elif ghost and ghost.pop((block.group_id, block.block_hash), 0) is None:
+                tag = _MAIN
+                if adaptive:
+                    self._probation_ghost_hit()
+            elif adaptive and self._main_ghost_hit((block.group_id, block.block_hash)):
                 tag = _MAIN
             else:
                 tag = _SMALL
@@ -334,6 +376,14 @@ class S3FIFOPolicy(EvictionPolicy):
                 block.free_tag = _EMPTY
                 empty.append(block)
         self._ghost.clear()
+        self._main_ghost.clear()
+
+
+class AdaptivePolicy(S3FIFOPolicy):
+    """``s3fifo`` whose probation share adapts to the workload (see `S3FIFOPolicy`)."""
+
+    name = "adaptive"
+    adaptive = True
 
 
 # Extra free lists of WindowPolicy: window pages far from any likely hit end, and window
@@ -342,8 +392,8 @@ _COLD, _HELD, _HELD_MAIN = 4, 5, 6
 
 
 class WindowPolicy(S3FIFOPolicy):
-    """``s3fifo`` with window-aware retention: empty, orphaned, then window pages far from a
-    likely hit end (FIFO), then probation and main as in ``s3fifo`` (full-attention pages,
+    """``adaptive`` with window-aware retention: empty, orphaned, then window pages far from a
+    likely hit end (FIFO), then probation and main as in ``adaptive`` (full-attention pages,
     partial blocks, tagged window pages a hit already used, and tagged window pages of a
     window-only layout), then tagged window pages whose full-attention twin is still cached,
     only when nothing else is free: first those never used (FIFO), then those recomputed
@@ -356,22 +406,16 @@ class WindowPolicy(S3FIFOPolicy):
     continued past (a conversation's earlier turn, or a shared prefix's end): it ages in main
     with the full pages, so ends nobody returns to leave and busy ones stay.
 
-    Probation holds `small_fraction` of the free cached pages until the first sliding-window
-    page is freed, `hybrid_small_fraction` from then on (a hybrid layout: a prefix kept
-    longer in probation keeps its window end with it)."""
+    The probation share adapts as in ``adaptive``."""
 
     name = "window"
     tracks_units = True
+    adaptive = True
 
-    def __init__(self, small_fraction: float = 0.25, hybrid_small_fraction: float = 0.5) -> None:
+    def __init__(self, small_fraction: float = 0.25) -> None:
         super().__init__(small_fraction)
-        if not 0.0 < hybrid_small_fraction < 1.0:
-            raise ValueError(f"hybrid_small_fraction must be in (0, 1), got "
-                             f"{hybrid_small_fraction}")
-        self.hybrid_small_fraction = hybrid_small_fraction
         self._lists += [FreeBlockQueue(), FreeBlockQueue(), FreeBlockQueue()]
         self._has_chain = True
-        self._saw_window = False
 
     def set_layout(self, has_chain: bool) -> None:
         """Without a full-attention group, tagged window pages age in probation and main."""
@@ -401,12 +445,6 @@ class WindowPolicy(S3FIFOPolicy):
         block.free_tag = -1
         return block
 
-    def _see_window(self) -> bool:
-        """A sliding-window page was freed: the layout is hybrid (returns False)."""
-        self._saw_window = True
-        self.small_fraction = self.hybrid_small_fraction
-        return False
-
     def reused(self, block: KVCacheBlock) -> None:
         """Counted as a use (it would have been hit): out of probation into main."""
         block.uses += 1
@@ -426,6 +464,7 @@ class WindowPolicy(S3FIFOPolicy):
         evicted), else as ``s3fifo``."""
         lists = self._lists
         ghost = self._ghost
+        adaptive = self.adaptive
         has_chain = self._has_chain
         for block in blocks:
             if block.prev_free is not None or block.next_free is not None:
@@ -434,8 +473,7 @@ class WindowPolicy(S3FIFOPolicy):
                 tag = _EMPTY
             elif block.orphan:
                 tag = _ORPHAN
-            elif block.hint >= 0 and (not self._saw_window and self._see_window()
-                                      or block.hint == 0):
+            elif block.hint == 0:
                 tag = _COLD
             elif block.hint == 1 and has_chain and block.block_hash is not None:
                 if block.uses:
@@ -446,8 +484,13 @@ class WindowPolicy(S3FIFOPolicy):
                     tag = _HELD
             elif block.uses:
                 tag = _MAIN
-            elif ghost and block.block_hash is not None and ghost.pop(
-                    (block.group_id, block.block_hash), 0) is None:
+            elif block.block_hash is None:
+                tag = _SMALL
+            elif ghost and ghost.pop((block.group_id, block.block_hash), 0) is None:
+                tag = _MAIN
+                if adaptive:
+                    self._probation_ghost_hit()
+            elif adaptive and self._main_ghost_hit((block.group_id, block.block_hash)):
                 tag = _MAIN
             else:
                 tag = _SMALL
@@ -467,6 +510,7 @@ class WindowPolicy(S3FIFOPolicy):
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "s3fifo": S3FIFOPolicy,
+    "adaptive": AdaptivePolicy,
     "window": WindowPolicy,
 }
 DEFAULT_EVICTION = "lru"

@@ -24,7 +24,13 @@ from kvstore.benchmarks.mooncake_replay import pool_replay
 from kvstore.benchmarks.traces import MooncakeRequest, mooncake_lru_replay
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
-from kvstore.eviction import EVICTION_POLICIES, LRUPolicy, S3FIFOPolicy, make_policy
+from kvstore.eviction import (
+    EVICTION_POLICIES,
+    AdaptivePolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+    make_policy,
+)
 from kvstore.kv_cache_manager import KVCacheManager
 
 POLICIES = sorted(EVICTION_POLICIES)
@@ -259,9 +265,7 @@ def test_window_policy_ages_used_ends_in_main_and_holds_fresh_ones() -> None:
     pool.cache_full_block(fresh_end, 2, (2,), s_old, serial=s_new)
     pool.touch([used_end])  # a hit used it; the request continued to full_new
     used_end.hint = fresh_end.hint = 1
-    assert policy.small_fraction == 0.25  # no window page freed yet
     pool.free_blocks([full_new, full_old, other, fresh_end, used_end, used_end])
-    assert policy.small_fraction == 0.5  # a sliding-window page was freed: hybrid
     order = [b.block_id for b in policy if b.token_ids is not None]
     assert order.index(used_end.block_id) < order.index(fresh_end.block_id)
     assert order[-1] == fresh_end.block_id  # held: only when nothing else is free
@@ -269,9 +273,43 @@ def test_window_policy_ages_used_ends_in_main_and_holds_fresh_ones() -> None:
     check_pool(pool)
 
 
-def test_window_policy_keeps_s3fifo_share_without_window_pages() -> None:
-    rows = trie_trace([[0, 1, 2], [0, 1, 3], [4, 5], [0, 1, 2]])
-    assert pool_replay(rows, 4, eviction="window") == pool_replay(rows, 4, eviction="s3fifo")
+@settings(max_examples=40, deadline=None)
+@given(paths=paths_st, cap=st.integers(1, 6))
+def test_window_policy_is_adaptive_without_window_pages(paths: list[list[int]], cap: int) -> None:
+    rows = trie_trace(paths)
+    assert pool_replay(rows, cap, eviction="window") == pool_replay(rows, cap, eviction="adaptive")
+
+
+def _cycle(pool: BlockPool, h: int) -> KVCacheBlock:
+    """Compute block `h` (a root block) in a fresh page and free it."""
+    (block,) = pool.get_new_blocks(1, 0)
+    pool.cache_full_block(block, h, (h,), pool.root_serial(None))
+    pool.free_blocks([block])
+    return block
+
+
+def test_adaptive_share_grows_on_probation_ghost_hits_and_shrinks_on_main_ones() -> None:
+    pool = BlockPool(3, eviction="adaptive")
+    policy = pool.free_queue
+    assert isinstance(policy, AdaptivePolicy)
+    root = pool.root_serial(None)
+    _cycle(pool, 1)
+    _cycle(pool, 2)  # both in probation
+    _cycle(pool, 3)  # evicts 1 from probation into the ghost list
+    assert pool.find_cached(0, 1, (1,), root) is None
+    assert pool.find_cached(0, 2, (2,), root) is not None
+    share = policy.small_fraction
+    _cycle(pool, 1)  # 1 recomputed: probation was too short; it joins main
+    assert policy.small_fraction > share
+    share = policy.small_fraction
+    blk = pool.find_cached(0, 1, (1,), root)
+    assert blk is not None and blk.free_tag == 3
+    for h in (4, 5, 6, 7):  # new content pushes 1 out of main
+        _cycle(pool, h)
+    assert pool.find_cached(0, 1, (1,), root) is None
+    _cycle(pool, 1)  # recomputed after leaving main: main was too small
+    assert policy.small_fraction < share
+    check_pool(pool)
 
 
 # ---- the reuse oracle and the hybrid replay -----------------------------------------------------
