@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 from array import array
 from collections.abc import Callable, Sequence
 
@@ -17,9 +18,16 @@ MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 64
 
 
+# Packers of n little-endian int64s, by n (one per block size seen).
+_INT64_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """XXH3-128 of the parent hash followed by the block's token ids (as int64)."""
-    return xxhash.xxh3_128_intdigest(parent.to_bytes(16, "little") + array("q", token_ids).tobytes())
+    pack = _INT64_PACKERS.get(len(token_ids))
+    if pack is None:
+        pack = _INT64_PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}q").pack
+    return xxhash.xxh3_128_intdigest(parent.to_bytes(16, "little") + pack(*token_ids))
 
 
 def make_keyed_hash(secret: bytes) -> HashFn:

@@ -57,12 +57,12 @@ class KVCacheManager:
         self._requests: dict[str, Request] = {}
         self._no_new_blocks: BlockIds = ((),) * len(config.groups)
         self._num_groups = len(config.groups)
-        # Per live request, (lo, hi, max_tokens) from the last decode that needed nothing:
-        # growing to at most max_tokens with a computed count in [lo, hi) needs nothing
-        # either, until the request's tables change (allocate, free, fork drop the entry).
+        # Per live request, (lo, hi, max_tokens, request) from its last growth: growing to
+        # at most max_tokens with a computed count in [lo, hi) needs nothing until the
+        # request's tables change (allocate, free, fork drop the entry).
         # Other requests cannot change it: they can only share its cached pages, and a
         # range is only given while none of its pages from lo on is cached or shared.
-        self._quiet: dict[str, tuple[int, int, int]] = {}
+        self._quiet: dict[str, tuple[int, int, int, Request]] = {}
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -140,7 +140,7 @@ class KVCacheManager:
             # The decode hot path: a live request inside its quiet range (see `_quiet`) needs
             # nothing; every check `grow` makes is made here too.
             quiet = self._quiet.get(request.request_id)
-            if quiet is not None and self._requests[request.request_id] is request \
+            if quiet is not None and quiet[3] is request \
                     and type(num_new_tokens) is int and num_new_tokens > 0 \
                     and type(num_lookahead_tokens) is int and num_lookahead_tokens >= 0:
                 num_computed = request.num_computed_tokens
@@ -237,9 +237,7 @@ class KVCacheManager:
             # A range ends where some group has work (a block to cache or to add, a page
             # leaving the window): no need to ask every group whether it has any.
         elif all(m.is_noop(request, num_tokens) for m in coordinator.managers):
-            quiet = coordinator.quiet_range(request)
-            if quiet is not None:
-                self._quiet[rid] = quiet
+            self._note_quiet(request)
             return self._no_new_blocks
         # Each table position written from the computed count on costs a group at most one
         # free page (a new page, or a private copy of a shared one): when the free pages
@@ -253,10 +251,14 @@ class KVCacheManager:
         ids = coordinator.allocate(request, num_tokens)
         # The tables now hold everything growing to num_tokens needs at this computed count
         # (each group's `is_noop` holds), so the next quiet range starts here.
-        quiet = coordinator.quiet_range(request)
-        if quiet is not None:
-            self._quiet[rid] = quiet
+        self._note_quiet(request)
         return ids
+
+    def _note_quiet(self, request: Request) -> None:
+        """Record the live request's quiet range (its tables give what growing needs)."""
+        quiet = self._coordinator.quiet_range(request)
+        if quiet is not None:
+            self._quiet[request.request_id] = (*quiet, request)
 
     def _fit_admission(self, request: Request, computed: ComputedBlocks,
                        num_more_tokens: int) -> ComputedBlocks | None:
