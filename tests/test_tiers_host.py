@@ -411,6 +411,10 @@ def test_arena_reuses_its_slots_and_copies_what_it_evicts():
     for it in its:
         tier.store([it])
     assert tier.arena_bytes == 300 and len(tier) == 3 and tier.num_slots == 3
+    big = HostTier(5 * 100 + 99)
+    big._per_chunk = 2  # chunks of 2 slots: 2, 2, then 1 (the capacity), never 6
+    big.store(items(8))
+    assert big.arena_bytes == 500 and len(big) == 5 and [len(c) for c in big._chunks] == [2, 2, 1]
     assert evicted == its[:7]  # copies of the values as they were, not views of reused slots
     assert tier.peek([its[9][0], its[0][0]]) == [its[9][1], None]
     tier.store([(its[8][0], b"z" * 101)])  # larger than a slot: dropped, the old value gone

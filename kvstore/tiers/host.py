@@ -120,16 +120,14 @@ class HostTier:
             return False
         if not self._per_chunk:
             self._per_chunk = max(1, min(total, _CHUNK_BYTES // self.slot_nbytes))
-        n = self._per_chunk
+        n = min(self._per_chunk, total - have)  # the last chunk stops at the capacity
         pin = torch.cuda.is_available() if self._pin is None else self._pin
         chunk = torch.empty((n, self.slot_nbytes), dtype=torch.uint8, pin_memory=bool(pin))
         self._chunks.append(chunk)
         self._rows.append(chunk.numpy())
-        # Slots past the capacity in the last chunk are never handed out.
-        usable = min(n, total - have)
         self._start.extend([0] * n)
         self._len.extend([0] * n)
-        self._free.extend(range(have + usable - 1, have - 1, -1))
+        self._free.extend(range(have + n - 1, have - 1, -1))
         return True
 
     def _take_slot(self, evicted: list[StoreItem]) -> int | None:
