@@ -607,8 +607,10 @@ class TieredKVCacheManager(KVCacheManager):
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks | None = None,
                        num_lookahead_tokens: int = 0) -> BlockIds | None:
-        """``KVCacheManager.allocate_slots``, growing a live request through ``grow``."""
-        if computed is None and self.requests.get(request.request_id) is request:
+        """``KVCacheManager.allocate_slots``; a live request with dropped windows to watch
+        grows through ``grow``."""
+        if computed is None and request.request_id in self._watch \
+                and self.requests.get(request.request_id) is request:
             return self.grow(request, num_new_tokens, num_lookahead_tokens)
         return super().allocate_slots(request, num_new_tokens, computed, num_lookahead_tokens)
 
