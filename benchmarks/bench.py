@@ -257,9 +257,10 @@ def _plot_metric(ax: Any, data: Sequence[dict[str, Any]], key: str, policies: Se
         pts = [(d["budget_gib"], d[key]) for d in data if d["policy"] == p and d[key] is not None]
         if not pts:
             continue
-        color, marker = _STYLE.get(p, (None, "o"))
+        base = p.removesuffix("+tiers")  # a tiered run: its policy's color, dashed
+        color, marker = _STYLE.get(base, (None, "o"))
         ax.plot([x for x, _ in pts], [y / scale for _, y in pts], marker=marker, color=color,
-                label=p, ms=5)
+                label=p, ms=5, ls="--" if base != p else "-")
     ax.set_xscale("log")
     ax.invert_xaxis()
     ax.grid(True, which="both", alpha=0.3)
