@@ -211,7 +211,9 @@ class LLMEngine:
     ``"auto"`` (see :class:`~kvstore.engine.runner.ModelRunner`); ``eviction`` names the
     policy that orders free cached pages for reuse (see :mod:`kvstore.eviction`);
     ``hash_fn`` hashes blocks (``kvstore.make_keyed_hash(secret)`` where prompts come from
-    untrusted users: see the threat model in docs/design.md).
+    untrusted users: see the threat model in docs/design.md); ``index_scheduled_blocks``
+    makes blocks findable when scheduled (see :class:`~kvstore.KVCacheManager`: this
+    engine's runner and scheduler keep the promises it needs).
     """
 
     def __init__(
@@ -232,6 +234,7 @@ class LLMEngine:
         store_timeout_s: float = 0.5,
         eviction: str = "lru",
         hash_fn: HashFn = hash_block,
+        index_scheduled_blocks: bool = False,
     ) -> None:
         if device is None:
             device = next(model.parameters()).device
@@ -250,7 +253,7 @@ class LLMEngine:
             manager_cls = functools.partial(TieredKVCacheManager, tiers=self.tiers)
         self.manager = manager_cls(self.config, enable_caching=enable_prefix_caching,
                                       enable_partial_hits=enable_partial_hits, eviction=eviction,
-                                      hash_fn=hash_fn)
+                                      hash_fn=hash_fn, index_scheduled_blocks=index_scheduled_blocks)
         self.cache = PagedKVCache(self.config, device=device)
         self.scheduler = Scheduler(self.manager, SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 
 class KVCacheBlock:
@@ -23,6 +24,7 @@ class KVCacheBlock:
         "orphan",
         "free_tag",
         "hint",
+        "pending",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -52,6 +54,10 @@ class KVCacheBlock:
         # before a likely hit end (prompt end, output end, branch point), 0 if not; -1 for
         # every other page (reset on allocation).
         self.hint = -1
+        # Indexed when scheduled (`index_scheduled_blocks`): (request, token count) such that
+        # the page is written once the request has computed that many tokens; until then a
+        # hit may share it (the same forward writes it first) but nothing may copy from it.
+        self.pending: tuple[Any, int] | None = None
 
     @property
     def is_null(self) -> bool:

@@ -335,16 +335,40 @@ class BlockPool:
         siblings = self._children.get((group_id, parent_serial))
         if not siblings or not query:
             return PartialMatch(None, 0)
-        # In sorted order the longest common prefix with `query` sits next to its insertion point.
+        # In sorted order the longest common prefix with `query` sits next to its insertion
+        # point, and shrinks moving away from it: the nearest entry on each side that can be
+        # copied from (not pending) is the best there.
         i = bisect_left(siblings, (query,))
         best, best_len = None, 0
-        for j in (i - 1, i):
+        for j, step in ((i - 1, -1), (i, 1)):
+            while 0 <= j < len(siblings) and not self._copyable(self.blocks[siblings[j][1]]):
+                j += step
             if 0 <= j < len(siblings):
                 tokens, block_id = siblings[j]
                 n = common_prefix_len(tokens, query)
                 if n > best_len:
                     best, best_len = self.blocks[block_id], n
         return PartialMatch(best, best_len)
+
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop an in-use block's index entry: its content was indexed when scheduled and will
+        never be written (not counted as an eviction)."""
+        if block.ref_cnt <= 0 or block.token_ids is None:
+            raise RuntimeError(f"block {block.block_id} is not an indexed block in use")
+        self._evict(block)
+        self.stats.evictions -= 1
+
+    @staticmethod
+    def _copyable(block: KVCacheBlock) -> bool:
+        """Whether the page holds its indexed content already (not one indexed when scheduled
+        whose request has not computed it)."""
+        pending = block.pending
+        if pending is None:
+            return True
+        if pending[0].num_computed_tokens >= pending[1]:
+            block.pending = None
+            return True
+        return False
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a block's content from every index (telling a content-tracking policy, and
@@ -378,6 +402,7 @@ class BlockPool:
         block.block_hash = block.token_ids = None
         block.serial = block.parent_serial = 0
         block.orphan = False
+        block.pending = None
         self.stats.evictions += 1
         self.cache_epoch += 1
 

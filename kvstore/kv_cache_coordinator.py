@@ -56,7 +56,7 @@ class KVCacheCoordinator:
     """All KV cache groups of one cache over one shared pool."""
 
     __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_spine_groups",
-                 "_search_sets", "_cache_order")
+                 "_search_sets", "_cache_order", "_pending")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies) -> None:
         self.config = config
@@ -76,6 +76,9 @@ class KVCacheCoordinator:
             if g != self._full_group:
                 sets.setdefault(manager.spec, []).append(manager)
         self._search_sets = tuple(tuple(ms) for ms in sets.values())
+        # Per request, (table index, block) of the blocks it indexed when scheduled that its
+        # computed tokens do not fill yet (KVCacheManager's `index_scheduled_blocks`).
+        self._pending: dict[str, list[tuple[int, KVCacheBlock]]] = {}
         # Full-attention groups cache their blocks first: a sliding group's null entries
         # below a tier hit's window take their serials from them.
         self._cache_order = tuple(self.managers[g] for g in full) + tuple(
@@ -291,6 +294,60 @@ class KVCacheCoordinator:
         for manager in self._cache_order:
             manager.release_computed(request, serials)
         return tuple([manager.allocate(request, num_tokens) for manager in self.managers])
+
+    def cache_scheduled(self, request: Request, num_scheduled_tokens: int) -> None:
+        """Index the request's blocks that the tokens scheduled up to `num_scheduled_tokens`
+        fill (KVCacheManager's `index_scheduled_blocks`), marked pending until computed."""
+        rid = request.request_id
+        bs = self.block_size
+        first = request.num_computed_tokens // bs
+        serials: dict[int, int] | None = {} if len(self.managers) > 1 else None
+        pending = self._pending.setdefault(rid, [])
+        for manager in self._cache_order:
+            table = manager.table(rid)
+            last = min(num_scheduled_tokens // bs, len(table))
+            manager.cache_blocks(request, last * bs, serials)
+            for i in range(first, last):
+                block = table[i]
+                if block.block_hash is not None and block.pending is None:
+                    block.pending = (request, (i + 1) * bs)
+                    pending.append((i, block))
+        if not pending:
+            del self._pending[rid]
+
+    def settle_scheduled(self, request: Request) -> None:
+        """Clear the pending mark of the request's blocks its computed tokens now fill."""
+        pending = self._pending.get(request.request_id)
+        if pending is None:
+            return
+        done = request.num_computed_tokens // self.block_size
+        rest = []
+        for i, block in pending:
+            if i < done:
+                block.pending = None
+            else:
+                rest.append((i, block))
+        if rest:
+            self._pending[request.request_id] = rest
+        else:
+            del self._pending[request.request_id]
+
+    def uncache_uncomputed(self, request: Request) -> None:
+        """Drop the index entries of the request's blocks indexed when scheduled but not
+        computed; RuntimeError, changing nothing, if another request holds one of them."""
+        rid = request.request_id
+        pending = [m.uncomputed_cached_blocks(rid, request.num_computed_tokens)
+                   for m in self.managers]
+        for blocks in pending:
+            for block in blocks:
+                if block.ref_cnt - block.pin_cnt > 1:
+                    raise RuntimeError(
+                        f"request {rid!r} is freed before its scheduled tokens were computed, "
+                        f"and another request already holds block {block.block_id} they fill")
+        for manager, blocks in zip(self.managers, pending, strict=True):
+            if blocks:
+                manager.uncache(rid, request.num_computed_tokens, blocks)
+        self._pending.pop(rid, None)
 
     def free(self, request: Request) -> None:
         """Release the request's pages in every group (full attention's blocks indexed first,

@@ -31,19 +31,32 @@ class KVCacheManager:
     Block hashes are computed with `hash_fn` (XXH3-128 by default); every request this
     manager sees must be hashed with it. `eviction` names the policy that orders free
     cached pages for reuse (see kvstore.eviction; LRU by default).
+
+    With `index_scheduled_blocks`, a block becomes findable when the tokens that fill it
+    are scheduled (admitted or grown for), not once they are computed, so a request
+    admitted later in the same step hits what that step's forward writes. Two promises
+    make that exact, and the caller must keep both: the worker writes every scheduled
+    token's K/V of a layer before any attention of that layer reads (the engine's runner
+    does), and a request is not freed between being scheduled and its step running
+    (victims of preemption are requests not yet scheduled in the step, as in the engine's
+    scheduler). `free` drops the index entries of blocks scheduled but not computed, and
+    raises, changing nothing, when another request already holds one of them.
     """
 
-    __slots__ = ("config", "block_size", "enable_caching", "enable_partial_hits", "_hash_fn",
+    __slots__ = ("config", "block_size", "enable_caching", "enable_partial_hits",
+                 "index_scheduled_blocks", "_hash_fn",
                  "_pool", "_copies", "_coordinator", "_requests", "_no_new_blocks", "_quiet",
                  "_num_groups")
 
     def __init__(self, config: KVCacheConfig, enable_caching: bool = True,
                  enable_partial_hits: bool = True, enable_events: bool = False,
-                 hash_fn: HashFn = hash_block, eviction: str | EvictionPolicy = DEFAULT_EVICTION) -> None:
+                 hash_fn: HashFn = hash_block, eviction: str | EvictionPolicy = DEFAULT_EVICTION,
+                 index_scheduled_blocks: bool = False) -> None:
         self.config = config
         self.block_size = config.block_size
         self.enable_caching = enable_caching
         self.enable_partial_hits = enable_caching and enable_partial_hits
+        self.index_scheduled_blocks = enable_caching and index_scheduled_blocks
         self._hash_fn = hash_fn
         self._pool = BlockPool(config.num_blocks, enable_caching, enable_events,
                                index_partial_blocks=self.enable_partial_hits, eviction=eviction,
@@ -205,8 +218,11 @@ class KVCacheManager:
         if fitting.num_partial_tokens:
             stats.partial_hits += 1
             stats.partial_hit_tokens += fitting.num_partial_tokens
-        return self._coordinator.allocate(
+        ids = self._coordinator.allocate(
             request, fitting.num_computed_tokens + num_new_tokens + num_lookahead_tokens)
+        if self.index_scheduled_blocks:
+            self._coordinator.cache_scheduled(request, fitting.num_computed_tokens + num_new_tokens)
+        return ids
 
     def _grow(self, request: Request, num_new_tokens: int,
               num_lookahead_tokens: int) -> BlockIds | None:
@@ -228,6 +244,8 @@ class KVCacheManager:
         request.update_block_hashes(self.block_size, self._hash_fn)
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         coordinator = self._coordinator
+        if self.index_scheduled_blocks:
+            coordinator.settle_scheduled(request)
         quiet = self._quiet.pop(rid, None)
         if quiet is not None:
             if quiet[0] <= num_computed < quiet[1] and num_tokens <= quiet[2]:
@@ -237,6 +255,8 @@ class KVCacheManager:
             # A range ends where some group has work (a block to cache or to add, a page
             # leaving the window): no need to ask every group whether it has any.
         elif all(m.is_noop(request, num_tokens) for m in coordinator.managers):
+            if self.index_scheduled_blocks:
+                coordinator.cache_scheduled(request, num_computed + num_new_tokens)
             self._note_quiet(request)
             return self._no_new_blocks
         # Each table position written from the computed count on costs a group at most one
@@ -249,6 +269,8 @@ class KVCacheManager:
             if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
                 return None
         ids = coordinator.allocate(request, num_tokens)
+        if self.index_scheduled_blocks:
+            coordinator.cache_scheduled(request, num_computed + num_new_tokens)
         # The tables now hold everything growing to num_tokens needs at this computed count
         # (each group's `is_noop` holds), so the next quiet range starts here.
         self._note_quiet(request)
@@ -258,7 +280,11 @@ class KVCacheManager:
         """Record the live request's quiet range (its tables give what growing needs)."""
         quiet = self._coordinator.quiet_range(request)
         if quiet is not None:
-            self._quiet[request.request_id] = (*quiet, request)
+            lo, hi, max_tokens = quiet
+            if self.index_scheduled_blocks:
+                # Scheduling tokens up to hi already fills a block to index.
+                max_tokens = min(max_tokens, hi - 1)
+            self._quiet[request.request_id] = (lo, hi, max_tokens, request)
 
     def _fit_admission(self, request: Request, computed: ComputedBlocks,
                        num_more_tokens: int) -> ComputedBlocks | None:
@@ -303,6 +329,9 @@ class KVCacheManager:
                              "already freed)")
         self._check_progress(request)
         request.update_block_hashes(self.block_size, self._hash_fn)
+        if self.index_scheduled_blocks:
+            self._coordinator.settle_scheduled(request)
+            self._coordinator.uncache_uncomputed(request)
         self._quiet.pop(request.request_id, None)
         self._coordinator.free(request)
         del self._requests[request.request_id]

@@ -64,10 +64,10 @@ def spec(window: int | None) -> KVCacheSpec:
 
 
 def make_manager(windows: Sequence[int | None], num_blocks: int,
-                 partial: bool = True) -> KVCacheManager:
+                 partial: bool = True, scheduled: bool = False) -> KVCacheManager:
     """One layer per entry (None = full attention); groups come out in first-appearance order."""
     config = make_kv_cache_config([spec(w) for w in windows], num_blocks=num_blocks)
-    return KVCacheManager(config, enable_partial_hits=partial)
+    return KVCacheManager(config, enable_partial_hits=partial, index_scheduled_blocks=scheduled)
 
 
 def group_windows(manager: KVCacheManager) -> list[int | None]:
@@ -721,11 +721,12 @@ class HybridCacheMachine(RuleBasedStateMachine):
 
     @initialize(windows=st.lists(st.sampled_from(WINDOWS), min_size=1, max_size=2, unique=True),
                 full_position=st.integers(0, 2), num_blocks=st.integers(8, 24),
-                partial=st.booleans())
-    def setup(self, windows: list[int], full_position: int, num_blocks: int, partial: bool) -> None:
+                partial=st.booleans(), scheduled=st.booleans())
+    def setup(self, windows: list[int], full_position: int, num_blocks: int, partial: bool,
+              scheduled: bool) -> None:
         layers: list[int | None] = list(windows)
         layers.insert(min(full_position, len(layers)), None)
-        self.manager = make_manager(layers, num_blocks, partial)
+        self.manager = make_manager(layers, num_blocks, partial, scheduled)
         self.partial = partial
         for salt in (None, "tenant"):  # so that lookups create no serials later
             self.manager._pool.root_serial(salt)
@@ -749,7 +750,9 @@ class HybridCacheMachine(RuleBasedStateMachine):
                 bid = ids[p // BS]
                 block = pool.blocks[bid]
                 assert bid != 0, f"writing position {p} into the null block"
-                assert block.token_ids is None, f"writing into cached block {block}"
+                # Indexed when scheduled: the page fills in this forward, none read it before.
+                assert block.token_ids is None or self.m.index_scheduled_blocks, \
+                    f"writing into cached block {block}"
                 assert block.ref_cnt - block.pin_cnt == 1, f"writing into shared block {block}"
                 self.content.setdefault(bid, [None] * BS)[p % BS] = req.token_ids[p]
 
