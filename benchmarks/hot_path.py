@@ -112,7 +112,8 @@ class KvstoreSide:
 
     name = "kvstore"
 
-    def __init__(self, layout: str, num_blocks: int, partial: bool = False) -> None:
+    def __init__(self, layout: str, num_blocks: int, partial: bool = False,
+                 scheduled: bool = False) -> None:
         from kvstore import hashing
         from kvstore.kv_cache_manager import KVCacheManager
         from kvstore.request import Request
@@ -126,7 +127,8 @@ class KvstoreSide:
         if len(config.groups) != NUM_GROUPS[layout]:
             raise RuntimeError(f"{layout}: {len(config.groups)} groups, expected {NUM_GROUPS[layout]}")
         # Partial hits off by default: vLLM has none, so both sides do the same work.
-        self.manager = KVCacheManager(config, enable_partial_hits=partial)
+        extra = {"index_scheduled_blocks": True} if scheduled else {}  # older revisions lack it
+        self.manager = KVCacheManager(config, enable_partial_hits=partial, **extra)
         self._Request = Request
         self.hash_fn = getattr(self.manager, "hash_fn", hashing.hash_block)
         self.hash_s = 0.0
@@ -429,7 +431,8 @@ def drive(side: Any, specs: list[Spec], scenario: str,
 def make_side(kind: str, layout: str, num_blocks: int, **kw: Any) -> Any:
     """A fresh manager of `kind` ('kvstore' or 'vllm') for the scenario."""
     if kind == "vllm":
-        return VllmSide(layout, num_blocks, **{k: v for k, v in kw.items() if k != "partial"})
+        return VllmSide(layout, num_blocks,
+                        **{k: v for k, v in kw.items() if k not in ("partial", "scheduled")})
     return KvstoreSide(layout, num_blocks, **kw)
 
 
@@ -444,10 +447,11 @@ def _no_gc() -> Iterator[None]:
 
 
 def run_scenario(kind: str, layout: str, regime: str, num_blocks: int, num_requests: int,
-                 profile_top: int = 0, partial: bool = False) -> dict[str, Any]:
+                 profile_top: int = 0, partial: bool = False, scheduled: bool = False
+                 ) -> dict[str, Any]:
     """One replay in this process (cyclic GC off, as timeit does); a JSON-able dict."""
     specs = make_workload(num_requests)
-    side = make_side(kind, layout, num_blocks, partial=partial)
+    side = make_side(kind, layout, num_blocks, partial=partial, scheduled=scheduled)
     prof = cProfile.Profile() if profile_top else None
     with _no_gc():
         if prof:
@@ -513,7 +517,7 @@ def worker_main(kind: str) -> None:
             elif cmd["cmd"] == "scenario":
                 out = run_scenario(kind, cmd["layout"], cmd["regime"], cmd["num_blocks"],
                                    cmd["num_requests"], cmd.get("profile_top", 0),
-                                   cmd.get("partial", False))
+                                   cmd.get("partial", False), cmd.get("scheduled", False))
             else:
                 out = run_scale(kind, cmd["num_blocks"], cmd["num_requests"])
         except Exception as exc:  # reported to the parent, which decides
@@ -541,7 +545,7 @@ class Worker:
     """A worker subprocess serving one side."""
 
     def __init__(self, label: str, kind: str, python: str, pythonpath: str | None,
-                 partial: bool = False) -> None:
+                 partial: bool = False, scheduled: bool = False) -> None:
         env = dict(os.environ)
         if pythonpath is not None:
             env["PYTHONPATH"] = pythonpath
@@ -549,6 +553,7 @@ class Worker:
         env["PYTHONHASHSEED"] = "0"  # vLLM's NONE_HASH seed; no effect on kvstore's hashes
         self.label = label
         self.partial = partial  # kvstore sides: run with partial-block hits on
+        self.scheduled = scheduled  # this revision: blocks findable when scheduled
         self.proc = subprocess.Popen(
             [python, str(Path(__file__).resolve()), "--worker", kind], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env=env, text=True, cwd=tempfile.gettempdir())
@@ -633,6 +638,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--partial", choices=("off", "on", "both"), default="off",
                     help="kvstore's partial-block hits (vLLM has none); 'both' also runs this "
                          "revision with them on, side by side, and prints what they cost")
+    ap.add_argument("--scheduled", action="store_true",
+                    help="also run this revision with blocks findable when scheduled "
+                         "(index_scheduled_blocks, as vLLM indexes them), side by side")
     args = ap.parse_args(argv)
     if args.worker:
         worker_main(args.worker)
@@ -654,6 +662,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.partial == "both":
             workers.append(Worker(f"this revision ({this}), partial hits on", "kvstore",
                                   sys.executable, this_tree, partial=True))
+        if args.scheduled:
+            workers.append(Worker(f"this revision ({this}), indexed when scheduled", "kvstore",
+                                  sys.executable, this_tree, partial=args.partial == "on",
+                                  scheduled=True))
         if args.baseline:
             worktree = tmp / "baseline-worktree"
             subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q",
@@ -679,7 +691,7 @@ def main(argv: list[str] | None = None) -> None:
             kept: dict[str, Result] = {}
             for _ in range(repeats):
                 for w in workers:
-                    out = w.ask({**cmd, "partial": w.partial})
+                    out = w.ask({**cmd, "partial": w.partial, "scheduled": w.scheduled})
                     if "error" in out:
                         raise RuntimeError(f"{w.label}, {layout} {regime}: {out['error']}")
                     r = _result(out)
