@@ -232,6 +232,7 @@ class LLMEngine:
         store_url: str | None = None,
         tier_model_name: str | None = None,
         store_timeout_s: float = 0.5,
+        tier_window_offload: str = "ends",
         eviction: str = "lru",
         hash_fn: HashFn = hash_block,
         index_scheduled_blocks: bool = False,
@@ -249,7 +250,7 @@ class LLMEngine:
             self.tiers = TierConnector.create(
                 self.config, tier_model_name or model_fingerprint(model),
                 host_tier_bytes=host_tier_bytes, store_url=store_url,
-                store_timeout_s=store_timeout_s)
+                store_timeout_s=store_timeout_s, window_offload=tier_window_offload)
             manager_cls = functools.partial(TieredKVCacheManager, tiers=self.tiers)
         self.manager = manager_cls(self.config, enable_caching=enable_prefix_caching,
                                       enable_partial_hits=enable_partial_hits, eviction=eviction,
