@@ -263,6 +263,16 @@ def test_window_only_models_are_refused():
         LLMEngine(windowed, num_blocks=32, block_size=BLOCK, host_tier_bytes=1 << 20)
 
 
+def test_engine_passes_its_window_offload_to_the_connector(model):
+    with pytest.raises(ValueError, match="window_offload must be one of"):
+        LLMEngine(model, num_blocks=32, block_size=BLOCK, host_tier_bytes=1 << 20,
+                  tier_window_offload="sometimes")
+    e = LLMEngine(model, num_blocks=32, block_size=BLOCK, host_tier_bytes=1 << 20,
+                  tier_window_offload="none")
+    assert e.tiers is not None and e.tiers.window_offload == "none"
+    e.close()
+
+
 @pytest.fixture(scope="module")
 def hybrid() -> DecoderModel:
     """Gemma-3 style: five sliding layers (window 8, two blocks) and one full layer."""
