@@ -217,11 +217,13 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost: dict[tuple[int, int], None] = {}
         self._main_ghost: dict[tuple[int, int], None] = {}
         self._ghost_cap = 0
+        self._first_lists: list[FreeBlockQueue] = []
         self._size = 0  # pages in all lists
 
     def attach(self, blocks: list[KVCacheBlock]) -> None:
         """All pages start empty; each ghost list holds as many entries as there are pages."""
         self._ghost_cap = max(1, len(blocks))
+        self._first_lists = [self._lists[t] for t in self._first]
         empty = self._lists[_EMPTY]
         for block in blocks:
             block.free_tag = _EMPTY
@@ -241,65 +243,77 @@ class S3FIFOPolicy(EvictionPolicy):
         block.free_tag = tag
         self._lists[tag].append(block)
 
-    def _pop(self) -> KVCacheBlock:
-        empty, orphan, small, main = self._lists[:4]
-        if empty._len:
-            block = empty.popleft()
-        elif orphan._len:
-            block = orphan.popleft()
-        else:
-            n_small = small._len
-            if n_small and (not main._len
-                            or n_small > self.small_fraction * (n_small + main._len)):
-                block = small.popleft()
-                if block.block_hash is not None:
-                    ghost = self._ghost
-                    ghost[(block.group_id, block.block_hash)] = None
-                    if len(ghost) > self._ghost_cap:
-                        del ghost[next(iter(ghost))]
-            else:
-                block = main.popleft()
-                if self.adaptive and block.block_hash is not None:
-                    ghost = self._main_ghost
-                    ghost[(block.group_id, block.block_hash)] = None
-                    if len(ghost) > self._ghost_cap:
-                        del ghost[next(iter(ghost))]
-        block.free_tag = -1
-        return block
-
     def _probation_ghost_hit(self) -> None:
         """Content evicted from probation came back: grow the probation share."""
         step = max(1.0, len(self._main_ghost) / max(1, len(self._ghost))) / self._ghost_cap
         self.small_fraction = min(_MAX_SHARE, self.small_fraction + step)
 
-    def _main_ghost_hit(self, key: tuple[int, int]) -> bool:
-        """Whether content evicted from main came back (then shrink the probation share)."""
+    def _main_ghost_hit(self, key: tuple[int, int]) -> None:
+        """Content evicted from main came back: shrink the probation share."""
         ghost = self._main_ghost
-        if key not in ghost:
-            return False
         del ghost[key]
         step = max(1.0, len(self._ghost) / max(1, len(ghost))) / self._ghost_cap
         self.small_fraction = max(_MIN_SHARE, self.small_fraction - step)
-        return True
+
+    # Lists drained before probation and main, in order.
+    _first: ClassVar[tuple[int, ...]] = (_EMPTY, _ORPHAN)
 
     def take(self, n: int, evict: Evict) -> list[KVCacheBlock]:
-        """One page at a time, so pages orphaned by an eviction go before any other."""
-        empty = self._lists[_EMPTY]
+        """One page at a time, so pages orphaned by an eviction go before any other: the
+        first of the lists drained first that has one, else probation while it holds more
+        than its share (its content joins the ghost list), else main."""
+        lists = self._lists
+        empty = lists[_EMPTY]
         if n <= empty._len:  # no content to evict
             out = empty.popleft_n(n)
-            for block in out:
-                block.free_tag = -1
+            for page in out:
+                page.free_tag = -1
             self._size -= n
             return out
+        first = self._first_lists
+        small, main = lists[_SMALL], lists[_MAIN]
+        ghost = self._ghost
+        main_ghost = self._main_ghost if self.adaptive else None
+        cap = self._ghost_cap
         out = []
-        pop = self._pop
         for _ in range(n):
-            block = pop()
+            remember = None
+            for q in first:
+                if q._len:
+                    break
+            else:
+                n_small = small._len
+                if n_small and (not main._len
+                                or n_small > self.small_fraction * (n_small + main._len)):
+                    q, remember = small, ghost
+                elif main._len:
+                    q, remember = main, main_ghost
+                else:
+                    q, remember = self._last_resort()
+            head = q._head
+            block = head.next_free
+            assert block is not None and block is not q._tail
+            nxt = block.next_free
+            assert nxt is not None
+            head.next_free = nxt
+            nxt.prev_free = head
+            block.prev_free = block.next_free = None
+            q._len -= 1
             self._size -= 1
+            block.free_tag = -1
+            if remember is not None and block.block_hash is not None:
+                remember[(block.group_id, block.block_hash)] = None
+                if len(remember) > cap:
+                    del remember[next(iter(remember))]
             if block.token_ids is not None:
                 evict(block)
             out.append(block)
         return out
+
+    def _last_resort(self) -> tuple[FreeBlockQueue, dict[tuple[int, int], None] | None]:
+        """The list to take from when every other is empty, and the ghost list its evicted
+        content joins (None: none)."""
+        raise IndexError("take from an empty policy")
 
     def freed(self, block: KVCacheBlock) -> None:
         """See `freed_all`."""
@@ -312,6 +326,7 @@ class S3FIFOPolicy(EvictionPolicy):
         lists = self._lists
         ghost = self._ghost
         adaptive = self.adaptive
+        main_ghost = self._main_ghost
         for block in blocks:
             if block.prev_free is not None or block.next_free is not None:
                 raise ValueError(f"block {block.block_id} is already in the free queue")
@@ -323,14 +338,17 @@ class S3FIFOPolicy(EvictionPolicy):
                 tag = _MAIN
             elif block.block_hash is None:
                 tag = _SMALL
-            elif ghost and ghost.pop((block.group_id, block.block_hash), 0) is None:
-                tag = _MAIN
-                if adaptive:
-                    self._probation_ghost_hit()
-            elif adaptive and self._main_ghost_hit((block.group_id, block.block_hash)):
-                tag = _MAIN
             else:
-                tag = _SMALL
+                key = (block.group_id, block.block_hash)
+                if ghost and ghost.pop(key, 0) is None:
+                    tag = _MAIN
+                    if adaptive:
+                        self._probation_ghost_hit()
+                elif main_ghost and key in main_ghost:
+                    self._main_ghost_hit(key)
+                    tag = _MAIN
+                else:
+                    tag = _SMALL
             block.free_tag = tag
             q = lists[tag]
             tail = q._tail
@@ -427,23 +445,14 @@ class WindowPolicy(S3FIFOPolicy):
         for tag in (_EMPTY, _ORPHAN, _COLD, _SMALL, _MAIN, _HELD, _HELD_MAIN):
             yield from lists[tag]
 
-    def _pop(self) -> KVCacheBlock:
-        lists = self._lists
-        for tag in (_EMPTY, _ORPHAN, _COLD):
-            if len(lists[tag]):
-                block = lists[tag].popleft()
-                block.free_tag = -1
-                return block
-        if len(lists[_SMALL]) or len(lists[_MAIN]):
-            return super()._pop()
-        if len(lists[_HELD]):
-            block = lists[_HELD].popleft()
-            if block.block_hash is not None:
-                self._remember(block.group_id, block.block_hash)
-        else:
-            block = lists[_HELD_MAIN].popleft()
-        block.free_tag = -1
-        return block
+    _first = (_EMPTY, _ORPHAN, _COLD)
+
+    def _last_resort(self) -> tuple[FreeBlockQueue, dict[tuple[int, int], None] | None]:
+        """Held window pages never used (their content joins the probation ghost list), then
+        those recomputed after such an eviction."""
+        if self._lists[_HELD]._len:
+            return self._lists[_HELD], self._ghost
+        return self._lists[_HELD_MAIN], None
 
     def reused(self, block: KVCacheBlock) -> None:
         """Counted as a use (it would have been hit): out of probation into main."""
@@ -465,6 +474,7 @@ class WindowPolicy(S3FIFOPolicy):
         lists = self._lists
         ghost = self._ghost
         adaptive = self.adaptive
+        main_ghost = self._main_ghost
         has_chain = self._has_chain
         for block in blocks:
             if block.prev_free is not None or block.next_free is not None:
@@ -486,14 +496,17 @@ class WindowPolicy(S3FIFOPolicy):
                 tag = _MAIN
             elif block.block_hash is None:
                 tag = _SMALL
-            elif ghost and ghost.pop((block.group_id, block.block_hash), 0) is None:
-                tag = _MAIN
-                if adaptive:
-                    self._probation_ghost_hit()
-            elif adaptive and self._main_ghost_hit((block.group_id, block.block_hash)):
-                tag = _MAIN
             else:
-                tag = _SMALL
+                key = (block.group_id, block.block_hash)
+                if ghost and ghost.pop(key, 0) is None:
+                    tag = _MAIN
+                    if adaptive:
+                        self._probation_ghost_hit()
+                elif main_ghost and key in main_ghost:
+                    self._main_ghost_hit(key)
+                    tag = _MAIN
+                else:
+                    tag = _SMALL
             block.free_tag = tag
             q = lists[tag]
             tail = q._tail
