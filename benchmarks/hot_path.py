@@ -127,7 +127,7 @@ class KvstoreSide:
         if len(config.groups) != NUM_GROUPS[layout]:
             raise RuntimeError(f"{layout}: {len(config.groups)} groups, expected {NUM_GROUPS[layout]}")
         # Partial hits off by default: vLLM has none, so both sides do the same work.
-        extra = {"index_scheduled_blocks": True} if scheduled else {}  # older revisions lack it
+        extra: dict[str, Any] = {"index_scheduled_blocks": True} if scheduled else {}  # 4179c61 lacks it
         self.manager = KVCacheManager(config, enable_partial_hits=partial, **extra)
         self._Request = Request
         self.hash_fn = getattr(self.manager, "hash_fn", hashing.hash_block)
