@@ -461,12 +461,6 @@ class WindowPolicy(S3FIFOPolicy):
             self._lists[_SMALL].remove(block)
             self._push(block, _MAIN)
 
-    def _remember(self, group_id: int, block_hash: int) -> None:
-        ghost = self._ghost
-        ghost[(group_id, block_hash)] = None
-        if len(ghost) > self._ghost_cap:
-            del ghost[next(iter(ghost))]
-
     def freed_all(self, blocks: list[KVCacheBlock]) -> None:
         """Each page, in order, to the tail of its list: empty, orphaned, far window page,
         held window page (never reused, or reused or recomputed after its content was
