@@ -134,6 +134,9 @@ class BlockPool:
         # Bumped whenever cached content is dropped; lookups taken at the same epoch are current.
         self.cache_epoch = 0
         self.stats = CacheStats()
+        # Per group: pages holding indexed content (full or partial), and evictions so far.
+        self.cached_by_group: Counter[int] = Counter()
+        self.evicted_by_group: Counter[int] = Counter()
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -304,6 +307,7 @@ class BlockPool:
                 more.append(block)
         else:
             index[key] = block
+        self.cached_by_group[group] += 1
         if self.enable_events:
             self._events.append(BlockStored(block_hash, parent_hash, token_ids, group))
         return serial
@@ -319,6 +323,7 @@ class BlockPool:
         block.serial = 0
         block.parent_serial = parent_serial
         self._add_child(block.group_id, parent_serial, token_ids, block.block_id)
+        self.cached_by_group[block.group_id] += 1
 
     def _add_child(self, group_id: int, parent_serial: int, token_ids: tuple[int, ...],
                    block_id: int) -> None:
@@ -357,6 +362,7 @@ class BlockPool:
             raise RuntimeError(f"block {block.block_id} is not an indexed block in use")
         self._evict(block)
         self.stats.evictions -= 1
+        self.evicted_by_group[block.group_id] -= 1
 
     @staticmethod
     def _copyable(block: KVCacheBlock) -> bool:
@@ -403,6 +409,8 @@ class BlockPool:
         block.serial = block.parent_serial = 0
         block.orphan = False
         block.pending = None
+        self.cached_by_group[block.group_id] -= 1
+        self.evicted_by_group[block.group_id] += 1
         self.stats.evictions += 1
         self.cache_epoch += 1
 
@@ -458,6 +466,7 @@ class BlockPool:
         self._hash_index.clear()
         self._hash_more.clear()
         self._children.clear()
+        self.cached_by_group.clear()
         self.free_queue.reset()
         self.cache_epoch += 1
         if self.enable_events:

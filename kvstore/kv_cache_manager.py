@@ -108,6 +108,16 @@ class KVCacheManager:
         n = self._pool.num_usable_blocks
         return [count / n for count in self.blocks_in_use_by_group()]
 
+    def cached_blocks_by_group(self) -> tuple[int, ...]:
+        """Per group, the pages holding indexed content (in use or free)."""
+        cached = self._pool.cached_by_group
+        return tuple(cached[g] for g in range(len(self.config.groups)))
+
+    def evictions_by_group(self) -> tuple[int, ...]:
+        """Per group, the cached pages evicted so far (`stats.evictions` split by group)."""
+        evicted = self._pool.evicted_by_group
+        return tuple(evicted[g] for g in range(len(self.config.groups)))
+
     def blocks_in_use_by_group(self) -> tuple[int, ...]:
         """Per group, the blocks it holds (shared pages once)."""
         in_use = self._pool.in_use_by_group

@@ -48,6 +48,9 @@ def check_pool(pool: BlockPool, table_refs: Counter[int] | None = None,
         assert (block.block_hash is not None) == (block.block_id in hashed)
         assert (block.token_ids is not None) == (block.block_id in children), (
             f"block {block.block_id} content and index disagree")
+    cached = Counter(b.group_id for b in pool.blocks[1:] if b.token_ids is not None)
+    assert {g: n for g, n in pool.cached_by_group.items() if n} == dict(cached)
+    assert sum(pool.evicted_by_group.values()) == pool.stats.evictions
     null = pool.null_block
     assert null.ref_cnt == 0 and null.token_ids is None and null.block_hash is None
     if table_refs is not None:
