@@ -230,6 +230,35 @@ def print_table(result: SweepResult, console: Any, wide: bool = False) -> None:
                       + (" no fit: the pool cannot hold some request."
                                       if not all(r.feasible for r in result.rows) else ""),
                       style="dim")
+    print_group_table(result, console)
+
+
+def print_group_table(result: SweepResult, console: Any) -> None:
+    """Per budget and hybrid policy (a row per replay with sliding-window groups), what its
+    full-attention and sliding-window groups kept (cached pages, mean over steps) and
+    evicted, next to the all-full partial replay at the same budget."""
+    from rich import box
+    from rich.table import Table
+
+    rows = [r for r in result.rows if r.metrics is not None
+            and (r.metrics.window_cached_pages or r.metrics.window_evictions)]
+    if not rows:
+        return
+    points = {r.point for r in rows}
+    full = {r.point: r for r in result.rows  # the all-full reference: partial, LRU
+            if r.point in points and r.metrics is not None and r.policy == "partial"}
+    t = Table(title="Per group: cached pages kept (mean over steps) and evicted",
+              box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False)
+    for name in ("budget", "policy", "hit", "full kept", "evicted", "window kept", "evicted"):
+        t.add_column(name, justify="left" if name in ("budget", "policy") else "right")
+    for r in sorted([*rows, *full.values()], key=lambda r: (r.point, r.policy)):
+        m = r.metrics
+        assert m is not None
+        t.add_row(_short_bytes(r.budget_bytes or 0), r.policy, _pct(m.prompt_hit_rate),
+                  _count(round(m.full_cached_pages)), _count(m.full_evictions),
+                  _count(round(m.window_cached_pages)) if r in rows else "-",
+                  _count(m.window_evictions) if r in rows else "-")
+    console.print(t)
 
 
 def _series(result: SweepResult, keys: Sequence[str]) -> list[dict[str, Any]]:

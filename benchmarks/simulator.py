@@ -13,7 +13,7 @@ from kvstore.benchmarks.workloads import RequestSpec, Workload
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
-from kvstore.specs import KVCacheConfig
+from kvstore.specs import KVCacheConfig, KVCacheSpec
 from kvstore.utils import hit_rate
 
 if TYPE_CHECKING:
@@ -146,6 +146,11 @@ class SimResult:
     tier_offloaded_blocks: int = 0
     tier_loaded_blocks: int = 0
     tier_rejected_values: int = 0
+    # Per KV cache group: its kind ("full" or "window W"), its cached pages (mean over steps)
+    # and its evictions: what each group kept and what it lost.
+    group_kinds: list[str] = field(default_factory=list)
+    cached_by_group: list[float] = field(default_factory=list)
+    evicted_by_group: list[int] = field(default_factory=list)
     timeline: list[dict[str, float]] = field(default_factory=list)
 
     @property
@@ -215,15 +220,29 @@ class SimResult:
         """Blocks still in use after every request finished (0 unless something leaks)."""
         return self.usable_blocks - self.free_blocks_at_end
 
+    def kept_and_evicted(self, kind: str) -> tuple[float, int]:
+        """Cached pages (mean over steps) and evictions summed over the groups whose kind
+        starts with `kind` ("full" or "window")."""
+        groups = [g for g, k in enumerate(self.group_kinds) if k.startswith(kind)]
+        return (sum(self.cached_by_group[g] for g in groups),
+                sum(self.evicted_by_group[g] for g in groups))
+
     def summary(self) -> dict[str, Any]:
         """Every counter and derived figure, without the timeline (JSON-friendly)."""
         out = {k: v for k, v in asdict(self).items() if k != "timeline"}
+        for kind in ("full", "window"):
+            out[f"{kind}_cached_pages"], out[f"{kind}_evictions"] = self.kept_and_evicted(kind)
         for name in ("hit_rate", "total_hit_rate", "prompt_device_hit_tokens",
                      "prompt_hit_rate", "usable_blocks", "kv_bytes", "peak_kv_bytes",
                      "mean_idle_slots", "mean_idle_bytes", "peak_idle_bytes",
                      "mean_idle_fraction", "leaked_blocks"):
             out[name] = getattr(self, name)
         return out
+
+
+def group_kind(spec: KVCacheSpec) -> str:
+    """"full", or "window W" for a sliding-window group."""
+    return "full" if spec.sliding_window is None else f"window {spec.sliding_window}"
 
 
 def fake_token(request_id: str, position: int, vocab_size: int = 32000) -> int:
@@ -300,6 +319,7 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
     clock = 0.0
     idle_slot_steps = peak_idle = 0
     usage_sum = 0.0
+    cached_sum = [0] * len(config.groups)  # per group, cached pages summed over steps
     timeline: list[dict[str, float]] = []
     prompt_tokens = expected_tokens = output_tokens = 0
     first_hit: dict[str, int] = {}
@@ -339,6 +359,8 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
                                          else fake_token(r.request_id, r.num_tokens)]
         in_use = manager.num_usable_blocks - manager.num_free_blocks
         usage_sum += in_use / manager.num_usable_blocks
+        for g, n in enumerate(manager.cached_blocks_by_group()):
+            cached_sum[g] += n
         idle = idle_slots(scheduler, output)
         idle_slot_steps += idle
         peak_idle = max(peak_idle, idle)
@@ -370,6 +392,9 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
         block_size=config.block_size,
         peak_idle_slots=peak_idle, finish_time=clock,
         free_blocks_at_end=manager.num_free_blocks, timeline=timeline,
+        group_kinds=[group_kind(group.spec) for group in config.groups],
+        cached_by_group=[n / max(1, sstats.steps) for n in cached_sum],
+        evicted_by_group=list(manager.evictions_by_group()),
         **_tier_figures(connector, first_tiers))
 
 

@@ -338,13 +338,25 @@ class ReplayMetrics:
     tier_loaded_blocks: int
     tier_rejected_values: int
     saved_tokens: int  # expected - computed: work the cache saved (negative: recompute cost more)
+    # What the full-attention groups and the sliding-window groups kept (cached pages, mean
+    # over steps) and lost (evictions), each summed over its groups.
+    full_cached_pages: float = 0.0
+    full_evictions: int = 0
+    window_cached_pages: float = 0.0
+    window_evictions: int = 0
 
     @classmethod
     def from_result(cls, res: SimResult) -> ReplayMetrics:
         """The figures of a finished replay."""
-        names = [f.name for f in fields(cls) if f.name != "saved_tokens"]
+        derived = ("saved_tokens", "full_cached_pages", "full_evictions",
+                   "window_cached_pages", "window_evictions")
+        names = [f.name for f in fields(cls) if f.name not in derived]
+        full_kept, full_evicted = res.kept_and_evicted("full")
+        window_kept, window_evicted = res.kept_and_evicted("window")
         return cls(**{n: getattr(res, n) for n in names},
-                   saved_tokens=res.expected_tokens - res.computed_tokens)
+                   saved_tokens=res.expected_tokens - res.computed_tokens,
+                   full_cached_pages=full_kept, full_evictions=full_evicted,
+                   window_cached_pages=window_kept, window_evictions=window_evicted)
 
 
 @dataclass

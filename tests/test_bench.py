@@ -328,6 +328,17 @@ def test_narrow_table_fits_80_columns():
     text = console.export_text()
     assert "…" not in text and max(map(len, text.splitlines())) <= 80
     assert "vs unb" in text and "hit:" in text and "no fit" in text
+    assert "Per group" in text and "window kept" in text  # the hybrid rows' breakdown
+    # The breakdown splits the evictions by group kind; only hybrid rows have window groups.
+    for r in res.rows:
+        if r.metrics is None:
+            continue
+        m = r.metrics
+        assert m.full_evictions + m.window_evictions == m.evictions
+        if r.policy == "hybrid":
+            assert m.window_cached_pages > 0 and m.full_cached_pages > 0
+        elif r.policy in ("prefix", "partial"):
+            assert m.window_cached_pages == 0 and m.window_evictions == 0
     console = Console(width=200, record=True, color_system=None)
     print_table(res, console, wide=True)
     text = console.export_text()
