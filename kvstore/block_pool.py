@@ -418,6 +418,9 @@ class BlockPool:
                          siblings: list[tuple[tuple[int, ...], int]]) -> None:
         """Mark the children of an evicted full block orphans unless a twin (same parent,
         same tokens, same serial) still holds its content."""
+        children = self._children.get((block.group_id, block.serial))
+        if not children and len(self._unit_groups) < 2:
+            return  # nothing to mark (most evictions: a chain's deepest cached block)
         i = bisect_left(siblings, (block.token_ids,))
         while i < len(siblings) and siblings[i][0] == block.token_ids:
             twin = self.blocks[siblings[i][1]]
@@ -428,7 +431,6 @@ class BlockPool:
         for g in self._unit_groups:
             if g != block.group_id:
                 self._orphan_twins(g, block)
-        children = self._children.get((block.group_id, block.serial))
         if not children:
             return
         for _, child_id in children:
