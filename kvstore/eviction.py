@@ -28,6 +28,7 @@ it for pages to reuse (`take`). Every call is O(1) per page.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import ClassVar
 
@@ -214,8 +215,10 @@ class S3FIFOPolicy(EvictionPolicy):
             raise ValueError(f"small_fraction must be in (0, 1), got {small_fraction}")
         self.small_fraction = small_fraction
         self._lists = [FreeBlockQueue() for _ in range(4)]
-        self._ghost: dict[tuple[int, int], None] = {}
-        self._main_ghost: dict[tuple[int, int], None] = {}
+        # FIFOs of (group, block hash): an OrderedDict pops its oldest entry in O(1), where
+        # a dict's next(iter()) rescans the slots its earlier deletions left.
+        self._ghost: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._main_ghost: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._ghost_cap = 0
         self._first_lists: list[FreeBlockQueue] = []
         self._size = 0  # pages in all lists
@@ -304,13 +307,13 @@ class S3FIFOPolicy(EvictionPolicy):
             if remember is not None and block.block_hash is not None:
                 remember[(block.group_id, block.block_hash)] = None
                 if len(remember) > cap:
-                    del remember[next(iter(remember))]
+                    remember.popitem(last=False)
             if block.token_ids is not None:
                 evict(block)
             out.append(block)
         return out
 
-    def _last_resort(self) -> tuple[FreeBlockQueue, dict[tuple[int, int], None] | None]:
+    def _last_resort(self) -> tuple[FreeBlockQueue, OrderedDict[tuple[int, int], None] | None]:
         """The list to take from when every other is empty, and the ghost list its evicted
         content joins (None: none)."""
         raise IndexError("take from an empty policy")
@@ -447,7 +450,7 @@ class WindowPolicy(S3FIFOPolicy):
 
     _first = (_EMPTY, _ORPHAN, _COLD)
 
-    def _last_resort(self) -> tuple[FreeBlockQueue, dict[tuple[int, int], None] | None]:
+    def _last_resort(self) -> tuple[FreeBlockQueue, OrderedDict[tuple[int, int], None] | None]:
         """Held window pages never used (their content joins the probation ghost list), then
         those recomputed after such an eviction."""
         if self._lists[_HELD]._len:
