@@ -113,6 +113,9 @@ class BlockPool:
         self.free_queue = make_policy(eviction)
         self.free_queue.attach(self.blocks[1:])
         self._tracks_content = self.free_queue.tracks_content
+        # The policy's `evicted` hook, or None where it keeps the base class's no-op.
+        self._evicted_hook = (self.free_queue.evicted if type(self.free_queue).evicted
+                              is not EvictionPolicy.evicted else None)
         self._chained_groups = chained_groups
         self.free_queue.set_layout(chained_groups is None or bool(chained_groups))
         # Groups whose twins of an evicted chained block become orphans (policies tracking units).
@@ -385,7 +388,8 @@ class BlockPool:
             siblings = self._children[key]
             del siblings[bisect_left(siblings, (block.token_ids, block.block_id))]
             if self._tracks_content:
-                self.free_queue.evicted(block)
+                if self._evicted_hook is not None:
+                    self._evicted_hook(block)
                 if block_hash is not None and (self._chained_groups is None
                                                or block.group_id in self._chained_groups):
                     self._orphan_children(block, siblings)

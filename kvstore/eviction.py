@@ -302,7 +302,6 @@ class S3FIFOPolicy(EvictionPolicy):
             nxt.prev_free = head
             block.prev_free = block.next_free = None
             q._len -= 1
-            self._size -= 1
             block.free_tag = -1
             if remember is not None and block.block_hash is not None:
                 remember[(block.group_id, block.block_hash)] = None
@@ -311,6 +310,7 @@ class S3FIFOPolicy(EvictionPolicy):
             if block.token_ids is not None:
                 evict(block)
             out.append(block)
+        self._size -= n
         return out
 
     def _last_resort(self) -> tuple[FreeBlockQueue, OrderedDict[tuple[int, int], None] | None]:
@@ -362,7 +362,7 @@ class S3FIFOPolicy(EvictionPolicy):
             block.next_free = tail
             tail.prev_free = block
             q._len += 1
-            self._size += 1
+        self._size += len(blocks)
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink from its list."""
@@ -514,7 +514,7 @@ class WindowPolicy(S3FIFOPolicy):
             block.next_free = tail
             tail.prev_free = block
             q._len += 1
-            self._size += 1
+        self._size += len(blocks)
 
 
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
