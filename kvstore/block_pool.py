@@ -123,8 +123,9 @@ class BlockPool:
             tuple(range(num_groups)) if self.free_queue.tracks_units else ())
         # (group, hash) -> the first block indexed under that key; `_hash_more` holds the
         # others (twins computed side by side, or hash collisions), rare, so the common
-        # lookup is one dict probe.
-        self._hash_index: dict[tuple[int, BlockHash], KVCacheBlock] = {}
+        # lookup is one dict probe. Read-only outside the pool: the hit searches probe it
+        # inline and fall back on `find_cached` when the first block is not the one.
+        self.hash_index: dict[tuple[int, BlockHash], KVCacheBlock] = {}
         self._hash_more: dict[tuple[int, BlockHash], list[KVCacheBlock]] = {}
         # (group, parent serial) -> sorted [(token_ids, block_id)] of full and partial
         # children: kept only where something reads it (partial hits by longest common
@@ -232,7 +233,7 @@ class BlockPool:
                     parent_serial: int) -> KVCacheBlock | None:
         """A full cached block with this hash, these stored tokens and this parent."""
         key = (group_id, block_hash)
-        block = self._hash_index.get(key)
+        block = self.hash_index.get(key)
         if block is None:
             return None
         if type(token_ids) is not tuple:
@@ -248,7 +249,7 @@ class BlockPool:
                       token_ids: Sequence[int]) -> list[KVCacheBlock]:
         """Every full cached block with this hash and these stored tokens, whatever its parent."""
         key = (group_id, block_hash)
-        first = self._hash_index.get(key)
+        first = self.hash_index.get(key)
         if first is None:
             return []
         token_ids = tuple(token_ids)
@@ -264,7 +265,7 @@ class BlockPool:
                     group_ids: Iterable[int]) -> int:
         """The serial of a full cached block with this hash, parent and tokens in any of
         `group_ids` (searched in order), or 0 if there is none."""
-        index = self._hash_index
+        index = self.hash_index
         for group in group_ids:
             block = index.get((group, block_hash))
             if block is None:
@@ -301,7 +302,7 @@ class BlockPool:
             else:
                 insort(siblings, (token_ids, block.block_id))
         key = (group, block_hash)
-        index = self._hash_index
+        index = self.hash_index
         if key in index:
             more = self._hash_more.get(key)
             if more is None:
@@ -399,10 +400,10 @@ class BlockPool:
             hkey = (block.group_id, block_hash)
             more = self._hash_more.get(hkey) if self._hash_more else None
             if more is None:
-                del self._hash_index[hkey]
+                del self.hash_index[hkey]
             else:
-                if self._hash_index[hkey] is block:
-                    self._hash_index[hkey] = more.pop(0)  # the oldest twin, as before
+                if self.hash_index[hkey] is block:
+                    self.hash_index[hkey] = more.pop(0)  # the oldest twin, as before
                 else:
                     more.remove(block)
                 if not more:
@@ -469,7 +470,7 @@ class BlockPool:
             block.serial = 0
             block.parent_serial = 0
             block.orphan = False
-        self._hash_index.clear()
+        self.hash_index.clear()
         self._hash_more.clear()
         self._children.clear()
         self.cached_by_group.clear()
@@ -492,7 +493,7 @@ class BlockPool:
 
     def num_cached_blocks(self) -> int:
         """Blocks in the full-block hash index."""
-        return len(self._hash_index) + sum(len(v) for v in self._hash_more.values())
+        return len(self.hash_index) + sum(len(v) for v in self._hash_more.values())
 
     def index_entries(self) -> list[tuple[int, int, int, tuple[int, ...]]]:
         """(block_id, group, parent_serial, tokens) of every indexed block, for invariant checks."""
@@ -507,7 +508,7 @@ class BlockPool:
 
     def hash_entries(self) -> list[tuple[int, int, BlockHash]]:
         """(block_id, group, hash) of every full-block index entry, for invariant checks."""
-        out = [(b.block_id, g, h) for (g, h), b in self._hash_index.items()]
+        out = [(b.block_id, g, h) for (g, h), b in self.hash_index.items()]
         out += [(b.block_id, g, h) for (g, h), more in self._hash_more.items() for b in more]
         return out
 

@@ -103,7 +103,7 @@ class KVCacheCoordinator:
         if len(groups) == 1:
             # One probe per block; `find_cached` only for twins and collisions.
             g = groups[0]
-            index = pool._hash_index
+            index = pool.hash_index
             for i in range(n):
                 block = index.get((g, hashes[i]))
                 if block is None:
@@ -239,7 +239,7 @@ class KVCacheCoordinator:
     def num_blocks_needed(self, request: Request, num_computed_tokens: int, num_tokens: int,
                           computed: ComputedBlocks | None) -> AllocationPlan:
         """What growing the tables to `num_tokens` costs; `computed` at admission, else None."""
-        need = released = resident = 0
+        need = released = 0
         rid = request.request_id
         for g, manager in enumerate(self.managers):
             if computed is None:
@@ -250,8 +250,8 @@ class KVCacheCoordinator:
                 need += manager.num_blocks_to_allocate(rid, num_computed_tokens, num_tokens,
                                                        computed.blocks[g],
                                                        computed.partial_sources[g])
-            resident += manager.spec.num_resident_blocks(num_computed_tokens, num_tokens)
-        return AllocationPlan(need, released, resident)
+        return AllocationPlan(need, released,
+                              self.num_resident_blocks(num_computed_tokens, num_tokens))
 
     def num_resident_blocks(self, num_computed_tokens: int, num_tokens: int) -> int:
         """Pages a request of `num_tokens` tokens holds in all groups once its next query is

@@ -13,6 +13,7 @@ from kvstore.hashing import HashFn, hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks, KVCacheCoordinator
 from kvstore.request import Request
 from kvstore.specs import FullAttentionSpec, KVCacheConfig
+from kvstore.utils import cdiv
 
 # Per group, block ids (0 = the null block).
 BlockIds = tuple[tuple[int, ...], ...]
@@ -273,7 +274,7 @@ class KVCacheManager:
         # free page (a new page, or a private copy of a shared one): when the free pages
         # cover that bound the exact plan is not needed.
         bs = self.block_size
-        if self._num_groups * (-(-num_tokens // bs) - num_computed // bs) > self._pool.num_free_blocks:
+        if self._num_groups * (cdiv(num_tokens, bs) - num_computed // bs) > self._pool.num_free_blocks:
             plan = coordinator.num_blocks_needed(request, num_computed, num_tokens, None)
             self._check_pool_holds(rid, plan.num_resident, num_tokens)
             if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
@@ -306,7 +307,7 @@ class KVCacheManager:
         # block): when the free pages do not cover that, neither the hit nor its full-block
         # part fits, and the exact plan is not needed.
         num_hit_blocks = computed.num_full_hit_tokens // self.block_size
-        bound = self._num_groups * (-(-num_tokens // self.block_size) - num_hit_blocks
+        bound = self._num_groups * (cdiv(num_tokens, self.block_size) - num_hit_blocks
                                     - (computed.num_partial_tokens > 0))
         if bound > num_free:
             self._check_pool_holds(request.request_id, self._coordinator.num_resident_blocks(

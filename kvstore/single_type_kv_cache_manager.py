@@ -513,7 +513,7 @@ class HitSearch:
     def lookup(self, i: int) -> list[KVCacheBlock] | None:
         """The cached blocks of every group holding block i of the request under its prefix
         (one per group), or None if some group has none."""
-        index, find = self.pool._hash_index, self.pool.find_cached
+        index, find = self.pool.hash_index, self.pool.find_cached
         h, t, p = self.hashes[i], self.tokens[i], self.parents[i]
         row = []
         for g in self.group_ids:
@@ -561,7 +561,7 @@ class ChainSearch(HitSearch):
                         break
                     found.append(row)
                 return min(cap, len(found))
-            index, g, find = self.pool._hash_index, self.group_ids[0], self.pool.find_cached
+            index, g, find = self.pool.hash_index, self.group_ids[0], self.pool.find_cached
             hashes, tokens, parents = self.hashes, self.tokens, self.parents
             for i in range(len(found), cap):
                 block = index.get((g, hashes[i]))
@@ -611,7 +611,7 @@ class WindowSearch(HitSearch):
         if self.end < 0 or cap < self.end:
             self.low = cap if self.end < 0 else min(self.low, cap)
             self.end = cap
-        index, find, groups = self.pool._hash_index, self.pool.find_cached, self.group_ids
+        index, find, groups = self.pool.hash_index, self.pool.find_cached, self.group_ids
         g0 = groups[0] if len(groups) == 1 else -1
         hashes, tokens, parents, found = self.hashes, self.tokens, self.parents, self.found
         while self.end > 0:
