@@ -201,7 +201,7 @@ class SingleTypeKVCacheManager:
         table = self._req_to_blocks[request.request_id]
         bs = self.block_size
         num_computed = request.num_computed_tokens
-        end = -(-num_tokens // bs)
+        end = cdiv(num_tokens, bs)
         for i in range(num_computed // bs, min(end, len(table))):
             block = table[i]
             if block.ref_cnt - block.pin_cnt <= 1:  # not shared
@@ -611,39 +611,27 @@ class WindowSearch(HitSearch):
         if self.end < 0 or cap < self.end:
             self.low = cap if self.end < 0 else min(self.low, cap)
             self.end = cap
-        index, find, groups = self.pool.hash_index, self.pool.find_cached, self.group_ids
-        g0 = groups[0] if len(groups) == 1 else -1
+        index, find, lookup = self.pool.hash_index, self.pool.find_cached, self.lookup
+        g0 = self.group_ids[0] if len(self.group_ids) == 1 else -1
         hashes, tokens, parents, found = self.hashes, self.tokens, self.parents, self.found
         while self.end > 0:
             start = self.start(self.end)
             low = self.low
             while low > start:
                 j = low - 1
-                h, t, p = hashes[j], tokens[j], parents[j]
-                if g0 >= 0:
-                    block = index.get((g0, h))
-                    if block is not None and (block.parent_serial != p or block.token_ids != t):
-                        block = find(g0, h, t, p)  # a twin or a collision
-                    if block is None:
-                        self.end = self.low = j  # every end in (j, end] needs block j
-                        break
-                    found[j] = block
-                    low = j
-                    continue
-                row = []
-                for g in groups:
-                    block = index.get((g, h))
-                    if block is not None and (block.parent_serial != p or block.token_ids != t):
-                        block = find(g, h, t, p)
-                    if block is None:
-                        break
-                    row.append(block)
+                if g0 >= 0:  # one group: one probe, inline
+                    block = index.get((g0, hashes[j]))
+                    if block is not None and (block.parent_serial != parents[j]
+                                              or block.token_ids != tokens[j]):
+                        block = find(g0, hashes[j], tokens[j], parents[j])  # twin or collision
+                    found_j: KVCacheBlock | list[KVCacheBlock] | None = block
                 else:
-                    found[j] = row
-                    low = j
-                    continue
-                self.end = self.low = j
-                break
+                    found_j = lookup(j)
+                if found_j is None:
+                    self.end = self.low = j  # every end in (j, end] needs block j
+                    break
+                found[j] = found_j
+                low = j
             else:
                 self.low = low
                 return self.end
