@@ -265,13 +265,7 @@ class BlockPool:
                     group_ids: Iterable[int]) -> int:
         """The serial of a full cached block with this hash, parent and tokens in any of
         `group_ids` (searched in order), or 0 if there is none."""
-        index = self.hash_index
         for group in group_ids:
-            block = index.get((group, block_hash))
-            if block is None:
-                continue
-            if block.parent_serial == parent_serial and block.token_ids == token_ids:
-                return block.serial
             block = self.find_cached(group, block_hash, token_ids, parent_serial)
             if block is not None:
                 return block.serial
@@ -295,12 +289,7 @@ class BlockPool:
         block.serial = serial
         block.parent_serial = parent_serial
         if self._index_children:
-            ckey = (group, parent_serial)
-            siblings = self._children.get(ckey)
-            if siblings is None:
-                self._children[ckey] = [(token_ids, block.block_id)]
-            else:
-                insort(siblings, (token_ids, block.block_id))
+            self._add_child(group, parent_serial, token_ids, block.block_id)
         key = (group, block_hash)
         index = self.hash_index
         if key in index:
