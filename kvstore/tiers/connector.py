@@ -480,6 +480,10 @@ class TieredKVCacheManager(KVCacheManager):
 
     def __init__(self, config: KVCacheConfig, *args: Any, tiers: TierConnector, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
+        if self.index_scheduled_blocks:
+            # An admission nulls the fresh pages below a sliding group's window after the
+            # allocation, which would index them when scheduled with nothing ever written.
+            raise ValueError("index_scheduled_blocks is not supported with tiers")
         if tiers.config is not config and tiers.config != config:
             raise ValueError("the TierConnector was built for another KV cache config")
         self._tiers = tiers
