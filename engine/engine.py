@@ -244,6 +244,8 @@ class LLMEngine:
             kv_cache_specs(model, block_size), memory_bytes=memory_bytes, num_blocks=num_blocks)
         self.tiers: TierConnector | None = None
         manager_cls: Callable[..., KVCacheManager] = KVCacheManager
+        if index_scheduled_blocks and (host_tier_bytes or store_url):
+            raise ValueError("index_scheduled_blocks is not supported with tiers")
         if host_tier_bytes or store_url:
             from kvstore.tiers.connector import TierConnector, TieredKVCacheManager, model_fingerprint
 
