@@ -265,7 +265,9 @@ def format_bytes(n: float) -> str:
     """Human-readable bytes in binary units."""
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
+            v = n / scale
+            # Three significant digits, never an exponent (1023.9 MiB is "1024 MiB").
+            return f"{v:.0f} {unit}" if abs(v) >= 100 else f"{v:.3g} {unit}"
     return f"{n:.0f} B"
 
 

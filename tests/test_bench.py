@@ -165,6 +165,8 @@ def test_sizes():
     with pytest.raises(ValueError):
         parse_pool_sizes("1", 4096)
     assert format_bytes(3 << 30) == "3 GiB"
+    assert format_bytes(1023 << 20) == "1023 MiB"  # no exponent
+    assert format_bytes(int(2.56 * 2**30)) == "2.56 GiB" and format_bytes(5) == "5 B"
     assert MODEL_SHAPES["llama-3-8b"].bytes_per_token == 128 * 1024
 
 
