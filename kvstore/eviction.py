@@ -209,6 +209,8 @@ class S3FIFOPolicy(EvictionPolicy):
     name = "s3fifo"
     tracks_content = True
     adaptive: ClassVar[bool] = False
+    # Whether sliding-window pages are sorted by their hint (``window``'s extra lists).
+    windowed: ClassVar[bool] = False
 
     def __init__(self, small_fraction: float = 0.25) -> None:
         if not 0.0 < small_fraction < 1.0:
@@ -222,6 +224,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost_cap = 0
         self._first_lists: list[FreeBlockQueue] = []
         self._size = 0  # pages in all lists
+        self._has_chain = False  # set by `window` (see WindowPolicy.set_layout)
 
     def attach(self, blocks: list[KVCacheBlock]) -> None:
         """All pages start empty; each ghost list holds as many entries as there are pages."""
@@ -323,13 +326,18 @@ class S3FIFOPolicy(EvictionPolicy):
         self.freed_all([block])
 
     def freed_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Each page, in order, to the tail of its list: empty, orphaned, main (reused, or
-        its content was evicted from probation, or with `adaptive` from main, recently), or
-        probation."""
+        """Each page, in order, to the tail of its list: empty, orphaned; with `windowed`, a
+        window page far from any likely hit end to the far list and a tagged one (its
+        full-attention twin still cached) to the held lists (never reused, or reused or
+        recomputed after its content was evicted) unless a hit used it; then main (reused,
+        or its content was evicted from probation, or with `adaptive` from main, recently),
+        or probation."""
         lists = self._lists
         ghost = self._ghost
         adaptive = self.adaptive
         main_ghost = self._main_ghost
+        windowed = self.windowed
+        held = windowed and self._has_chain
         for block in blocks:
             if block.prev_free is not None or block.next_free is not None:
                 raise ValueError(f"block {block.block_id} is already in the free queue")
@@ -337,6 +345,15 @@ class S3FIFOPolicy(EvictionPolicy):
                 tag = _EMPTY
             elif block.orphan:
                 tag = _ORPHAN
+            elif windowed and block.hint == 0:
+                tag = _COLD
+            elif held and block.hint == 1 and block.block_hash is not None:
+                if block.uses:
+                    tag = _MAIN
+                elif ghost.pop((block.group_id, block.block_hash), 0) is None:
+                    tag = _HELD_MAIN
+                else:
+                    tag = _HELD
             elif block.uses:
                 tag = _MAIN
             elif block.block_hash is None:
@@ -432,6 +449,7 @@ class WindowPolicy(S3FIFOPolicy):
     name = "window"
     tracks_units = True
     adaptive = True
+    windowed = True
 
     def __init__(self, small_fraction: float = 0.25) -> None:
         super().__init__(small_fraction)
@@ -463,58 +481,6 @@ class WindowPolicy(S3FIFOPolicy):
         if block.ref_cnt == 0 and block.free_tag == _SMALL:
             self._lists[_SMALL].remove(block)
             self._push(block, _MAIN)
-
-    def freed_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Each page, in order, to the tail of its list: empty, orphaned, far window page,
-        held window page (never reused, or reused or recomputed after its content was
-        evicted), else as ``s3fifo``."""
-        lists = self._lists
-        ghost = self._ghost
-        adaptive = self.adaptive
-        main_ghost = self._main_ghost
-        has_chain = self._has_chain
-        for block in blocks:
-            if block.prev_free is not None or block.next_free is not None:
-                raise ValueError(f"block {block.block_id} is already in the free queue")
-            if block.token_ids is None:
-                tag = _EMPTY
-            elif block.orphan:
-                tag = _ORPHAN
-            elif block.hint == 0:
-                tag = _COLD
-            elif block.hint == 1 and has_chain and block.block_hash is not None:
-                if block.uses:
-                    tag = _MAIN
-                elif ghost.pop((block.group_id, block.block_hash), 0) is None:
-                    tag = _HELD_MAIN
-                else:
-                    tag = _HELD
-            elif block.uses:
-                tag = _MAIN
-            elif block.block_hash is None:
-                tag = _SMALL
-            else:
-                key = (block.group_id, block.block_hash)
-                if ghost and ghost.pop(key, 0) is None:
-                    tag = _MAIN
-                    if adaptive:
-                        self._probation_ghost_hit()
-                elif main_ghost and key in main_ghost:
-                    self._main_ghost_hit(key)
-                    tag = _MAIN
-                else:
-                    tag = _SMALL
-            block.free_tag = tag
-            q = lists[tag]
-            tail = q._tail
-            last = tail.prev_free
-            assert last is not None
-            last.next_free = block
-            block.prev_free = last
-            block.next_free = tail
-            tail.prev_free = block
-            q._len += 1
-        self._size += len(blocks)
 
 
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
