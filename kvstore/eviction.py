@@ -2,9 +2,9 @@
 
 A policy holds every free page (ref_cnt == 0) of a :class:`kvstore.block_pool.BlockPool`
 and nothing else, so it can never hand out a page in use or pinned. The pool tells it when
-a page becomes free (`freed`), leaves the free set on a hit (`remove`), is made recent
-again (`refresh`), loses its parent chain (`orphaned`) or its content (`evicted`), and asks
-it for pages to reuse (`take`). Every call is O(1) per page.
+pages become free (`freed_all`), one leaves the free set on a hit (`remove`), pages are
+made recent again (`refresh_all`), one loses its parent chain (`orphaned`) or its content
+(`evicted`), and asks it for pages to reuse (`take`). Every call is O(1) per page.
 
 - ``lru`` (the default): one list; pages without content at the head, freed cached pages
   at the tail, hits unlink. Exactly the order kvstore has always used.
@@ -77,29 +77,18 @@ class EvictionPolicy:
         choosing the next (the caller checked that n pages are free)."""
         raise NotImplementedError
 
-    def freed(self, block: KVCacheBlock) -> None:
-        """A page's ref count reached zero."""
-        raise NotImplementedError
-
     def freed_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Several pages' ref counts reached zero, in this order (one call per `free`)."""
-        freed = self.freed
-        for block in blocks:
-            freed(block)
+        """These pages' ref counts reached zero, in this order (one call per `free`)."""
+        raise NotImplementedError
 
     def remove(self, block: KVCacheBlock) -> None:
         """A free page was referenced again (a hit or a pin)."""
         raise NotImplementedError
 
-    def refresh(self, block: KVCacheBlock) -> None:
-        """A free cached page is as recent as the request that just ended."""
-        raise NotImplementedError
-
     def refresh_all(self, blocks: list[KVCacheBlock]) -> None:
-        """`refresh` for each page, in order (one call per request end)."""
-        refresh = self.refresh
-        for block in blocks:
-            refresh(block)
+        """These free cached pages are as recent as the request that just ended, in this
+        order (one call per request end)."""
+        raise NotImplementedError
 
     def orphaned(self, block: KVCacheBlock) -> None:
         """A free cached page's parent content is gone (only when `tracks_content`)."""
@@ -133,15 +122,8 @@ class LRUPolicy(FreeBlockQueue, EvictionPolicy):
                 evict(block)
         return blocks
 
-    def freed(self, block: KVCacheBlock) -> None:
-        """Cached pages to the tail, empty ones to the head."""
-        if block.token_ids is None:
-            self.appendleft(block)
-        else:
-            self.append(block)
-
     def freed_all(self, blocks: list[KVCacheBlock]) -> None:
-        """`freed` for each page, in order, linked in one pass."""
+        """Cached pages to the tail, empty ones to the head, in order, linked in one pass."""
         head, tail = self._head, self._tail
         last = tail.prev_free
         assert last is not None
@@ -164,11 +146,6 @@ class LRUPolicy(FreeBlockQueue, EvictionPolicy):
                 tail.prev_free = block
                 last = block
         self._len += len(blocks)
-
-    def refresh(self, block: KVCacheBlock) -> None:
-        """Move to the tail."""
-        self.remove(block)
-        self.append(block)
 
     def refresh_all(self, blocks: list[KVCacheBlock]) -> None:
         """Move each page to the tail, in order, relinking in one pass."""
@@ -321,10 +298,6 @@ class S3FIFOPolicy(EvictionPolicy):
         content joins (None: none)."""
         raise IndexError("take from an empty policy")
 
-    def freed(self, block: KVCacheBlock) -> None:
-        """See `freed_all`."""
-        self.freed_all([block])
-
     def freed_all(self, blocks: list[KVCacheBlock]) -> None:
         """Each page, in order, to the tail of its list: empty, orphaned; with `windowed`, a
         window page far from any likely hit end to the far list and a tagged one (its
@@ -393,11 +366,13 @@ class S3FIFOPolicy(EvictionPolicy):
         block.free_tag = -1
         self._size -= 1
 
-    def refresh(self, block: KVCacheBlock) -> None:
-        """Move to the tail of its list."""
-        q = self._lists[block.free_tag]
-        q.remove(block)
-        q.append(block)
+    def refresh_all(self, blocks: list[KVCacheBlock]) -> None:
+        """Move each page to the tail of its list, in order."""
+        lists = self._lists
+        for block in blocks:
+            q = lists[block.free_tag]
+            q.remove(block)
+            q.append(block)
 
     def orphaned(self, block: KVCacheBlock) -> None:
         """Move to the orphan list."""
