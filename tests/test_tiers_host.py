@@ -404,6 +404,42 @@ def test_store_blocks_seals_in_place_the_bytes_encode_block_makes():
             and HostTier.slot_nbytes_for(layout) >= layout.value_nbytes)
 
 
+def test_large_batches_seal_and_verify_on_the_checksum_threads(monkeypatch):
+    from kvstore.tiers import codec
+
+    monkeypatch.setattr(codec, "PARALLEL_MIN_NBYTES", 0)  # every batch counts as large
+    monkeypatch.setattr(codec, "checksum_threads", lambda: 3)
+    seen = set()
+    real_seal = codec.seal_block
+
+    def seal(*args):
+        seen.add(threading.current_thread().name)
+        real_seal(*args)
+
+    import kvstore.tiers.host as host_mod
+
+    monkeypatch.setattr(host_mod, "seal_block", seal)
+    src, g = filled_cache(seed=5), 1
+    layout = BlockLayout.for_group("m", src.config, g)
+    keys = request_keys(layout, chain(TOKENS), None)
+    tier = HostTier(3 * HostTier.slot_nbytes_for(layout))
+    assert tier.store_blocks(src, layout, g, [2, 6, 7], keys, TOKENS) == 3
+    assert seen and all(name.startswith("kvstore-xxh3") for name in seen)
+    expected = dict(offload_items(src, layout, g, [2, 6, 7], keys, TOKENS))
+    assert [bytes(v) for v in tier.load(keys)] == [expected[k] for k in keys]
+    # Verified on the threads too: a bad middle value ends the run and is counted once,
+    # the value after it (verified, but past the failure) is not counted.
+    bad = bytearray(expected[keys[1]])
+    bad[-1] ^= 1
+    tier.store([(keys[1], bytes(bad))])
+    before = tier.stats.snapshot()
+    out = load_verified(tier, layout, keys, TOKENS)
+    after = tier.stats.snapshot()
+    assert [bytes(p) for p in out] == [expected[keys[0]][HEADER_NBYTES + 8 * layout.block_size:]]
+    assert after.get("bad_checksum", 0) - before.get("bad_checksum", 0) == 1
+    assert after["hits"] - before.get("hits", 0) == 1 and after["misses"] - before.get("misses", 0) == 2
+
+
 def test_arena_reuses_its_slots_and_copies_what_it_evicts():
     evicted: list = []
     tier = HostTier(350, on_evict=evicted.extend)  # 100-byte values: 3 slots

@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from kvstore.tiers.codec import KEY_NBYTES, BlockLayout, Buffer, decode_block
+from kvstore.tiers.codec import KEY_NBYTES, BlockLayout, Buffer, decode_block, map_values
 
 StoreItem = tuple[bytes, Buffer]
 #: Writes a batch of items (the return value is ignored).
@@ -119,10 +119,18 @@ def load_verified(tier: Tier, layout: BlockLayout, keys: Sequence[bytes],
     if not keys:
         return []
     values = tier.load(keys)
+
+    def verify(item: tuple[bytes, Sequence[int], Buffer | None]
+               ) -> tuple[memoryview | None, dict[str, int]]:
+        why: dict[str, int] = {}
+        return decode(layout, item[0], item[1], item[2], why), why
+
+    nbytes = sum(memoryview(v).nbytes for v in values if v is not None)
     out: list[memoryview] = []
     reasons: dict[str, int] = {}
-    for key, tokens, value in zip(keys, token_ids, values, strict=True):
-        payload = decode(layout, key, tokens, value, reasons)
+    for payload, why in map_values(verify, zip(keys, token_ids, values, strict=True), nbytes):
+        for reason, n in why.items():  # counted up to the first failure, as one pass would
+            reasons[reason] = reasons.get(reason, 0) + n
         if payload is None:
             break
         out.append(payload)

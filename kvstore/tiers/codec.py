@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 import xxhash
 
@@ -29,6 +31,30 @@ _HEADER = struct.Struct("<4sHH16s32sIQ16s")
 HEADER_NBYTES = _HEADER.size
 _CHECKSUM_OFFSET = HEADER_NBYTES - 16
 _TOKEN = "q"  # token ids as int64, little-endian, like the chained hash
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+#: Batches of at least this many bytes are checksummed on several threads.
+PARALLEL_MIN_NBYTES = 4 << 20
+_checksum_pool: ThreadPoolExecutor | None = None
+
+
+def checksum_threads() -> int:
+    """Threads a large batch of values is checksummed on (at most 8, one per core)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def map_values(fn: Callable[[_T], _R], items: Iterable[_T], nbytes: int) -> list[_R]:
+    """``[fn(x) for x in items]``, in order; spread over a shared thread pool when the batch
+    holds at least PARALLEL_MIN_NBYTES (XXH3 releases the GIL, so sealing and verifying
+    scale with cores: one core hashes about 7 GB/s, under a PCIe 5 link's 50)."""
+    global _checksum_pool
+    items = list(items)
+    if nbytes < PARALLEL_MIN_NBYTES or len(items) < 2 or checksum_threads() == 1:
+        return [fn(x) for x in items]
+    if _checksum_pool is None:
+        _checksum_pool = ThreadPoolExecutor(checksum_threads(), thread_name_prefix="kvstore-xxh3")
+    return list(_checksum_pool.map(fn, items))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstore.tiers.base import StoreItem, TierStats, check_items, check_keys, leading_run
-from kvstore.tiers.codec import HEADER_NBYTES, BlockLayout, Buffer, encode_block, seal_block
+from kvstore.tiers.codec import HEADER_NBYTES, BlockLayout, Buffer, encode_block, map_values, seal_block
 
 if TYPE_CHECKING:
     import torch
@@ -272,9 +272,13 @@ class HostTier:
                 rows = self._chunks[c][r0:r0 + e - s]
                 _gather_rows(cache, group_id, [block_ids[i] for _, i in placed[s:e]], rows, off, P)
                 s = e
+            def seal(item: tuple[int, int]) -> None:
+                slot, i = item
+                value = memoryview(self._row(slot)[start:start + V]).cast("B")
+                seal_block(layout, keys[i], token_ids[i], value)
+
+            map_values(seal, placed, len(placed) * V)
             for slot, i in placed:
-                row = self._row(slot)
-                seal_block(layout, keys[i], token_ids[i], memoryview(row[start:start + V]).cast("B"))
                 self._publish(keys[i], slot)
         self._finish_store(len(placed), len(keys) - len(placed), evicted)
         return len(placed)
@@ -520,8 +524,8 @@ def restore_payloads(cache: PagedKVCache, group_id: int, block_ids: Sequence[int
     if len(block_ids) != len(payloads):
         raise ValueError(f"{len(block_ids)} block ids but {len(payloads)} payloads")
     P = block_payload_nbytes(cache, group_id)
-    if cache.device.type != "cpu":  # one pinned buffer, then one async copy per chunk
-        scatter_blocks(cache, group_id, block_ids, stack_payloads(payloads, P, pin=True))
+    if cache.device.type != "cpu":
+        _restore_on_device(cache, group_id, block_ids, payloads, P)
         return
     import numpy as np
     import torch
@@ -541,3 +545,33 @@ def restore_payloads(cache: PagedKVCache, group_id: int, block_ids: Sequence[int
         for j in range(L):
             pages[j][0][b] = row[j, 0]
             pages[j][1][b] = row[j, 1]
+
+
+def _restore_on_device(cache: PagedKVCache, group_id: int, block_ids: Sequence[int],
+                       payloads: Sequence[Buffer], nbytes: int) -> None:
+    """``restore_payloads`` on an accelerator: each payload copied as it lies (the host
+    arena's slots are pinned, so these are DMA copies queued back to back, with no host-side
+    gather into a fresh buffer) into device staging, then one scatter per layer slot."""
+    import torch
+
+    ids = _block_index(cache, block_ids, unique=True)
+    L = _group_slots(cache, group_id)
+    nb = cache.config.num_blocks
+    views = []
+    for i, p in enumerate(payloads):
+        view = memoryview(p).cast("B")
+        if view.nbytes != nbytes:
+            raise ValueError(f"payload {i} is {view.nbytes} bytes, expected {nbytes}")
+        views.append(view)
+    chunk = max(1, _STAGING_BYTES // nbytes)
+    idx_all = torch.as_tensor(ids, dtype=torch.long, device=cache.device)
+    for s in range(0, len(ids), chunk):
+        part = views[s:s + chunk]
+        staging = torch.empty((len(part), nbytes), dtype=torch.uint8, device=cache.device)
+        for row, view in zip(staging, part, strict=True):
+            row.copy_(torch.frombuffer(view, dtype=torch.uint8), non_blocking=True)
+        src = staging.view(cache.dtype).view(len(part), L, 2, -1)
+        idx = idx_all[s:s + len(part)]
+        for j in range(L):
+            cache.key_caches[j].view(nb, -1).index_copy_(0, idx, src[:, j, 0])
+            cache.value_caches[j].view(nb, -1).index_copy_(0, idx, src[:, j, 1])
