@@ -57,6 +57,7 @@ class Row:
     gbps: float | None = None  # decode: needed K/V bytes / time
     tflops: float | None = None  # prefill: 4 * visible pairs * head_dim * heads / time
     pct_copy: float | None = None  # decode: gbps / copy bandwidth
+    pct_read: float | None = None  # decode: gbps / read bandwidth (its roof)
     num_splits: int | None = None
     timing: str = "graph"
     note: str = ""
@@ -122,6 +123,16 @@ def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor,
     except Exception:  # noqa: BLE001 - any capture failure: fall back to eager timing
         torch.cuda.synchronize()
         return _time_eager(fn, iters, flush), "eager"
+
+
+def read_bandwidth_gbps(flush: torch.Tensor, nbytes: int = 4 << 30) -> float:
+    """Device read bandwidth: a max-reduction over a large tensor, bytes read / time (GB/s).
+    Decode only reads K/V, so this, not a copy, is its roof."""
+    bufs = {"src": torch.empty(nbytes // 4, dtype=torch.int32, device="cuda").random_(0, 1 << 20)}
+    ms, _ = time_ms(lambda: bufs["src"].amax(), 5, flush)
+    bufs.clear()
+    torch.cuda.empty_cache()
+    return nbytes / (ms * 1e-3) / 1e9
 
 
 def copy_bandwidth_gbps(flush: torch.Tensor, nbytes: int = 2 << 30) -> float:
@@ -265,7 +276,7 @@ def _fits(nbytes: int) -> bool:
 
 def _measure(rows: list[Row], row: Row, make: Callable[[], Callable[[], object] | None],
              iters: int, flush: torch.Tensor, nbytes: int, flops: float,
-             copy_bw: float, graph: bool = True) -> None:
+             copy_bw: float, read_bw: float, graph: bool = True) -> None:
     try:
         fn = make()
         if fn is None:
@@ -275,6 +286,7 @@ def _measure(rows: list[Row], row: Row, make: Callable[[], Callable[[], object] 
             if row.kind == "decode":
                 row.gbps = nbytes / (row.ms * 1e-3) / 1e9
                 row.pct_copy = 100.0 * row.gbps / copy_bw
+                row.pct_read = 100.0 * row.gbps / read_bw
             row.tflops = flops / (row.ms * 1e-3) / 1e12
     except Exception as e:  # noqa: BLE001 - a baseline failing must not stop the sweep
         row.note = f"error: {type(e).__name__}: {str(e)[:120]}"
@@ -290,7 +302,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(0)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     copy_bw = copy_bandwidth_gbps(flush)
-    print(f"device copy bandwidth (read+write): {copy_bw:.0f} GB/s")
+    read_bw = read_bandwidth_gbps(flush)
+    print(f"device copy bandwidth (read+write): {copy_bw:.0f} GB/s; read bandwidth: {read_bw:.0f} GB/s")
     rows: list[Row] = []
     scale = 1.0 / math.sqrt(HEAD_DIM)
     if args.quick:
@@ -326,17 +339,17 @@ def run_bench(args: argparse.Namespace) -> dict:
             state["p"] = p
             return lambda: paged_attention(p.q, p.kc, p.vc, p.metadata, scale, window=w)
 
-        _measure(rows, row, make, n_iter, flush, nbytes, flops, copy_bw)
+        _measure(rows, row, make, n_iter, flush, nbytes, flops, copy_bw, read_bw)
         if kind == "decode" and "p" in state:
             _measure(rows, Row(kind, "flashinfer", b, ctx, ql, w),
                      lambda: flashinfer_decode_fn(state["p"], w), n_iter, flush, nbytes, flops,
-                     copy_bw, graph=False)  # its plain wrapper is not made for capture
+                     copy_bw, read_bw, graph=False)  # its plain wrapper is not made for capture
         state.clear()
         torch.cuda.empty_cache()
         for impl, mk in (("sdpa", sdpa_fn), ("flash_attn", flash_attn_fn)):
             factory: Callable[[], Callable[[], object] | None] = partial(mk, b, ctx, ql, w)
             _measure(rows, Row(kind, impl, b, ctx, ql, w), factory, n_iter, flush, nbytes, flops,
-                     copy_bw)
+                     copy_bw, read_bw)
         _print_group(rows, kind, b, ctx, ql, w)
 
     for w in windows:
@@ -364,6 +377,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "config": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                    "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "quick": args.quick},
         "copy_bandwidth_gbps": copy_bw,
+        "read_bandwidth_gbps": read_bw,
         "rows": [asdict(r) for r in rows],
     }
 
@@ -377,7 +391,7 @@ def _print_group(rows: list[Row], kind: str, b: int, ctx: int, ql: int,
     for r in rows:
         if (r.kind, r.batch, r.context, r.q_len, r.window) != (kind, b, ctx, ql, w):
             continue
-        metric = (f"{_fmt(r.gbps, '8.0f')} GB/s {_fmt(r.pct_copy, '5.1f')}% copy"
+        metric = (f"{_fmt(r.gbps, '8.0f')} GB/s {_fmt(r.pct_read, '5.1f')}% read"
                   if kind == "decode" else f"{_fmt(r.tflops, '7.1f')} TFLOP/s")
         split = f" splits={r.num_splits}" if r.num_splits else ""
         print(f"{kind:7s} B={b:<4d} ctx={ctx:<7d} q={ql:<6d} W={str(w):<5s} {r.impl:11s} "
