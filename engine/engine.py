@@ -213,7 +213,9 @@ class LLMEngine:
     ``hash_fn`` hashes blocks (``kvstore.make_keyed_hash(secret)`` where prompts come from
     untrusted users: see the threat model in docs/design.md); ``index_scheduled_blocks``
     makes blocks findable when scheduled (see :class:`~kvstore.KVCacheManager`: this
-    engine's runner and scheduler keep the promises it needs).
+    engine's runner and scheduler keep the promises it needs); ``typical_tokens``, the
+    length a request usually reaches, lets a hybrid model's cache keep a few sliding layers
+    whole where that packs the layers without padding (see :func:`kvstore.specs.group_layers`).
     """
 
     def __init__(
@@ -236,12 +238,14 @@ class LLMEngine:
         eviction: str = "lru",
         hash_fn: HashFn = hash_block,
         index_scheduled_blocks: bool = False,
+        typical_tokens: int | None = None,
     ) -> None:
         if device is None:
             device = next(model.parameters()).device
         self.model = model.eval()
         self.config: KVCacheConfig = make_kv_cache_config(
-            kv_cache_specs(model, block_size), memory_bytes=memory_bytes, num_blocks=num_blocks)
+            kv_cache_specs(model, block_size), memory_bytes=memory_bytes, num_blocks=num_blocks,
+            typical_tokens=typical_tokens)
         self.tiers: TierConnector | None = None
         manager_cls: Callable[..., KVCacheManager] = KVCacheManager
         if index_scheduled_blocks and (host_tier_bytes or store_url):

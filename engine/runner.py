@@ -212,9 +212,13 @@ def check_cache_matches_model(model: DecoderModel, cache: PagedKVCache) -> None:
                          f"{c.num_layers}")
     problems: list[str] = []
     for i in range(c.num_layers):
-        spec = cache.config.groups[layer_to_group[i][0]].spec
+        group = cache.config.groups[layer_to_group[i][0]]
+        spec = group.spec
+        window = spec.sliding_window
+        if window is None and i in group.kept_whole:
+            window = model.layer_window(i)  # its window is read from pages kept whole
         want: Sequence[tuple[str, object, object]] = (
-            ("window", spec.sliding_window, model.layer_window(i)),
+            ("window", window, model.layer_window(i)),
             ("num_kv_heads", spec.num_kv_heads, c.num_kv_heads),
             ("head_dim", spec.head_dim, c.head_dim),
             ("dtype", spec.dtype, dtype_name(c.dtype)),

@@ -105,10 +105,13 @@ KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
 
 @dataclass(frozen=True)
 class KVCacheGroup:
-    """Layers that share one block table; layer_ids[j] uses the pages of slot j."""
+    """Layers that share one block table; layer_ids[j] uses the pages of slot j.
+    `kept_whole`: sliding-window layers of a full-attention group, whose pages are kept like
+    full attention so the layers pack into groups without padding (see `group_layers`)."""
 
     spec: KVCacheSpec
     layer_ids: tuple[int, ...]
+    kept_whole: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -194,9 +197,17 @@ def _page_mismatch(spec: AttentionSpec, first: AttentionSpec, what: str, first_w
     return ""
 
 
-def group_layers(layer_specs: Sequence[KVCacheSpec]) -> tuple[tuple[KVCacheGroup, ...], int]:
+def group_layers(layer_specs: Sequence[KVCacheSpec], typical_tokens: int | None = None
+                 ) -> tuple[tuple[KVCacheGroup, ...], int]:
     """Group layers by spec into groups of equal size; returns the groups and the slot count.
-    ValueError unless every layer has the first layer's block size, page shape and dtype."""
+    ValueError unless every layer has the first layer's block size, page shape and dtype.
+
+    By default every group gets as many layers as the smallest type has, and the last group
+    of a larger type is padded up to it. With `typical_tokens` (the length a request usually
+    reaches) and one full-attention and one sliding-window type, some sliding layers may be
+    kept whole in the full-attention groups instead, where that packs the layers with less
+    padding and holds a request of that length in fewer bytes, in no more groups than the
+    default (fewer layers kept whole breaks ties)."""
     if not layer_specs:
         raise ValueError("a cache needs at least one layer spec")
     first = layer_specs[0]
@@ -207,12 +218,30 @@ def group_layers(layer_specs: Sequence[KVCacheSpec]) -> tuple[tuple[KVCacheGroup
         problem = _page_mismatch(spec, first, f"layer {i}", "layer 0")
         if problem:
             raise ValueError(problem)
+    if typical_tokens is not None and (not _is_int(typical_tokens) or typical_tokens < 1):
+        raise ValueError(f"typical_tokens must be a positive int, got {typical_tokens!r}")
     by_spec: dict[KVCacheSpec, list[int]] = {}
     for i, spec in enumerate(layer_specs):
         by_spec.setdefault(spec, []).append(i)
     # Every group gets as many layers as the smallest type has, so each block id's
     # page in every slot is used; the largest types are split into several groups.
     group_size = min(len(layers) for layers in by_spec.values())
+    kinds = sorted(by_spec, key=lambda spec: spec.sliding_window is not None)
+    if (typical_tokens is not None and len(kinds) == 2 and kinds[0].sliding_window is None
+            and kinds[1].sliding_window is not None):
+        full, window = by_spec[kinds[0]], by_spec[kinds[1]]
+        group_size, num_whole = _packing(len(full), len(window), kinds[1].sliding_window,
+                                         typical_tokens, group_size)
+        if num_whole:
+            whole = window[len(window) - num_whole:]
+            full_layers = sorted(full + whole)
+            window = window[:len(window) - num_whole]
+            groups = [KVCacheGroup(kinds[0], tuple(full_layers[s:s + group_size]),
+                                   tuple(i for i in full_layers[s:s + group_size] if i in whole))
+                      for s in range(0, len(full_layers), group_size)]
+            groups += [KVCacheGroup(kinds[1], tuple(window[s:s + group_size]))
+                       for s in range(0, len(window), group_size)]
+            return tuple(groups), group_size
     groups = []
     for spec, layers in by_spec.items():
         for start in range(0, len(layers), group_size):
@@ -220,11 +249,39 @@ def group_layers(layer_specs: Sequence[KVCacheSpec]) -> tuple[tuple[KVCacheGroup
     return tuple(groups), group_size
 
 
+def _packing(num_full: int, num_window: int, window: int, typical_tokens: int,
+             default_size: int) -> tuple[int, int]:
+    """(group size, sliding layers kept whole) that hold a request of `typical_tokens` in
+    the fewest slot-tokens, in no more groups than the default grouping has."""
+    def groups(size: int) -> tuple[int, int, int]:
+        num_full_groups = -(-num_full // size)
+        whole = min(num_full_groups * size - num_full, num_window)
+        return num_full_groups, -(-(num_window - whole) // size), whole
+
+    f0, w0, _ = groups(default_size)
+    best = None
+    for size in range(1, num_full + num_window + 1):
+        f, w, whole = groups(size)
+        if f + w > f0 + w0:
+            continue
+        cost = size * (f * typical_tokens + w * min(typical_tokens, window))
+        if size == default_size:
+            whole = 0  # the default pads instead
+            cost = size * (f0 * typical_tokens + w0 * min(typical_tokens, window))
+        key = (cost, whole, f + w)
+        if best is None or key < best[0]:
+            best = (key, size, whole)
+    assert best is not None
+    return best[1], best[2]
+
+
 def make_kv_cache_config(layer_specs: Sequence[KVCacheSpec], memory_bytes: int | None = None,
-                         num_blocks: int | None = None) -> KVCacheConfig:
-    """Group the layers and size the pool from a byte budget (or an explicit block count);
-    both are ints (a float budget is refused rather than rounded)."""
-    groups, num_slots = group_layers(layer_specs)
+                         num_blocks: int | None = None, typical_tokens: int | None = None
+                         ) -> KVCacheConfig:
+    """Group the layers (`typical_tokens`: see `group_layers`) and size the pool from a
+    byte budget (or an explicit block count); both are ints (a float budget is refused
+    rather than rounded)."""
+    groups, num_slots = group_layers(layer_specs, typical_tokens)
     bytes_per_block = groups[0].spec.page_size_bytes * num_slots
     if (memory_bytes is None) == (num_blocks is None):
         raise ValueError("give exactly one of memory_bytes and num_blocks")

@@ -83,18 +83,19 @@ def make_engine(model: DecoderModel, **kw) -> LLMEngine:
 
 
 def check_engine_against_hf(hf: torch.nn.Module, model: DecoderModel, n: int, max_tokens: int,
-                            batched_tokens: int, small_batched_tokens: int) -> None:
+                            batched_tokens: int, small_batched_tokens: int,
+                            **engine_kw) -> None:
     """A model through LLMEngine on prompts of about ``n`` tokens, every output checked
     against HF: a chunked shared-prefix batch (caching on and off agree), a partial hit
     after a finish, a fork that copies the partial block, and a pool with room for the
-    longest request alone (preemption and eviction)."""
+    longest request alone (preemption and eviction). ``engine_kw`` go to every engine."""
     shared = tokens(n, seed=1)
     prompts = [shared + tokens(5, seed=2), shared + tokens(2, seed=3), shared[: n // 2],
                tokens(7, seed=4)]
     results = []
     for caching in (True, False):
         engine = make_engine(model, enable_prefix_caching=caching,
-                             max_num_batched_tokens=batched_tokens)
+                             max_num_batched_tokens=batched_tokens, **engine_kw)
         results.append(engine.generate(prompts, greedy(max_tokens)))
         assert engine.manager.usage == 0.0
     assert sample_tokens(results[0]) == sample_tokens(results[1])
@@ -102,7 +103,7 @@ def check_engine_against_hf(hf: torch.nn.Module, model: DecoderModel, n: int, ma
         check_against_hf(hf, out)
 
     # A partial hit (mid-block) on a finished request's pages.
-    engine = make_engine(model)
+    engine = make_engine(model, **engine_kw)
     first = engine.generate([shared + tokens(3, seed=5)], greedy(max_tokens))[0]
     cut = n - 1 if (n - 1) % BLOCK else n - 2
     second = engine.generate([shared[:cut] + [(shared[cut] + 1) % 256]], greedy(3))[0]
@@ -119,11 +120,11 @@ def check_engine_against_hf(hf: torch.nn.Module, model: DecoderModel, n: int, ma
 
     # A pool with room for the longest request alone: preemption and eviction.
     prompts = [tokens(n + k, seed=10 + k) for k in range(3)] + [tokens(5, seed=14)]
-    roomy = make_engine(model, max_num_batched_tokens=small_batched_tokens)
+    roomy = make_engine(model, max_num_batched_tokens=small_batched_tokens, **engine_kw)
     groups = len(roomy.config.groups)
     longest = n + 2 + max_tokens
     small = make_engine(model, num_blocks=1 + groups * -(-longest // BLOCK),
-                        max_num_batched_tokens=small_batched_tokens)
+                        max_num_batched_tokens=small_batched_tokens, **engine_kw)
     outs = small.generate(prompts, greedy(max_tokens))
     assert small.stats.preemptions > 0 and small.stats.evictions > 0
     assert sample_tokens(outs) == sample_tokens(roomy.generate(prompts, greedy(max_tokens)))
@@ -458,3 +459,29 @@ def test_engine_takes_a_keyed_hash(pairs: dict) -> None:
             secret.generate([prompt], sampling)[0].outputs[0].token_ids
     assert secret.manager.hash_fn is keyed
     assert secret.stats.hit_tokens == plain.stats.hit_tokens > 0
+
+
+def test_sliding_layers_kept_whole_match_hf() -> None:
+    """A 3 full : 5 sliding Gemma-3-style model: by default its groups pad (3, 3, 2 + 1
+    padding slot); with typical_tokens below the window, one sliding layer is kept whole in
+    the full-attention group (two groups of 4, no padding). Every output matches HF, and the
+    tokens equal those of the padded layout."""
+    cfg = dataclasses.replace(
+        tiny_gemma3(), num_layers=8,
+        layer_types=("sliding_attention",) * 2 + ("full_attention",) + ("sliding_attention",) * 2
+        + ("full_attention",) + ("sliding_attention", "full_attention"))
+    hf, model = build_pair(cfg)
+    w = window_of(model)
+    padded = make_engine(model)
+    packed = make_engine(model, typical_tokens=w)
+    assert padded.config.num_padding_layers == 1 and packed.config.num_padding_layers == 0
+    whole = [layer for g in packed.config.groups for layer in g.kept_whole]
+    assert len(whole) == 1 and model.layer_window(whole[0]) == w
+    # Layer slots one token position costs when every group holds it: 9 against 8.
+    assert [len(e.config.groups) * e.config.num_slots for e in (padded, packed)] == [9, 8]
+    check_engine_against_hf(hf, model, 2 * w + 3, max_tokens=w + 2, batched_tokens=64,
+                            small_batched_tokens=16, typical_tokens=w)
+    prompts = [tokens(2 * w + 5, seed=80), tokens(w - 1, seed=81)]
+    assert (sample_tokens(packed.generate(prompts, greedy(w)))
+            == sample_tokens(padded.generate(prompts, greedy(w))))
+

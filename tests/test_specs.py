@@ -172,6 +172,46 @@ def test_group_layers_matches_config() -> None:
     assert groups == config.groups and num_slots == config.num_slots
 
 
+def slot_tokens(config: KVCacheConfig, num_tokens: int) -> int:
+    """Layer-slot tokens a request of `num_tokens` holds when every group keeps what its spec
+    needs (full: all tokens; sliding: the window)."""
+    return sum(config.num_slots * (num_tokens if g.spec.sliding_window is None
+                                   else min(num_tokens, g.spec.sliding_window))
+               for g in config.groups)
+
+
+def test_typical_tokens_keeps_sliding_layers_whole_where_that_packs_them() -> None:
+    # Llama-3-8B-like 5 full : 27 sliding (W = 1024): by default 7 groups of 5 slots, 3 of
+    # them padding. Below about 2W, three sliding layers kept whole pack 4 groups of 8.
+    specs = [full() if (i + 1) % 6 == 0 else sliding(1024) for i in range(32)]
+    padded = make_kv_cache_config(specs, num_blocks=10)
+    assert (len(padded.groups), padded.num_slots, padded.num_padding_layers) == (7, 5, 3)
+    for typical in (200, 1024, 2000):
+        packed = make_kv_cache_config(specs, num_blocks=10, typical_tokens=typical)
+        assert (len(packed.groups), packed.num_slots, packed.num_padding_layers) == (4, 8, 0)
+        assert slot_tokens(packed, typical) < slot_tokens(padded, typical)
+        whole = [layer for g in packed.groups for layer in g.kept_whole]
+        assert len(whole) == 3 and all(specs[layer] == sliding(1024) for layer in whole)
+        for g in packed.groups:  # kept whole only in a full-attention group
+            assert set(g.kept_whole) <= set(g.layer_ids)
+            assert not g.kept_whole or g.spec == full()
+            assert all(specs[layer] == g.spec for layer in g.layer_ids if layer not in g.kept_whole)
+        assert sorted(x for g in packed.groups for x in g.layer_ids) == list(range(32))
+    # Long requests: the padded layout holds them in fewer bytes, and stays.
+    long = make_kv_cache_config(specs, num_blocks=10, typical_tokens=20_000)
+    assert long.groups == padded.groups
+    # A layout without padding is left alone whatever the length (Gemma 3 12B: 8 : 40).
+    even = [full() if (i + 1) % 6 == 0 else sliding(1024) for i in range(48)]
+    assert (make_kv_cache_config(even, num_blocks=10, typical_tokens=500).groups
+            == make_kv_cache_config(even, num_blocks=10).groups)
+    # No padding, nothing kept whole: one group of all three would cost as much here.
+    few = [full(), sliding(64), sliding(64)]
+    assert len(make_kv_cache_config(few, num_blocks=10, typical_tokens=10).groups) == 3
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="typical_tokens"):
+            make_kv_cache_config(specs, num_blocks=10, typical_tokens=bad)  # type: ignore[arg-type]
+
+
 def test_manager_gets_one_sub_manager_per_group() -> None:
     config = make_kv_cache_config(gemma3_layers(26, window=64), num_blocks=50)
     manager = KVCacheManager(config)
