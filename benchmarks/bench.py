@@ -41,6 +41,7 @@ from kvstore.benchmarks.sweep import (
     SweepRow,
     SweepTask,
     format_bytes,
+    hybrid_layout_line,
     parse_pool_sizes,
     parse_size,
     policy_named,
@@ -684,6 +685,8 @@ def run_bench(args: argparse.Namespace) -> int:
     console.print(f"[bold]{workload.name}[/bold]: {workload.description}")
     console.print(f"{len(workload.requests)} requests, {workload.num_prompt_tokens:,} prompt + "
                   f"{workload.num_output_tokens:,} output tokens; {shape.describe()}")
+    if any(policy_named(p).layout == "hybrid" for p in policies):
+        console.print(hybrid_layout_line(workload, shape, args.block_size))
     sched = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
     jobs = args.jobs if args.jobs is not None else min(4, os.cpu_count() or 1)
     try:

@@ -277,6 +277,25 @@ def request_blocks(workload: Workload, block_size: int) -> list[int]:
             if r.max_tokens >= 1]
 
 
+def typical_tokens(workload: Workload) -> int:
+    """The mean length a request reaches (prompt + max output): what a hybrid layout's
+    groups are packed for (``make_kv_cache_config(typical_tokens=...)``)."""
+    lengths = [len(r.prompt_token_ids) + r.max_tokens for r in workload.requests
+               if r.max_tokens >= 1]
+    return max(1, round(sum(lengths) / len(lengths))) if lengths else 1
+
+
+def hybrid_layout_line(workload: Workload, shape: ModelShape, block_size: int) -> str:
+    """How the hybrid layout's layers are grouped for this workload (one line)."""
+    typical = typical_tokens(workload)
+    c = make_kv_cache_config(shape.hybrid_specs(block_size), num_blocks=2,
+                             typical_tokens=typical)
+    whole = sum(len(g.kept_whole) for g in c.groups)
+    return (f"hybrid layout, packed for requests of {typical:,} tokens (the mean): "
+            f"{len(c.groups)} groups of {c.num_slots} layer slots, {c.num_padding_layers} "
+            f"padding, {whole} sliding layer(s) kept whole")
+
+
 def default_budgets(workload: Workload, shape: ModelShape, block_size: int,
                     num_points: int = 10) -> list[int]:
     """Geometric budgets, largest first: from every request held at once ("everything
@@ -378,6 +397,7 @@ class SweepRow:
     num_groups: int
     layer_slots: int
     padding_layers: int
+    kept_whole_layers: int  # sliding layers held as full attention (group packing)
     bytes_per_block: int
     feasible: bool
     error: str
@@ -487,7 +507,9 @@ def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size:
                                 policy.reserve_full_output)
     t0 = time.perf_counter()
     specs = policy.layer_specs(shape, block_size)
-    layout = make_kv_cache_config(specs, num_blocks=2)  # the grouping; its size is unused
+    # A hybrid layout is packed for this workload's requests, as an engine would be set up.
+    typical = typical_tokens(workload) if policy.layout == "hybrid" else None
+    layout = make_kv_cache_config(specs, num_blocks=2, typical_tokens=typical)  # its size is unused
     bpb = layout.bytes_per_block
     if budget is None:
         # Unbounded: room for every page any request ever holds, in every group, at once.
@@ -496,13 +518,14 @@ def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size:
     else:
         num_blocks = budget // bpb
     row = SweepRow(policy.name, policy.layout, index, budget, budget is None, num_blocks,
-                   len(layout.groups), layout.num_slots, layout.num_padding_layers, bpb,
+                   len(layout.groups), layout.num_slots, layout.num_padding_layers,
+                   sum(len(g.kept_whole) for g in layout.groups), bpb,
                    feasible=False, error="", wall_s=0.0)
     if num_blocks < 2:
         row.error = (f"{format_bytes(budget or 0)} holds {num_blocks} blocks of "
                      f"{format_bytes(bpb)}; a pool needs at least 2 (one is the null block)")
     else:
-        config = make_kv_cache_config(specs, num_blocks=num_blocks)
+        config = make_kv_cache_config(specs, num_blocks=num_blocks, typical_tokens=typical)
         try:
             res = simulate(workload, config, enable_caching=policy.enable_caching,
                            enable_partial_hits=policy.enable_partial_hits, scheduler_config=sched,

@@ -215,7 +215,8 @@ class LLMEngine:
     makes blocks findable when scheduled (see :class:`~kvstore.KVCacheManager`: this
     engine's runner and scheduler keep the promises it needs); ``typical_tokens``, the
     length a request usually reaches, lets a hybrid model's cache keep a few sliding layers
-    whole where that packs the layers without padding (see :func:`kvstore.specs.group_layers`).
+    whole where that packs the layers without padding (see :func:`kvstore.specs.group_layers`);
+    ``hold_window_heads``: see :class:`~kvstore.KVCacheManager`.
     """
 
     def __init__(
@@ -239,6 +240,7 @@ class LLMEngine:
         hash_fn: HashFn = hash_block,
         index_scheduled_blocks: bool = False,
         typical_tokens: int | None = None,
+        hold_window_heads: bool = True,
     ) -> None:
         if device is None:
             device = next(model.parameters()).device
@@ -260,7 +262,8 @@ class LLMEngine:
             manager_cls = functools.partial(TieredKVCacheManager, tiers=self.tiers)
         self.manager = manager_cls(self.config, enable_caching=enable_prefix_caching,
                                       enable_partial_hits=enable_partial_hits, eviction=eviction,
-                                      hash_fn=hash_fn, index_scheduled_blocks=index_scheduled_blocks)
+                                      hash_fn=hash_fn, index_scheduled_blocks=index_scheduled_blocks,
+                                      hold_window_heads=hold_window_heads)
         self.cache = PagedKVCache(self.config, device=device)
         self.scheduler = Scheduler(self.manager, SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))

@@ -12,6 +12,7 @@ from kvstore.single_type_kv_cache_manager import (
     ChainSearch,
     HitSearch,
     SingleTypeKVCacheManager,
+    SlidingWindowManager,
     make_manager,
 )
 from kvstore.specs import KVCacheConfig
@@ -52,19 +53,28 @@ class AllocationPlan(NamedTuple):
     num_resident: int  # pages the request holds afterwards
 
 
+def _is_full(page: tuple[bool, KVCacheBlock, int]) -> bool:
+    return page[0]
+
+
 class KVCacheCoordinator:
     """All KV cache groups of one cache over one shared pool."""
 
     __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_spine_groups",
                  "_search_sets", "_cache_order", "_pending")
 
-    def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies) -> None:
+    def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
+                 hold_window_heads: bool = True) -> None:
         self.config = config
         self.pool = pool
         self.block_size = config.block_size
         n = len(config.groups)
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             make_manager(pool, group.spec, g, copies, n) for g, group in enumerate(config.groups))
+        if not hold_window_heads:
+            for manager in self.managers:
+                if isinstance(manager, SlidingWindowManager):
+                    manager.num_head_blocks = 0
         # Where the lookup verifies the prompt's prefix block by block: the first
         # full-attention group (which needs every block anyway), else every group.
         full = [g for g, group in enumerate(config.groups) if group.spec.sliding_window is None]
@@ -358,8 +368,41 @@ class KVCacheCoordinator:
                 manager.cache_blocks(request, min(request.num_computed_tokens,
                                                   len(manager.table(request.request_id))
                                                   * self.block_size), serials)
-        for manager in self.managers:
-            manager.free(request)
+        released = [manager.free(request) for manager in self.managers]
+        pool = self.pool
+        if len(released) == 1:  # deepest first, so a chain's root is the last of it evicted
+            table, dropped = released[0]
+            pool.free_blocks([b for b in reversed(table) if b.block_id != 0],
+                             self.managers[0].group_id)
+            if dropped:
+                pool.refresh([(b, serial) for b, serial, _ in reversed(dropped)])
+            return
+        # Several groups: one order over all of them, deepest position first (window pages
+        # before the full-attention page at the same position), the pages dropped from
+        # windows earlier in their places. A prefix's pages then leave together from its
+        # end, and its root last, as they would from one all-full table.
+        by_position: list[list[tuple[bool, KVCacheBlock, int]]] = [
+            [] for _ in range(max(len(table) for table, _ in released))]
+        held: list[list[KVCacheBlock]] = [[] for _ in by_position]
+        for manager, (table, dropped) in zip(self.managers, released, strict=True):
+            full = manager.spec.sliding_window is None
+            for i, block in enumerate(table):
+                if block.block_id != 0:
+                    held[i].append(block)
+                    by_position[i].append((full, block, block.serial))
+            for block, serial, i in dropped:
+                by_position[i].append((full, block, serial))
+        pool.free_blocks([block for blocks in reversed(held) for block in blocks])
+        order = []
+        for pages in reversed(by_position):
+            pages.sort(key=_is_full)
+            order += [(block, serial) for _, block, serial in pages]
+        pool.refresh(order)
+
+    def release_heads(self) -> int:
+        """Every sliding-window group drops the head pages its requests hold beyond their
+        windows (see SlidingWindowManager); returns how many."""
+        return sum(manager.release_heads() for manager in self.managers)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Share every page of the parent with the child, in every group."""

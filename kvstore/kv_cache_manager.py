@@ -42,6 +42,11 @@ class KVCacheManager:
     (victims of preemption are requests not yet scheduled in the step, as in the engine's
     scheduler). `free` drops the index entries of blocks scheduled but not computed, and
     raises, changing nothing, when another request already holds one of them.
+
+    With `hold_window_heads` (default), a sliding-window group keeps a request's pages of
+    its first W tokens until the request ends, instead of dropping them when they leave
+    the window: any hit that ends within the first W tokens needs them all. They are let
+    go when a request that runs alone cannot grow. Off, windows drop pages as vLLM does.
     """
 
     __slots__ = ("config", "block_size", "enable_caching", "enable_partial_hits",
@@ -52,7 +57,7 @@ class KVCacheManager:
     def __init__(self, config: KVCacheConfig, enable_caching: bool = True,
                  enable_partial_hits: bool = True, enable_events: bool = False,
                  hash_fn: HashFn = hash_block, eviction: str | EvictionPolicy = DEFAULT_EVICTION,
-                 index_scheduled_blocks: bool = False) -> None:
+                 index_scheduled_blocks: bool = False, hold_window_heads: bool = True) -> None:
         self.config = config
         self.block_size = config.block_size
         self.enable_caching = enable_caching
@@ -67,7 +72,8 @@ class KVCacheManager:
                                num_groups=len(config.groups))
         # Copies queued for the worker and the pins that keep their pages alive.
         self._copies = PendingCopies(self._pool)
-        self._coordinator = KVCacheCoordinator(config, self._pool, self._copies)
+        self._coordinator = KVCacheCoordinator(config, self._pool, self._copies,
+                                               hold_window_heads)
         self._requests: dict[str, Request] = {}
         self._no_new_blocks: BlockIds = ((),) * len(config.groups)
         self._num_groups = len(config.groups)
@@ -278,7 +284,15 @@ class KVCacheManager:
             plan = coordinator.num_blocks_needed(request, num_computed, num_tokens, None)
             self._check_pool_holds(rid, plan.num_resident, num_tokens)
             if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
-                return None
+                # The window heads running requests hold past their windows are let go
+                # only when this request runs alone: else the scheduler preempts one, which
+                # keeps the heads of the prefixes still running (see SlidingWindowManager).
+                if len(self._requests) > 1 or not coordinator.release_heads():
+                    return None
+                self._quiet.clear()
+                plan = coordinator.num_blocks_needed(request, num_computed, num_tokens, None)
+                if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
+                    return None
         ids = coordinator.allocate(request, num_tokens)
         if self.index_scheduled_blocks:
             coordinator.cache_scheduled(request, num_computed + num_new_tokens)

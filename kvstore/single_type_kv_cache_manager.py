@@ -17,6 +17,11 @@ def is_shared(block: KVCacheBlock) -> bool:
     return block.ref_cnt - block.pin_cnt > 1
 
 
+#: A cached page a request dropped from its window: the page, its content serial then, and
+#: its table index.
+Dropped = tuple[KVCacheBlock, int, int]
+
+
 class Skippable(NamedTuple):
     """Table entries that fall out of the window, and how many of them would become free."""
 
@@ -36,6 +41,8 @@ class SingleTypeKVCacheManager:
 
     __slots__ = ("pool", "spec", "group_id", "block_size", "_copies", "_twin_groups",
                  "_req_to_blocks", "_num_cached_blocks", "_last_serial")
+    #: Leading table entries a request keeps past its window (see SlidingWindowManager).
+    num_head_blocks: int = 0
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1) -> None:
@@ -295,6 +302,10 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block (sliding window)."""
 
+    def release_heads(self) -> int:
+        """Drop held pages no query can attend (see SlidingWindowManager); the count."""
+        return 0
+
     def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
         """Make table entries [start, stop) null and free their pages: fresh pages, not yet
         written or cached, that a tier hit does not load (below a window's start)."""
@@ -303,8 +314,10 @@ class SingleTypeKVCacheManager:
         table[start:stop] = [self.pool.null_block] * (stop - start)
         self.pool.free_blocks(reversed(pages))
 
-    def free(self, request: Request) -> None:
-        """Index computed content (full blocks and the partial tail), then release the table."""
+    def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
+        """Index computed content (full blocks and the partial tail) and forget the request;
+        returns its table (the caller frees the pages) and the cached pages it dropped from
+        its window earlier, shallowest first (none here)."""
         rid = request.request_id
         table = self._req_to_blocks[rid]
         num_computed = min(request.num_computed_tokens, len(table) * self.block_size)
@@ -316,11 +329,10 @@ class SingleTypeKVCacheManager:
             if block.ref_cnt - block.pin_cnt == 1 and block.token_ids is None and block.block_id != 0:
                 self.pool.cache_partial_block(
                     block, tuple(request.token_ids[tail * bs:num_computed]), self._last_serial[rid])
-        # Deepest first, so a chain's root is the last of it to be evicted.
-        self.pool.free_blocks([b for b in reversed(table) if b.block_id != 0], self.group_id)
         del self._req_to_blocks[rid]
         del self._num_cached_blocks[rid]
         del self._last_serial[rid]
+        return table, []
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every page of the parent."""
@@ -345,17 +357,29 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
-    """Only the last W positions are kept; older pages return to the pool (still cached)."""
+    """Only the last W positions are kept; older pages return to the pool (still cached).
 
-    __slots__ = ("_dropped", "_ends", "_window")
+    Except the head: the pages of a request's first W tokens stay in its table until it
+    ends or the pool runs short (`release_heads`). Every hit that ends within the first W
+    tokens (a system prompt, a shared template) needs all of them, and once dropped they
+    are the first pages a busy pool reuses, leaving the full-attention chain of a shared
+    prefix unusable while the request that computed it still runs."""
+
+    __slots__ = ("_computed", "_dropped", "_ends", "_head", "_window", "num_head_blocks")
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1) -> None:
         super().__init__(pool, spec, group_id, copies, num_groups)
         assert spec.sliding_window is not None
         self._window = spec.sliding_window
+        self.num_head_blocks = spec.sliding_window // self.block_size
+        # Per request, table entries below this index are never dropped (the held head:
+        # num_head_blocks until `release_heads`, then 0), and its computed count when the
+        # window last moved.
+        self._head: dict[str, int] = {}
+        self._computed: dict[str, int] = {}
         # Cached pages each request dropped from its window (with their content serials).
-        self._dropped: dict[str, list[tuple[KVCacheBlock, int]]] = {}
+        self._dropped: dict[str, list[Dropped]] = {}
         # Per request, the table index ranges [start, stop) within the window before a
         # likely hit end (prompt end, lookup's hit and branch point): freed pages there are
         # tagged worth keeping (KVCacheBlock.hint), the others not.
@@ -373,6 +397,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         prompt end as a likely hit end (a repeat hits one token short of it)."""
         super().admit(request, hit_blocks, partial_src, parent_serial)
         self._dropped[request.request_id] = []
+        self._head[request.request_id] = self.num_head_blocks
+        self._computed[request.request_id] = request.num_computed_tokens
         p = request.num_prompt_tokens
         self._ends[request.request_id] = [self._end_range(p - 1), self._end_range(p)]
 
@@ -388,11 +414,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         super().fork(parent_id, child_id)
         self._dropped[child_id] = []
         self._ends[child_id] = list(self._ends[parent_id])
+        self._head[child_id] = self._head[parent_id]
+        self._computed[child_id] = self._computed[parent_id]
 
-    def free(self, request: Request) -> None:
-        """Release the table, its pages tagged by whether they sit before the output end or
-        another likely hit end; the pages the request dropped from its window earlier become
-        as recent as the rest of its content, so a later hit finds its window with its chain."""
+    def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
+        """See the base class; the table's pages are tagged by whether they sit before the
+        output end or another likely hit end."""
         rid = request.request_id
         table = self._req_to_blocks[rid]
         near = bytearray(len(table))  # 1 where a table index is before a likely hit end
@@ -405,9 +432,25 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         for block, hint in zip(table, near, strict=True):
             if block.block_id != 0:
                 block.hint = hint
-        super().free(request)
-        del self._ends[rid]
-        self.pool.refresh(reversed(self._dropped.pop(rid)))
+        table, _ = super().free(request)
+        del self._ends[rid], self._head[rid], self._computed[rid]
+        return table, self._dropped.pop(rid)
+
+    def release_heads(self) -> int:
+        """Drop every request's held head pages that are out of its window (the pool is
+        short); returns how many were dropped. Requests hold no head after."""
+        released = 0
+        for rid, head in self._head.items():
+            if not head:
+                continue
+            self._head[rid] = 0
+            table = self._req_to_blocks[rid]
+            k = min(len(table), head,
+                    self.spec.first_needed_position(self._computed[rid]) // self.block_size)
+            out = [i for i in range(k - 1, -1, -1) if table[i].block_id != 0]
+            self._drop(rid, out)
+            released += len(out)
+        return released
 
     def release_computed(self, request: Request, serials: dict[int, int] | None = None) -> None:
         """Cache the blocks computed so far, then drop the pages out of the next query's
@@ -429,7 +472,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         table = self._req_to_blocks[request_id]
         out = []
         for i in range(min(len(table), self.spec.first_needed_position(num_computed_tokens)
-                           // self.block_size) - 1, -1, -1):
+                           // self.block_size) - 1, self._head[request_id] - 1, -1):
             if table[i].block_id == 0:
                 break
             out.append(i)
@@ -441,7 +484,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         table = self._req_to_blocks[request_id]
         k = min(len(table), self.spec.first_needed_position(num_computed_tokens)
                 // self.block_size)
-        return k > 0 and table[k - 1].block_id != 0
+        return k > self._head[request_id] and table[k - 1].block_id != 0
 
     def quiet_range(self, request_id: str, num_computed_tokens: int) -> tuple[int, int] | None:
         """See the base class; also bounded where the window's first needed block moves."""
@@ -450,7 +493,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             return None
         bs = self.block_size
         window = self._window
-        first = max(0, num_computed_tokens - window + 1) // bs
+        first = max(max(0, num_computed_tokens - window + 1) // bs, self._head[request_id])
         if first < len(self._req_to_blocks[request_id]):
             # The smallest count whose first needed position reaches block first + 1.
             return min(quiet[0], (first + 1) * bs + window - 1), quiet[1]
@@ -463,15 +506,23 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return Skippable(len(skipped), sum(table[i].ref_cnt == 1 for i in skipped))
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Replace pages no future query can attend with the null block, deepest freed first."""
+        """Replace pages no future query can attend with the null block, deepest freed first
+        (the held head stays)."""
         table = self._req_to_blocks[request_id]
+        self._computed[request_id] = num_computed_tokens
         k = min(len(table), max(0, num_computed_tokens - self._window + 1) // self.block_size)
-        if k == 0 or table[k - 1].block_id == 0:
+        if k <= self._head[request_id] or table[k - 1].block_id == 0:
             return  # nothing newly out of the window
+        self._drop(request_id, self._out_of_window(request_id, num_computed_tokens))
+
+    def _drop(self, request_id: str, indexes: list[int]) -> None:
+        """Null these table entries (deepest first) and free their pages, each tagged by
+        whether it sits before a likely hit end."""
+        table = self._req_to_blocks[request_id]
         removed = []
         ends = self._ends[request_id]
         null = self.pool.null_block
-        for i in self._out_of_window(request_id, num_computed_tokens):
+        for i in indexes:
             block = table[i]
             block.hint = 0
             for start, stop in ends:
@@ -483,7 +534,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.pool.free_blocks(removed, self.group_id)
         # Kept shallowest first (appending, no per-step shifting); freed deepest first.
         self._dropped[request_id].extend(
-            (b, b.serial) for b in reversed(removed) if b.block_hash is not None)
+            (b, b.serial, i) for b, i in zip(reversed(removed), reversed(indexes), strict=True)
+            if b.block_hash is not None)
 
 
 class HitSearch:

@@ -44,6 +44,7 @@ from kvstore.hashing import hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
+from kvstore.single_type_kv_cache_manager import SlidingWindowManager
 from kvstore.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, make_kv_cache_config
 
 BS = 4
@@ -63,11 +64,13 @@ def spec(window: int | None) -> KVCacheSpec:
     return SlidingWindowSpec(BS, HEADS, DIM, window=window)
 
 
-def make_manager(windows: Sequence[int | None], num_blocks: int,
-                 partial: bool = True, scheduled: bool = False) -> KVCacheManager:
-    """One layer per entry (None = full attention); groups come out in first-appearance order."""
+def make_manager(windows: Sequence[int | None], num_blocks: int, partial: bool = True,
+                 scheduled: bool = False, hold: bool = False) -> KVCacheManager:
+    """One layer per entry (None = full attention); groups come out in first-appearance order.
+    Windows drop every page that leaves them unless `hold` (hold_window_heads)."""
     config = make_kv_cache_config([spec(w) for w in windows], num_blocks=num_blocks)
-    return KVCacheManager(config, enable_partial_hits=partial, index_scheduled_blocks=scheduled)
+    return KVCacheManager(config, enable_partial_hits=partial, index_scheduled_blocks=scheduled,
+                          hold_window_heads=hold)
 
 
 def group_windows(manager: KVCacheManager) -> list[int | None]:
@@ -240,16 +243,26 @@ def check_hit(manager: KVCacheManager, req: Request, computed: ComputedBlocks, c
         assert all(s is None for s in computed.partial_sources)
 
 
+def held_head(manager: KVCacheManager, g: int, rid: str) -> int:
+    """Table entries group g keeps for request rid below its window (its held head)."""
+    sub = manager._coordinator.managers[g]
+    return sub._head[rid] if isinstance(sub, SlidingWindowManager) else 0
+
+
 def check_tables_after_allocate(manager: KVCacheManager, req: Request, num_tokens: int) -> None:
     """Right after allocate_slots: windowed tables hold exactly the pages of the next query's
-    window onwards (nulls before), full tables every page; tables cover `num_tokens`."""
+    window onwards (nulls before, but for a held head), full tables every page; tables cover
+    `num_tokens`."""
     nc = req.num_computed_tokens
     for g, (window, ids) in enumerate(zip(group_windows(manager), tables(manager, req.request_id),
                                           strict=True)):
         assert len(ids) == cdiv(num_tokens, BS), f"group {g}: table of {len(ids)} for {num_tokens}"
         first = first_needed(window, nc) // BS
+        head = held_head(manager, g, req.request_id)
         for i, bid in enumerate(ids):
-            if i < first:
+            if i < head and i < first:
+                pass  # held, or null where the admission's hit started past it
+            elif i < first:
                 assert bid == 0, (f"group {g} (W={window}): block {i} (positions "
                                   f"{i * BS}..{i * BS + BS - 1}) kept, but the next query at {nc} "
                                   f"attends only from {first_needed(window, nc)}")
@@ -477,9 +490,10 @@ def test_hit_after_early_blocks_were_evicted() -> None:
     m.free(req)
     pool = m._pool
     # The window drops freed the windowed group's blocks 0..3 while the request ran; its
-    # free made them as recent as the rest of its content: at the tail, deepest first.
+    # free put every page of the request in one order, deepest position first, the window
+    # page before the full page at each position (the root's full page last of all).
     sw_early = [ids[1][i] for i in range(4)]
-    assert queue_ids(pool)[-4:] == sw_early[::-1]
+    assert queue_ids(pool)[-12:] == [ids[g][i] for i in range(5, -1, -1) for g in (1, 0)]
     evict_blocks(m, sw_early)
     assert all(pool.blocks[ids[0][i]].block_hash is not None for i in range(6))
     again = Request("b", prompt + [1])
@@ -528,7 +542,8 @@ def test_hit_stops_before_a_gap_in_the_window() -> None:
 def test_gemma3_like_long_request_holds_far_fewer_blocks() -> None:
     window, prompt_len, decode = 16, 200, 40
     gemma = KVCacheManager(make_kv_cache_config(
-        [spec(window if (i + 1) % 6 else None) for i in range(12)], num_blocks=200))
+        [spec(window if (i + 1) % 6 else None) for i in range(12)], num_blocks=200),
+        hold_window_heads=False)
     all_full = KVCacheManager(make_kv_cache_config([spec(None)] * 12, num_blocks=200))
     assert len(gemma.config.groups) == 6 and gemma.config.num_slots == 2
     windows = group_windows(gemma)
@@ -721,12 +736,12 @@ class HybridCacheMachine(RuleBasedStateMachine):
 
     @initialize(windows=st.lists(st.sampled_from(WINDOWS), min_size=1, max_size=2, unique=True),
                 full_position=st.integers(0, 2), num_blocks=st.integers(8, 24),
-                partial=st.booleans(), scheduled=st.booleans())
+                partial=st.booleans(), scheduled=st.booleans(), hold=st.booleans())
     def setup(self, windows: list[int], full_position: int, num_blocks: int, partial: bool,
-              scheduled: bool) -> None:
+              scheduled: bool, hold: bool) -> None:
         layers: list[int | None] = list(windows)
         layers.insert(min(full_position, len(layers)), None)
-        self.manager = make_manager(layers, num_blocks, partial, scheduled)
+        self.manager = make_manager(layers, num_blocks, partial, scheduled, hold)
         self.partial = partial
         for salt in (None, "tenant"):  # so that lookups create no serials later
             self.manager._pool.root_serial(salt)

@@ -239,12 +239,15 @@ def test_a_tier_hit_too_large_to_admit_at_once_falls_back_to_the_device_hit():
     assert roomy.prompt_host_hit_tokens == 1984
 
 
+@pytest.mark.parametrize("hold", [False, True])
 @pytest.mark.parametrize("grow", ["grow", "allocate_slots"])
-def test_pages_dropped_before_the_prompt_end_are_queued_as_they_drop(grow):
+def test_pages_dropped_before_the_prompt_end_are_queued_as_they_drop(grow, hold):
     """Window 8, 4-token blocks, a 16-token prompt: the windows before its likely hit ends
     (15 tokens, one short of the prompt, as a repeat hits, and 16) cover blocks 1 to 3;
     decoding past them drops them, and each is queued for offload right when it drops,
-    not before. Block 0 lies before no likely hit end and is not."""
+    not before. Block 0 lies before no likely hit end and is not. With the window's head
+    held (blocks 0 and 1, the first 8 tokens), only blocks 2 and 3 drop; the head is
+    offloaded with the rest of the request when it ends."""
     from kvstore.request import Request
     from kvstore.specs import SlidingWindowSpec
     from kvstore.tiers.connector import TieredKVCacheManager
@@ -253,7 +256,7 @@ def test_pages_dropped_before_the_prompt_end_are_queued_as_they_drop(grow):
     specs = [SlidingWindowSpec(4, 1, 8, "float16", window=8), FullAttentionSpec(4, 1, 8, "float16")]
     config = make_kv_cache_config(specs, num_blocks=64)
     tiers = PlaceholderConnector(config, "m", host=ModelTier(None))
-    manager = TieredKVCacheManager(config, tiers=tiers)
+    manager = TieredKVCacheManager(config, tiers=tiers, hold_window_heads=hold)
     window_group = next(g for g, grp in enumerate(config.groups) if grp.spec.sliding_window)
     request = Request("r", list(range(100, 116)), max_tokens=40)
     assert manager.admit(request, 16, manager.get_computed_blocks(request)) is not None
@@ -268,5 +271,16 @@ def test_pages_dropped_before_the_prompt_end_are_queued_as_they_drop(grow):
         now = manager.block_table("r")[window_group]
         # queued exactly when it left the window
         assert all((b in dropped) == (now[i] == 0) for i, b in enumerate(table) if i in (1, 2, 3))
-    assert manager.block_table("r")[window_group][:4] == (0, 0, 0, 0)
-    assert dropped == [table[1], table[2], table[3]]
+        if hold:  # the watch forgot the held head: the fast path is back once 3 has dropped
+            assert manager._watch.get("r", []) == [] or all(i > 1 for _, _, i in manager._watch["r"])
+    if hold:
+        assert manager.block_table("r")[window_group][:4] == (table[0], table[1], 0, 0)
+        assert dropped == [table[2], table[3]]
+        assert "r" not in manager._watch
+        manager.free(request)
+        freed = [b for off in tiers.take_offloads() if off.group_id == window_group
+                 for b in off.block_ids]
+        assert table[0] in freed and table[1] in freed
+    else:
+        assert manager.block_table("r")[window_group][:4] == (0, 0, 0, 0)
+        assert dropped == [table[1], table[2], table[3]]
