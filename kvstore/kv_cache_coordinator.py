@@ -12,7 +12,6 @@ from kvstore.single_type_kv_cache_manager import (
     ChainSearch,
     HitSearch,
     SingleTypeKVCacheManager,
-    SlidingWindowManager,
     make_manager,
 )
 from kvstore.specs import KVCacheConfig
@@ -70,11 +69,8 @@ class KVCacheCoordinator:
         self.block_size = config.block_size
         n = len(config.groups)
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            make_manager(pool, group.spec, g, copies, n) for g, group in enumerate(config.groups))
-        if not hold_window_heads:
-            for manager in self.managers:
-                if isinstance(manager, SlidingWindowManager):
-                    manager.num_head_blocks = 0
+            make_manager(pool, group.spec, g, copies, n, hold_window_heads)
+            for g, group in enumerate(config.groups))
         # Where the lookup verifies the prompt's prefix block by block: the first
         # full-attention group (which needs every block anyway), else every group.
         full = [g for g, group in enumerate(config.groups) if group.spec.sliding_window is None]

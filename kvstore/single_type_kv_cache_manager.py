@@ -43,6 +43,8 @@ class SingleTypeKVCacheManager:
                  "_req_to_blocks", "_num_cached_blocks", "_last_serial")
     #: Leading table entries a request keeps past its window (see SlidingWindowManager).
     num_head_blocks: int = 0
+    #: Whether pages before a request's likely hit ends stay in its table until it ends.
+    holds_ends: bool = False
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1) -> None:
@@ -359,30 +361,35 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Only the last W positions are kept; older pages return to the pool (still cached).
 
-    Except the head: the pages of a request's first W tokens stay in its table until it
-    ends or the pool runs short (`release_heads`). Every hit that ends within the first W
-    tokens (a system prompt, a shared template) needs all of them, and once dropped they
-    are the first pages a busy pool reuses, leaving the full-attention chain of a shared
-    prefix unusable while the request that computed it still runs."""
+    Except, with `hold` (the default), the pages a likely hit needs: those of a request's
+    first W tokens (every hit that ends within them, a system prompt or a shared template,
+    needs them all) and those in the window before its likely hit ends (its prompt's end,
+    its lookup's hit end and branch point). They stay in its table until it ends, or until
+    a request running alone cannot grow (`release_heads`). Once dropped they are the first
+    pages a busy pool reuses, which leaves the full-attention chain of a shared prefix
+    unusable while the request that computed it still runs."""
 
-    __slots__ = ("_computed", "_dropped", "_ends", "_head", "_window", "num_head_blocks")
+    __slots__ = ("_computed", "_cursor", "_dropped", "_ends", "_holding", "_window",
+                 "holds_ends", "num_head_blocks")
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
-                 copies: PendingCopies, num_groups: int = 1) -> None:
+                 copies: PendingCopies, num_groups: int = 1, hold: bool = True) -> None:
         super().__init__(pool, spec, group_id, copies, num_groups)
         assert spec.sliding_window is not None
         self._window = spec.sliding_window
-        self.num_head_blocks = spec.sliding_window // self.block_size
-        # Per request, table entries below this index are never dropped (the held head:
-        # num_head_blocks until `release_heads`, then 0), and its computed count when the
+        self.holds_ends = hold
+        self.num_head_blocks = spec.sliding_window // self.block_size if hold else 0
+        # Per request: whether it still holds its head and end ranges; the table index from
+        # which entries have not been dropped or kept yet; its computed count when the
         # window last moved.
-        self._head: dict[str, int] = {}
+        self._holding: dict[str, bool] = {}
+        self._cursor: dict[str, int] = {}
         self._computed: dict[str, int] = {}
         # Cached pages each request dropped from its window (with their content serials).
         self._dropped: dict[str, list[Dropped]] = {}
         # Per request, the table index ranges [start, stop) within the window before a
-        # likely hit end (prompt end, lookup's hit and branch point): freed pages there are
-        # tagged worth keeping (KVCacheBlock.hint), the others not.
+        # likely hit end (prompt end, lookup's hit and branch point): held (see above), or
+        # without `hold` freed pages there are tagged worth keeping (KVCacheBlock.hint).
         self._ends: dict[str, list[tuple[int, int]]] = {}
 
     def _end_range(self, end: int) -> tuple[int, int]:
@@ -396,9 +403,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Start the table (see the base class), an empty record of dropped pages and the
         prompt end as a likely hit end (a repeat hits one token short of it)."""
         super().admit(request, hit_blocks, partial_src, parent_serial)
-        self._dropped[request.request_id] = []
-        self._head[request.request_id] = self.num_head_blocks
-        self._computed[request.request_id] = request.num_computed_tokens
+        rid = request.request_id
+        self._dropped[rid] = []
+        self._holding[rid] = self.holds_ends
+        self._computed[rid] = request.num_computed_tokens
+        # Entries below the next query's window are null already (the hit starts there).
+        self._cursor[rid] = min(len(self._req_to_blocks[rid]), self.spec.first_needed_position(
+            request.num_computed_tokens) // self.block_size)
         p = request.num_prompt_tokens
         self._ends[request.request_id] = [self._end_range(p - 1), self._end_range(p)]
 
@@ -414,7 +425,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         super().fork(parent_id, child_id)
         self._dropped[child_id] = []
         self._ends[child_id] = list(self._ends[parent_id])
-        self._head[child_id] = self._head[parent_id]
+        self._holding[child_id] = self._holding[parent_id]
+        self._cursor[child_id] = self._cursor[parent_id]
         self._computed[child_id] = self._computed[parent_id]
 
     def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
@@ -433,21 +445,19 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if block.block_id != 0:
                 block.hint = hint
         table, _ = super().free(request)
-        del self._ends[rid], self._head[rid], self._computed[rid]
+        del self._ends[rid], self._holding[rid], self._cursor[rid], self._computed[rid]
         return table, self._dropped.pop(rid)
 
     def release_heads(self) -> int:
-        """Drop every request's held head pages that are out of its window (the pool is
-        short); returns how many were dropped. Requests hold no head after."""
+        """Drop the pages every request holds past its window (the pool is short); returns
+        how many. Requests hold nothing after."""
         released = 0
-        for rid, head in self._head.items():
-            if not head:
+        for rid, holding in self._holding.items():
+            if not holding:
                 continue
-            self._head[rid] = 0
+            self._holding[rid] = False
             table = self._req_to_blocks[rid]
-            k = min(len(table), head,
-                    self.spec.first_needed_position(self._computed[rid]) // self.block_size)
-            out = [i for i in range(k - 1, -1, -1) if table[i].block_id != 0]
+            out = [i for i in range(self._cursor[rid] - 1, -1, -1) if table[i].block_id != 0]
             self._drop(rid, out)
             released += len(out)
         return released
@@ -466,37 +476,40 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         keys the next query can see before itself."""
         return WindowSearch(managers, request, parents)
 
+    def _held(self, request_id: str, i: int) -> bool:
+        """Whether table entry i is held past the window (see the class)."""
+        if not self._holding[request_id]:
+            return False
+        if i < self.num_head_blocks:
+            return True
+        for start, stop in self._ends[request_id]:
+            if start <= i < stop:
+                return True
+        return False
+
     def _out_of_window(self, request_id: str, num_computed_tokens: int) -> list[int]:
-        """Table indexes of pages no query from `num_computed_tokens` on can attend that are
-        not yet null, deepest first."""
+        """Table indexes of pages no query from `num_computed_tokens` on can attend, not
+        yet null and not held, deepest first."""
         table = self._req_to_blocks[request_id]
-        out = []
-        for i in range(min(len(table), self.spec.first_needed_position(num_computed_tokens)
-                           // self.block_size) - 1, self._head[request_id] - 1, -1):
-            if table[i].block_id == 0:
-                break
-            out.append(i)
-        return out
+        k = min(len(table), self.spec.first_needed_position(num_computed_tokens) // self.block_size)
+        return [i for i in range(k - 1, self._cursor[request_id] - 1, -1)
+                if table[i].block_id != 0 and not self._held(request_id, i)]
 
     def has_skippable(self, request_id: str, num_computed_tokens: int) -> bool:
-        """Whether any table entry falls out of the window (the deepest of them, the first
-        `_out_of_window` would list, is not null yet)."""
-        table = self._req_to_blocks[request_id]
-        k = min(len(table), self.spec.first_needed_position(num_computed_tokens)
-                // self.block_size)
-        return k > self._head[request_id] and table[k - 1].block_id != 0
+        """Whether the window moved past entries not yet dropped or kept."""
+        k = min(len(self._req_to_blocks[request_id]),
+                self.spec.first_needed_position(num_computed_tokens) // self.block_size)
+        return k > self._cursor[request_id]
 
     def quiet_range(self, request_id: str, num_computed_tokens: int) -> tuple[int, int] | None:
-        """See the base class; also bounded where the window's first needed block moves."""
+        """See the base class; also bounded where the window moves past the next entry."""
         quiet = super().quiet_range(request_id, num_computed_tokens)
         if quiet is None:
             return None
-        bs = self.block_size
-        window = self._window
-        first = max(max(0, num_computed_tokens - window + 1) // bs, self._head[request_id])
-        if first < len(self._req_to_blocks[request_id]):
-            # The smallest count whose first needed position reaches block first + 1.
-            return min(quiet[0], (first + 1) * bs + window - 1), quiet[1]
+        cursor = self._cursor[request_id]
+        if cursor < len(self._req_to_blocks[request_id]):
+            # The smallest count whose first needed position reaches block cursor + 1.
+            return min(quiet[0], (cursor + 1) * self.block_size + self._window - 1), quiet[1]
         return quiet
 
     def num_skippable(self, request_id: str, num_computed_tokens: int) -> Skippable:
@@ -507,13 +520,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block, deepest freed first
-        (the held head stays)."""
-        table = self._req_to_blocks[request_id]
+        (held pages stay)."""
         self._computed[request_id] = num_computed_tokens
-        k = min(len(table), max(0, num_computed_tokens - self._window + 1) // self.block_size)
-        if k <= self._head[request_id] or table[k - 1].block_id == 0:
-            return  # nothing newly out of the window
-        self._drop(request_id, self._out_of_window(request_id, num_computed_tokens))
+        k = min(len(self._req_to_blocks[request_id]),
+                self.spec.first_needed_position(num_computed_tokens) // self.block_size)
+        if k <= self._cursor[request_id]:
+            return  # the window has not moved past a new entry
+        out = self._out_of_window(request_id, num_computed_tokens)
+        self._cursor[request_id] = k
+        if out:
+            self._drop(request_id, out)
 
     def _drop(self, request_id: str, indexes: list[int]) -> None:
         """Null these table entries (deepest first) and free their pages, each tagged by
@@ -708,9 +724,12 @@ MANAGER_TYPES: dict[type[AttentionSpec], type[SingleTypeKVCacheManager]] = {
 
 
 def make_manager(pool: BlockPool, spec: KVCacheSpec, group_id: int, copies: PendingCopies,
-                 num_groups: int = 1) -> SingleTypeKVCacheManager:
-    """The manager for a spec's attention type, one of `num_groups` groups over `pool`."""
+                 num_groups: int = 1, hold: bool = True) -> SingleTypeKVCacheManager:
+    """The manager for a spec's attention type, one of `num_groups` groups over `pool`
+    (`hold`: see SlidingWindowManager)."""
     cls = MANAGER_TYPES.get(type(spec))
     if cls is None:
         raise TypeError(f"no KV cache manager for {type(spec).__name__}")
+    if cls is SlidingWindowManager:
+        return SlidingWindowManager(pool, spec, group_id, copies, num_groups, hold)
     return cls(pool, spec, group_id, copies, num_groups)

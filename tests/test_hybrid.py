@@ -243,10 +243,10 @@ def check_hit(manager: KVCacheManager, req: Request, computed: ComputedBlocks, c
         assert all(s is None for s in computed.partial_sources)
 
 
-def held_head(manager: KVCacheManager, g: int, rid: str) -> int:
-    """Table entries group g keeps for request rid below its window (its held head)."""
+def held(manager: KVCacheManager, g: int, rid: str, i: int) -> bool:
+    """Whether group g keeps table entry i of request rid past its window (held)."""
     sub = manager._coordinator.managers[g]
-    return sub._head[rid] if isinstance(sub, SlidingWindowManager) else 0
+    return isinstance(sub, SlidingWindowManager) and sub._held(rid, i)
 
 
 def check_tables_after_allocate(manager: KVCacheManager, req: Request, num_tokens: int) -> None:
@@ -258,9 +258,8 @@ def check_tables_after_allocate(manager: KVCacheManager, req: Request, num_token
                                           strict=True)):
         assert len(ids) == cdiv(num_tokens, BS), f"group {g}: table of {len(ids)} for {num_tokens}"
         first = first_needed(window, nc) // BS
-        head = held_head(manager, g, req.request_id)
         for i, bid in enumerate(ids):
-            if i < head and i < first:
+            if i < first and held(manager, g, req.request_id, i):
                 pass  # held, or null where the admission's hit started past it
             elif i < first:
                 assert bid == 0, (f"group {g} (W={window}): block {i} (positions "
@@ -552,7 +551,7 @@ def test_heads_are_let_go_only_for_a_request_running_alone() -> None:
         a.num_computed_tokens += 4
         for t in range(4):
             a.append_token_ids(t)
-    assert held_head(m, 1, "a") == 0
+    assert not any(held(m, 1, "a", i) for i in range(len(tables(m, "a")[1])))
 
 
 def test_hit_stops_before_a_gap_in_the_window() -> None:

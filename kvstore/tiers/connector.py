@@ -664,9 +664,8 @@ class TieredKVCacheManager(KVCacheManager):
             else:
                 pages = {i for e in ends if e > 0
                          for i in range(spec.first_needed_position(e * bs) // bs, e)}
-            # A held head leaves with the request (offloaded by `free`), not mid-way.
-            head = self._coordinator.managers[g].num_head_blocks
-            pages = {i for i in pages if i >= head}
+            if self._coordinator.managers[g].holds_ends:
+                continue  # held until the request ends, then offloaded by `free`
             # Page i leaves the window once the next query is past its last token by the
             # window; those already out at admission are null.
             watch += [(at, g, i) for i in pages if (at := (i + 1) * bs + window - 1) > first_kept]
