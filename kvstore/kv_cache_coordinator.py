@@ -52,14 +52,10 @@ class AllocationPlan(NamedTuple):
     num_resident: int  # pages the request holds afterwards
 
 
-def _is_full(page: tuple[bool, KVCacheBlock, int]) -> bool:
-    return page[0]
-
-
 class KVCacheCoordinator:
     """All KV cache groups of one cache over one shared pool."""
 
-    __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_spine_groups",
+    __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_free_order", "_spine_groups",
                  "_search_sets", "_cache_order", "_pending")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
@@ -89,6 +85,8 @@ class KVCacheCoordinator:
         # below a tier hit's window take their serials from them.
         self._cache_order = tuple(self.managers[g] for g in full) + tuple(
             m for g, m in enumerate(self.managers) if g not in full)
+        # Freeing lists a position's window pages before its full-attention ones.
+        self._free_order = tuple(g for g in range(n) if g not in full) + tuple(full)
 
     def _verified_prefix(self, request: Request, max_blocks: int
                          ) -> tuple[list[int], list[KVCacheBlock]]:
@@ -377,23 +375,25 @@ class KVCacheCoordinator:
         # before the full-attention page at the same position), the pages dropped from
         # windows earlier in their places. A prefix's pages then leave together from its
         # end, and its root last, as they would from one all-full table.
-        by_position: list[list[tuple[bool, KVCacheBlock, int]]] = [
-            [] for _ in range(max(len(table) for table, _ in released))]
-        held: list[list[KVCacheBlock]] = [[] for _ in by_position]
-        for manager, (table, dropped) in zip(self.managers, released, strict=True):
-            full = manager.spec.sliding_window is None
+        released = [released[g] for g in self._free_order]
+        tables = [table for table, _ in released]
+        n = len(tables[0])
+        if all(len(table) == n for table in tables) and not any(d for _, d in released):
+            pool.free_blocks([block for pages in zip(*[reversed(t) for t in tables], strict=True)
+                              for block in pages if block.block_id != 0])
+            return
+        at: list[list[tuple[KVCacheBlock, int]]] = [
+            [] for _ in range(max(len(table) for table in tables))]
+        for _, dropped in released:
+            for block, serial, i in dropped:
+                at[i].append((block, serial))
+        for table in tables:
             for i, block in enumerate(table):
                 if block.block_id != 0:
-                    held[i].append(block)
-                    by_position[i].append((full, block, block.serial))
-            for block, serial, i in dropped:
-                by_position[i].append((full, block, serial))
-        pool.free_blocks([block for blocks in reversed(held) for block in blocks])
-        order = []
-        for pages in reversed(by_position):
-            pages.sort(key=_is_full)
-            order += [(block, serial) for _, block, serial in pages]
-        pool.refresh(order)
+                    at[i].append((block, -1))
+        order = [page for pages in reversed(at) for page in pages]
+        pool.free_blocks([block for block, serial in order if serial == -1])
+        pool.refresh([(block, block.serial if serial == -1 else serial) for block, serial in order])
 
     def release_heads(self) -> int:
         """Every sliding-window group drops the head pages its requests hold beyond their
