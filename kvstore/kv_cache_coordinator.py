@@ -395,10 +395,11 @@ class KVCacheCoordinator:
         pool.free_blocks([block for block, serial in order if serial == -1])
         pool.refresh([(block, block.serial if serial == -1 else serial) for block, serial in order])
 
-    def release_heads(self) -> int:
-        """Every sliding-window group drops the head pages its requests hold beyond their
-        windows (see SlidingWindowManager); returns how many."""
-        return sum(manager.release_heads() for manager in self.managers)
+    def release_heads(self) -> bool:
+        """Every sliding-window group stops holding pages past its requests' windows (see
+        SlidingWindowManager); returns whether any group held some."""
+        released = [manager.release_heads() for manager in self.managers]
+        return any(released)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Share every page of the parent with the child, in every group."""

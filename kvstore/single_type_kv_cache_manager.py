@@ -304,9 +304,9 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block (sliding window)."""
 
-    def release_heads(self) -> int:
-        """Drop held pages no query can attend (see SlidingWindowManager); the count."""
-        return 0
+    def release_heads(self) -> bool:
+        """Stop holding pages past the window (see SlidingWindowManager); whether any were."""
+        return False
 
     def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
         """Make table entries [start, stop) null and free their pages: fresh pages, not yet
@@ -448,18 +448,20 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         del self._ends[rid], self._holding[rid], self._cursor[rid], self._computed[rid]
         return table, self._dropped.pop(rid)
 
-    def release_heads(self) -> int:
-        """Drop the pages every request holds past its window (the pool is short); returns
-        how many. Requests hold nothing after."""
-        released = 0
+    def release_heads(self) -> bool:
+        """Stop holding pages past the window for every request (the pool is short): those
+        the window has passed are dropped now, the others as it passes them. Returns
+        whether any request held pages."""
+        released = False
         for rid, holding in self._holding.items():
             if not holding:
                 continue
             self._holding[rid] = False
+            released = True
             table = self._req_to_blocks[rid]
             out = [i for i in range(self._cursor[rid] - 1, -1, -1) if table[i].block_id != 0]
-            self._drop(rid, out)
-            released += len(out)
+            if out:
+                self._drop(rid, out)
         return released
 
     def release_computed(self, request: Request, serials: dict[int, int] | None = None) -> None:

@@ -320,10 +320,13 @@ def exact_fit(manager: KVCacheManager, req: Request, num_tokens: int,
         return taken_all <= free and final <= free
     nc = req.num_computed_tokens
     need = released = 0
-    for window, table in zip(windows, (m.table(req.request_id)
-                                       for m in manager._coordinator.managers), strict=True):
+    # Held pages are let go only for a request running alone (then all of them).
+    alone = len(manager.requests) == 1
+    for g, (window, table) in enumerate(zip(windows, (m.table(req.request_id)
+                                        for m in manager._coordinator.managers), strict=True)):
         dropped = first_needed(window, nc) // BS
-        released += sum(1 for b in table[:dropped] if not b.is_null and b.ref_cnt == 1)
+        released += sum(1 for i, b in enumerate(table[:dropped]) if not b.is_null
+                        and b.ref_cnt == 1 and (alone or not held(manager, g, req.request_id, i)))
         written = table[nc // BS:cdiv(num_tokens, BS)]
         need += sum(1 for b in written if b.ref_cnt - b.pin_cnt > 1)
         need += max(0, cdiv(num_tokens, BS) - len(table))
