@@ -467,6 +467,43 @@ def run_check() -> bool:
     return ok
 
 
+# --------------------------------------------------------------------------- split sweep
+
+SPLIT_CASES = ((1, 4096, None), (1, 16384, None), (1, 131072, None), (4, 4096, None),
+               (4, 65536, None), (16, 16384, None), (1, 131072, 4096), (4, 131072, 4096),
+               (16, 131072, 4096))
+
+
+def run_split_sweep(iters: int = 20) -> dict:
+    """Decode time per split-KV factor, next to the heuristic's choice, for small batches
+    (where the grid alone does not fill the GPU)."""
+    from kvstore.kernels import paged_attention
+    from kvstore.kernels.triton_attention import MAX_SPLITS, launch_plan
+
+    gen = torch.Generator().manual_seed(0)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    out: dict[str, Any] = {}
+    print("decode ms per num_splits (* = the heuristic's choice)")
+    for b, ctx, w in SPLIT_CASES:
+        p = build_paged(b, ctx, 1, w, gen)
+        auto = launch_plan(HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, math.ceil(ctx / BLOCK_SIZE), b,
+                           1, w, torch.device("cuda")).num_splits
+        times = {}
+        for n in sorted({1, 2, 4, 8, 16, 32, MAX_SPLITS, auto}):
+            fn = partial(paged_attention, p.q, p.kc, p.vc, p.metadata, scale, window=w,
+                         num_splits=n)
+            times[n], _ = time_ms(fn, iters, flush)
+        best = min(times, key=times.__getitem__)
+        print(f"B={b:<3d} ctx={ctx:<7d} W={str(w):<5s} " + " ".join(
+            f"{n}{'*' if n == auto else ''}:{t:.4f}" for n, t in times.items())
+              + f"  best {best} ({times[auto] / times[best]:.2f}x of auto)")
+        out[f"{b}/{ctx}/{w}"] = {"auto": auto, "best": best, "ms": times}
+        del p, fn
+        torch.cuda.empty_cache()
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -479,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="run the correctness grid on the GPU first (exit 1 on failure)")
     ap.add_argument("--skip-bench", action="store_true", help="with --check: check only")
+    ap.add_argument("--split-sweep", action="store_true",
+                    help="only time small-batch decode at every split-KV factor")
     ap.add_argument("--json", type=Path, default=Path("results/kernel_bench.json"),
                     help="where to write the results (default: %(default)s)")
     args = ap.parse_args(argv)
@@ -492,6 +531,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     print(f"device: {torch.cuda.get_device_name(0)}")
+    if args.split_sweep:
+        results = {"device": torch.cuda.get_device_name(0), "splits": run_split_sweep()}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        return 0
     if args.check:
         t0 = time.perf_counter()
         ok = run_check()
