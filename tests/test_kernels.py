@@ -328,15 +328,16 @@ def test_split_heuristic(monkeypatch):
 
     monkeypatch.setattr(ta, "sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    assert ta.choose_num_splits(8, 2049, cuda) == 33  # B=1, 8 KV heads, 128k context
+    assert ta.choose_num_splits(8, 2049, cuda) == 64  # B=1, 8 KV heads, 128k context: cap
+    assert ta.choose_num_splits(32, 2049, cuda) == 17  # B=4: about four waves of 132
     assert ta.choose_num_splits(132, 2049, cuda) == 1  # the grid fills the GPU
-    assert ta.choose_num_splits(128, 2049, cuda) == 3
+    assert ta.choose_num_splits(128, 2049, cuda) == 5
     assert ta.choose_num_splits(8, 65, cuda) == 16  # window 4096: few tiles to share
     assert ta.choose_num_splits(8, 3, cuda) == 1  # short context: merging costs more
     assert ta.choose_num_splits(8, 2049, torch.device("cpu")) == 1
     plan = ta.launch_plan(64, 8, 128, 16, 8192, 1, 1, 4096, cuda)
     assert (plan.block_m, plan.block_n, plan.q_tiles, plan.num_splits) == (16, 64, 1, 16)
     plan = ta.launch_plan(64, 8, 128, 16, 8192, 1, 1, None, cuda)
-    assert plan.num_splits == 33
+    assert plan.num_splits == 64
     plan = ta.launch_plan(64, 8, 128, 16, 8192, 1, 1, None, cuda, num_splits=5)
     assert plan.num_splits == 5
