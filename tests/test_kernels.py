@@ -329,9 +329,9 @@ def test_split_heuristic(monkeypatch):
     monkeypatch.setattr(ta, "sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
     assert ta.choose_num_splits(8, 2049, cuda) == 64  # B=1, 8 KV heads, 128k context: cap
-    assert ta.choose_num_splits(32, 2049, cuda) == 17  # B=4: about four waves of 132
+    assert ta.choose_num_splits(32, 2049, cuda) == 16  # B=4: about four waves of 132, 2^k
     assert ta.choose_num_splits(132, 2049, cuda) == 1  # the grid fills the GPU
-    assert ta.choose_num_splits(128, 2049, cuda) == 5
+    assert ta.choose_num_splits(128, 2049, cuda) == 4
     assert ta.choose_num_splits(8, 65, cuda) == 16  # window 4096: few tiles to share
     assert ta.choose_num_splits(8, 3, cuda) == 1  # short context: merging costs more
     assert ta.choose_num_splits(8, 2049, torch.device("cpu")) == 1
