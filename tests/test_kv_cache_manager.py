@@ -345,10 +345,12 @@ class ManagerMachine(RuleBasedStateMachine):
                        if r.num_computed_tokens % BS else True for t in held]
         m.free(r)
         del self.running[r.request_id]
-        # Freed pages join the queue deepest first: content to the tail, none to the head.
+        # Freed pages join the queue deepest position first (across the groups, in group
+        # order at one position): content to the tail, none to the head.
         expected = list(old_queue)
-        for table in held:
-            for b in reversed(table):
+        n = max(len(table) for table in held)
+        for i in range(n - 1, -1, -1):
+            for b in (table[i] for table in held if i < len(table)):
                 if b.ref_cnt == 0:
                     if b.token_ids is not None:
                         expected.append(b.block_id)
