@@ -369,8 +369,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     pages a busy pool reuses, which leaves the full-attention chain of a shared prefix
     unusable while the request that computed it still runs."""
 
-    __slots__ = ("_computed", "_cursor", "_dropped", "_ends", "_holding", "_window",
-                 "holds_ends", "num_head_blocks")
+    __slots__ = ("_cursor", "_dropped", "_ends", "_holding", "_window", "holds_ends",
+                 "num_head_blocks")
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1, hold: bool = True) -> None:
@@ -379,12 +379,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self._window = spec.sliding_window
         self.holds_ends = hold
         self.num_head_blocks = spec.sliding_window // self.block_size if hold else 0
-        # Per request: whether it still holds its head and end ranges; the table index from
-        # which entries have not been dropped or kept yet; its computed count when the
-        # window last moved.
+        # Per request: whether it still holds its head and end ranges, and the table index
+        # from which entries have not been dropped or kept yet.
         self._holding: dict[str, bool] = {}
         self._cursor: dict[str, int] = {}
-        self._computed: dict[str, int] = {}
         # Cached pages each request dropped from its window (with their content serials).
         self._dropped: dict[str, list[Dropped]] = {}
         # Per request, the table index ranges [start, stop) within the window before a
@@ -406,7 +404,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         rid = request.request_id
         self._dropped[rid] = []
         self._holding[rid] = self.holds_ends
-        self._computed[rid] = request.num_computed_tokens
         # Entries below the next query's window are null already (the hit starts there).
         self._cursor[rid] = min(len(self._req_to_blocks[rid]), self.spec.first_needed_position(
             request.num_computed_tokens) // self.block_size)
@@ -427,7 +424,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self._ends[child_id] = list(self._ends[parent_id])
         self._holding[child_id] = self._holding[parent_id]
         self._cursor[child_id] = self._cursor[parent_id]
-        self._computed[child_id] = self._computed[parent_id]
 
     def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
         """See the base class; the table's pages are tagged by whether they sit before the
@@ -445,7 +441,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if block.block_id != 0:
                 block.hint = hint
         table, _ = super().free(request)
-        del self._ends[rid], self._holding[rid], self._cursor[rid], self._computed[rid]
+        del self._ends[rid], self._holding[rid], self._cursor[rid]
         return table, self._dropped.pop(rid)
 
     def release_heads(self) -> bool:
@@ -523,7 +519,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block, deepest freed first
         (held pages stay)."""
-        self._computed[request_id] = num_computed_tokens
         k = min(len(self._req_to_blocks[request_id]),
                 self.spec.first_needed_position(num_computed_tokens) // self.block_size)
         if k <= self._cursor[request_id]:
