@@ -130,8 +130,8 @@ class KvstoreSide:
         extra: dict[str, Any] = {"index_scheduled_blocks": True} if scheduled else {}  # 4179c61 lacks it
         import inspect
 
-        if "hold_window_heads" in inspect.signature(KVCacheManager).parameters:
-            extra["hold_window_heads"] = False  # vLLM's windows: the same decisions, the same work
+        if "hold_window_pages" in inspect.signature(KVCacheManager).parameters:
+            extra["hold_window_pages"] = False  # vLLM's windows: the same decisions, the same work
         self.manager = KVCacheManager(config, enable_partial_hits=partial, **extra)
         self._Request = Request
         self.hash_fn = getattr(self.manager, "hash_fn", hashing.hash_block)

@@ -273,7 +273,7 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
              record_timeline: bool = False,
              on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
              eviction: str = "lru", tiers: TierOptions | None = None,
-             hold_window_heads: bool = True) -> SimResult:
+             hold_window_pages: bool = True) -> SimResult:
     """Replay requests in arrival order on a virtual clock (each step lasts `step_time`
     seconds; an idle system jumps to the next arrival) until all have finished.
 
@@ -282,7 +282,7 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
     scheduled (pages allocated, copies taken) and before it is applied. With `tiers`,
     lookups reach into a host tier and a store as the engine's do (the step's offloads
     and loads run right after it is scheduled; writes are synchronous), and a server's
-    keys written by the replay are deleted at its end. `hold_window_heads`: see
+    keys written by the replay are deleted at its end. `hold_window_pages`: see
     KVCacheManager. Raises ValueError when a request
     can never fit the pool, RuntimeError if pages leak."""
     specs = workload.requests if isinstance(workload, Workload) else workload
@@ -290,7 +290,7 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
     try:
         return _simulate(specs, config, enable_caching, enable_partial_hits, scheduler_config,
                          step_time, record_timeline, on_step, eviction, connector,
-                         hold_window_heads)
+                         hold_window_pages)
     finally:
         if connector is not None:
             _close_tiers(connector)
@@ -300,18 +300,18 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
               enable_partial_hits: bool, scheduler_config: SchedulerConfig | None,
               step_time: float, record_timeline: bool,
               on_step: Callable[[Scheduler, SchedulerOutput], None] | None, eviction: str,
-              connector: PlaceholderConnector | None, hold_window_heads: bool) -> SimResult:
+              connector: PlaceholderConnector | None, hold_window_pages: bool) -> SimResult:
     manager: KVCacheManager
     if connector is None:
         manager = KVCacheManager(config, enable_caching=enable_caching,
                                  enable_partial_hits=enable_partial_hits, eviction=eviction,
-                                 hold_window_heads=hold_window_heads)
+                                 hold_window_pages=hold_window_pages)
     else:
         from kvstore.tiers.connector import TieredKVCacheManager
 
         tiered = TieredKVCacheManager(config, enable_caching=enable_caching,
                                       enable_partial_hits=enable_partial_hits, eviction=eviction,
-                                      tiers=connector, hold_window_heads=hold_window_heads)
+                                      tiers=connector, hold_window_pages=hold_window_pages)
         manager = tiered
 
         def run_transfers() -> None:

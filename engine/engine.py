@@ -216,7 +216,7 @@ class LLMEngine:
     engine's runner and scheduler keep the promises it needs); ``typical_tokens``, the
     length a request usually reaches, lets a hybrid model's cache keep a few sliding layers
     whole where that packs the layers without padding (see :func:`kvstore.specs.group_layers`);
-    ``hold_window_heads``: see :class:`~kvstore.KVCacheManager`.
+    ``hold_window_pages``: see :class:`~kvstore.KVCacheManager`.
     """
 
     def __init__(
@@ -240,7 +240,7 @@ class LLMEngine:
         hash_fn: HashFn = hash_block,
         index_scheduled_blocks: bool = False,
         typical_tokens: int | None = None,
-        hold_window_heads: bool = True,
+        hold_window_pages: bool = True,
     ) -> None:
         if device is None:
             device = next(model.parameters()).device
@@ -263,7 +263,7 @@ class LLMEngine:
         self.manager = manager_cls(self.config, enable_caching=enable_prefix_caching,
                                       enable_partial_hits=enable_partial_hits, eviction=eviction,
                                       hash_fn=hash_fn, index_scheduled_blocks=index_scheduled_blocks,
-                                      hold_window_heads=hold_window_heads)
+                                      hold_window_pages=hold_window_pages)
         self.cache = PagedKVCache(self.config, device=device)
         self.scheduler = Scheduler(self.manager, SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))

@@ -59,13 +59,13 @@ class KVCacheCoordinator:
                  "_search_sets", "_cache_order", "_pending")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
-                 hold_window_heads: bool = True) -> None:
+                 hold_window_pages: bool = True) -> None:
         self.config = config
         self.pool = pool
         self.block_size = config.block_size
         n = len(config.groups)
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            make_manager(pool, group.spec, g, copies, n, hold_window_heads)
+            make_manager(pool, group.spec, g, copies, n, hold_window_pages)
             for g, group in enumerate(config.groups))
         # Where the lookup verifies the prompt's prefix block by block: the first
         # full-attention group (which needs every block anyway), else every group.
@@ -395,10 +395,10 @@ class KVCacheCoordinator:
         pool.free_blocks([block for block, serial in order if serial == -1])
         pool.refresh([(block, block.serial if serial == -1 else serial) for block, serial in order])
 
-    def release_heads(self) -> bool:
+    def release_held(self) -> bool:
         """Every sliding-window group stops holding pages past its requests' windows (see
         SlidingWindowManager); returns whether any group held some."""
-        released = [manager.release_heads() for manager in self.managers]
+        released = [manager.release_held() for manager in self.managers]
         return any(released)
 
     def fork(self, parent_id: str, child_id: str) -> None:

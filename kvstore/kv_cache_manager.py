@@ -43,10 +43,11 @@ class KVCacheManager:
     scheduler). `free` drops the index entries of blocks scheduled but not computed, and
     raises, changing nothing, when another request already holds one of them.
 
-    With `hold_window_heads` (default), a sliding-window group keeps a request's pages of
-    its first W tokens until the request ends, instead of dropping them when they leave
-    the window: any hit that ends within the first W tokens needs them all. They are let
-    go when a request that runs alone cannot grow. Off, windows drop pages as vLLM does.
+    With `hold_window_pages` (default), a sliding-window group keeps, until the request
+    ends, the pages past its window that likely hits need: those of its first W tokens (any
+    hit that ends within them needs them all) and those in the window before its likely hit
+    ends (prompt end, hit end, branch point). They are let go when a request that runs
+    alone cannot grow. Off, windows drop every page as they pass it, as vLLM does.
     """
 
     __slots__ = ("config", "block_size", "enable_caching", "enable_partial_hits",
@@ -57,7 +58,7 @@ class KVCacheManager:
     def __init__(self, config: KVCacheConfig, enable_caching: bool = True,
                  enable_partial_hits: bool = True, enable_events: bool = False,
                  hash_fn: HashFn = hash_block, eviction: str | EvictionPolicy = DEFAULT_EVICTION,
-                 index_scheduled_blocks: bool = False, hold_window_heads: bool = True) -> None:
+                 index_scheduled_blocks: bool = False, hold_window_pages: bool = True) -> None:
         self.config = config
         self.block_size = config.block_size
         self.enable_caching = enable_caching
@@ -73,7 +74,7 @@ class KVCacheManager:
         # Copies queued for the worker and the pins that keep their pages alive.
         self._copies = PendingCopies(self._pool)
         self._coordinator = KVCacheCoordinator(config, self._pool, self._copies,
-                                               hold_window_heads)
+                                               hold_window_pages)
         self._requests: dict[str, Request] = {}
         self._no_new_blocks: BlockIds = ((),) * len(config.groups)
         self._num_groups = len(config.groups)
@@ -284,10 +285,10 @@ class KVCacheManager:
             plan = coordinator.num_blocks_needed(request, num_computed, num_tokens, None)
             self._check_pool_holds(rid, plan.num_resident, num_tokens)
             if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
-                # The window heads running requests hold past their windows are let go
-                # only when this request runs alone: else the scheduler preempts one, which
-                # keeps the heads of the prefixes still running (see SlidingWindowManager).
-                if len(self._requests) > 1 or not coordinator.release_heads():
+                # The pages running requests hold past their windows are let go only when
+                # this request runs alone: else the scheduler preempts one, which keeps the
+                # held pages of the prefixes still running (see SlidingWindowManager).
+                if len(self._requests) > 1 or not coordinator.release_held():
                     return None
                 self._quiet.clear()
                 plan = coordinator.num_blocks_needed(request, num_computed, num_tokens, None)

@@ -41,9 +41,8 @@ class SingleTypeKVCacheManager:
 
     __slots__ = ("pool", "spec", "group_id", "block_size", "_copies", "_twin_groups",
                  "_req_to_blocks", "_num_cached_blocks", "_last_serial")
-    #: Leading table entries a request keeps past its window (see SlidingWindowManager).
-    num_head_blocks: int = 0
-    #: Whether pages before a request's likely hit ends stay in its table until it ends.
+    #: Whether pages past a request's window that likely hits need stay in its table until
+    #: it ends (see SlidingWindowManager).
     holds_ends: bool = False
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
@@ -304,7 +303,7 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block (sliding window)."""
 
-    def release_heads(self) -> bool:
+    def release_held(self) -> bool:
         """Stop holding pages past the window (see SlidingWindowManager); whether any were."""
         return False
 
@@ -365,12 +364,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     first W tokens (every hit that ends within them, a system prompt or a shared template,
     needs them all) and those in the window before its likely hit ends (its prompt's end,
     its lookup's hit end and branch point). They stay in its table until it ends, or until
-    a request running alone cannot grow (`release_heads`). Once dropped they are the first
+    a request running alone cannot grow (`release_held`). Once dropped they are the first
     pages a busy pool reuses, which leaves the full-attention chain of a shared prefix
     unusable while the request that computed it still runs."""
 
-    __slots__ = ("_cursor", "_dropped", "_ends", "_holding", "_window", "holds_ends",
-                 "num_head_blocks")
+    __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_holding", "_window",
+                 "holds_ends")
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1, hold: bool = True) -> None:
@@ -378,7 +377,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         assert spec.sliding_window is not None
         self._window = spec.sliding_window
         self.holds_ends = hold
-        self.num_head_blocks = spec.sliding_window // self.block_size if hold else 0
+        self._head_blocks = spec.sliding_window // self.block_size  # the first W tokens
         # Per request: whether it still holds its head and end ranges, and the table index
         # from which entries have not been dropped or kept yet.
         self._holding: dict[str, bool] = {}
@@ -444,7 +443,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         del self._ends[rid], self._holding[rid], self._cursor[rid]
         return table, self._dropped.pop(rid)
 
-    def release_heads(self) -> bool:
+    def release_held(self) -> bool:
         """Stop holding pages past the window for every request (the pool is short): those
         the window has passed are dropped now, the others as it passes them. Returns
         whether any request held pages."""
@@ -478,7 +477,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Whether table entry i is held past the window (see the class)."""
         if not self._holding[request_id]:
             return False
-        if i < self.num_head_blocks:
+        if i < self._head_blocks:
             return True
         for start, stop in self._ends[request_id]:
             if start <= i < stop:

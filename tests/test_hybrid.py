@@ -67,10 +67,10 @@ def spec(window: int | None) -> KVCacheSpec:
 def make_manager(windows: Sequence[int | None], num_blocks: int, partial: bool = True,
                  scheduled: bool = False, hold: bool = False) -> KVCacheManager:
     """One layer per entry (None = full attention); groups come out in first-appearance order.
-    Windows drop every page that leaves them unless `hold` (hold_window_heads)."""
+    Windows drop every page that leaves them unless `hold` (hold_window_pages)."""
     config = make_kv_cache_config([spec(w) for w in windows], num_blocks=num_blocks)
     return KVCacheManager(config, enable_partial_hits=partial, index_scheduled_blocks=scheduled,
-                          hold_window_heads=hold)
+                          hold_window_pages=hold)
 
 
 def group_windows(manager: KVCacheManager) -> list[int | None]:
@@ -596,7 +596,7 @@ def test_gemma3_like_long_request_holds_far_fewer_blocks() -> None:
     window, prompt_len, decode = 16, 200, 40
     gemma = KVCacheManager(make_kv_cache_config(
         [spec(window if (i + 1) % 6 else None) for i in range(12)], num_blocks=200),
-        hold_window_heads=False)
+        hold_window_pages=False)
     all_full = KVCacheManager(make_kv_cache_config([spec(None)] * 12, num_blocks=200))
     assert len(gemma.config.groups) == 6 and gemma.config.num_slots == 2
     windows = group_windows(gemma)

@@ -1085,7 +1085,7 @@ def test_admit_and_grow_are_the_two_halves_of_allocate_slots() -> None:
 
 def test_accessors_report_the_pool_and_the_tables() -> None:
     specs = [SPEC_A, SlidingWindowSpec(BS, 1, 8, window=BS)]
-    m = KVCacheManager(make_kv_cache_config(specs, num_blocks=20), hold_window_heads=False)
+    m = KVCacheManager(make_kv_cache_config(specs, num_blocks=20), hold_window_pages=False)
     assert m.num_usable_blocks == 19 and m.num_free_blocks == 19
     assert m.blocks_in_use_by_group() == (0, 0)
     r = Request("r", list(range(14)))

@@ -89,7 +89,7 @@ def _replay(num_blocks: int, tiers: TierOptions | None, layout: str = "full", li
     shape = MODEL_SHAPES["tiny"]
     specs = shape.full_specs(16) if layout == "full" else shape.hybrid_specs(16)
     return simulate(w.requests[:limit], make_kv_cache_config(specs, num_blocks=num_blocks),
-                    enable_partial_hits=True, tiers=tiers, hold_window_heads=hold)
+                    enable_partial_hits=True, tiers=tiers, hold_window_pages=hold)
 
 
 def test_host_tier_adds_hits_at_the_same_device_budget():
@@ -250,7 +250,7 @@ def test_pages_dropped_before_the_prompt_end_are_queued_as_they_drop(grow, hold)
     (15 tokens, one short of the prompt, as a repeat hits, and 16) cover blocks 1 to 3;
     decoding past them drops them, and each is queued for offload right when it drops,
     not before. Block 0 lies before no likely hit end and is not. With held windows
-    (hold_window_heads) the head (blocks 0 and 1) and the pages before the likely hit ends
+    (hold_window_pages) the head (blocks 0 and 1) and the pages before the likely hit ends
     stay in the table and are offloaded with the rest of the request when it ends."""
     from kvstore.request import Request
     from kvstore.specs import SlidingWindowSpec
@@ -260,7 +260,7 @@ def test_pages_dropped_before_the_prompt_end_are_queued_as_they_drop(grow, hold)
     specs = [SlidingWindowSpec(4, 1, 8, "float16", window=8), FullAttentionSpec(4, 1, 8, "float16")]
     config = make_kv_cache_config(specs, num_blocks=64)
     tiers = PlaceholderConnector(config, "m", host=ModelTier(None))
-    manager = TieredKVCacheManager(config, tiers=tiers, hold_window_heads=hold)
+    manager = TieredKVCacheManager(config, tiers=tiers, hold_window_pages=hold)
     window_group = next(g for g, grp in enumerate(config.groups) if grp.spec.sliding_window)
     request = Request("r", list(range(100, 116)), max_tokens=40)
     assert manager.admit(request, 16, manager.get_computed_blocks(request)) is not None
