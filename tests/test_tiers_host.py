@@ -476,3 +476,14 @@ def test_held_slots_are_not_reused_until_released():
     tier.store(its[5:7])
     assert [v is not None for v in tier.load([its[1][0], its[4][0], its[5][0], its[6][0]])] == \
         [False, True, True, True]
+
+
+def test_checksum_bench_reports_every_thread_count(capsys):
+    from kvstore.benchmarks import checksum_bench
+
+    views = [memoryview(bytes(range(256)) * 16) for _ in range(4)]
+    assert checksum_bench.rate_gbps(views, 2, reps=2) > 0
+    assert checksum_bench.main(["--blocks", "4", "--block-bytes", "4096"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "threads=" in line]
+    kinds = 2 if torch.cuda.is_available() else 1
+    assert len(lines) == 5 * kinds and all(line.endswith("GB/s") for line in lines)
