@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+#: `KVCacheBlock.hint` of a full-attention page a lookup's verified chain ended at.
+BRANCH_POINT = 2
+
 
 class KVCacheBlock:
     """One page of the pool: ref count, cached identity, and free-list links."""
@@ -51,8 +54,9 @@ class KVCacheBlock:
         # Which of an eviction policy's free lists holds the page (policy-defined; -1: none).
         self.free_tag = -1
         # Set by a sliding-window group when it frees the page: 1 if it sits within the window
-        # before a likely hit end (prompt end, output end, branch point), 0 if not; -1 for
-        # every other page (reset on allocation).
+        # before a likely hit end (prompt end, output end, branch point), 0 if not. On a
+        # full-attention page, BRANCH_POINT: a lookup's verified chain ended right after it,
+        # so hits are likely to end there. -1 for every other page (reset on allocation).
         self.hint = -1
         # Indexed when scheduled (`index_scheduled_blocks`): (request, token count) such that
         # the page is written once the request has computed that many tokens; until then a

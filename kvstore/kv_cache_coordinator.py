@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvstore.block import KVCacheBlock
+from kvstore.block import BRANCH_POINT, KVCacheBlock
 from kvstore.block_pool import BlockPool, PendingCopies
 from kvstore.request import Request
 from kvstore.single_type_kv_cache_manager import (
@@ -288,8 +288,27 @@ class KVCacheCoordinator:
         for g, manager in enumerate(self.managers):
             manager.admit(request, computed.blocks[g], computed.partial_sources[g], parent)
             manager.note_hit_ends(request, ends)
+        if self._full_group >= 0 and len(self.managers) > 1:
+            self._learn_branch_points(request, computed)
         # A prefix the lookup found but a group cut: it was asked for again.
         self.pool.reused(block for block in computed.cut_blocks if block.block_hash is not None)
+
+    def _learn_branch_points(self, request: Request, computed: ComputedBlocks) -> None:
+        """Mark where this lookup's verified chain ended before the prompt's last block (a
+        branch point: later prompts sharing the prefix hit there), and have the window
+        groups treat the branch points marked on the hit's chain as likely hit ends: they
+        hold their pages there, and share those another request holds (no free page taken),
+        so a window a running request keeps for a branch point outlives it."""
+        bs = self.block_size
+        hit = computed.blocks[self._full_group]
+        num_verified = computed.num_verified_tokens // bs
+        if 0 < num_verified < (request.num_tokens - 1) // bs:
+            last = computed.cut_blocks[-1] if computed.cut_blocks else hit[num_verified - 1]
+            last.hint = BRANCH_POINT
+        ends = [(j + 1) * bs for j, block in enumerate(hit) if block.hint == BRANCH_POINT]
+        if ends:
+            for manager in self.managers:
+                manager.hold_branch_windows(request, ends, computed.parent_serials)
 
     def allocate(self, request: Request, num_tokens: int) -> tuple[tuple[int, ...], ...]:
         """Grow every group's table to `num_tokens` tokens (the caller checked it fits);

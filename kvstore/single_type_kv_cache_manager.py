@@ -307,6 +307,10 @@ class SingleTypeKVCacheManager:
         """Stop holding pages past the window (see SlidingWindowManager); whether any were."""
         return False
 
+    def hold_branch_windows(self, request: Request, ends: Sequence[int],
+                            parents: Sequence[int]) -> None:
+        """Treat these token counts as likely hit ends (see SlidingWindowManager)."""
+
     def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
         """Make table entries [start, stop) null and free their pages: fresh pages, not yet
         written or cached, that a tier hit does not load (below a window's start)."""
@@ -442,6 +446,29 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         table, _ = super().free(request)
         del self._ends[rid], self._holding[rid], self._cursor[rid]
         return table, self._dropped.pop(rid)
+
+    def hold_branch_windows(self, request: Request, ends: Sequence[int],
+                            parents: Sequence[int]) -> None:
+        """Right after admission: hold the pages in the window before each of these ends
+        (branch points on the hit's chain; `parents[i]`: the serial block i hangs under),
+        and put in the table those below the next query's window that another request holds
+        (shared: no free page is taken, so admission's plan is unchanged)."""
+        rid = request.request_id
+        if not self._holding[rid]:
+            return
+        table = self._req_to_blocks[rid]
+        ranges = self._ends[rid]
+        pool = self.pool
+        for end in ends:
+            start, stop = self._end_range(end)
+            ranges.append((start, stop))
+            for i in range(max(start, 0), min(stop, len(table), len(parents))):
+                if table[i].block_id == 0:
+                    block = pool.find_cached(self.group_id, request.block_hashes[i],
+                                             request.block_tokens[i], parents[i])
+                    if block is not None and block.ref_cnt > block.pin_cnt:
+                        pool.touch((block,))
+                        table[i] = block
 
     def release_held(self) -> bool:
         """Stop holding pages past the window for every request (the pool is short): those

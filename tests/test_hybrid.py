@@ -526,6 +526,49 @@ def test_a_shared_prefix_hits_while_the_request_that_computed_it_runs(hold: bool
     check_manager(m)
 
 
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_branch_point_is_learned_and_its_window_shared_while_held(hold: bool) -> None:
+    """Window 8 (2 blocks of 4); a shared 16-token prefix, then different tails.
+    b (32 tokens) computes it; its window drops blocks 2 to 5 on the way. c (prefix + its
+    own tail) hits the 16 tokens, which ends its lookup's chain there: the full page of
+    block 3 becomes a branch point, and c holds the window before it (blocks 2, 3). d, b's
+    continuation, hits b's 32 tokens: its own window starts at block 6, but the branch
+    point on its chain makes it take c's blocks 2 and 3 too (shared, no free page taken).
+    After c ends and every free page is reused, e still hits the shared prefix, through d.
+    Without held windows the branch point is marked but nothing is shared: e hits nothing."""
+    from kvstore.block import BRANCH_POINT
+
+    m = make_manager([None, 8], num_blocks=64, hold=hold)
+    shared = list(range(100, 116))
+    b = Request("b", shared + list(range(200, 216)))
+    prefill(m, b, chunk=4)
+    window_b = tables(m, "b")[1]
+    assert window_b[2] == window_b[3] == 0  # dropped (still cached, free)
+    m.free(b)
+    c = Request("c", shared + [7] * 8)
+    computed = m.get_computed_blocks(c)
+    assert computed.num_full_hit_tokens == 16 and computed.num_verified_tokens == 16
+    assert m.allocate_slots(c, 8, computed) is not None
+    full_c, window_c = tables(m, "c")
+    assert m._pool.blocks[full_c[3]].hint == BRANCH_POINT
+    shared_pages = [m._pool.blocks[i] for i in window_c[2:4]]
+    assert 0 not in window_c[2:4] and [p.ref_cnt for p in shared_pages] == [1, 1]
+    d = Request("d", b.token_ids + [9] * 6)
+    computed = m.get_computed_blocks(d)
+    assert computed.num_full_hit_tokens == 32
+    assert m.allocate_slots(d, 6, computed) is not None
+    window_d = tables(m, "d")[1]
+    # Shared, not taken off the free queue: c still holds them too.
+    assert window_d[2:4] == (window_c[2:4] if hold else [0, 0])
+    assert [p.ref_cnt for p in shared_pages] == ([2, 2] if hold else [1, 1])
+    check_manager(m)
+    m.free(c)
+    evict_head(m, m.num_free_blocks)
+    e = Request("e", shared + [5] * 3)
+    assert m.get_computed_blocks(e).num_full_hit_tokens == (16 if hold else 0)
+    check_manager(m)
+
+
 def test_heads_are_let_go_only_for_a_request_running_alone() -> None:
     """The held heads cost pages; when a running request cannot grow they are let go only
     if it runs alone (else the scheduler preempts, keeping the running prefixes' heads)."""
