@@ -55,8 +55,8 @@ class AllocationPlan(NamedTuple):
 class KVCacheCoordinator:
     """All KV cache groups of one cache over one shared pool."""
 
-    __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_free_order", "_spine_groups",
-                 "_search_sets", "_cache_order", "_pending")
+    __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_free_order",
+                 "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "_pending")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
                  hold_window_pages: bool = True) -> None:
@@ -85,6 +85,8 @@ class KVCacheCoordinator:
         # below a tier hit's window take their serials from them.
         self._cache_order = tuple(self.managers[g] for g in full) + tuple(
             m for g, m in enumerate(self.managers) if g not in full)
+        # Branch points matter where window groups hold pages for them.
+        self._learns_branches = hold_window_pages and bool(full) and len(full) < n
         # Freeing lists a position's window pages before its full-attention ones.
         self._free_order = tuple(g for g in range(n) if g not in full) + tuple(full)
 
@@ -288,7 +290,7 @@ class KVCacheCoordinator:
         for g, manager in enumerate(self.managers):
             manager.admit(request, computed.blocks[g], computed.partial_sources[g], parent)
             manager.note_hit_ends(request, ends)
-        if self._full_group >= 0 and len(self.managers) > 1:
+        if self._learns_branches:
             self._learn_branch_points(request, computed)
         # A prefix the lookup found but a group cut: it was asked for again.
         self.pool.reused(block for block in computed.cut_blocks if block.block_hash is not None)
