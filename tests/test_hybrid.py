@@ -535,7 +535,7 @@ def test_a_branch_point_is_learned_and_its_window_shared_while_held(hold: bool) 
     continuation, hits b's 32 tokens: its own window starts at block 6, but the branch
     point on its chain makes it take c's blocks 2 and 3 too (shared, no free page taken).
     After c ends and every free page is reused, e still hits the shared prefix, through d.
-    Without held windows the branch point is marked but nothing is shared: e hits nothing."""
+    Without held windows nothing is learned or shared: e hits nothing."""
     from kvstore.block import BRANCH_POINT
 
     m = make_manager([None, 8], num_blocks=64, hold=hold)
@@ -550,7 +550,7 @@ def test_a_branch_point_is_learned_and_its_window_shared_while_held(hold: bool) 
     assert computed.num_full_hit_tokens == 16 and computed.num_verified_tokens == 16
     assert m.allocate_slots(c, 8, computed) is not None
     full_c, window_c = tables(m, "c")
-    assert m._pool.blocks[full_c[3]].hint == BRANCH_POINT
+    assert (m._pool.blocks[full_c[3]].hint == BRANCH_POINT) == hold
     shared_pages = [m._pool.blocks[i] for i in window_c[2:4]]
     assert 0 not in window_c[2:4] and [p.ref_cnt for p in shared_pages] == [1, 1]
     d = Request("d", b.token_ids + [9] * 6)
