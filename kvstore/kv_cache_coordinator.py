@@ -419,7 +419,7 @@ class KVCacheCoordinator:
     def release_held(self) -> bool:
         """Every sliding-window group stops holding pages past its requests' windows (see
         SlidingWindowManager); returns whether any group held some."""
-        released = [manager.release_held() for manager in self.managers]
+        released = [manager.release_held() for manager in self.managers]  # every group
         return any(released)
 
     def fork(self, parent_id: str, child_id: str) -> None:

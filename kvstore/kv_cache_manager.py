@@ -209,7 +209,8 @@ class KVCacheManager:
 
         Returns the ids of the pages appended to each group's table (pages that replace
         shared ones are in `block_table` only), or None when the pool cannot hold them;
-        then nothing has changed."""
+        then nothing has changed, but for the window pages a request running alone may
+        have let go first (`hold_window_pages`)."""
         self._check_request(request)
         return self._grow(request, num_new_tokens, num_lookahead_tokens)
 
