@@ -209,8 +209,7 @@ class KVCacheManager:
 
         Returns the ids of the pages appended to each group's table (pages that replace
         shared ones are in `block_table` only), or None when the pool cannot hold them;
-        then nothing has changed, but for the window pages a request running alone may
-        have let go first (`hold_window_pages`)."""
+        then nothing has changed."""
         self._check_request(request)
         return self._grow(request, num_new_tokens, num_lookahead_tokens)
 
@@ -289,14 +288,14 @@ class KVCacheManager:
             self._check_pool_holds(rid, plan.num_resident, num_tokens)
             if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
                 # The pages running requests hold past their windows are let go only when
-                # this request runs alone: else the scheduler preempts one, which keeps the
-                # held pages of the prefixes still running (see SlidingWindowManager).
-                if len(self._requests) > 1 or not coordinator.release_held():
+                # this request runs alone, and only if that makes it fit: else the scheduler
+                # preempts one, which keeps the held pages of the prefixes still running.
+                held = sum(m.num_held_freed(rid, num_computed) for m in coordinator.managers)
+                if len(self._requests) > 1 or plan.num_free_needed > (
+                        self._pool.num_free_blocks + plan.num_released + held):
                     return None
+                coordinator.release_held()
                 self._quiet.clear()
-                plan = coordinator.num_blocks_needed(request, num_computed, num_tokens, None)
-                if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
-                    return None
         ids = coordinator.allocate(request, num_tokens)
         if self.index_scheduled_blocks:
             coordinator.cache_scheduled(request, num_computed + num_new_tokens)

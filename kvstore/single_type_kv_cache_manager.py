@@ -307,6 +307,10 @@ class SingleTypeKVCacheManager:
         """Stop holding pages past the window (see SlidingWindowManager); whether any were."""
         return False
 
+    def num_held_freed(self, request_id: str, num_computed_tokens: int) -> int:
+        """Pages `release_held` would free of this request's (held past the window)."""
+        return 0
+
     def hold_branch_windows(self, request: Request, ends: Sequence[int],
                             parents: Sequence[int]) -> None:
         """Treat these token counts as likely hit ends (see SlidingWindowManager)."""
@@ -469,6 +473,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                     if block is not None and block.ref_cnt > block.pin_cnt:
                         pool.touch((block,))
                         table[i] = block
+
+    def num_held_freed(self, request_id: str, num_computed_tokens: int) -> int:
+        """See the base class."""
+        table = self._req_to_blocks[request_id]
+        k = min(len(table), self.spec.first_needed_position(num_computed_tokens) // self.block_size)
+        return sum(1 for i in range(k) if table[i].block_id != 0 and table[i].ref_cnt == 1
+                   and self._held(request_id, i))
 
     def release_held(self) -> bool:
         """Stop holding pages past the window for every request (the pool is short): those
