@@ -48,8 +48,8 @@ class KVCacheManager:
     hit that ends within them needs them all) and those in the window before its likely hit
     ends (prompt end, hit end, branch point, and the branch points earlier lookups marked
     on its hit's chain, sharing the pages another request holds there). They are let go
-    when a request that runs alone cannot grow. Off, windows drop every page as they pass
-    it, as vLLM does.
+    when a request that runs alone cannot grow otherwise. Off, windows drop every page as
+    they pass it, as vLLM does.
     """
 
     __slots__ = ("config", "block_size", "enable_caching", "enable_partial_hits",

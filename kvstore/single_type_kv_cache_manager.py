@@ -371,10 +371,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     Except, with `hold` (the default), the pages a likely hit needs: those of a request's
     first W tokens (every hit that ends within them, a system prompt or a shared template,
     needs them all) and those in the window before its likely hit ends (its prompt's end,
-    its lookup's hit end and branch point). They stay in its table until it ends, or until
-    a request running alone cannot grow (`release_held`). Once dropped they are the first
-    pages a busy pool reuses, which leaves the full-attention chain of a shared prefix
-    unusable while the request that computed it still runs."""
+    its lookup's hit end and branch point, and branch points earlier lookups marked on its
+    hit's chain). They stay in its table until it ends, or until a request running alone
+    cannot grow otherwise (`release_held`). Once dropped they are the first pages a busy
+    pool reuses, which leaves the full-attention chain of a shared prefix unusable while
+    the request that computed it still runs."""
 
     __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_holding", "_window",
                  "holds_ends")
