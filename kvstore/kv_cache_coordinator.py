@@ -398,23 +398,32 @@ class KVCacheCoordinator:
         # end, and its root last, as they would from one all-full table.
         released = [released[g] for g in self._free_order]
         tables = [table for table, _ in released]
-        n = len(tables[0])
-        if all(len(table) == n for table in tables) and not any(d for _, d in released):
-            pool.free_blocks([block for pages in zip(*[reversed(t) for t in tables], strict=True)
-                              for block in pages if block.block_id != 0])
-            return
-        at: list[list[tuple[KVCacheBlock, int]]] = [
-            [] for _ in range(max(len(table) for table in tables))]
+        n = max(len(table) for table in tables)
+        if any(len(table) != n for table in tables):  # pad, so that entry i is position i
+            tables = [table + [pool.null_block] * (n - len(table)) for table in tables]
+        positions = zip(range(n - 1, -1, -1), *[reversed(table) for table in tables],
+                        strict=True)
+        dropped_at: dict[int, list[tuple[KVCacheBlock, int]]] = {}
         for _, dropped in released:
             for block, serial, i in dropped:
-                at[i].append((block, serial))
-        for table in tables:
-            for i, block in enumerate(table):
+                dropped_at.setdefault(i, []).append((block, serial))
+        if not dropped_at:
+            pool.free_blocks([block for i, *pages in positions for block in pages
+                              if block.block_id != 0])
+            return
+        held: list[KVCacheBlock] = []
+        order: list[tuple[KVCacheBlock, int]] = []  # from the first dropped page on
+        for i, *pages in positions:
+            if i in dropped_at:
+                order += dropped_at[i]
+            for block in pages:
                 if block.block_id != 0:
-                    at[i].append((block, -1))
-        order = [page for pages in reversed(at) for page in pages]
-        pool.free_blocks([block for block, serial in order if serial == -1])
-        pool.refresh([(block, block.serial if serial == -1 else serial) for block, serial in order])
+                    held.append(block)
+                    if order:
+                        order.append((block, block.serial))
+        # Pages freed before the first dropped one are in place; the rest move behind them.
+        pool.free_blocks(held)
+        pool.refresh(order)
 
     def release_held(self) -> bool:
         """Every sliding-window group stops holding pages past its requests' windows (see
