@@ -290,10 +290,9 @@ def hybrid_layout_line(workload: Workload, shape: ModelShape, block_size: int) -
     typical = typical_tokens(workload)
     c = make_kv_cache_config(shape.hybrid_specs(block_size), num_blocks=2,
                              typical_tokens=typical)
-    whole = sum(len(g.kept_whole) for g in c.groups)
     return (f"hybrid layout, packed for requests of {typical:,} tokens (the mean): "
             f"{len(c.groups)} groups of {c.num_slots} layer slots, {c.num_padding_layers} "
-            f"padding, {whole} sliding layer(s) kept whole")
+            f"padding, {c.num_kept_whole_layers} sliding layer(s) kept whole")
 
 
 def default_budgets(workload: Workload, shape: ModelShape, block_size: int,
@@ -519,7 +518,7 @@ def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size:
         num_blocks = budget // bpb
     row = SweepRow(policy.name, policy.layout, index, budget, budget is None, num_blocks,
                    len(layout.groups), layout.num_slots, layout.num_padding_layers,
-                   sum(len(g.kept_whole) for g in layout.groups), bpb,
+                   layout.num_kept_whole_layers, bpb,
                    feasible=False, error="", wall_s=0.0)
     if num_blocks < 2:
         row.error = (f"{format_bytes(budget or 0)} holds {num_blocks} blocks of "

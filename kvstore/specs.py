@@ -170,6 +170,11 @@ class KVCacheConfig:
         """Slots left unused by groups smaller than `num_slots`."""
         return sum(self.num_slots - len(g.layer_ids) for g in self.groups)
 
+    @property
+    def num_kept_whole_layers(self) -> int:
+        """Sliding-window layers kept whole in full-attention groups (`group_layers`)."""
+        return sum(len(g.kept_whole) for g in self.groups)
+
     def layer_to_group_slot(self) -> dict[int, tuple[int, int]]:
         """layer id -> (group id, slot)."""
         return {layer: (g, j) for g, group in enumerate(self.groups)
@@ -253,25 +258,20 @@ def _packing(num_full: int, num_window: int, window: int, typical_tokens: int,
              default_size: int) -> tuple[int, int]:
     """(group size, sliding layers kept whole) that hold a request of `typical_tokens` in
     the fewest slot-tokens, in no more groups than the default grouping has."""
-    def groups(size: int) -> tuple[int, int, int]:
-        num_full_groups = -(-num_full // size)
-        whole = min(num_full_groups * size - num_full, num_window)
-        return num_full_groups, -(-(num_window - whole) // size), whole
+    def cost(size: int, full_groups: int, window_groups: int) -> int:
+        return size * (full_groups * typical_tokens + window_groups * min(typical_tokens, window))
 
-    f0, w0, _ = groups(default_size)
-    best = None
+    f0, w0 = -(-num_full // default_size), -(-num_window // default_size)
+    best = ((cost(default_size, f0, w0), 0, f0 + w0), default_size, 0)  # the default pads
     for size in range(1, num_full + num_window + 1):
-        f, w, whole = groups(size)
-        if f + w > f0 + w0:
+        f = -(-num_full // size)
+        whole = min(f * size - num_full, num_window)  # window layers fill the full groups
+        w = -(-(num_window - whole) // size)
+        if size == default_size or f + w > f0 + w0:
             continue
-        cost = size * (f * typical_tokens + w * min(typical_tokens, window))
-        if size == default_size:
-            whole = 0  # the default pads instead
-            cost = size * (f0 * typical_tokens + w0 * min(typical_tokens, window))
-        key = (cost, whole, f + w)
-        if best is None or key < best[0]:
+        key = (cost(size, f, w), whole, f + w)
+        if key < best[0]:
             best = (key, size, whole)
-    assert best is not None
     return best[1], best[2]
 
 
