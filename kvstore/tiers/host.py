@@ -481,11 +481,18 @@ def scatter_blocks(cache: PagedKVCache, group_id: int, block_ids: Sequence[int],
     idx_all = torch.as_tensor(ids, dtype=torch.long, device=cache.device)
     for s in range(0, n, chunk):
         idx = idx_all[s:s + chunk]
-        staging = packed[s:s + len(idx)].to(cache.device, non_blocking=True)
-        src_t = staging.view(cache.dtype).view(len(idx), L, 2, -1)
-        for j in range(L):
-            cache.key_caches[j].view(nb, -1).index_copy_(0, idx, src_t[:, j, 0])
-            cache.value_caches[j].view(nb, -1).index_copy_(0, idx, src_t[:, j, 1])
+        _write_staged(cache, L, idx, packed[s:s + len(idx)].to(cache.device, non_blocking=True))
+
+
+def _write_staged(cache: PagedKVCache, num_slots: int, idx: torch.Tensor,
+                  staging: torch.Tensor) -> None:
+    """Write rows of ``staging`` (uint8 on the cache's device, laid out as ``gather_blocks``
+    lays out a row) into pages ``idx`` of a group's ``num_slots`` layer slots."""
+    nb = cache.config.num_blocks
+    src = staging.view(cache.dtype).view(len(idx), num_slots, 2, -1)
+    for j in range(num_slots):
+        cache.key_caches[j].view(nb, -1).index_copy_(0, idx, src[:, j, 0])
+        cache.value_caches[j].view(nb, -1).index_copy_(0, idx, src[:, j, 1])
 
 
 def stack_payloads(payloads: Sequence[Buffer], nbytes: int, *, pin: bool | None = None) -> torch.Tensor:
@@ -556,7 +563,6 @@ def _restore_on_device(cache: PagedKVCache, group_id: int, block_ids: Sequence[i
 
     ids = _block_index(cache, block_ids, unique=True)
     L = _group_slots(cache, group_id)
-    nb = cache.config.num_blocks
     views = []
     for i, p in enumerate(payloads):
         view = memoryview(p).cast("B")
@@ -570,8 +576,4 @@ def _restore_on_device(cache: PagedKVCache, group_id: int, block_ids: Sequence[i
         staging = torch.empty((len(part), nbytes), dtype=torch.uint8, device=cache.device)
         for row, view in zip(staging, part, strict=True):
             row.copy_(torch.frombuffer(view, dtype=torch.uint8), non_blocking=True)
-        src = staging.view(cache.dtype).view(len(part), L, 2, -1)
-        idx = idx_all[s:s + len(part)]
-        for j in range(L):
-            cache.key_caches[j].view(nb, -1).index_copy_(0, idx, src[:, j, 0])
-            cache.value_caches[j].view(nb, -1).index_copy_(0, idx, src[:, j, 1])
+        _write_staged(cache, L, idx_all[s:s + len(part)], staging)
