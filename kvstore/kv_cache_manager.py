@@ -351,10 +351,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a finished or preempted request; its computed content stays cached."""
-        self._check_request(request)
-        if self._requests.get(request.request_id) is not request:
-            raise ValueError(f"unknown request {request.request_id!r} (never admitted, or "
-                             "already freed)")
+        self._check_admitted(request)
         self._check_progress(request)
         request.update_block_hashes(self.block_size, self._hash_fn)
         if self.index_scheduled_blocks:
@@ -417,6 +414,12 @@ class KVCacheManager:
     def _check_request(request: Request) -> None:
         if not isinstance(request, Request):
             raise TypeError(f"expected a Request, got {type(request).__name__}")
+
+    def _check_admitted(self, request: Request) -> None:
+        self._check_request(request)
+        if self._requests.get(request.request_id) is not request:
+            raise ValueError(f"unknown request {request.request_id!r} (never admitted, or "
+                             "already freed)")
 
     @staticmethod
     def _check_counts(num_new_tokens: int, num_lookahead_tokens: int) -> None:

@@ -285,3 +285,49 @@ def test_pages_dropped_before_the_prompt_end_are_queued_as_they_drop(grow, hold)
     else:
         assert manager.block_table("r")[window_group][:4] == (0, 0, 0, 0)
         assert dropped == [table[1], table[2], table[3]]
+
+
+
+def test_drop_lookup_releases_the_host_slots_of_a_hit_never_admitted():
+    """A host tier hit holds its slots from the lookup until its loads ran. A request that
+    leaves the waiting queue unadmitted gives them back with ``drop_lookup``; held, a full
+    host tier would drop every new value instead of evicting those."""
+    from kvstore.request import Request
+    from kvstore.tiers import HostTier
+    from kvstore.tiers.connector import TieredKVCacheManager
+    from kvstore.tiers.model import PlaceholderConnector
+
+    config = make_kv_cache_config([FullAttentionSpec(4, 1, 8, "float16")], num_blocks=64)
+    host = HostTier(4 * 128, slot_nbytes=128, pin=False)  # 4 slots of placeholder values
+    tiers = PlaceholderConnector(config, "m", host=host)
+    manager = TieredKVCacheManager(config, tiers=tiers)
+
+    def run(rid: str, prompt: list[int]) -> None:
+        r = Request(rid, prompt, max_tokens=1)
+        assert manager.admit(r, len(prompt), manager.get_computed_blocks(r)) is not None
+        r.num_computed_tokens = len(prompt)
+        manager.free(r)
+        tiers.run_offloads(None, tiers.take_offloads())
+        assert manager.reset_prefix_cache()  # later hits come from the host tier
+
+    first = list(range(100, 117))  # 4 full blocks and one token
+    run("a", first)
+    assert len(host) == 4
+    b = Request("b", first + [1, 2], max_tokens=1)
+    assert manager.get_computed_blocks(b).num_computed_tokens == 16  # the host tier's
+    assert sum(host._held.values()) == 4
+    with pytest.raises(ValueError, match="never admitted"):
+        manager.free(b)
+    assert manager.drop_lookup(b) is True
+    assert not host._held and manager.drop_lookup(b) is False
+    # New content now evicts the old slots rather than being dropped.
+    second = list(range(300, 317))
+    run("c", second)
+    assert host.stats["dropped_stores"] == 0 and host.stats["evictions"] == 4
+    d = Request("d", second + [5], max_tokens=1)
+    assert manager.get_computed_blocks(d).num_computed_tokens == 16
+    assert manager.admit(d, 2, manager.get_computed_blocks(d)) is not None
+    held = dict(host._held)
+    with pytest.raises(ValueError, match="admitted: free it"):
+        manager.drop_lookup(d)  # an admitted request is freed instead; nothing changes
+    assert host._held == held and manager.requests["d"] is d

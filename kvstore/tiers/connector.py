@@ -487,7 +487,6 @@ class TieredKVCacheManager(KVCacheManager):
         if tiers.config is not config and tiers.config != config:
             raise ValueError("the TierConnector was built for another KV cache config")
         self._tiers = tiers
-        # request id -> (the extended hit handed out, what the tiers add to it)
         # request id -> (the extended hit handed out, what the tiers add, the device hit)
         self._tier_hits: dict[str, tuple[ComputedBlocks, TierHit, ComputedBlocks]] = {}
         self._loads: list[PendingLoad] = []
@@ -581,15 +580,28 @@ class TieredKVCacheManager(KVCacheManager):
             self._holds.append(hit.held)
         return tuple(out)
 
+    def drop_lookup(self, request: Request) -> bool:
+        """Forget the tier hit looked up for a request that leaves the waiting queue without
+        being admitted (aborted): the host tier slots its hit held can be reused again.
+        Returns whether it had one. An admitted request is released with ``free``."""
+        self._check_request(request)
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is admitted: free it instead")
+        dropped = self._tier_hits.pop(request.request_id, None)
+        if dropped is None:
+            return False
+        self._tiers.release(dropped[1].held)
+        return True
+
     def free(self, request: Request) -> None:
         """Queue the request's full computed blocks for offload, then release it."""
-        self._check_request(request)
+        self._check_admitted(request)
         rid = request.request_id
         dropped = self._tier_hits.pop(rid, None)
         if dropped is not None:
             self._tiers.release(dropped[1].held)
         self._watch.pop(rid, None)
-        if self.requests.get(rid) is request and self.enable_caching:
+        if self.enable_caching:
             request.update_block_hashes(self.block_size, self.hash_fn)
             tables = self.block_table(rid)
             longest = max(len(t) for t in tables)
