@@ -10,7 +10,8 @@ of a request is in its hit run and MIN maximizes hit blocks. Each policy is repo
 its token hit rate and as the fraction of the LRU-to-MIN gap it closes. A second offline
 line, :func:`reuse_oracle_replay`, is LRU that knows which blocks are never used again and
 evicts those first: what a perfect predictor of *whether* a block returns (not when) is
-worth.
+worth. :func:`lirs_replay` is an online line outside the pool: LIRS at block level, the
+classic answer to reuse distances longer than the cache.
 
 Run ``python -m kvstore.benchmarks.eviction_replay --out docs/figures``.
 """
@@ -42,6 +43,7 @@ __all__ = [
     "GAP_CAPACITIES",
     "min_replay",
     "reuse_oracle_replay",
+    "lirs_replay",
     "brute_force_best_hit_blocks",
     "gap_closed",
     "policy_curves",
@@ -161,6 +163,108 @@ def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: in
             "evictions": evictions, "token_hit_rate": hit_rate(hit_tokens, input_tokens)}
 
 
+def lirs_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
+                hir_fraction: float = 0.05, block_tokens: int = MOONCAKE_BLOCK_TOKENS
+                ) -> dict[str, Any]:
+    """LIRS (Jiang and Zhang, 2002) over the request model of `mooncake_lru_replay`, adapted
+    to prefix chains: online, block by block, outside the pool. A block is LIR once it is
+    reused within the recency of the least recent LIR block (its inter-reference recency is
+    small); LIR blocks fill all but `hir_fraction` of the cache and leave only when a block
+    with a smaller recency takes their place, so a set of chains outlives a stream of chains
+    whose reuse distance exceeds the cache (where LRU keeps none). Blocks whose parent was
+    evicted go first, then resident HIR blocks (FIFO), then the least recent LIR block.
+    Returns ``token_hit_rate``, ``hit_tokens``, ``hit_blocks``, ``evictions``."""
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    if not 0.0 < hir_fraction < 1.0:
+        raise ValueError(f"hir_fraction must be in (0, 1), got {hir_fraction}")
+    rows = _sorted(requests)
+    cap = capacity_blocks
+    num_lir = cap - max(1, int(cap * hir_fraction))
+    stack: OrderedDict[int, None] = OrderedDict()  # recency of LIR and HIR ids; last = newest
+    hir: OrderedDict[int, None] = OrderedDict()  # resident HIR blocks; first = next out
+    orphans: OrderedDict[int, None] = OrderedDict()  # resident blocks whose parent left
+    lir: set[int] = set()
+    resident: set[int] = set()
+    children: dict[int, set[int]] = {}
+
+    def prune() -> None:  # the stack's bottom is always an LIR block
+        while stack:
+            h = next(iter(stack))
+            if h in lir:
+                return
+            del stack[h]
+
+    def demote_bottom() -> None:
+        h, _ = stack.popitem(last=False)
+        lir.discard(h)
+        hir[h] = None
+        prune()
+
+    def unlink(h: int) -> None:  # out of LIR or HIR bookkeeping, still resident
+        if h in lir:
+            lir.discard(h)
+            del stack[h]
+            prune()
+        hir.pop(h, None)
+
+    input_tokens = hit_tokens = hit_blocks = evictions = 0
+    for req in rows:
+        ids = req.hash_ids
+        k = leading_run(ids, resident)
+        hit_tokens += min(k * block_tokens, req.input_length)
+        hit_blocks += k
+        input_tokens += req.input_length
+        keep = ids[:cap]
+        held = set(keep)
+        for parent, child in itertools.pairwise(keep):
+            children.setdefault(parent, set()).add(child)
+        for h in keep:  # an orphan this request links again is live
+            orphans.pop(h, None)
+        need = len(resident) + sum(1 for h in keep if h not in resident) - cap
+        while need > 0:
+            victim = next((h for q in (orphans, hir) for h in q if h not in held), None)
+            if victim is None:
+                victim = next(h for h in stack if h in lir and h not in held)
+            unlink(victim)
+            orphans.pop(victim, None)
+            resident.discard(victim)
+            evictions += 1
+            need -= 1
+            for child in children.get(victim, ()):
+                if child in resident and child not in orphans:
+                    unlink(child)
+                    orphans[child] = None
+        for h in reversed(keep):  # the root last: most recent, as LRU orders a chain
+            if h in lir:
+                stack.move_to_end(h)
+                prune()
+            elif h in hir:  # a resident HIR block
+                if h in stack:  # reused within the LIR recency: it becomes LIR
+                    del hir[h]
+                    lir.add(h)
+                    stack.move_to_end(h)
+                    demote_bottom()
+                else:
+                    stack[h] = None
+                    hir.move_to_end(h)
+            else:  # missing, or an orphan linked again
+                resident.add(h)
+                if len(lir) < num_lir:
+                    lir.add(h)
+                    stack[h] = None
+                    stack.move_to_end(h)
+                elif h in stack:
+                    lir.add(h)
+                    stack.move_to_end(h)
+                    demote_bottom()
+                else:
+                    stack[h] = None
+                    hir[h] = None
+    return {"capacity_blocks": cap, "hit_tokens": hit_tokens, "hit_blocks": hit_blocks,
+            "evictions": evictions, "token_hit_rate": hit_rate(hit_tokens, input_tokens)}
+
+
 def brute_force_best_hit_blocks(requests: Sequence[MooncakeRequest], capacity_blocks: int) -> int:
     """The most leading-run hit blocks any eviction schedule achieves (exhaustive search over
     which unheld blocks each request evicts; for tiny traces only)."""
@@ -191,7 +295,8 @@ def gap_closed(rate: float, lru: float, opt: float) -> float | None:
 
 def policy_curves(rows: Sequence[MooncakeRequest], capacities: Sequence[int],
                   policies: Sequence[str]) -> list[dict[str, Any]]:
-    """One row per capacity: each policy's token hit rate, MIN's, and the gap each closes."""
+    """One row per capacity: each policy's token hit rate, LIRS's, the reuse oracle's, MIN's,
+    and the gap each closes."""
     rows = _sorted(rows)
     out = []
     for cap_tokens in capacities:
@@ -203,13 +308,14 @@ def policy_curves(rows: Sequence[MooncakeRequest], capacities: Sequence[int],
         row["min_unlinked_present"] = opt["unlinked_present"]
         row["min_s"] = time.perf_counter() - t0
         row["reuse_oracle"] = reuse_oracle_replay(rows, blocks)["token_hit_rate"]
+        row["lirs"] = lirs_replay(rows, blocks)["token_hit_rate"]
         for name in policies:
             t0 = time.perf_counter()
             row[name] = pool_replay(rows, blocks, eviction=name)["token_hit_rate"]
             row[f"{name}_s"] = time.perf_counter() - t0
         lru = row.get("lru")
         if lru is not None:
-            for name in [*policies, "reuse_oracle"]:
+            for name in [*policies, "lirs", "reuse_oracle"]:
                 row[f"{name}_gap_closed"] = gap_closed(row[name], lru, row["min"])
         out.append(row)
     return out
@@ -224,6 +330,8 @@ def plot_policy_curves(curves: dict[str, list[dict[str, Any]]], policies: Sequen
         xs = [r["capacity_tokens"] for r in rows]
         for p in list(policies):
             ax.plot(xs, [r[p] for r in rows], "-o", ms=3, label=p)
+        ax.plot(xs, [r["lirs"] for r in rows], "-.", color="tab:brown",
+                label="LIRS, block level (online, outside the pool)")
         ax.plot(xs, [r["reuse_oracle"] for r in rows], ":", color="gray",
                 label="LRU knowing which blocks return (offline)")
         ax.plot(xs, [r["min"] for r in rows], "--", color="black", label="MIN (offline)")
@@ -264,12 +372,12 @@ def run_eviction_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACE
 
 def format_table(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str]) -> list[str]:
     """A markdown table: per trace and capacity, each policy's hit rate (gap closed) and MIN."""
-    head = "| trace | capacity | " + " | ".join(policies) + " | reuse oracle | MIN |"
-    lines = [head, "|" + "---|" * (4 + len(policies))]
+    head = "| trace | capacity | " + " | ".join(policies) + " | LIRS | reuse oracle | MIN |"
+    lines = [head, "|" + "---|" * (5 + len(policies))]
     for name, rows in curves.items():
         for r in rows:
             cells = []
-            for p in [*policies, "reuse_oracle"]:
+            for p in [*policies, "lirs", "reuse_oracle"]:
                 g = r.get(f"{p}_gap_closed")
                 cells.append(f"{r[p]:.3f}" + ("" if p == "lru" or g is None else f" ({g:+.0%})"))
             lines.append(f"| {name} | {r['capacity_tokens'] / 1e6:g}M | " + " | ".join(cells)
