@@ -294,8 +294,7 @@ class KVCacheManager:
                 if len(self._requests) > 1 or plan.num_free_needed > (
                         self._pool.num_free_blocks + plan.num_released + held):
                     return None
-                coordinator.release_held()
-                self._quiet.clear()
+                self._release_held(request)
         ids = coordinator.allocate(request, num_tokens)
         if self.index_scheduled_blocks:
             coordinator.cache_scheduled(request, num_computed + num_new_tokens)
@@ -303,6 +302,12 @@ class KVCacheManager:
         # (each group's `is_noop` holds), so the next quiet range starts here.
         self._note_quiet(request)
         return ids
+
+    def _release_held(self, request: Request) -> None:
+        """Let go of the pages held past the windows (`request` runs alone and cannot grow
+        otherwise): those the windows have passed are dropped now, the others as they pass."""
+        self._coordinator.release_held()
+        self._quiet.clear()
 
     def _note_quiet(self, request: Request) -> None:
         """Record the live request's quiet range (its tables give what growing needs)."""

@@ -482,6 +482,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return sum(1 for i in range(k) if table[i].block_id != 0 and table[i].ref_cnt == 1
                    and self._held(request_id, i))
 
+    def end_blocks(self, request_id: str) -> set[int]:
+        """Table indexes within the window before the request's likely hit ends (its
+        prompt's end, its lookup's hit end and branch points)."""
+        return {i for start, stop in self._ends[request_id] for i in range(max(start, 0), stop)}
+
     def release_held(self) -> bool:
         """Stop holding pages past the window for every request (the pool is short): those
         the window has passed are dropped now, the others as it passes them. Returns

@@ -331,3 +331,39 @@ def test_drop_lookup_releases_the_host_slots_of_a_hit_never_admitted():
     with pytest.raises(ValueError, match="admitted: free it"):
         manager.drop_lookup(d)  # an admitted request is freed instead; nothing changes
     assert host._held == held and manager.requests["d"] is d
+
+
+@pytest.mark.parametrize("mode", ["ends", "all"])
+def test_held_window_pages_a_lone_request_lets_go_of_reach_the_tiers(mode):
+    """Window 8, 4-token blocks, a 16-token prompt: the window group holds blocks 0 to 3
+    (the first W tokens, and the windows before the prompt's end). Decoding alone in a pool
+    too small to keep them, the request lets them go; they are queued for offload as they
+    drop (with "ends", those before the prompt's end: blocks 1 to 3), not lost."""
+    from kvstore.request import Request
+    from kvstore.specs import SlidingWindowSpec
+    from kvstore.tiers.connector import TieredKVCacheManager
+    from kvstore.tiers.model import PlaceholderConnector
+
+    specs = [SlidingWindowSpec(4, 1, 8, "float16", window=8), FullAttentionSpec(4, 1, 8, "float16")]
+    config = make_kv_cache_config(specs, num_blocks=20)
+    tiers = PlaceholderConnector(config, "m", host=ModelTier(None), window_offload=mode)
+    manager = TieredKVCacheManager(config, tiers=tiers)
+    w = next(g for g, grp in enumerate(config.groups) if grp.spec.sliding_window)
+    request = Request("r", list(range(100, 116)), max_tokens=44)
+    assert manager.admit(request, 16, manager.get_computed_blocks(request)) is not None
+    table = manager.block_table("r")[w]
+    offloaded: list[int] = []
+    released_at = None
+    for step in range(43):  # up to 59 tokens: 15 full pages and 3 in the window fit 19 pages
+        request.num_computed_tokens = request.num_tokens
+        request.append_token_ids(step)
+        assert manager.grow(request, 1) is not None
+        offloaded += [b for off in tiers.take_offloads() if off.group_id == w for b in off.block_ids]
+        now = manager.block_table("r")[w]
+        if released_at is None and now[3] == 0:
+            released_at = step
+    assert released_at is not None, "the pool never made the request let go of its held pages"
+    want = set(table[1:4]) | ({table[0]} if mode == "all" else set())
+    assert want <= set(offloaded)
+    if mode == "ends":
+        assert table[0] not in offloaded  # the head lies before no likely hit end

@@ -33,6 +33,7 @@ from kvstore.errors import RequestTooLargeError
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import BlockIds, KVCacheManager
 from kvstore.request import Request
+from kvstore.single_type_kv_cache_manager import SlidingWindowManager
 from kvstore.specs import FullAttentionSpec, KVCacheConfig
 from kvstore.tiers.base import StoreItem, Tier, load_verified
 from kvstore.tiers.codec import REJECT_REASONS, BlockLayout, Buffer, decode_block, request_keys
@@ -476,7 +477,7 @@ class TieredKVCacheManager(KVCacheManager):
     blocks for offload. ``take_pending_transfers()`` hands both to the worker, which runs
     them before the step's copies and forward."""
 
-    __slots__ = ("_tiers", "_tier_hits", "_loads", "_holds", "_watch")
+    __slots__ = ("_tiers", "_tier_hits", "_loads", "_holds", "_watch", "_released")
 
     def __init__(self, config: KVCacheConfig, *args: Any, tiers: TierConnector, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -494,6 +495,8 @@ class TieredKVCacheManager(KVCacheManager):
         # request id -> sliding-window pages to offload when dropped, as (computed count at
         # which the page leaves the window, group, block index), soonest first.
         self._watch: dict[str, list[tuple[int, int, int]]] = {}
+        # The tables of a request that let go of its held pages this step, before it did.
+        self._released: tuple[Request, tuple[tuple[int, ...], ...]] | None = None
 
     @property
     def tiers(self) -> TierConnector:
@@ -652,6 +655,51 @@ class TieredKVCacheManager(KVCacheManager):
         else:
             del self._watch[rid]
         return ids
+
+    def _release_held(self, request: Request) -> None:
+        """See the base class; the pages let go are offloaded as they drop (see
+        `_offload_released`)."""
+        tiers = self._tiers
+        if tiers._window_groups and self.enable_caching and tiers.window_offload != "none":
+            self._released = (request, self.block_table(request.request_id))
+        super()._release_held(request)
+
+    def _grow(self, request: Request, num_new_tokens: int,
+              num_lookahead_tokens: int) -> BlockIds | None:
+        ids = super()._grow(request, num_new_tokens, num_lookahead_tokens)
+        if self._released is not None:
+            self._offload_released()
+        return ids
+
+    def _offload_released(self) -> None:
+        """Held sliding-window pages a lone request let go of (to grow) would otherwise leave
+        without reaching the tiers, as held pages reach them at ``free``: those near a likely
+        hit end (every one with ``window_offload="all"``) that dropped in this step are queued
+        for offload, and those still in the window are watched until they drop."""
+        assert self._released is not None
+        (request, before), self._released = self._released, None
+        rid = request.request_id
+        after = self.block_table(rid)
+        tiers = self._tiers
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(request.block_hashes))
+        watch = self._watch.get(rid, [])
+        for g in tiers._window_groups:
+            manager = self._coordinator.managers[g]
+            assert isinstance(manager, SlidingWindowManager)
+            wanted = (manager.end_blocks(rid) if tiers.window_offload == "ends"
+                      else set(range(len(before[g]))))
+            dropped = [(i, before[g][i]) for i in sorted(wanted)
+                       if i < min(len(before[g]), num_full) and before[g][i] and not after[g][i]]
+            if dropped:
+                tiers.queue_offload_blocks(request, g, dropped)
+            window = self.config.groups[g].spec.sliding_window
+            assert window is not None
+            # Page i leaves the window once the next query is past its last token by it.
+            watch += [(at, g, i) for i in wanted if i < len(after[g]) and after[g][i]
+                      and (at := (i + 1) * bs + window - 1) > request.num_computed_tokens]
+        if watch:
+            self._watch[rid] = sorted(watch)
 
     def _watch_window_ends(self, request: Request, computed: ComputedBlocks | None) -> None:
         """Note which sliding-window pages of an admitted request to offload when dropped:
