@@ -308,6 +308,16 @@ class LLMEngine:
             gen = torch.Generator().manual_seed(seed if index == 0 else _fork_seed(seed, index))
         return _Sample(group, index, gen)
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request (waiting or running, with every sample it forked) and release its
+        pages; it produces no output. Returns whether it was unfinished."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for request in self.scheduler.abort(request_id):
+            self._samples.pop(request.request_id, None)
+        return True
+
     @property
     def has_unfinished_requests(self) -> bool:
         """Whether any request waits or runs."""

@@ -244,6 +244,29 @@ class Scheduler:
         self.stats.finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
 
+    def abort(self, request_id: str) -> list[Request]:
+        """Remove a waiting or running request and the samples forked from it (finish
+        reason "abort"), releasing their pages and what their lookups hold; returns them
+        (empty when none is live under that id)."""
+        prefix = request_id + FORK_SEP
+        waiting = [r for r in self.waiting if r.request_id == request_id]
+        running = [r for r in self.running
+                   if r.request_id == request_id or r.request_id.startswith(prefix)]
+        for request in waiting:
+            self.manager.drop_lookup(request)
+            self.waiting.remove(request)
+        for request in running:
+            self.running.remove(request)
+            self.manager.free(request)
+        out = waiting + running
+        for request in out:
+            self.num_samples.pop(request.request_id, None)
+            self._computed_before_preemption.pop(request.request_id, None)
+            self.finished[request.request_id] = "abort"
+            self.stats.finish_reasons["abort"] = self.stats.finish_reasons.get("abort", 0) + 1
+        self.stats.finished += len(out)
+        return out
+
     def _preempt(self, request: Request) -> None:
         self.manager.free(request)
         self._computed_before_preemption[request.request_id] = request.num_computed_tokens

@@ -366,6 +366,15 @@ class KVCacheManager:
         self._coordinator.free(request)
         del self._requests[request.request_id]
 
+    def drop_lookup(self, request: Request) -> bool:
+        """Forget what looking up a request that leaves the waiting queue without being
+        admitted (aborted) holds; returns whether it held anything. A device lookup holds
+        nothing (see `TieredKVCacheManager`). An admitted request is released by `free`."""
+        self._check_request(request)
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is admitted: free it instead")
+        return False
+
     def fork(self, parent: Request, child: Request) -> None:
         """Admit `child` sharing every page of `parent` (parallel sampling)."""
         self._check_request(parent)

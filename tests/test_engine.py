@@ -382,6 +382,26 @@ def test_stop_tokens_and_outputs_in_order(pairs: dict) -> None:
     assert not engine.has_unfinished_requests
 
 
+def test_abort_request_stops_it_and_leaves_the_others_exact(pairs: dict) -> None:
+    _, model = pairs["gemma3"]
+    prompts = [tokens(n, seed=70 + n) for n in (9, 12, 7)]
+    alone = make_engine(model).generate([prompts[0], prompts[2]], greedy(5))
+    engine = make_engine(model, max_num_batched_tokens=16)
+    a = engine.add_request(prompts[0], greedy(5))
+    b = engine.add_request(prompts[1], SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=3))
+    c = engine.add_request(prompts[2], greedy(5))
+    engine.step()  # a prefills (9 tokens), b starts its prompt; c waits
+    assert engine.scheduler.waiting[0].request_id == c
+    assert engine.abort_request(b) is True and engine.abort_request(b) is False
+    assert engine.abort_request("nobody") is False
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests:
+        outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+    assert set(outs) == {a, c}  # b produced no output
+    assert [outs[a], outs[c]] == [o.outputs[0].token_ids for o in alone]
+    assert engine.scheduler.finished[b] == "abort" and engine.manager.usage == 0.0
+
+
 def test_fork_with_single_token(pairs: dict) -> None:
     _, model = pairs["gemma2"]
     engine = make_engine(model)

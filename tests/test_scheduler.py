@@ -93,3 +93,42 @@ def test_update_returns_the_forks_it_made_in_sample_order() -> None:
     # A later step forks nothing.
     out = s.schedule()
     assert s.update(out, {r.request.request_id: [1] for r in out.scheduled}).forks == []
+
+
+def test_abort_removes_waiting_and_running_requests_and_their_forks() -> None:
+    s = make(7, max_num_batched_tokens=64)  # 6 usable blocks
+    s.add_request(Request("a", list(range(5)), max_tokens=4), n=2)
+    s.add_request(Request("b", list(range(20, 37)), max_tokens=2))  # 5 blocks: waits
+    run_step(s)  # a prefills and forks into a and a#1; b does not fit and is looked up
+    assert {r.request_id for r in s.running} == {"a", "a#1"}
+    assert [r.request_id for r in s.waiting] == ["b"]
+    assert [r.request_id for r in s.abort("a")] == ["a", "a#1"]
+    assert s.manager.num_free_blocks == s.manager.num_usable_blocks
+    assert [r.request_id for r in s.abort("b")] == ["b"]
+    assert s.abort("b") == [] and s.abort("zzz") == []
+    assert not s.has_unfinished
+    assert s.finished == {"a": "abort", "a#1": "abort", "b": "abort"}
+    assert s.stats.finish_reasons == {"abort": 3} and s.stats.finished == 3
+    check_manager(s.manager)
+
+
+def test_abort_releases_the_host_slots_a_waiting_lookup_holds() -> None:
+    from kvstore.tiers import HostTier
+    from kvstore.tiers.connector import TieredKVCacheManager
+    from kvstore.tiers.model import PlaceholderConnector
+
+    config = make_kv_cache_config([FullAttentionSpec(BS, 1, 8, torch.float32)], num_blocks=7)
+    host = HostTier(8 * 128, slot_nbytes=128, pin=False)
+    tiers = PlaceholderConnector(config, "m", host=host)
+    s = Scheduler(TieredKVCacheManager(config, tiers=tiers), SchedulerConfig())
+    prefix = list(range(100, 108))
+    s.add_request(Request("a", prefix + [1], max_tokens=1))
+    run_step(s)
+    tiers.run_offloads(None, tiers.take_offloads())  # a's 2 full blocks reach the host tier
+    assert s.manager.reset_prefix_cache() and len(host) == 2
+    s.add_request(Request("big", list(range(40, 60)), max_tokens=4))  # 6 blocks: runs alone
+    s.add_request(Request("b", prefix + [2], max_tokens=1))
+    run_step(s)  # big is admitted; b is looked up (a host hit of 2 blocks) and waits
+    assert [r.request_id for r in s.waiting] == ["b"] and sum(host._held.values()) == 2
+    assert [r.request_id for r in s.abort("b")] == ["b"]
+    assert not host._held

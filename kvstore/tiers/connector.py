@@ -584,12 +584,9 @@ class TieredKVCacheManager(KVCacheManager):
         return tuple(out)
 
     def drop_lookup(self, request: Request) -> bool:
-        """Forget the tier hit looked up for a request that leaves the waiting queue without
-        being admitted (aborted): the host tier slots its hit held can be reused again.
-        Returns whether it had one. An admitted request is released with ``free``."""
-        self._check_request(request)
-        if request.request_id in self._requests:
-            raise ValueError(f"request {request.request_id!r} is admitted: free it instead")
+        """See the base class: the host tier slots the request's looked-up hit held can be
+        reused again."""
+        super().drop_lookup(request)
         dropped = self._tier_hits.pop(request.request_id, None)
         if dropped is None:
             return False
