@@ -301,8 +301,10 @@ class BlockPoolMachine(RuleBasedStateMachine):
         i = data.draw(st.sampled_from(self.writable()), label="block")
         parent = data.draw(st.sampled_from(sorted(self.serials)), label="parent serial")
         g = self.group[i]
+        # Equal content: same group, parent, tokens and hash (a hash also covers extra keys,
+        # e.g. an adapter, so equal tokens under another hash are other content).
         twins = {c[4] for c in self.content.values()
-                 if c[0] == g and c[1] == parent and c[2] == tokens and c[3] is not None}
+                 if c[0] == g and c[1] == parent and c[2] == tokens and c[3] == block_hash}
         assert len(twins) <= 1, "equal content under one parent must share one serial"
         serial = self.pool.cache_full_block(self.block(i), block_hash, tokens, parent, parent_hash)
         if twins:
