@@ -180,7 +180,7 @@ def lirs_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
         raise ValueError(f"hir_fraction must be in (0, 1), got {hir_fraction}")
     rows = _sorted(requests)
     cap = capacity_blocks
-    num_lir = cap - max(1, int(cap * hir_fraction))
+    num_lir = max(1, cap - max(1, int(cap * hir_fraction)))  # LIRS needs an LIR block
     stack: OrderedDict[int, None] = OrderedDict()  # recency of LIR and HIR ids; last = newest
     hir: OrderedDict[int, None] = OrderedDict()  # resident HIR blocks; first = next out
     orphans: OrderedDict[int, None] = OrderedDict()  # resident blocks whose parent left
@@ -197,6 +197,7 @@ def lirs_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
 
     def demote_bottom() -> None:
         h, _ = stack.popitem(last=False)
+        assert h in lir and h in resident
         lir.discard(h)
         hir[h] = None
         prune()
