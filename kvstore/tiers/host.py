@@ -47,8 +47,7 @@ class HostTier:
     ``release``. ``on_evict`` receives copies of what is evicted (a write-back hook, e.g.
     into a shared store's ``store``).
 
-    The LRU order here is a stand-in: once the block pool has its eviction-policy seam, the
-    host tier should take its order from that policy."""
+    Its order is its own LRU: the device pool's eviction policies do not reach it."""
 
     name = "host"
 
