@@ -24,6 +24,8 @@ PREFIXES = [list(range(100, 112)), list(range(200, 209)), list(range(100, 106)) 
 
 
 class TieredManagerMachine(RuleBasedStateMachine):
+    eviction = "lru"
+
     def __init__(self) -> None:
         super().__init__()
         specs = [SlidingWindowSpec(BS, 1, 8, "float16", window=8),
@@ -31,7 +33,7 @@ class TieredManagerMachine(RuleBasedStateMachine):
         config = make_kv_cache_config(specs, num_blocks=16)  # 15 pages
         self.host = HostTier(12 * 256, slot_nbytes=256, pin=False)  # 12 values
         self.tiers = PlaceholderConnector(config, "m", host=self.host)
-        self.manager = TieredKVCacheManager(config, tiers=self.tiers)
+        self.manager = TieredKVCacheManager(config, tiers=self.tiers, eviction=self.eviction)
         self.waiting: dict[str, tuple[Request, ComputedBlocks]] = {}
         self.running: dict[str, Request] = {}
         self.n = 0
@@ -155,6 +157,11 @@ class TieredManagerMachine(RuleBasedStateMachine):
         assert self.manager.num_free_blocks == self.manager.num_usable_blocks
 
 
+class WindowPolicyMachine(TieredManagerMachine):
+    eviction = "window"
+
+
 TestTieredManagerMachine = TieredManagerMachine.TestCase
-TestTieredManagerMachine.settings = settings(max_examples=150, stateful_step_count=40,
-                                             deadline=None)
+TestWindowPolicyMachine = WindowPolicyMachine.TestCase
+for case in (TestTieredManagerMachine, TestWindowPolicyMachine):
+    case.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
