@@ -240,6 +240,9 @@ class Scheduler:
         """Remove a running request and free its pages."""
         self.running.remove(request)
         self.manager.free(request)
+        self._count_finished(request, reason)
+
+    def _count_finished(self, request: Request, reason: str) -> None:
         self.finished[request.request_id] = reason
         self.stats.finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
@@ -262,9 +265,7 @@ class Scheduler:
         for request in out:
             self.num_samples.pop(request.request_id, None)
             self._computed_before_preemption.pop(request.request_id, None)
-            self.finished[request.request_id] = "abort"
-            self.stats.finish_reasons["abort"] = self.stats.finish_reasons.get("abort", 0) + 1
-        self.stats.finished += len(out)
+            self._count_finished(request, "abort")
         return out
 
     def _preempt(self, request: Request) -> None:

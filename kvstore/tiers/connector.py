@@ -25,7 +25,7 @@ Imports no torch; the worker-side functions import it when called."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -638,14 +638,7 @@ class TieredKVCacheManager(KVCacheManager):
         ids = super().grow(request, num_new_tokens, num_lookahead_tokens)
         if ids is None:
             return None
-        after = self.block_table(rid)
-        gone = {(g, i) for g, i in due if i < len(after[g]) and after[g][i] == 0}
-        offload: dict[int, list[tuple[int, int]]] = {}
-        for g, i in sorted(gone):
-            if i < len(before[g]) and before[g][i] != 0:
-                offload.setdefault(g, []).append((i, before[g][i]))
-        for g, blocks in offload.items():
-            self._tiers.queue_offload_blocks(request, g, blocks)
+        gone = self._offload_dropped(request, before, self.block_table(rid), due)
         rest = [w for w in watch if (w[1], w[2]) not in gone]
         if rest:
             self._watch[rid] = rest
@@ -678,25 +671,39 @@ class TieredKVCacheManager(KVCacheManager):
         rid = request.request_id
         after = self.block_table(rid)
         tiers = self._tiers
-        bs = self.block_size
-        num_full = min(request.num_computed_tokens // bs, len(request.block_hashes))
-        watch = self._watch.get(rid, [])
+        wanted = []
         for g in tiers._window_groups:
             manager = self._coordinator.managers[g]
             assert isinstance(manager, SlidingWindowManager)
-            wanted = (manager.end_blocks(rid) if tiers.window_offload == "ends"
-                      else set(range(len(before[g]))))
-            dropped = [(i, before[g][i]) for i in sorted(wanted)
-                       if i < min(len(before[g]), num_full) and before[g][i] and not after[g][i]]
-            if dropped:
-                tiers.queue_offload_blocks(request, g, dropped)
-            window = self.config.groups[g].spec.sliding_window
-            assert window is not None
-            # Page i leaves the window once the next query is past its last token by it.
-            watch += [(at, g, i) for i in wanted if i < len(after[g]) and after[g][i]
-                      and (at := (i + 1) * bs + window - 1) > request.num_computed_tokens]
+            wanted += [(g, i) for i in (manager.end_blocks(rid) if tiers.window_offload == "ends"
+                                        else range(len(before[g])))]
+        gone = self._offload_dropped(request, before, after, wanted)
+        watch = self._watch.get(rid, []) + [
+            (at, g, i) for g, i in wanted if i < len(after[g]) and (g, i) not in gone
+            and (at := self._leaves_window_at(g, i)) > request.num_computed_tokens]
         if watch:
             self._watch[rid] = sorted(watch)
+
+    def _offload_dropped(self, request: Request, before: BlockIds, after: BlockIds,
+                         entries: Iterable[tuple[int, int]]) -> set[tuple[int, int]]:
+        """Queue for offload the pages of these (group, table index) entries that are null in
+        `after` and were not in `before` (dropped in between); returns every entry null in
+        `after`."""
+        gone = {(g, i) for g, i in entries if i < len(after[g]) and after[g][i] == 0}
+        offload: dict[int, list[tuple[int, int]]] = {}
+        for g, i in sorted(gone):
+            if i < len(before[g]) and before[g][i] != 0:
+                offload.setdefault(g, []).append((i, before[g][i]))
+        for g, blocks in offload.items():
+            self._tiers.queue_offload_blocks(request, g, blocks)
+        return gone
+
+    def _leaves_window_at(self, g: int, i: int) -> int:
+        """The computed count from which window group g's table entry i is out of the window
+        (the next query is past the entry's last token by the window)."""
+        window = self.config.groups[g].spec.sliding_window
+        assert window is not None
+        return (i + 1) * self.block_size + window - 1
 
     def _watch_window_ends(self, request: Request, computed: ComputedBlocks | None) -> None:
         """Note which sliding-window pages of an admitted request to offload when dropped:
@@ -714,8 +721,6 @@ class TieredKVCacheManager(KVCacheManager):
         watch = []
         for g in tiers._window_groups:
             spec = self.config.groups[g].spec
-            window = spec.sliding_window
-            assert window is not None
             if tiers.window_offload == "all":
                 pages = set(range((p + request.max_tokens) // bs))
             else:
@@ -723,9 +728,8 @@ class TieredKVCacheManager(KVCacheManager):
                          for i in range(spec.first_needed_position(e * bs) // bs, e)}
             if self._coordinator.managers[g].holds_ends:
                 continue  # held until the request ends, then offloaded by `free`
-            # Page i leaves the window once the next query is past its last token by the
-            # window; those already out at admission are null.
-            watch += [(at, g, i) for i in pages if (at := (i + 1) * bs + window - 1) > first_kept]
+            # Those already out of the window at admission are null.
+            watch += [(at, g, i) for i in pages if (at := self._leaves_window_at(g, i)) > first_kept]
         if watch:
             self._watch[request.request_id] = sorted(watch)
 
