@@ -495,8 +495,8 @@ class TieredKVCacheManager(KVCacheManager):
         # request id -> sliding-window pages to offload when dropped, as (computed count at
         # which the page leaves the window, group, block index), soonest first.
         self._watch: dict[str, list[tuple[int, int, int]]] = {}
-        # The tables of a request that let go of its held pages this step, before it did.
-        self._released: tuple[Request, tuple[tuple[int, ...], ...]] | None = None
+        # The tables of the growing request that let go of its held pages, before it did.
+        self._released: BlockIds | None = None
 
     @property
     def tiers(self) -> TierConnector:
@@ -651,23 +651,23 @@ class TieredKVCacheManager(KVCacheManager):
         `_offload_released`)."""
         tiers = self._tiers
         if tiers._window_groups and self.enable_caching and tiers.window_offload != "none":
-            self._released = (request, self.block_table(request.request_id))
+            self._released = self.block_table(request.request_id)
         super()._release_held(request)
 
     def _grow(self, request: Request, num_new_tokens: int,
               num_lookahead_tokens: int) -> BlockIds | None:
         ids = super()._grow(request, num_new_tokens, num_lookahead_tokens)
         if self._released is not None:
-            self._offload_released()
+            self._offload_released(request)
         return ids
 
-    def _offload_released(self) -> None:
+    def _offload_released(self, request: Request) -> None:
         """Held sliding-window pages a lone request let go of (to grow) would otherwise leave
         without reaching the tiers, as held pages reach them at ``free``: those near a likely
         hit end (every one with ``window_offload="all"``) that dropped in this step are queued
         for offload, and those still in the window are watched until they drop."""
-        assert self._released is not None
-        (request, before), self._released = self._released, None
+        before, self._released = self._released, None
+        assert before is not None
         rid = request.request_id
         after = self.block_table(rid)
         tiers = self._tiers
