@@ -17,15 +17,15 @@ from kvstore.specs import KVCacheConfig, KVCacheSpec
 from kvstore.utils import hit_rate
 
 if TYPE_CHECKING:
+    from kvstore.benchmarks.tier_model import PlaceholderConnector
     from kvstore.tiers.base import Tier
-    from kvstore.tiers.model import PlaceholderConnector
 
 
 @dataclass(frozen=True)
 class TierOptions:
     """Tiers below the device pool for a replay: a host tier of ``host_bytes`` and a shared
     store (``mem``: in-process and unbounded, ``mem:SIZE``: bounded, or a ``valkey://`` URL).
-    Values are placeholders (:mod:`kvstore.tiers.model`): capacities are charged the real
+    Values are placeholders (:mod:`kvstore.benchmarks.tier_model`): capacities are charged the real
     value sizes, and lookups and offloads follow the engine's connector."""
 
     host_bytes: int | None = None
@@ -64,7 +64,7 @@ def parse_mem_store(text: str) -> int | None | bool:
 def open_store(spec: str, timeout_s: float = 2.0) -> Tier:
     """The store a replay writes to: a ``ModelTier`` for ``mem[:SIZE]``, else a synchronous
     ``ValkeyStore`` on the URL (ValueError for a bad one)."""
-    from kvstore.tiers.model import ModelTier
+    from kvstore.benchmarks.tier_model import ModelTier
 
     mem = parse_mem_store(spec)
     if mem is not False:
@@ -76,7 +76,7 @@ def open_store(spec: str, timeout_s: float = 2.0) -> Tier:
 
 
 def _tier_connector(config: KVCacheConfig, tiers: TierOptions) -> PlaceholderConnector:
-    from kvstore.tiers.model import ModelTier, PlaceholderConnector
+    from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
 
     host = ModelTier(tiers.host_bytes, name="host") if tiers.host_bytes else None
     store = open_store(tiers.store) if tiers.store else None

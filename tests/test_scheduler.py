@@ -113,9 +113,9 @@ def test_abort_removes_waiting_and_running_requests_and_their_forks() -> None:
 
 
 def test_abort_releases_the_host_slots_a_waiting_lookup_holds() -> None:
+    from kvstore.benchmarks.tier_model import PlaceholderConnector
     from kvstore.tiers import HostTier
     from kvstore.tiers.connector import TieredKVCacheManager
-    from kvstore.tiers.model import PlaceholderConnector
 
     config = make_kv_cache_config([FullAttentionSpec(BS, 1, 8, torch.float32)], num_blocks=7)
     host = HostTier(8 * 128, slot_nbytes=128, pin=False)

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from invariants import check_manager
 
+from kvstore.benchmarks.tier_model import PlaceholderConnector
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.request import Request
 from kvstore.specs import FullAttentionSpec, SlidingWindowSpec, make_kv_cache_config
 from kvstore.tiers import HostTier
 from kvstore.tiers.connector import TieredKVCacheManager
-from kvstore.tiers.model import PlaceholderConnector
 
 BS = 4
 PREFIXES = [list(range(100, 112)), list(range(200, 209)), list(range(100, 106)) + [7, 7, 7]]

@@ -12,16 +12,16 @@ import pytest
 from kvstore.benchmarks.bench import load_bench_workload, print_table
 from kvstore.benchmarks.simulator import TierOptions, simulate
 from kvstore.benchmarks.sweep import MODEL_SHAPES, run_sweep
-from kvstore.benchmarks.workloads import make_workload
-from kvstore.cli import main
-from kvstore.specs import FullAttentionSpec, make_kv_cache_config
-from kvstore.tiers import BlockLayout, load_verified, request_keys
-from kvstore.tiers.model import (
+from kvstore.benchmarks.tier_model import (
     ModelTier,
     decode_placeholder,
     encode_placeholder,
     placeholder_nbytes,
 )
+from kvstore.benchmarks.workloads import make_workload
+from kvstore.cli import main
+from kvstore.specs import FullAttentionSpec, make_kv_cache_config
+from kvstore.tiers import BlockLayout, load_verified, request_keys
 
 BS = 4
 LAYOUT = BlockLayout("m", FullAttentionSpec(BS, 2, 8, "bfloat16"), (0, 1))
@@ -252,10 +252,10 @@ def test_pages_dropped_before_the_prompt_end_are_queued_as_they_drop(grow, hold)
     not before. Block 0 lies before no likely hit end and is not. With held windows
     (hold_window_pages) the head (blocks 0 and 1) and the pages before the likely hit ends
     stay in the table and are offloaded with the rest of the request when it ends."""
+    from kvstore.benchmarks.tier_model import PlaceholderConnector
     from kvstore.request import Request
     from kvstore.specs import SlidingWindowSpec
     from kvstore.tiers.connector import TieredKVCacheManager
-    from kvstore.tiers.model import PlaceholderConnector
 
     specs = [SlidingWindowSpec(4, 1, 8, "float16", window=8), FullAttentionSpec(4, 1, 8, "float16")]
     config = make_kv_cache_config(specs, num_blocks=64)
@@ -292,10 +292,10 @@ def test_drop_lookup_releases_the_host_slots_of_a_hit_never_admitted():
     """A host tier hit holds its slots from the lookup until its loads ran. A request that
     leaves the waiting queue unadmitted gives them back with ``drop_lookup``; held, a full
     host tier would drop every new value instead of evicting those."""
+    from kvstore.benchmarks.tier_model import PlaceholderConnector
     from kvstore.request import Request
     from kvstore.tiers import HostTier
     from kvstore.tiers.connector import TieredKVCacheManager
-    from kvstore.tiers.model import PlaceholderConnector
 
     config = make_kv_cache_config([FullAttentionSpec(4, 1, 8, "float16")], num_blocks=64)
     host = HostTier(4 * 128, slot_nbytes=128, pin=False)  # 4 slots of placeholder values
@@ -339,10 +339,10 @@ def test_held_window_pages_a_lone_request_lets_go_of_reach_the_tiers(mode):
     (the first W tokens, and the windows before the prompt's end). Decoding alone in a pool
     too small to keep them, the request lets them go; they are queued for offload as they
     drop (with "ends", those before the prompt's end: blocks 1 to 3), not lost."""
+    from kvstore.benchmarks.tier_model import PlaceholderConnector
     from kvstore.request import Request
     from kvstore.specs import SlidingWindowSpec
     from kvstore.tiers.connector import TieredKVCacheManager
-    from kvstore.tiers.model import PlaceholderConnector
 
     specs = [SlidingWindowSpec(4, 1, 8, "float16", window=8), FullAttentionSpec(4, 1, 8, "float16")]
     config = make_kv_cache_config(specs, num_blocks=20)
