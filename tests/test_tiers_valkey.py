@@ -331,3 +331,111 @@ def test_cluster_round_trip():
             c.close()
         assert sum(per_node) == 24 and sum(n > 0 for n in per_node) >= 2  # spread over masters
         st.close()
+
+
+def _bounded(fn, *args, limit: float):
+    """fn(*args) on a thread: its result, and a failure if it blocks past ``limit`` seconds."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(limit + 5)
+    assert not t.is_alive(), f"{fn.__name__} still blocked after {limit + 5:.1f}s"
+    assert time.monotonic() - t0 < limit, f"{fn.__name__} took {time.monotonic() - t0:.2f}s > {limit}s"
+    return out[0]
+
+
+def test_an_unreachable_cluster_seed_is_a_bounded_miss_not_a_hang():
+    from kvstore.tiers.server import free_port
+
+    for url in (f"valkey+cluster://127.0.0.1:{free_port()}",
+                f"valkey+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"):
+        st = ValkeyStore(url, timeout_s=TIMEOUT, retry_interval_s=0.1)
+        items, _ = values(3)
+        keys = [k for k, _ in items]
+        for _ in range(3):  # a failure, then the skipped interval, then a retry
+            assert _bounded(st.contains, keys, limit=3 * TIMEOUT + 1) == 0
+            assert _bounded(st.load, keys, limit=3 * TIMEOUT + 1) == [None] * 3
+            time.sleep(0.12)
+        st.store(items)
+        assert st.flush(3) and st.stats["errors"] >= 2 and "Connection" in (st.last_error or "")
+        _bounded(st.close, limit=3)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("valkey://127.0.0.1:1/0?socket_timeout=abc", "socket_timeout='abc' is not a number"),
+    ("valkey://127.0.0.1:1/abc", "database must be a number"),
+    ("valkey://127.0.0.1:1/0?retry_on_timeout=1", "unsupported option 'retry_on_timeout'"),
+    ("valkey://127.0.0.1:1/0?socket_timeout=30", "socket_timeout=30 exceeds the store's timeout_s=0.5"),
+    ("valkey://127.0.0.1:1/0?socket_connect_timeout=2", "exceeds the store's connect_timeout_s"),
+    ("valkey://127.0.0.1:1/0?ssl_ca_certs=/x.pem", "needs TLS"),
+    ("valkey://127.0.0.1:1,127.0.0.1:2/0", "several hosts"),
+    ("valkey://:hunter2@127.0.0.1:1/0?client_name=a&client_name=b", "given twice"),
+    ("valkey://:hunter2@127.0.0.1:1/x", "database must be a number"),
+])
+def test_a_url_the_client_would_reject_is_a_value_error_at_construction(bad, match):
+    with pytest.raises(ValueError, match=match) as info:
+        ValkeyStore(bad, timeout_s=0.5)
+    assert "hunter2" not in str(info.value)
+
+
+def test_url_options_within_the_bound_are_accepted():
+    st = ValkeyStore("valkeys://127.0.0.1:1/3?socket_timeout=0.2&ssl_cert_reqs=required"
+                     "&ssl_check_hostname=false&client_name=engine-1", timeout_s=0.5)
+    assert not st.cluster and st.url.startswith("valkeys://127.0.0.1:1/3")
+    st.close()
+    st = ValkeyStore("valkey+cluster://127.0.0.1:1,127.0.0.1:2", timeout_s=0.5)
+    assert st.cluster
+    st.close()
+
+
+@pytest.mark.slow
+def test_cluster_keeps_serving_from_the_other_masters_when_its_seed_is_killed():
+    import redis
+
+    with ValkeyCluster(3) as cluster:
+        seed = cluster.nodes[0]
+        urls = {"seed only": seed.url,  # the store must fall back on the cluster's own nodes
+                "all seeds": "valkey+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in cluster.nodes)}
+        stores = {name: ValkeyStore(url, timeout_s=TIMEOUT, retry_interval_s=0.2)
+                  for name, url in urls.items()}
+        ns = stores["seed only"].namespace
+        items, _ = values(30)
+        keys = [k for k, _ in items]
+        assert stores["seed only"].store_now(items) == 30
+        on_seed = []
+        c = redis.Redis(host="127.0.0.1", port=seed.port)
+        for k in keys:
+            try:
+                on_seed.append(bool(c.exists(ns + k)))
+            except redis.ResponseError:  # MOVED: another master's slot
+                on_seed.append(False)
+        c.close()
+        assert 0 < sum(on_seed) < 30
+        for st in stores.values():
+            assert st.contains(keys) == 30
+        seed.kill()
+        deadline = time.monotonic() + 5  # past the cluster's node timeout (2 s): marked failed
+        rounds = 0
+        while time.monotonic() < deadline or rounds < 3:
+            rounds += 1
+            for st in stores.values():
+                got = _bounded(st.load, keys, limit=2 * TIMEOUT + 1)
+                assert [v is not None for v in got] == [not s for s in on_seed]
+                assert [bytes(v) for v, s in zip(got, on_seed, strict=True) if not s] == \
+                    [v for (_, v), s in zip(items, on_seed, strict=True) if not s]
+                first_dead = on_seed.index(True)
+                assert _bounded(st.contains, keys, limit=2 * TIMEOUT + 1) == first_dead
+            time.sleep(0.1)
+        # a store started after the seed died, naming the dead seed first
+        late = ValkeyStore(urls["all seeds"], timeout_s=TIMEOUT)
+        got = _bounded(late.load, keys, limit=3 * TIMEOUT + 1)
+        assert [v is not None for v in got] == [not s for s in on_seed]
+        live = [(k, v) for (k, v), s in zip(items, on_seed, strict=True) if not s]
+        assert late.store_now(live) == len(live)
+        # the dead seed alone: misses within the bound, never a hang
+        alone = ValkeyStore(seed.url, timeout_s=TIMEOUT)
+        assert _bounded(alone.load, keys, limit=2 * TIMEOUT + 1) == [None] * 30
+        for st in (*stores.values(), late, alone):
+            assert st.stats["errors"] >= 1
+            _bounded(st.close, limit=3)

@@ -174,23 +174,24 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, items: Sequence[StoreItem]) -> None:
-        """Queue items; those that do not fit are dropped and counted."""
+    def submit(self, items: Sequence[StoreItem]) -> list[StoreItem]:
+        """Queue items; those that do not fit are dropped, counted and returned."""
         if self._closed:
             self._stats.add("dropped_stores", len(items))
-            return
-        dropped = 0
+            return list(items)
+        dropped: list[StoreItem] = []
         for item in items:
             with self._idle:
                 self._pending += 1
             try:
                 self._queue.put_nowait(item)
             except queue.Full:
-                dropped += 1
+                dropped.append(item)
                 self._done(1)
         if dropped:
-            self._stats.add("dropped_stores", dropped)
-        self._stats.add("stores_queued", len(items) - dropped)
+            self._stats.add("dropped_stores", len(dropped))
+        self._stats.add("stores_queued", len(items) - len(dropped))
+        return dropped
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far is written or dropped."""

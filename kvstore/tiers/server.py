@@ -132,7 +132,9 @@ class ValkeyServer:
             cmd += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.maxmemory_policy]
         if self.cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", "2000"]
+                    "--cluster-node-timeout", "2000",
+                    # a cache: the masters that are up keep serving their slots while one is down
+                    "--cluster-require-full-coverage", "no"]
         return cmd + self.extra_args
 
     def start(self, timeout: float = 10.0) -> ValkeyServer:
