@@ -506,3 +506,73 @@ def test_hybrid_window_dropped_mid_request_is_offloaded_for_a_later_hit(hybrid):
         assert s.host_hit_tokens == 40 and s.tier_rejected_values == 0
     finally:
         e.close()
+
+
+def test_a_restarted_store_gets_the_blocks_written_again(model):
+    prompt = tokens(44, seed=1100) + tokens(3, 1101)
+    other = tokens(20, seed=1102) + tokens(3, 1103)
+    full = len(prompt) // BLOCK * BLOCK
+    server = ValkeyServer().start()
+    port = server.port
+    a = engine(model, store_url=server.url, store_timeout_s=0.3)
+    try:
+        run(a, [prompt])
+        assert a.flush_tiers(5.0)
+        server.kill()
+        run(a, [other])  # its lookup finds the store gone
+        server = ValkeyServer(port=port).start()  # back, empty
+        time.sleep(1.1)  # past the retry interval
+        run(a, [prompt])  # a device hit on a; its blocks go to the store again at free
+        assert a.flush_tiers(5.0)
+        b = engine(model, store_url=server.url)
+        run(b, [prompt])
+        assert b.stats.store_hit_tokens == full
+        b.close()
+    finally:
+        a.close()
+        server.stop()
+
+
+def test_a_flushed_store_gets_the_blocks_written_again_after_a_read_misses(model):
+    prompt = tokens(44, seed=1200) + tokens(3, 1201)
+    evict = [tokens(44, seed=1202 + i) + tokens(3, 1210 + i) for i in range(2)]
+    full = len(prompt) // BLOCK * BLOCK
+    with ValkeyServer() as server:
+        a = engine(model, store_url=server.url, num_blocks=20)
+        try:
+            run(a, [prompt, *evict])  # prompt's pages are reused on a's device
+            assert a.flush_tiers(5.0)
+            client = client_for(server.url)
+            client.flushdb()
+            client.close()
+            run(a, [prompt])  # a store miss: a computes it and writes it again
+            assert a.stats.store_hit_tokens == 0
+            assert a.flush_tiers(5.0)
+            b = engine(model, store_url=server.url)
+            run(b, [prompt])
+            assert b.stats.store_hit_tokens == full
+            b.close()
+        finally:
+            a.close()
+
+
+def test_refused_writes_are_written_again_once_the_store_has_room(model):
+    prompts = [tokens(44, seed=1300 + i) + tokens(3, 1330 + i) for i in range(20)]
+    full = len(prompts[0]) // BLOCK * BLOCK
+    with ValkeyServer(maxmemory="1500kb", maxmemory_policy="noeviction") as server:
+        a = engine(model, store_url=server.url, store_timeout_s=1.0)
+        try:
+            run(a, prompts)
+            assert a.flush_tiers(5.0)
+            assert a.tier_stats()["store"].get("store_errors", 0) > 0
+            client = client_for(server.url)
+            client.config_set("maxmemory", "0")  # room now
+            client.close()
+            run(a, prompts)
+            assert a.flush_tiers(5.0)
+            b = engine(model, store_url=server.url)
+            run(b, prompts)
+            assert b.stats.store_hit_tokens == len(prompts) * full
+            b.close()
+        finally:
+            a.close()

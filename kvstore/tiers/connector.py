@@ -24,6 +24,8 @@ Imports no torch; the worker-side functions import it when called."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -127,11 +129,21 @@ class TierConnector:
     """The tiers of one engine (``host`` then ``store``, either optional), with the block
     layout of each KV cache group and the bookkeeping of what was offloaded.
     ``window_offload`` (one of ``WINDOW_OFFLOADS``) picks the sliding-window pages dropped
-    mid-request that are offloaded."""
+    mid-request that are offloaded.
+
+    The store is not written again for a key it holds as far as the connector knows: one
+    the store accepted (a store with an ``on_written`` hook reports that; for another, one
+    handed to it) or loaded from it, among the last ``recent_keys``, for at most
+    ``remember_s`` seconds (None: no limit). A key is forgotten when a read of it misses
+    or fails verification, and every key when the store fails (its ``failure_count``
+    changes): a restarted, flushed or evicting store gets the blocks written again."""
 
     def __init__(self, config: KVCacheConfig, model_name: str, *, host: Tier | None = None,
                  store: Tier | None = None, extra: str = "",
-                 recent_keys: int = 1 << 16, window_offload: str = "ends") -> None:
+                 recent_keys: int = 1 << 16, window_offload: str = "ends",
+                 remember_s: float | None = 60.0) -> None:
+        if remember_s is not None and not (isinstance(remember_s, (int, float)) and remember_s > 0):
+            raise ValueError(f"remember_s must be a positive number of seconds or None, got {remember_s!r}")
         if window_offload not in WINDOW_OFFLOADS:
             raise ValueError(f"window_offload must be one of {WINDOW_OFFLOADS}, got {window_offload!r}")
         self.window_offload = window_offload
@@ -156,9 +168,17 @@ class TierConnector:
         self._full_groups = full
         self._window_groups = tuple(g for g in range(len(config.groups)) if g not in full)
         self.stats = TierHitStats()
-        # Keys recently written to (or read from) the store: not written again.
-        self._in_store: OrderedDict[bytes, None] = OrderedDict()
+        # Keys the store holds as far as we know (accepted, or read from it), with when they
+        # were remembered: not written again. Keys handed to the store and not yet reported.
+        self._in_store: OrderedDict[bytes, float] = OrderedDict()
+        self._store_pending: set[bytes] = set()
+        self._store_lock = threading.Lock()  # the store's writer thread reports writes
         self._recent_keys = recent_keys
+        self._remember_s = remember_s
+        self._store_failures = getattr(store, "failure_count", 0)
+        self._acked = store is not None and hasattr(store, "on_written")
+        if self._acked:
+            store.on_written = self._written  # type: ignore[union-attr]
         self._offloads: list[PendingOffload] = []
         self._host_pending: set[bytes] = set()  # keys queued for the host tier, not yet taken
         self._host_keys: list[bytes] = []  # host keys verified by the lookup under way
@@ -195,6 +215,7 @@ class TierConnector:
         for a tier that fails."""
         if start >= max_blocks:
             return None
+        self._check_store()
         self.stats.lookups += 1
         self._host_keys = []
         bs = self.block_size
@@ -216,8 +237,9 @@ class TierConnector:
                 n = min(n, len(got[g]))
             for g in (got if n else ()):
                 payloads[g].extend(got[g][:n])
-            if n and tier is self.store:
+            if tier is self.store:
                 self._remember([k for g in full for k in keys[g][pos:pos + n]])
+                self._forget([k for g in full for k in keys[g][pos + n:]])
             per_tier.append(n)
             pos += n
         # Sliding-window groups: the longest end <= pos whose window they all hold. A block
@@ -238,8 +260,9 @@ class TierConnector:
                     best: list[memoryview] = []
                     for tier in self.tiers:
                         got_w = self._load(tier, g, keys[g][j:stop], tokens[j:stop])
-                        if tier is self.store and got_w:
+                        if tier is self.store:
                             self._remember(keys[g][j:j + len(got_w)])
+                            self._forget(keys[g][j + len(got_w):stop])
                         if len(got_w) > len(best):
                             best = got_w
                         if len(best) == stop - j:
@@ -327,6 +350,8 @@ class TierConnector:
         bs = self.block_size
         # A store that just failed would drop the writes: skip it (and remember nothing).
         store_up = self.store is not None and bool(getattr(self.store, "available", True))
+        if store_up:
+            self._check_store()
         blocks = [(i, b) for i, b in blocks if b != 0]
         hashes = request.block_hashes
         keys = request_keys(self.layouts[group_id], [hashes[i] for i, _ in blocks], request.cache_salt)
@@ -336,11 +361,11 @@ class TierConnector:
                        and self.host.contains([key]) == 0)
             if to_host:
                 self._host_pending.add(key)
-            to_store = store_up and key not in self._in_store
+            to_store = store_up and self._wanted_in_store(key)
             if to_host or to_store:
                 rows.append((block_id, key, tuple(request.token_ids[i * bs:(i + 1) * bs]),
                              to_host, to_store))
-        if to_store_keys := [r[1] for r in rows if r[4]]:
+        if (to_store_keys := [r[1] for r in rows if r[4]]) and not self._acked:
             self._remember(to_store_keys)
         if rows:
             ids, ks, toks, th, ts = zip(*rows, strict=True)
@@ -352,13 +377,53 @@ class TierConnector:
         self._host_pending.clear()
         return out
 
+    def _wanted_in_store(self, key: bytes) -> bool:
+        """Whether to write ``key`` to the store: not known to be there nor on its way (it
+        is then marked on its way, when the store reports its writes)."""
+        with self._store_lock:
+            if key in self._store_pending:
+                return False
+            when = self._in_store.get(key)
+            if when is not None and (self._remember_s is None
+                                     or time.monotonic() - when < self._remember_s):
+                return False
+            if self._acked:
+                self._store_pending.add(key)
+            return True
+
     def _remember(self, keys: Sequence[bytes]) -> None:
-        seen = self._in_store
-        for k in keys:
-            seen[k] = None
-            seen.move_to_end(k)
-        while len(seen) > self._recent_keys:
-            seen.popitem(last=False)
+        if not keys:
+            return
+        now = time.monotonic()
+        with self._store_lock:
+            seen = self._in_store
+            for k in keys:
+                seen[k] = now
+                seen.move_to_end(k)
+            while len(seen) > self._recent_keys:
+                seen.popitem(last=False)
+
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            with self._store_lock:
+                for k in keys:
+                    self._in_store.pop(k, None)
+
+    def _written(self, accepted: Sequence[bytes], failed: Sequence[bytes]) -> None:
+        """The store's report of a write: what it accepted is remembered."""
+        with self._store_lock:
+            self._store_pending.difference_update(accepted)
+            self._store_pending.difference_update(failed)
+        self._remember(accepted)
+
+    def _check_store(self) -> None:
+        """Forget every key when the store failed since the last look (it may have restarted
+        empty)."""
+        failures = getattr(self.store, "failure_count", 0)
+        if failures != self._store_failures:
+            self._store_failures = failures
+            with self._store_lock:
+                self._in_store.clear()
 
     # ---- worker side -------------------------------------------------------------------------
     def offload_values(self, cache: PagedKVCache | None, off: PendingOffload) -> list[StoreItem]:
