@@ -555,12 +555,90 @@ def _trace_help() -> str:
 
 
 def add_bench_parser(subparsers: Any) -> None:
-    """Register ``bench`` on an argparse subparsers object."""
+    """Register ``bench`` (the sweep, also ``bench sweep``) and one subcommand per
+    question: ``manager``, ``replay``, ``tiers``, ``kernels``."""
+    from kvstore.benchmarks import manager, replay
+
+    doc = __doc__.split("\n\n")[1] if __doc__ else None
     p = subparsers.add_parser(
-        "bench", help="prefix reuse and its cost against KV memory (sweep, table, plots)",
-        description=__doc__.split("\n\n")[1] if __doc__ else None, epilog=_trace_help())
+        "bench", help="benchmarks: the sweep (default), manager, replay, tiers, kernels",
+        description=f"{doc} Other questions are subcommands.", epilog=_trace_help())
     _add_arguments(p)
     p.set_defaults(func=run_bench, usage_error=p.error)
+    sub = p.add_subparsers(title="questions", metavar="QUESTION")
+    commands = (
+        ("sweep", "hit rate and cost against KV memory (the default)", _add_arguments, run_bench),
+        ("manager", "what the cache manager's calls cost, against a revision or vLLM",
+         manager.add_arguments, manager.run),
+        ("replay", "hit rate against capacity on a trace: LRU, pool policies, layouts, MIN",
+         replay.add_arguments, replay.run),
+        ("tiers", "host tier and store: transfer speeds, two engines sharing a store",
+         add_tier_arguments, _run_tiers),
+        ("kernels", "the paged-attention kernels against SDPA and FlashAttention (GPU)",
+         add_kernel_arguments, _run_kernels))
+    for name, help_text, add, func in commands:
+        q = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=p.formatter_class,
+                           epilog=_trace_help() if name in ("sweep", "replay") else None)
+        add(q)
+        q.set_defaults(func=func, usage_error=q.error)
+
+
+def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``kvstore bench kernels``."""
+    p.add_argument("--quick", action="store_true", help="small grid, few iterations")
+    p.add_argument("--check", action="store_true",
+                   help="run the correctness grid on the GPU first (exit 1 on failure)")
+    p.add_argument("--skip-bench", action="store_true", help="with --check: check only")
+    p.add_argument("--split-sweep", action="store_true",
+                   help="only time small-batch decode at every split-KV factor")
+    p.add_argument("--json", type=Path, default=Path("results/kernel_bench.json"),
+                   help="where to write the results")
+
+
+def _run_kernels(args: argparse.Namespace) -> int:
+    from kvstore.benchmarks.kernel_bench import run_command
+
+    return run_command(args)
+
+
+def add_tier_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``kvstore bench tiers``: transfer speeds by default, ``--engines`` for
+    two engine processes sharing one store."""
+    p.add_argument("--engines", action="store_true",
+                   help="two engine processes sharing one store: B's store hits on A's "
+                        "prefixes, and both outputs against one engine without tiers")
+    p.add_argument("--store", type=_store_spec, metavar="URL",
+                   help="valkey:// URL (default: start a valkey-server on 127.0.0.1)")
+    p.add_argument("--no-store", action="store_true", help="transfers: skip the store part")
+    p.add_argument("--device", default=None, help="transfers: torch device (default: cuda if "
+                   "available, else cpu)")
+    p.add_argument("--blocks", type=positive_int, default=64, help="transfers: blocks per batch")
+    p.add_argument("--pool-blocks", type=positive_int, default=512)
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="layers in the group (default: 8 for transfers, 4 for --engines)")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--reps", type=positive_int, default=9)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--prefixes", type=positive_int, default=8, help="--engines: shared prefixes")
+    p.add_argument("--prefix-len", type=positive_int, default=250)
+    p.add_argument("--suffix-len", type=positive_int, default=20)
+    p.add_argument("--max-tokens", type=positive_int, default=8)
+    p.add_argument("--num-blocks", type=positive_int, default=512, help="--engines: pool size")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+
+
+def _run_tiers(args: argparse.Namespace) -> int:
+    if args.engines:
+        from kvstore.benchmarks.tier_engines import run_command as run_engines
+
+        return run_engines(args)
+    from kvstore.benchmarks.tier_bench import run_command
+
+    return run_command(args)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -706,13 +784,14 @@ def run_bench(args: argparse.Namespace) -> int:
     folder = run_folder(out, args.in_place)
     written = write_results(result, folder, run)
     if args.workload.startswith("mooncake") and not args.no_mooncake_curve:
+        from kvstore.benchmarks import traces
         from kvstore.benchmarks.mooncake_replay import run_mooncake_replay
 
         name = args.workload.split("-", 1)[1]
-        paths = {name: args.trace} if args.trace else None
+        path = args.trace or traces.locate_trace(TRACE_WORKLOADS[args.workload])
         try:
-            run_mooncake_replay(folder, [name], limit=args.limit, trace_paths=paths,
-                                quick=args.quick, log=console.print)
+            run_mooncake_replay(folder, {name: path}, limit=args.limit, quick=args.quick,
+                                log=console.print)
         except KeyboardInterrupt:
             print(f"kvstore bench: interrupted during the Mooncake curve; the sweep's files are "
                   f"in {folder}/", file=sys.stderr)

@@ -13,12 +13,11 @@ evicts those first: what a perfect predictor of *whether* a block returns (not w
 worth. :func:`lirs_replay` is an online line outside the pool: LIRS at block level, the
 classic answer to reuse distances longer than the cache.
 
-Run ``python -m kvstore.benchmarks.eviction_replay --out docs/figures``.
+Run ``kvstore bench replay --what policies --out docs/figures``.
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import itertools
 import time
@@ -27,14 +26,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.benchmarks.mooncake_replay import TRACES, pool_replay
+from kvstore.benchmarks.mooncake_replay import pool_replay
 from kvstore.benchmarks.output import pyplot, write_csv, write_json
 from kvstore.benchmarks.traces import (
     MOONCAKE_BLOCK_TOKENS,
     MooncakeRequest,
     leading_run,
     load_mooncake,
-    trace_file,
 )
 from kvstore.eviction import EVICTION_POLICIES
 from kvstore.utils import hit_rate
@@ -48,7 +46,6 @@ __all__ = [
     "gap_closed",
     "policy_curves",
     "run_eviction_replay",
-    "main",
 ]
 
 # The paper's capacities where the issue's goal applies, in tokens.
@@ -347,7 +344,7 @@ def plot_policy_curves(curves: dict[str, list[dict[str, Any]]], policies: Sequen
     plt.close(fig)
 
 
-def run_eviction_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACES),
+def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
                         capacities: Sequence[int] = GAP_CAPACITIES,
                         policies: Sequence[str] = tuple(EVICTION_POLICIES),
                         limit: int | None = None, log: Any = print) -> dict[str, Any]:
@@ -356,8 +353,8 @@ def run_eviction_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACE
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     curves: dict[str, list[dict[str, Any]]] = {}
-    for name in traces:
-        rows = load_mooncake(trace_file(TRACES[name][0]), limit)
+    for name, path in traces.items():
+        rows = load_mooncake(path, limit)
         t0 = time.perf_counter()
         curves[name] = policy_curves(rows, capacities, policies)
         log(f"eviction {name}: {len(rows)} requests, {len(capacities)} capacities in "
@@ -384,29 +381,3 @@ def format_table(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str
             lines.append(f"| {name} | {r['capacity_tokens'] / 1e6:g}M | " + " | ".join(cells)
                          + f" | {r['min']:.3f} |")
     return lines
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: every policy and MIN on both traces; prints a markdown table."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/eviction", help="output folder")
-    ap.add_argument("--traces", default=",".join(TRACES), help="comma list of " + ", ".join(TRACES))
-    ap.add_argument("--capacities", default=",".join(str(c) for c in GAP_CAPACITIES),
-                    help="comma list of capacities in tokens")
-    ap.add_argument("--policies", default=",".join(EVICTION_POLICIES),
-                    help="comma list of " + ", ".join(EVICTION_POLICIES))
-    ap.add_argument("--limit", type=int, default=None, help="first N rows of each trace")
-    args = ap.parse_args(argv)
-    policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in policies if p not in EVICTION_POLICIES]
-    if unknown:
-        ap.error(f"unknown policies: {', '.join(unknown)}")
-    res = run_eviction_replay(args.out, [t for t in args.traces.split(",") if t],
-                              [int(c) for c in args.capacities.split(",") if c], policies,
-                              args.limit)
-    print("\n".join(format_table(res["curves"], policies)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

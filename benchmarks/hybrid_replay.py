@@ -20,12 +20,11 @@ blocks of 62 layers):
 - the bound where windowed pages cost nothing: the full group alone with every byte
   (C / 512 x 6.2 pages of one full group), LRU, block-level (`pool_replay`).
 
-Run ``python -m kvstore.benchmarks.hybrid_replay --out docs/figures``.
+Run ``kvstore bench replay --what layouts --out docs/figures``.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -34,13 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.benchmarks.mooncake_replay import TRACES, pool_replay
+from kvstore.benchmarks.mooncake_replay import pool_replay
 from kvstore.benchmarks.output import pyplot, write_csv, write_json
 from kvstore.benchmarks.traces import (
     MOONCAKE_BLOCK_TOKENS,
     MooncakeRequest,
     load_mooncake,
-    trace_file,
 )
 from kvstore.block_pool import BlockRemoved, BlockStored
 from kvstore.eviction import EVICTION_POLICIES, EvictionPolicy
@@ -59,7 +57,6 @@ __all__ = [
     "hybrid_replay",
     "capacity_row",
     "run_hybrid_replay",
-    "main",
 ]
 
 # Gemma-3-27B-like: 62 layers, 10 full attention and 52 sliding window of 1024 tokens.
@@ -222,13 +219,9 @@ def capacity_row(rows: Sequence[MooncakeRequest], cap: int,
     return row
 
 
-def _trace_rows(name: str, limit: int | None) -> list[MooncakeRequest]:
-    return load_mooncake(trace_file(TRACES[name][0]), limit)
-
-
-def _task(args: tuple[str, int, tuple[str, ...], int | None]) -> dict[str, Any]:
-    name, cap, policies, limit = args
-    return capacity_row(_trace_rows(name, limit), cap, policies)
+def _task(args: tuple[Path, int, tuple[str, ...], int | None]) -> dict[str, Any]:
+    path, cap, policies, limit = args
+    return capacity_row(load_mooncake(path, limit), cap, policies)
 
 
 def plot_hybrid_curves(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str],
@@ -287,7 +280,7 @@ def format_groups(curves: dict[str, list[dict[str, Any]]], policies: Sequence[st
     return lines
 
 
-def run_hybrid_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACES),
+def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path],
                       capacities: Sequence[int] = CAPACITIES,
                       policies: Sequence[str] = tuple(EVICTION_POLICIES),
                       limit: int | None = None, jobs: int = 1,
@@ -297,14 +290,15 @@ def run_hybrid_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACES)
     and return the curves."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tasks = [(name, cap, tuple(policies), limit) for name in traces for cap in capacities]
+    tasks = [(path, cap, tuple(policies), limit) for path in traces.values() for cap in capacities]
+    names = [name for name in traces for _ in capacities]
     if jobs > 1:
         with ProcessPoolExecutor(jobs) as pool:
             results = list(pool.map(_task, tasks))
     else:
         results = [_task(t) for t in tasks]
     curves: dict[str, list[dict[str, Any]]] = {name: [] for name in traces}
-    for (name, cap, _, _), row in zip(tasks, results, strict=True):
+    for name, (_, cap, _, _), row in zip(names, tasks, results, strict=True):
         curves[name].append(row)
         log(f"hybrid {name} {cap / 1e6:g}M: " + ", ".join(
             f"{k} {row[k]:.3f}" for k in ["full_lru", *policies, "bound"])
@@ -317,32 +311,3 @@ def run_hybrid_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACES)
               "curves": curves}
     write_json(out / "eviction_hybrid.json", result)
     return result
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: every policy on both traces; prints markdown tables."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/eviction", help="output folder")
-    ap.add_argument("--traces", default=",".join(TRACES), help="comma list of " + ", ".join(TRACES))
-    ap.add_argument("--capacities", default=",".join(str(c) for c in CAPACITIES),
-                    help="comma list of budgets in tokens of an all-full cache")
-    ap.add_argument("--policies", default=",".join(EVICTION_POLICIES),
-                    help="comma list of " + ", ".join(EVICTION_POLICIES))
-    ap.add_argument("--limit", type=int, default=None, help="first N rows of each trace")
-    ap.add_argument("--jobs", type=int, default=1, help="processes (one task per trace and budget)")
-    args = ap.parse_args(argv)
-    policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in policies if p not in EVICTION_POLICIES]
-    if unknown:
-        ap.error(f"unknown policies: {', '.join(unknown)}")
-    res = run_hybrid_replay(args.out, [t for t in args.traces.split(",") if t],
-                            [int(c) for c in args.capacities.split(",") if c], policies, args.limit,
-                            args.jobs)
-    print("\n".join(format_table(res["curves"], policies)))
-    print()
-    print("\n".join(format_groups(res["curves"], policies)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """GPU benchmark and correctness check for the paged-attention kernel.
 
-    python -m kvstore.benchmarks.kernel_bench [--quick] [--check] [--skip-bench] [--json PATH]
+    kvstore bench kernels [--quick] [--check] [--skip-bench] [--json PATH]
 
 * decode: achieved bandwidth = bytes of K/V the step *needs* (every visible key, K and V,
   once) / time, over batch x context x window (none / 4096), GQA 8:1, head dim 128, bf16;
@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -508,20 +507,16 @@ def run_split_sweep(iters: int = 20) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, run the check and/or the benchmark; return the exit code."""
-    ap = argparse.ArgumentParser(
-        prog="python -m kvstore.benchmarks.kernel_bench",
-        description="Paged-attention kernel: GPU benchmark and compiled correctness check.")
-    ap.add_argument("--quick", action="store_true", help="small grid, few iterations")
-    ap.add_argument("--check", action="store_true",
-                    help="run the correctness grid on the GPU first (exit 1 on failure)")
-    ap.add_argument("--skip-bench", action="store_true", help="with --check: check only")
-    ap.add_argument("--split-sweep", action="store_true",
-                    help="only time small-batch decode at every split-KV factor")
-    ap.add_argument("--json", type=Path, default=Path("results/kernel_bench.json"),
-                    help="where to write the results (default: %(default)s)")
-    args = ap.parse_args(argv)
+    """``python -m kvstore.benchmarks.kernel_bench``: the options of ``kvstore bench kernels``."""
+    from kvstore.benchmarks.bench import add_kernel_arguments
 
+    ap = argparse.ArgumentParser(prog="kvstore bench kernels")
+    add_kernel_arguments(ap)
+    return run_command(ap.parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the check and/or the benchmark the options ask for; return the exit status."""
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device found; this benchmark needs an NVIDIA GPU "
               "(the CPU tests cover correctness under TRITON_INTERPRET=1)", file=sys.stderr)

@@ -9,13 +9,12 @@ used cached blocks), caches them, then frees the request's blocks deepest first.
 are counted in whole blocks, as the paper does. The independent oracle
 :func:`kvstore.benchmarks.traces.mooncake_lru_replay` must agree exactly.
 
-Run ``python -m kvstore.benchmarks.mooncake_replay --out docs/figures`` for the figure, a JSON
+Run ``kvstore bench replay --what lru --out docs/figures`` for the figure, a JSON
 and a CSV.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -28,7 +27,6 @@ from kvstore.benchmarks.traces import (
     load_mooncake,
     mooncake_lru_replay,
     mooncake_paper_points,
-    trace_file,
 )
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
@@ -43,7 +41,6 @@ __all__ = [
     "gap_analysis",
     "plot_curves",
     "run_mooncake_replay",
-    "main",
 ]
 
 # Trace short name -> (trace_file key, the paper's workload name).
@@ -293,9 +290,8 @@ def plot_curves(curves: dict[str, list[dict[str, Any]]],
     plt.close(fig)
 
 
-def run_mooncake_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACES),
+def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
                         capacities: Sequence[int] | None = None, limit: int | None = None,
-                        trace_paths: dict[str, str | Path] | None = None,
                         paper_path: str | Path | None = None, quick: bool = False,
                         check_oracle: bool = True, log: Any = print) -> dict[str, Any]:
     """Replay each trace over the capacities, write ``mooncake_hit_rate.{png,json,csv}``
@@ -309,9 +305,7 @@ def run_mooncake_replay(out_dir: str | Path, traces: Sequence[str] = tuple(TRACE
         paper = {}
     curves: dict[str, list[dict[str, Any]]] = {}
     gaps: dict[str, dict[str, Any]] = {}
-    for name in traces:
-        key, _ = TRACES[name]
-        path = (trace_paths or {}).get(name) or trace_file(key)
+    for name, path in traces.items():
         rows = load_mooncake(path, limit)
         t0 = time.perf_counter()
         curves[name] = replay_curve(rows, caps, check_oracle=check_oracle)
@@ -352,30 +346,3 @@ def compare_with_paper(curves: dict[str, list[dict[str, Any]]],
                             "with_tails": r.get("token_hit_rate_with_tails"),
                             "diff_with_tails": r.get("token_hit_rate_with_tails", 0.0) - rate})
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: replay both traces and write the figure, JSON and CSV."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/mooncake", help="output folder")
-    ap.add_argument("--traces", default=",".join(TRACES), help="comma list of " + ", ".join(TRACES))
-    ap.add_argument("--limit", type=int, default=None, help="first N rows of each trace")
-    ap.add_argument("--quick", action="store_true", help="the paper's capacities only")
-    ap.add_argument("--no-oracle", action="store_true", help="skip the oracle cross-check")
-    args = ap.parse_args(argv)
-    res = run_mooncake_replay(args.out, [t for t in args.traces.split(",") if t], limit=args.limit,
-                              quick=args.quick, check_oracle=not args.no_oracle)
-    for row in res["comparison"]:
-        print(f"{row['trace']:>13} {row['capacity_tokens']:>13,} paper {row['paper']:.3f} "
-              f"kvstore {row['kvstore']:.3f} diff {row['diff']:+.3f}  with partial tails "
-              f"{row['with_tails']:.3f} diff {row['diff_with_tails']:+.3f}")
-    for name, g in res["gap"].items():
-        print(f"{name}: ceiling {g['token_ceiling']:.4f} (block {g['block_ceiling']:.4f}); "
-              f"with previous turns' partial blocks {g['ceiling_with_partial_tails']:.4f}, "
-              f"and outputs {g['ceiling_with_tails_and_outputs']:.4f}")
-    bad = [r for rows in res["curves"].values() for r in rows if r.get("agree") is False]
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Transfer benchmark of the tiers, each path side by side with a plain copy of the same
 bytes, measured in one run:
 
-    python -m kvstore.benchmarks.tier_bench [--device cpu|cuda] [--blocks 64] [--layers 8]
+    kvstore bench tiers [--device cpu|cuda] [--blocks 64] [--layers 8]
                                             [--store valkey://host:port/db] [--json PATH]
 
 * offload: ``gather_blocks`` (scattered pages of one group -> one host buffer, pinned on
@@ -29,7 +29,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -190,25 +189,23 @@ def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, token
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print a table (and JSON with ``--json``)."""
-    p = argparse.ArgumentParser(prog="python -m kvstore.benchmarks.tier_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--blocks", type=int, default=64, help="blocks per batch")
-    p.add_argument("--pool-blocks", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8, help="layers in the group")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--store", default=None, help="valkey://... (default: start one on 127.0.0.1)")
-    p.add_argument("--no-store", action="store_true")
-    p.add_argument("--json", type=Path, default=None)
+    """``python -m kvstore.benchmarks.tier_bench``: ``kvstore bench tiers``."""
+    from kvstore.benchmarks.bench import add_tier_arguments
+
+    p = argparse.ArgumentParser(prog="kvstore bench tiers")
+    add_tier_arguments(p)
     args = p.parse_args(argv)
-    if args.blocks < 1 or args.pool_blocks < 2 * args.blocks + 1:
-        p.error("need --blocks >= 1 and --pool-blocks >= 2 * blocks + 1")
+    args.usage_error = p.error
+    return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Measure the transfers, print a table (and JSON with ``--json``)."""
+    if args.pool_blocks < 2 * args.blocks + 1:
+        args.usage_error(f"argument --pool-blocks: need at least 2 * --blocks + 1 = "
+                         f"{2 * args.blocks + 1}, got {args.pool_blocks}")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.layers = args.layers or 8
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run(args)

@@ -8,7 +8,7 @@ runs A's and B's prompts through one engine without tiers. Reported: the fractio
 prefix tokens A computed (full blocks) that B loaded from the store, and whether every
 output agrees.
 
-Run ``python -m kvstore.benchmarks.tier_engines``."""
+Run ``kvstore bench tiers --engines``."""
 
 from __future__ import annotations
 
@@ -84,19 +84,17 @@ def _in_process(role: str, url: str | None, args: dict[str, Any]) -> dict[str, A
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvstore.benchmarks.tier_engines``: ``kvstore bench tiers --engines``."""
+    from kvstore.benchmarks.bench import add_tier_arguments
+
+    p = argparse.ArgumentParser(prog="kvstore bench tiers")
+    add_tier_arguments(p)
+    return run_command(p.parse_args([*(argv or []), "--engines"]))
+
+
+def run_command(a: argparse.Namespace) -> int:
     """Run A, then B, against one store, and a reference engine; print the figures."""
-    p = argparse.ArgumentParser(prog="python -m kvstore.benchmarks.tier_engines",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--store", default=None, help="valkey:// URL (default: start a server here)")
-    p.add_argument("--prefixes", type=int, default=8)
-    p.add_argument("--prefix-len", type=int, default=250)
-    p.add_argument("--suffix-len", type=int, default=20)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
+    a.layers = a.layers or 4
     args = {"prefixes": a.prefixes, "prefix_len": a.prefix_len, "suffix_len": a.suffix_len,
             "max_tokens": a.max_tokens, "block_size": a.block_size, "num_blocks": a.num_blocks,
             "layers": a.layers}
@@ -128,15 +126,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "a_flushed": first["flushed"], "store_b": second["tier_stats"].get("store", {}),
     }
     if a.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(f"A computed {prefix_tokens} prefix tokens (full blocks) over {n} prefixes; "
-              f"B loaded {second['store_hit_tokens']} of them from the store: "
-              f"{result['fraction']:.3f}")
-        print(f"tokens equal to one engine without tiers: A {result['a_tokens_equal']}, "
-              f"B {result['b_tokens_equal']}")
-        print(f"computed tokens: A {first['computed_tokens']}, B {second['computed_tokens']}; "
-              f"seconds: A {result['seconds']['a']}, B {result['seconds']['b']}")
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(result, indent=2))
+    print(f"A computed {prefix_tokens} prefix tokens (full blocks) over {n} prefixes; "
+          f"B loaded {second['store_hit_tokens']} of them from the store: "
+          f"{result['fraction']:.3f}")
+    print(f"tokens equal to one engine without tiers: A {result['a_tokens_equal']}, "
+          f"B {result['b_tokens_equal']}")
+    print(f"computed tokens: A {first['computed_tokens']}, B {second['computed_tokens']}; "
+          f"seconds: A {result['seconds']['a']}, B {result['seconds']['b']}")
     return 0 if result["fraction"] >= 0.95 and result["tokens_equal"] else 1
 
 

@@ -143,8 +143,8 @@ def test_run_mooncake_replay_writes_figure(tmp_path):
     paper = tmp_path / "paper.csv"
     paper.write_text("workload,capacity_tokens,capacity_blocks_512,source,token_hit_rate,"
                      "block_hit_rate\nsynthetic,10240,20,test,0.3,\n")
-    res = run_mooncake_replay(tmp_path / "out", ["synthetic"], capacities=[2048, 10240, 102400],
-                              trace_paths={"synthetic": trace}, paper_path=paper, log=lambda *a: None)
+    res = run_mooncake_replay(tmp_path / "out", {"synthetic": trace}, capacities=[2048, 10240, 102400],
+                              paper_path=paper, log=lambda *a: None)
     for ext in ("png", "json", "csv"):
         assert (tmp_path / "out" / f"mooncake_hit_rate.{ext}").stat().st_size > 0
     assert all(r["agree"] for r in res["curves"]["synthetic"])

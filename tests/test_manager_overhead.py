@@ -1,4 +1,4 @@
-"""The hot-path benchmark (benchmarks/hot_path.py): workload, driver and worker protocol."""
+"""``kvstore bench manager``: workloads, the driver and the worker protocol."""
 
 from __future__ import annotations
 
@@ -7,34 +7,37 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.benchmarks import hot_path
-from kvstore.benchmarks.hot_path import (
+from kvstore.benchmarks import manager
+from kvstore.benchmarks.manager import (
     KvstoreSide,
     Worker,
     cache_layer_tree,
     drive,
     ideal_hit_rate,
-    make_workload,
+    make_specs,
 )
 
 
-def test_workload_is_seeded_and_in_range() -> None:
-    a, b = make_workload(40, seed=3), make_workload(40, seed=3)
+def test_workloads_are_seeded_and_in_range() -> None:
+    a, b = make_specs("shared-prefix", 40, seed=3), make_specs("shared-prefix", 40, seed=3)
     assert a == b
-    assert make_workload(40, seed=4) != a
+    assert make_specs("shared-prefix", 40, seed=4) != a
     for s in a:
         assert 500 <= len(s.prompt) <= 2000
         assert 100 <= len(s.outputs) <= 300
     # Requests share system prompts, so an infinite cache serves some of every later prompt.
     assert 0.0 < ideal_hit_rate(a) <= ideal_hit_rate(a, None) < 1.0
+    for name in ("chat", "few-shot"):
+        specs = make_specs(name, 20)
+        assert specs and ideal_hit_rate(specs, None) > 0.0
 
 
 @pytest.mark.parametrize("layout", ["full", "hybrid", "gemma3"])
 def test_drive_finishes_every_request_without_leaks(layout: str) -> None:
-    specs = make_workload(12)
+    specs = make_specs("shared-prefix", 12)
     # A pool this small forces preemptions; drive raises if any block leaks.
     num_blocks = {"full": 260, "hybrid": 520, "gemma3": 1600}[layout]
-    res = drive(KvstoreSide(layout, num_blocks), specs, layout, num_blocks, max_running=8,
+    res = drive(KvstoreSide(layout, num_blocks, {}), specs, layout, num_blocks, max_running=8,
                 budget_tokens=2048)
     assert res.finished == len(specs)
     assert res.admit_n >= len(specs)
@@ -43,17 +46,32 @@ def test_drive_finishes_every_request_without_leaks(layout: str) -> None:
     assert res.manager_s >= res.hash_s > 0.0
 
 
+def test_chat_turns_hit_earlier_turns_outputs() -> None:
+    specs = make_specs("chat", 15)
+    res = drive(KvstoreSide("full", 4000, {}), specs, "chat", 4000)
+    assert res.finished == len(specs) and res.hit_rate > 0.3
+
+
+def test_a_missing_option_is_an_error_not_a_silent_default() -> None:
+    with pytest.raises(TypeError, match="no_such_option"):
+        KvstoreSide("full", 100, {"no_such_option": True})
+
+
 def test_worker_runs_a_scenario_on_a_cache_layer_tree(tmp_path: Path) -> None:
-    root = Path(hot_path.__file__).resolve().parent.parent
+    import json
+    from dataclasses import asdict
+
+    root = Path(manager.__file__).resolve().parent.parent
     tree = cache_layer_tree(root / "kvstore", tmp_path / "tree")
+    specs = tmp_path / "specs.json"
+    specs.write_text(json.dumps([asdict(s) for s in make_specs("shared-prefix", 6)]))
     worker = Worker("this", "kvstore", sys.executable, str(tree))
     try:
-        assert worker.where.startswith(str(tree))
-        out = worker.ask({"cmd": "scenario", "layout": "hybrid", "regime": "roomy",
-                          "num_blocks": 2000, "num_requests": 6})
-        assert "error" not in out and out["finished"] == 6
-        bad = worker.ask({"cmd": "scenario", "layout": "nope", "regime": "roomy",
-                          "num_blocks": 2000, "num_requests": 6})
+        assert str(tree) in worker.where
+        assert worker.ask({"cmd": "load", "path": str(specs)}) == {"requests": 6}
+        res = worker.result({"cmd": "scenario", "scenario": "hybrid/roomy", "num_blocks": 2000})
+        assert res.finished == 6
+        bad = worker.ask({"cmd": "scenario", "scenario": "nope/roomy", "num_blocks": 2000})
         assert "error" in bad
     finally:
         worker.close()

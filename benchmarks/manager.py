@@ -1,0 +1,778 @@
+"""``kvstore bench manager``: what the cache manager's scheduler-facing calls cost, side by
+side with another git revision of kvstore and, optionally, vLLM's v1 ``KVCacheManager``.
+
+One driver replays a workload through every side: vLLM's scheduler reduced to the manager
+calls (running requests first, a prefill chunk or one decode token each, then waiting
+requests FCFS; chunked prefill under an 8192-token budget, at most 64 running, the newest
+running request preempted when an allocation fails, no admissions in a step that
+preempted). Requests join the waiting queue at their arrival on a virtual clock of 20 ms a
+step. Hashing is timed on every side. Each side runs in its own subprocess that imports
+only its revision's cache core (``kvstore/*.py``); the parent alternates the sides scenario
+by scenario and keeps each side's fastest repeat. kvstore runs in its default
+configuration unless ``--also KEY=VALUE`` adds a side with a constructor option.
+
+This file is also the worker (``--worker kvstore|vllm``): at module level it imports only
+the standard library, so it runs with nothing but one revision's core on the path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import inspect
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 16
+WINDOW = 1024
+MAX_RUNNING = 64
+TOKEN_BUDGET = 8192
+STEP_TIME = 0.02
+# Pools in blocks (pressured, roomy) per layout.
+POOLS: dict[str, tuple[int, int]] = {"full": (3000, 16000), "hybrid": (4500, 28000),
+                                     "gemma3": (12000, 60000)}
+SCENARIOS: tuple[str, ...] = tuple(f"{layout}/{regime}" for layout in POOLS
+                                   for regime in ("pressured", "roomy"))
+# (sliding-window layers, full layers) and KV cache groups per layout.
+LAYERS: dict[str, tuple[int, int]] = {"full": (0, 32), "hybrid": (16, 16), "gemma3": (25, 5)}
+NUM_GROUPS: dict[str, int] = {"full": 1, "hybrid": 2, "gemma3": 6}
+WORKLOADS: tuple[str, ...] = ("shared-prefix", "chat", "few-shot")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One request of the workload: its arrival (seconds), prompt and the exact tokens it
+    decodes."""
+
+    request_id: str
+    prompt: list[int]
+    outputs: list[int]
+    arrival: float = 0.0
+
+
+@dataclass
+class ManagerResult:
+    """Timings (seconds, summed over calls) and counters of one replay on one side."""
+
+    side: str
+    scenario: str
+    num_blocks: int
+    lookup_s: float = 0.0
+    lookup_n: int = 0
+    admit_s: float = 0.0
+    admit_n: int = 0
+    chunk_s: float = 0.0  # a running request's next prefill chunk
+    chunk_n: int = 0
+    decode_s: float = 0.0
+    decode_n: int = 0
+    free_s: float = 0.0
+    free_n: int = 0
+    failed_s: float = 0.0  # lookups + admissions refused for lack of room
+    failed_n: int = 0
+    step_s: float = 0.0  # per-step calls: take_pending_copies, new_step_starts
+    hash_s: float = 0.0
+    finished: int = 0
+    steps: int = 0
+    running_sum: int = 0
+    preemptions: int = 0
+    first_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    evictions: int = -1  # -1: the side does not count them
+    copies: int = 0
+    build_s: float = 0.0
+    bytes_per_block: float = 0.0
+    profile: str = ""
+
+    @property
+    def manager_s(self) -> float:
+        """Seconds in the manager's calls plus hashing."""
+        return (self.lookup_s + self.admit_s + self.chunk_s + self.decode_s + self.free_s
+                + self.failed_s + self.step_s + self.hash_s)
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens at each request's first admission over prompt tokens."""
+        return self.first_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def mean_running(self) -> float:
+        """Mean requests running per step."""
+        return self.running_sum / self.steps if self.steps else 0.0
+
+    def us(self, call: str) -> float | None:
+        """Mean microseconds per call of `call` (lookup, admit, chunk, decode, free)."""
+        n = getattr(self, f"{call}_n")
+        return 1e6 * getattr(self, f"{call}_s") / n if n else None
+
+
+# ------------------------------------------------------------------------------- sides
+
+
+class KvstoreSide:
+    """kvstore's KVCacheManager behind the driver's calls: any revision whose manager has
+    ``get_computed_blocks``, ``allocate_slots`` and ``free``; `options` are constructor
+    keyword arguments, refused when the revision lacks one."""
+
+    name = "kvstore"
+
+    def __init__(self, layout: str, num_blocks: int, options: dict[str, Any]) -> None:
+        from kvstore import hashing
+        from kvstore.kv_cache_manager import KVCacheManager
+        from kvstore.request import Request
+        from kvstore.specs import FullAttentionSpec, SlidingWindowSpec, make_kv_cache_config
+
+        n_slide, n_full = LAYERS[layout]
+        full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_dim=128)
+        slide = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_dim=128,
+                                  window=WINDOW)
+        config = make_kv_cache_config([slide] * n_slide + [full] * n_full, num_blocks=num_blocks)
+        known = inspect.signature(KVCacheManager).parameters
+        missing = [k for k in options if k not in known]
+        if missing:
+            raise TypeError(f"this revision's KVCacheManager has no {', '.join(missing)}")
+        self.manager = KVCacheManager(config, **options)
+        self._request = Request
+        self.hash_fn = getattr(self.manager, "hash_fn", hashing.hash_block)
+        self.hash_s = 0.0
+
+    def new_request(self, spec: Spec) -> Any:
+        """A request for `spec`, its prompt hashed (timed)."""
+        r = self._request(spec.request_id, spec.prompt, None, len(spec.outputs))
+        self._hash(r)
+        return r
+
+    def _hash(self, request: Any) -> None:
+        t0 = time.perf_counter()
+        request.update_block_hashes(BLOCK_SIZE, self.hash_fn)
+        self.hash_s += time.perf_counter() - t0
+
+    def append(self, request: Any, token: int) -> None:
+        """Append a sampled token, hashing a block it fills (timed)."""
+        request.append_token_ids(token)
+        if len(request.token_ids) % BLOCK_SIZE == 0:
+            self._hash(request)
+
+    def lookup(self, request: Any) -> tuple[Any, int]:
+        """(hit, hit tokens)."""
+        computed = self.manager.get_computed_blocks(request)
+        return computed, computed.num_computed_tokens
+
+    def admit(self, request: Any, num_new: int, computed: Any, num_hit: int) -> bool:
+        """Admit on the hit (progress set to the hit); False when the pool cannot hold it."""
+        return self.manager.allocate_slots(request, num_new, computed) is not None
+
+    def grow(self, request: Any, num_new: int) -> bool:
+        """Pages for `num_new` more tokens of a running request."""
+        return self.manager.allocate_slots(request, num_new) is not None
+
+    def free(self, request: Any) -> None:
+        """Release a finished or preempted request."""
+        self.manager.free(request)
+
+    def step_start(self) -> None:
+        """Nothing: kvstore has no per-step call."""
+
+    def step_end(self) -> int:
+        """The copies the worker runs before the step (count)."""
+        return len(self.manager.take_pending_copies())
+
+    def leaked(self) -> bool:
+        """Whether any block is still held once every request is freed."""
+        self.manager.take_pending_copies()
+        m: Any = self.manager  # an older revision keeps the counts on its pool
+        pool = m if hasattr(m, "num_free_blocks") else (getattr(m, "_pool", None) or m.pool)
+        return bool(pool.num_free_blocks != pool.num_usable_blocks)
+
+    def evictions(self) -> int:
+        """Cached blocks evicted so far."""
+        return int(self.manager.stats.evictions)
+
+
+class VllmSide:
+    """vLLM's v1 KVCacheManager behind the driver's calls (CPU; sha256 block hashes,
+    vLLM's default)."""
+
+    name = "vllm"
+
+    def __init__(self, layout: str, num_blocks: int, options: dict[str, Any]) -> None:
+        import torch
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            SlidingWindowSpec,
+        )
+        from vllm.v1.request import Request
+
+        kw: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_kv_heads": 8, "head_size": 128,
+                              "dtype": torch.float16}
+        per_group = LAYERS[layout][1]
+        groups = [KVCacheGroupSpec([f"s{g}.{j}" for j in range(per_group)],
+                                   SlidingWindowSpec(**kw, sliding_window=WINDOW))
+                  for g in range(NUM_GROUPS[layout] - 1)]
+        groups.append(KVCacheGroupSpec([f"f.{j}" for j in range(per_group)],
+                                       FullAttentionSpec(**kw)))
+        config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        self.manager = KVCacheManager(config, max_model_len=1 << 20, scheduler_block_size=BLOCK_SIZE,
+                                      hash_block_size=BLOCK_SIZE, enable_caching=True)
+        hash_fn = get_hash_fn_by_name(options.get("hash_algo", "sha256"))
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+        self.hash_s = 0.0
+
+        def timed_hasher(request: Any) -> Any:
+            t0 = time.perf_counter()
+            out = hasher(request)
+            self.hash_s += time.perf_counter() - t0
+            return out
+
+        self._hasher = timed_hasher
+        self._request = Request
+        self._params = SamplingParams
+
+    def new_request(self, spec: Spec) -> Any:
+        """A request for `spec`; it hashes its prompt on creation (timed)."""
+        return self._request(spec.request_id, list(spec.prompt),
+                             self._params(max_tokens=len(spec.outputs)), None, arrival_time=0.0,
+                             block_hasher=self._hasher)
+
+    def append(self, request: Any, token: int) -> None:
+        """Append a sampled token; the request hashes a block it fills (timed)."""
+        request.append_output_token_ids(token)
+
+    def lookup(self, request: Any) -> tuple[Any, int]:
+        """(hit, hit tokens)."""
+        blocks, num_hit, _ = self.manager.get_computed_blocks(request)
+        return blocks, num_hit
+
+    def admit(self, request: Any, num_new: int, computed: Any, num_hit: int) -> bool:
+        """Admit on the hit as vLLM's scheduler does; sets progress to the hit."""
+        ok = self.manager.allocate_slots(request, num_new, num_hit, computed) is not None
+        if ok:
+            request.num_computed_tokens = num_hit
+        return ok
+
+    def grow(self, request: Any, num_new: int) -> bool:
+        """Pages for `num_new` more tokens of a running request."""
+        return self.manager.allocate_slots(request, num_new) is not None
+
+    def free(self, request: Any) -> None:
+        """Release a finished or preempted request."""
+        self.manager.free(request)
+
+    def step_start(self) -> None:
+        """vLLM's per-step notice to its managers."""
+        self.manager.new_step_starts()
+
+    def step_end(self) -> int:
+        """vLLM queues no copies."""
+        return 0
+
+    def leaked(self) -> bool:
+        """Whether any block is still held once every request is freed."""
+        pool = self.manager.block_pool
+        return bool(pool.get_num_free_blocks() != pool.num_gpu_blocks - 1)
+
+    def evictions(self) -> int:
+        """Not counted on this side."""
+        return -1
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
+          max_running: int = MAX_RUNNING, budget_tokens: int = TOKEN_BUDGET) -> ManagerResult:
+    """Replay `specs` through `side` with the loop of the module docstring."""
+    perf = time.perf_counter
+    res = ManagerResult(side.name, scenario, num_blocks,
+                        prompt_tokens=sum(len(s.prompt) for s in specs))
+    pending = deque(sorted(specs, key=lambda s: s.arrival))
+    waiting: deque[tuple[Spec, Any]] = deque()
+    running: list[tuple[Spec, Any]] = []
+    admitted_once: set[str] = set()
+    clock = 0.0
+
+    def release(request: Any) -> None:
+        t0 = perf()
+        side.free(request)
+        res.free_s += perf() - t0
+        res.free_n += 1
+
+    while pending or waiting or running:
+        if not waiting and not running and pending[0].arrival > clock:
+            clock = pending[0].arrival
+        while pending and pending[0].arrival <= clock:
+            s = pending.popleft()
+            waiting.append((s, side.new_request(s)))
+        t0 = perf()
+        side.step_start()
+        res.step_s += perf() - t0
+        budget = budget_tokens
+        scheduled: list[tuple[Spec, Any, int]] = []
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            spec, request = running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while True:
+                t0 = perf()
+                ok = side.grow(request, num_new)
+                dt = perf() - t0
+                if num_new == 1:
+                    res.decode_s += dt
+                    res.decode_n += 1
+                else:
+                    res.chunk_s += dt
+                    res.chunk_n += 1
+                if ok:
+                    break
+                victim_spec, victim = running.pop()
+                release(victim)
+                victim.num_computed_tokens = 0
+                waiting.appendleft((victim_spec, victim))
+                res.preemptions += 1
+                preempted = True
+                if victim is request:
+                    break
+            if not ok:
+                break
+            scheduled.append((spec, request, num_new))
+            budget -= num_new
+            i += 1
+        while not preempted and waiting and budget > 0 and len(running) < max_running:
+            spec, request = waiting[0]
+            t0 = perf()
+            computed, num_hit = side.lookup(request)
+            t1 = perf()
+            num_new = min(request.num_tokens - num_hit, budget)
+            ok = side.admit(request, num_new, computed, num_hit)
+            t2 = perf()
+            if not ok:
+                res.failed_s += t2 - t0
+                res.failed_n += 1
+                break
+            res.lookup_s += t1 - t0
+            res.lookup_n += 1
+            res.admit_s += t2 - t1
+            res.admit_n += 1
+            if spec.request_id not in admitted_once:
+                admitted_once.add(spec.request_id)
+                res.first_hit_tokens += request.num_computed_tokens
+            waiting.popleft()
+            running.append((spec, request))
+            scheduled.append((spec, request, num_new))
+            budget -= num_new
+        t0 = perf()
+        res.copies += side.step_end()
+        res.step_s += perf() - t0
+        res.steps += 1
+        res.running_sum += len(running)
+        for spec, request, num_new in scheduled:
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            side.append(request, spec.outputs[request.num_tokens - len(spec.prompt)])
+            if request.num_tokens - len(spec.prompt) >= len(spec.outputs):
+                running.remove((spec, request))
+                release(request)
+                res.finished += 1
+        clock += STEP_TIME
+        if res.steps > 1_000_000:
+            raise RuntimeError(f"{scenario}: no progress after {res.steps} steps")
+    if side.leaked():
+        raise RuntimeError(f"{scenario}: blocks leaked once every request finished")
+    res.hash_s = side.hash_s
+    res.evictions = side.evictions()
+    return res
+
+
+# ------------------------------------------------------------------------------ worker
+
+
+def make_side(kind: str, layout: str, num_blocks: int, options: dict[str, Any]) -> Any:
+    """A fresh manager of `kind` ('kvstore' or 'vllm') for a scenario."""
+    return (VllmSide if kind == "vllm" else KvstoreSide)(layout, num_blocks, options)
+
+
+def run_scenario(kind: str, scenario: str, num_blocks: int, specs: list[Spec],
+                 options: dict[str, Any], profile_top: int = 0, scale: bool = False
+                 ) -> ManagerResult:
+    """One replay in this process with cyclic GC off (as timeit does); with `scale`, also
+    the construction time and the bookkeeping bytes per block."""
+    layout = scenario.split("/")[0]
+    build_s = per_block = 0.0
+    if scale:
+        gc.collect()
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        make_side(kind, layout, num_blocks, options)
+        build_s = time.perf_counter() - t0
+        per_block = tracemalloc.get_traced_memory()[1] / num_blocks
+        tracemalloc.stop()
+    side = make_side(kind, layout, num_blocks, options)
+    prof = cProfile.Profile() if profile_top else None
+    gc.collect()
+    gc.disable()
+    try:
+        if prof:
+            prof.enable()
+        res = drive(side, specs, scenario, num_blocks)
+        if prof:
+            prof.disable()
+    finally:
+        gc.enable()
+    res.build_s, res.bytes_per_block = build_s, per_block
+    if prof:
+        res.profile = hotspots(prof, profile_top)
+    return res
+
+
+def hotspots(prof: cProfile.Profile, top: int) -> str:
+    """The top functions by own time, as a text table."""
+    table = pstats.Stats(prof).stats  # type: ignore[attr-defined]  # untyped in pstats
+    rows = sorted(((tt, ct, nc, f"{fn.split('/')[-1]}:{line}({func})")
+                   for (fn, line, func), (_cc, nc, tt, ct, _callers) in table.items()
+                   if not fn.endswith("manager.py") or "kv_cache" in fn), reverse=True)[:top]
+    buf = io.StringIO()
+    buf.write(f"{'own s':>8} {'cum s':>8} {'calls':>9} {'own µs':>8}  function\n")
+    for tt, ct, nc, name in rows:
+        buf.write(f"{tt:8.3f} {ct:8.3f} {nc:9d} {1e6 * tt / nc:8.2f}  {name}\n")
+    return buf.getvalue()
+
+
+def worker_main(kind: str) -> None:
+    """Answer JSON commands on stdin with one JSON result a line on stdout."""
+    specs: list[Spec] = []
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["cmd"] == "where":
+                mod = __import__("vllm" if kind == "vllm" else "kvstore.kv_cache_manager")
+                version = getattr(mod, "__version__", "")
+                out: dict[str, Any] = {"path": f"{version} {mod.__file__}".strip()}
+            elif cmd["cmd"] == "load":
+                specs = [Spec(**s) for s in json.loads(Path(cmd["path"]).read_text())]
+                out = {"requests": len(specs)}
+            else:
+                out = asdict(run_scenario(kind, cmd["scenario"], cmd["num_blocks"], specs,
+                                          cmd.get("options", {}), cmd.get("profile_top", 0),
+                                          cmd.get("scale", False)))
+        except Exception as exc:  # reported to the parent, which decides
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------------------ parent
+
+
+def cache_layer_tree(src_kvstore: Path, dest: Path) -> Path:
+    """A folder to put on the path so that ``kvstore`` is `src_kvstore` (a revision's
+    kvstore/ folder) alone, with an empty ``__init__``; returns `dest`."""
+    pkg = dest / "kvstore"
+    pkg.mkdir(parents=True)
+    for f in sorted(src_kvstore.iterdir()):
+        if f.name not in ("__pycache__", "__init__.py"):
+            (pkg / f.name).symlink_to(f.resolve())
+    (pkg / "__init__.py").write_text("")
+    return dest
+
+
+class Worker:
+    """A worker subprocess serving one side: a kind, an interpreter, a path, options."""
+
+    def __init__(self, label: str, kind: str, python: str, pythonpath: str | None,
+                 options: dict[str, Any] | None = None) -> None:
+        env = dict(os.environ, PYTHONHASHSEED="0")  # vLLM's NONE_HASH seed
+        if pythonpath is not None:
+            env["PYTHONPATH"] = pythonpath
+        self.label, self.options = label, dict(options or {})
+        self.proc = subprocess.Popen(
+            [python, str(Path(__file__).resolve()), "--worker", kind], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=env, text=True, cwd=tempfile.gettempdir())
+        self.where = str(self.ask({"cmd": "where"}).get("path", "?"))
+
+    def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Send one command and wait for its result."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.label} exited (rc {self.proc.wait()})")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def result(self, cmd: dict[str, Any]) -> ManagerResult:
+        """Run one scenario command with this side's options; RuntimeError on its error."""
+        out = self.ask({**cmd, "options": self.options})
+        if "error" in out:
+            raise RuntimeError(f"{self.label}, {cmd.get('scenario')}: {out['error']}")
+        return ManagerResult(**{f.name: out[f.name] for f in fields(ManagerResult)})
+
+    def close(self) -> None:
+        """Stop the subprocess."""
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def make_specs(workload: str, num_requests: int, seed: int = 0) -> list[Spec]:
+    """The named workload: ``shared-prefix`` (prompts of 500..2000 tokens opening with one of
+    8 Zipf-weighted system prompts of 200..800 tokens, 100..300 output tokens, all waiting
+    at the start), ``chat`` (multi-turn conversations quoting earlier outputs) or
+    ``few-shot`` (prefixes that do not end on block boundaries)."""
+    import numpy as np
+
+    from kvstore.benchmarks import workloads as wl
+
+    rng = np.random.default_rng(seed)
+    if workload == "shared-prefix":
+        systems = [rng.integers(0, 32000, size=int(n)).tolist()
+                   for n in rng.integers(200, 801, size=8)]
+        weights = 1.0 / np.arange(1, 9)
+        which = rng.choice(8, size=num_requests, p=weights / weights.sum())
+        specs = []
+        for i in range(num_requests):
+            system = systems[int(which[i])]
+            length = int(rng.integers(max(500, len(system) + 1), 2001))
+            user = rng.integers(0, 32000, size=length - len(system)).tolist()
+            outputs = rng.integers(0, 32000, size=int(rng.integers(100, 301))).tolist()
+            specs.append(Spec(f"r{i:04d}", system + user, outputs))
+        return specs
+    if workload == "chat":
+        reqs = wl.multi_turn_chat(max(1, num_requests // 5), (3, 8), system_len=301,
+                                  user_len=(20, 300), output_median=100, output_max=600,
+                                  rate=2.0, think_time=2.0, seed=seed).requests
+    else:
+        reqs = wl.few_shot(num_requests, 8, num_tasks=6, example_len=(40, 200),
+                           question_len=(16, 128), output_median=60, output_max=400, rate=20.0,
+                           seed=seed).requests
+    return [Spec(r.request_id, list(r.prompt_token_ids),
+                 list(r.output_token_ids or rng.integers(0, 32000, size=r.max_tokens).tolist()),
+                 r.arrival) for r in reqs]
+
+
+def ideal_hit_rate(specs: list[Spec], block_size: int | None = BLOCK_SIZE) -> float:
+    """Prompt tokens an infinite cache serves at first admission over all prompt tokens:
+    in whole blocks, or token-exact with `block_size` None."""
+    from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens
+
+    reqs = [RequestSpec(s.request_id, s.arrival, tuple(s.prompt), len(s.outputs),
+                        output_token_ids=tuple(s.outputs)) for s in specs]
+    return ideal_hit_tokens(reqs, block_size, include_outputs=True).rate
+
+
+def _option(text: str) -> dict[str, Any]:
+    """argparse type: ``KEY=VALUE[,KEY=VALUE]`` (true/false, numbers, else strings)."""
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.isidentifier():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {part!r}")
+        low = value.lower()
+        out[key] = (low == "true" if low in ("true", "false")
+                    else int(value) if value.lstrip("-").isdigit() else value)
+    return out
+
+
+def _scenarios(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in SCENARIOS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; known: "
+                                         f"{', '.join(SCENARIOS)}")
+    return names
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``kvstore bench manager``."""
+    p.add_argument("--quick", action="store_true", help="60 requests, one repeat")
+    p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
+    p.add_argument("--requests", type=_count, help="requests (default: 400, 60 with --quick)")
+    p.add_argument("--repeats", type=_count, help="alternated replays, fastest kept "
+                   "(default: 3, 1 with --quick)")
+    p.add_argument("--scenarios", type=_scenarios, default=list(SCENARIOS), metavar="LIST",
+                   help=f"comma list of {', '.join(SCENARIOS)}")
+    p.add_argument("--vs", metavar="REV", help="also run this git revision's kvstore/ "
+                   "(a temporary worktree)")
+    p.add_argument("--vllm", metavar="PYTHON",
+                   help="also run vLLM's v1 KVCacheManager under this interpreter")
+    p.add_argument("--also", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="also run this revision with KVCacheManager options, e.g. "
+                        "eviction=window or enable_partial_hits=false (repeatable)")
+    p.add_argument("--scale", action="store_true", help="also pools of 16k, 100k and 1M "
+                   "blocks (full layout, roomy): build time, bytes per block, call costs")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="cProfile each scenario of this revision and print the top N functions")
+    p.add_argument("--worker", choices=("kvstore", "vllm"), help=argparse.SUPPRESS)
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sides of `args` side by side; print per-side tables, ratios and a headline."""
+    num_requests = args.requests or (60 if args.quick else 400)
+    repeats = args.repeats or (1 if args.quick else 3)
+    t_start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore_manager_"))
+    workers: list[Worker] = []
+    worktree: Path | None = None
+    git = ["git", "-C", str(REPO)]
+    try:
+        this = subprocess.run([*git, "describe", "--always", "--dirty"], capture_output=True,
+                              text=True).stdout.strip() or "this tree"
+        tree = str(cache_layer_tree(REPO / "kvstore", tmp / "this"))
+        workers.append(Worker(f"this ({this})", "kvstore", sys.executable, tree))
+        for options in args.also:
+            label = ",".join(f"{k}={v}" for k, v in options.items())
+            workers.append(Worker(f"this, {label}", "kvstore", sys.executable, tree, options))
+        if args.vs:
+            worktree = tmp / "vs-worktree"
+            if subprocess.run([*git, "worktree", "add", "--detach", "-q", str(worktree), args.vs],
+                              capture_output=True).returncode:
+                args.usage_error(f"argument --vs: {args.vs!r} is not a revision of {REPO}")
+            workers.append(Worker(f"kvstore {args.vs}", "kvstore", sys.executable,
+                                  str(cache_layer_tree(worktree / "kvstore", tmp / "vs"))))
+        if args.vllm:
+            workers.append(Worker("vLLM", "vllm", args.vllm, None))
+        specs = make_specs(args.workload, num_requests)
+        spec_file = tmp / "specs.json"
+        spec_file.write_text(json.dumps([asdict(s) for s in specs]))
+        for w in workers:
+            w.ask({"cmd": "load", "path": str(spec_file)})
+        print(f"Manager + hashing cost: {args.workload}, {len(specs)} requests, best of "
+              f"{repeats} alternated replays; ideal first-admission hit rate "
+              f"{ideal_hit_rate(specs):.4f} whole blocks, {ideal_hit_rate(specs, None):.4f} "
+              f"token-exact")
+        for w in workers:
+            print(f"  {w.label}: {w.where}")
+        best: dict[str, list[ManagerResult]] = {w.label: [] for w in workers}
+        for k, scenario in enumerate(args.scenarios, 1):
+            layout, regime = scenario.split("/")
+            cmd = {"cmd": "scenario", "scenario": scenario,
+                   "num_blocks": POOLS[layout][regime == "roomy"]}
+            print(f"  [{k}/{len(args.scenarios)}] {scenario} ...", file=sys.stderr, flush=True)
+            kept: dict[str, ManagerResult] = {}
+            for _ in range(repeats):
+                for w in workers:
+                    r = w.result(cmd)
+                    if w.label not in kept or r.manager_s < kept[w.label].manager_s:
+                        kept[w.label] = r
+            for w in workers:
+                best[w.label].append(kept[w.label])
+        for w in workers:
+            print_side(w.label, best[w.label])
+        mine = best[workers[0].label]
+        for w in workers[1:]:
+            print_ratios(w.label, mine, best[w.label])
+        if args.scale:
+            print("\nScale: full layout, roomy pools (no eviction)\n")
+            print(f"{'side':<24} {'blocks':>9} {'build s':>7} {'B/block':>7} {'lookup':>7} "
+                  f"{'admit':>7} {'decode':>7} {'free':>7}")
+            for n in (16_000, 100_000) if args.quick else (16_000, 100_000, 1_000_000):
+                for w in workers:
+                    r = w.result({"cmd": "scenario", "scenario": "full/roomy", "num_blocks": n,
+                                  "scale": True})
+                    print(f"{w.label[:24]:<24} {n:>9,} {r.build_s:>7.2f} {r.bytes_per_block:>7.0f} "
+                          + " ".join(f"{_fmt(r.us(c), 2):>7}" for c in ("lookup", "admit",
+                                                                         "decode", "free")))
+        if args.profile:
+            for scenario in args.scenarios:
+                layout, regime = scenario.split("/")
+                r = workers[0].result({"cmd": "scenario", "scenario": scenario, "profile_top":
+                                       args.profile, "num_blocks": POOLS[layout][regime == "roomy"]})
+                print(f"\ncProfile of {scenario} (this revision; profiling inflates every call)"
+                      f"\n{r.profile}")
+        print_headline(workers[0].label, mine, {w.label: best[w.label] for w in workers[1:]},
+                       time.perf_counter() - t_start)
+    finally:
+        for w in workers:
+            w.close()
+        if worktree is not None:
+            subprocess.run([*git, "worktree", "remove", "--force", str(worktree)], check=False)
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    return 0
+
+
+def print_side(label: str, rows: list[ManagerResult]) -> None:
+    """One side's table: µs per call, seconds in all, hit rate, preemptions, evictions."""
+    print(f"\n{label}: µs per call (mean), manager + hashing s, first-admission hit rate")
+    print(f"{'scenario':<17} {'lookup':>6} {'admit':>6} {'chunk':>6} {'decode':>6} {'free':>6} "
+          f"{'total s':>7} {'hit':>6} {'preempt':>7} {'evict':>6}")
+    for r in rows:
+        print(f"{r.scenario:<17} {_fmt(r.us('lookup')):>6} {_fmt(r.us('admit')):>6} "
+              f"{_fmt(r.us('chunk')):>6} {_fmt(r.us('decode'), 2):>6} {_fmt(r.us('free')):>6} "
+              f"{r.manager_s:>7.3f} {r.hit_rate:>6.4f} {r.preemptions:>7} "
+              f"{r.evictions if r.evictions >= 0 else '-':>6}")
+
+
+def print_ratios(label: str, mine: list[ManagerResult], other: list[ManagerResult]) -> None:
+    """Per scenario, this revision's time over `label`'s (below 1: faster here)."""
+    print(f"\nthis / {label}: time per call (below 1: faster here)")
+    print(f"{'scenario':<17} {'total':>6} {'lookup':>6} {'admit':>6} {'decode':>6} {'free':>6} "
+          f"{'hit here':>8} {'there':>6}")
+
+    def ratio(a: ManagerResult, b: ManagerResult, call: str) -> str:
+        x, y = a.us(call), b.us(call)
+        return f"{x / y:.2f}" if x is not None and y else "-"
+
+    for a, b in zip(mine, other, strict=True):
+        print(f"{a.scenario:<17} {a.manager_s / b.manager_s:>6.3f} "
+              + " ".join(f"{ratio(a, b, c):>6}" for c in ("lookup", "admit", "decode", "free"))
+              + f" {a.hit_rate:>8.4f} {b.hit_rate:>6.4f}")
+
+
+def print_headline(label: str, mine: list[ManagerResult],
+                   others: dict[str, list[ManagerResult]], wall_s: float) -> None:
+    """Two or three lines: how fast this revision is, and against what."""
+    total = sum(r.manager_s for r in mine)
+    print(f"\n{label}: {total:.2f} s of manager + hashing over {len(mine)} scenarios, hit rate "
+          f"{min(r.hit_rate for r in mine):.4f}..{max(r.hit_rate for r in mine):.4f} "
+          f"({wall_s:.0f} s wall)")
+    for name, rows in others.items():
+        ratios = [a.manager_s / b.manager_s for a, b in zip(mine, rows, strict=True)]
+        print(f"  vs {name}: {min(ratios):.2f}x to {max(ratios):.2f}x its time "
+              f"({'faster' if max(ratios) < 1 else 'slower' if min(ratios) > 1 else 'mixed'})")
+    if not others:
+        print("  run with --vs REV (a git revision) or --vllm PYTHON to compare side by side")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="kvstore bench manager")
+    add_arguments(ap)
+    ns = ap.parse_args()
+    if ns.worker:
+        worker_main(ns.worker)
+    else:
+        ns.usage_error = ap.error
+        raise SystemExit(run(ns))
+
+
+__all__ = ["SCENARIOS", "ManagerResult", "Spec", "Worker", "add_arguments", "cache_layer_tree",
+           "drive", "ideal_hit_rate", "make_specs", "run"]
