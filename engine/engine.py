@@ -253,10 +253,11 @@ class LLMEngine:
         if index_scheduled_blocks and (host_tier_bytes or store_url):
             raise ValueError("index_scheduled_blocks is not supported with tiers")
         if host_tier_bytes or store_url:
-            from kvstore.tiers.connector import TierConnector, TieredKVCacheManager, model_fingerprint
+            from kvstore.engine.fingerprint import model_fingerprint
+            from kvstore.tiers.connector import TierConnector, TieredKVCacheManager
 
             self.tiers = TierConnector.create(
-                self.config, tier_model_name or model_fingerprint(model),
+                self.config, tier_model_name or model_fingerprint(model, block_size),
                 host_tier_bytes=host_tier_bytes, store_url=store_url,
                 store_timeout_s=store_timeout_s, window_offload=tier_window_offload)
             manager_cls = functools.partial(TieredKVCacheManager, tiers=self.tiers)

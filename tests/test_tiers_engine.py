@@ -576,3 +576,22 @@ def test_refused_writes_are_written_again_once_the_store_has_room(model):
             b.close()
         finally:
             a.close()
+
+
+@pytest.mark.parametrize("changes", [{"rope_theta": 500000.0}, {"rms_norm_eps": 1e-3}])
+def test_same_weights_with_other_kv_settings_never_load_a_block(model, shared_url, changes):
+    import dataclasses
+
+    other = DecoderModel(dataclasses.replace(model.config, **changes))
+    other.load_state_dict(model.state_dict())
+    prompt = tokens(40, seed=1400) + tokens(5, 1401)
+    a = engine(model, store_url=shared_url)
+    b = engine(other, store_url=shared_url)
+    try:
+        run(a, [prompt], salt=RUN)
+        assert a.flush_tiers(5.0)
+        assert run(b, [prompt], salt=RUN) == reference(other, [prompt])
+        assert b.stats.store_hit_tokens == 0
+    finally:
+        a.close()
+        b.close()

@@ -41,7 +41,6 @@ from kvstore.tiers.base import StoreItem, Tier, load_verified
 from kvstore.tiers.codec import REJECT_REASONS, BlockLayout, Buffer, decode_block, request_keys
 
 if TYPE_CHECKING:
-    import torch
 
     from kvstore.paged_kv_cache import PagedKVCache
 
@@ -53,7 +52,6 @@ __all__ = [
     "TierHitStats",
     "TierTransfers",
     "TieredKVCacheManager",
-    "model_fingerprint",
 ]
 
 
@@ -808,18 +806,3 @@ class TieredKVCacheManager(KVCacheManager):
         holds, self._holds = self._holds, []
         return TierTransfers(self._tiers, self._tiers.take_offloads(), self.take_pending_loads(), holds)
 
-
-def model_fingerprint(model: Any) -> str:
-    """A name for a model's weights: its class and an XXH3-128 over its parameters and
-    buffers (names, shapes, dtypes, bytes). Engines share tier keys only when equal."""
-    import torch
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    state: dict[str, torch.Tensor] = model.state_dict()
-    for name in sorted(state):
-        t = state[name].detach()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        t = t.contiguous().cpu()
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return f"{type(model).__name__}:{h.hexdigest()}"
