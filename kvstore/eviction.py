@@ -57,6 +57,8 @@ class EvictionPolicy:
     # Whether evicting a full-attention page's content (no twin left in its group) should
     # also orphan the pages of other groups holding the same content (same serial).
     tracks_units: ClassVar[bool] = False
+    #: Whether a pool took this policy (`make_policy`): it orders that pool's pages only.
+    in_use: bool = False
 
     def attach(self, blocks: list[KVCacheBlock]) -> None:
         """Take the pool's usable pages (all free, none cached) at construction."""
@@ -468,11 +470,18 @@ DEFAULT_EVICTION = "lru"
 
 
 def make_policy(eviction: str | EvictionPolicy) -> EvictionPolicy:
-    """A fresh policy by name (see EVICTION_POLICIES), or the given unattached policy."""
+    """A fresh policy by name (see EVICTION_POLICIES), or the given policy object, which
+    then orders this pool's pages and no other's (ValueError if it already orders some)."""
     if isinstance(eviction, EvictionPolicy):
+        if eviction.in_use:
+            raise ValueError(f"this {type(eviction).__name__} already orders another pool's "
+                             "pages: give each pool a fresh policy object, or a policy name")
+        eviction.in_use = True
         return eviction
     factory = EVICTION_POLICIES.get(eviction)
     if factory is None:
         raise ValueError(f"unknown eviction policy {eviction!r}; known: "
                          f"{', '.join(sorted(EVICTION_POLICIES))}")
-    return factory()
+    policy = factory()
+    policy.in_use = True
+    return policy

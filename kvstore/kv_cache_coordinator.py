@@ -26,7 +26,9 @@ class ComputedBlocks:
     hit. `num_verified_tokens` is how far the prompt's prefix was found cached in the chain
     the lookup verified (at least the hit; past it where a group cut the hit): a branch
     point where later requests are likely to hit; `cut_blocks` are the blocks of that chain
-    past the hit."""
+    past the hit. `issuer` and `lookup_id` name the manager and the lookup that made it:
+    a result is admitted only by that manager, for that request object, as its latest
+    lookup."""
 
     request_id: str
     blocks: tuple[list[KVCacheBlock], ...]
@@ -37,6 +39,8 @@ class ComputedBlocks:
     parent_serials: tuple[int, ...] = ()
     num_verified_tokens: int = 0
     cut_blocks: tuple[KVCacheBlock, ...] = ()
+    issuer: object = None
+    lookup_id: int = 0
 
     @property
     def num_computed_tokens(self) -> int:
@@ -137,8 +141,8 @@ class KVCacheCoordinator:
             parents.append(block.serial)
         return parents, blocks
 
-    def find_longest_hit(self, request: Request, max_tokens: int,
-                         partial: bool) -> ComputedBlocks:
+    def find_longest_hit(self, request: Request, max_tokens: int, partial: bool,
+                         issuer: object = None, lookup_id: int = 0) -> ComputedBlocks:
         """The longest prefix of at most `max_tokens` tokens cached for every group.
 
         Whole blocks first: never past the prefix verified in the cache, then each group
@@ -185,7 +189,8 @@ class KVCacheCoordinator:
                 sources = [None] * len(self.managers)
         return ComputedBlocks(request.request_id, hits, tuple(sources), full, num_partial,
                               self.pool.cache_epoch, tuple(parents[:num_blocks + 1]),
-                              len(spine_blocks) * bs, tuple(spine_blocks[num_blocks:]))
+                              len(spine_blocks) * bs, tuple(spine_blocks[num_blocks:]),
+                              issuer, lookup_id)
 
     def parent_serial(self, request: Request, computed: ComputedBlocks) -> int:
         """The serial the block after the hit hangs under (the salt's root without a hit)."""
@@ -431,10 +436,11 @@ class KVCacheCoordinator:
         released = [manager.release_held() for manager in self.managers]  # every group
         return any(released)
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """Share every page of the parent with the child, in every group."""
+    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:
+        """Share every page of the parent with the child, in every group (see
+        SingleTypeKVCacheManager.fork)."""
         for manager in self.managers:
-            manager.fork(parent_id, child_id)
+            manager.fork(parent_id, child_id, num_computed_tokens)
 
     def block_ids(self, request_id: str) -> tuple[tuple[int, ...], ...]:
         """Per-group block tables (0 = the null block)."""

@@ -11,7 +11,7 @@ from kvstore.errors import RequestTooLargeError
 from kvstore.eviction import DEFAULT_EVICTION, EvictionPolicy
 from kvstore.hashing import HashFn, hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks, KVCacheCoordinator
-from kvstore.request import Request
+from kvstore.request import Request, as_count
 from kvstore.specs import FullAttentionSpec, KVCacheConfig
 from kvstore.utils import cdiv
 
@@ -55,7 +55,7 @@ class KVCacheManager:
     __slots__ = ("config", "block_size", "enable_caching", "enable_partial_hits",
                  "index_scheduled_blocks", "_hash_fn",
                  "_pool", "_copies", "_coordinator", "_requests", "_no_new_blocks", "_quiet",
-                 "_num_groups")
+                 "_num_groups", "_lookups", "_num_lookups")
 
     def __init__(self, config: KVCacheConfig, enable_caching: bool = True,
                  enable_partial_hits: bool = True, enable_events: bool = False,
@@ -86,6 +86,10 @@ class KVCacheManager:
         # Other requests cannot change it: they can only share its cached pages, and a
         # range is only given while none of its pages from lo on is cached or shared.
         self._quiet: dict[str, tuple[int, int, int, Request]] = {}
+        # Per request id not yet admitted, the request object looked up last and the id of
+        # that lookup: `admit` takes only that lookup, for that object.
+        self._lookups: dict[str, tuple[Request, int]] = {}
+        self._num_lookups = 0
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -151,17 +155,22 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The request's longest cached prefix in every group; changes nothing.
 
-        Pass the result to `admit`; if cached content it names is evicted in between,
-        `admit` rejects it as stale."""
+        Pass the result to `admit` of this manager, for this request object; it is refused
+        once the request was admitted, its lookup dropped, or it was looked up again, and as
+        stale if cached content it names was evicted in between."""
         self._check_request(request)
-        if request.request_id in self._requests:
-            raise ValueError(f"request {request.request_id!r} is already admitted")
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already admitted")
         request.update_block_hashes(self.block_size, self._hash_fn)
+        self._num_lookups += 1
+        lookup_id = self._num_lookups
+        self._lookups[rid] = (request, lookup_id)
         if not self.enable_caching:
-            return self._no_hit(request)
+            return self._no_hit(request, lookup_id)
         # At least one token is computed so the model yields logits.
         return self._coordinator.find_longest_hit(request, request.num_tokens - 1,
-                                                  self.enable_partial_hits)
+                                                  self.enable_partial_hits, self, lookup_id)
 
     # ---- allocation --------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -215,20 +224,23 @@ class KVCacheManager:
 
     def _admit(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None,
                num_lookahead_tokens: int) -> BlockIds | None:
-        self._check_counts(num_new_tokens, num_lookahead_tokens)
+        num_new_tokens, num_lookahead_tokens = self._check_counts(num_new_tokens,
+                                                                  num_lookahead_tokens)
         rid = request.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already admitted")
         request.update_block_hashes(self.block_size, self._hash_fn)
         if computed is None:
-            computed = self._no_hit(request)
-        self._check_computed(request, computed)
+            computed = self._no_hit(request, 0)
+        else:
+            self._check_computed(request, computed)
         self._check_length(request, computed.num_computed_tokens, num_new_tokens)
         fitting = self._fit_admission(request, computed, num_new_tokens + num_lookahead_tokens)
         if fitting is None:
             return None
         request.num_computed_tokens = fitting.num_computed_tokens
         self._quiet.pop(rid, None)
+        self._lookups.pop(rid, None)
         self._coordinator.admit(request, fitting)
         self._requests[rid] = request
         stats = self._pool.stats
@@ -249,7 +261,8 @@ class KVCacheManager:
         # The decode hot path: checks inline (exact types: a bool is not a count).
         if type(num_new_tokens) is not int or num_new_tokens <= 0 or type(
                 num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
-            self._check_counts(num_new_tokens, num_lookahead_tokens)
+            num_new_tokens, num_lookahead_tokens = self._check_counts(num_new_tokens,
+                                                                      num_lookahead_tokens)
         rid = request.request_id
         live = self._requests.get(rid)
         if live is not request:
@@ -259,7 +272,7 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens
         if type(num_computed) is not int or num_computed < 0 or \
                 num_computed + num_new_tokens > request.num_tokens:
-            self._check_progress(request)
+            num_computed = self._check_progress(request)
             self._check_length(request, num_computed, num_new_tokens)
         request.update_block_hashes(self.block_size, self._hash_fn)
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
@@ -369,10 +382,15 @@ class KVCacheManager:
     def drop_lookup(self, request: Request) -> bool:
         """Forget what looking up a request that leaves the waiting queue without being
         admitted (aborted) holds; returns whether it held anything. A device lookup holds
-        nothing (see `TieredKVCacheManager`). An admitted request is released by `free`."""
+        no page (see `TieredKVCacheManager`); its result can no longer be admitted. An
+        admitted request is released by `free`."""
         self._check_request(request)
-        if request.request_id in self._requests:
-            raise ValueError(f"request {request.request_id!r} is admitted: free it instead")
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is admitted: free it instead")
+        entry = self._lookups.get(rid)
+        if entry is not None and entry[0] is request:
+            del self._lookups[rid]
         return False
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -390,7 +408,7 @@ class KVCacheManager:
                              "(use Request.fork)")
         child.copy_block_hashes(parent)
         self._quiet.pop(parent.request_id, None)  # its pages become shared
-        self._coordinator.fork(parent.request_id, child.request_id)
+        self._coordinator.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
         self._requests[child.request_id] = child
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -436,20 +454,25 @@ class KVCacheManager:
                              "already freed)")
 
     @staticmethod
-    def _check_counts(num_new_tokens: int, num_lookahead_tokens: int) -> None:
-        if not isinstance(num_new_tokens, int) or isinstance(num_new_tokens, bool) \
-                or num_new_tokens <= 0:
+    def _check_counts(num_new_tokens: int, num_lookahead_tokens: int) -> tuple[int, int]:
+        """The counts as ints (integer-likes are taken, as everywhere: `as_count`)."""
+        n = as_count(num_new_tokens)
+        if n is None or n <= 0:
             raise ValueError(f"num_new_tokens must be a positive int, got {num_new_tokens!r}")
-        if not isinstance(num_lookahead_tokens, int) or isinstance(num_lookahead_tokens, bool) \
-                or num_lookahead_tokens < 0:
+        k = as_count(num_lookahead_tokens)
+        if k is None or k < 0:
             raise ValueError(f"num_lookahead_tokens must be an int >= 0, got {num_lookahead_tokens!r}")
+        return n, k
 
     @staticmethod
-    def _check_progress(request: Request) -> None:
-        n = request.num_computed_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= request.num_tokens:
+    def _check_progress(request: Request) -> int:
+        """The request's computed count, stored back as an int."""
+        n = as_count(request.num_computed_tokens)
+        if n is None or not 0 <= n <= request.num_tokens:
             raise ValueError(f"request {request.request_id!r}: num_computed_tokens must be an int "
-                             f"in [0, {request.num_tokens}], got {n!r}")
+                             f"in [0, {request.num_tokens}], got {request.num_computed_tokens!r}")
+        request.num_computed_tokens = n
+        return n
 
     @staticmethod
     def _check_length(request: Request, num_computed: int, num_new_tokens: int) -> None:
@@ -470,14 +493,31 @@ class KVCacheManager:
         if request_id not in self._requests:
             raise ValueError(f"unknown request {request_id!r}")
 
-    def _no_hit(self, request: Request) -> ComputedBlocks:
+    def _no_hit(self, request: Request, lookup_id: int) -> ComputedBlocks:
         n = len(self._coordinator.managers)
-        return ComputedBlocks(request.request_id, tuple([] for _ in range(n)), (None,) * n, 0, 0)
+        return ComputedBlocks(request.request_id, tuple([] for _ in range(n)), (None,) * n, 0, 0,
+                              issuer=self, lookup_id=lookup_id)
 
     def _check_computed(self, request: Request, computed: ComputedBlocks) -> None:
+        """ValueError unless `computed` is this manager's latest lookup of this request
+        object and still current."""
+        if not isinstance(computed, ComputedBlocks):
+            raise TypeError(f"computed must be a get_computed_blocks result or None, got "
+                            f"{type(computed).__name__}")
+        if computed.issuer is not self:
+            raise ValueError(f"computed blocks for {computed.request_id!r} were not looked up by "
+                             "this manager (pass what its get_computed_blocks returned)")
         if computed.request_id != request.request_id:
             raise ValueError(f"computed blocks of {computed.request_id!r} passed for "
                              f"{request.request_id!r}")
+        entry = self._lookups.get(request.request_id)
+        if entry is None or entry[0] is not request:
+            raise ValueError(f"computed blocks for {request.request_id!r} were looked up for "
+                             "another request object under that id, or for one since admitted "
+                             "or dropped: look this request up again")
+        if entry[1] != computed.lookup_id:
+            raise ValueError(f"computed blocks for {request.request_id!r} are not its latest "
+                             "lookup: pass what the last get_computed_blocks returned")
         if computed.num_computed_tokens >= request.num_tokens:
             raise ValueError("a hit must leave at least one token to compute")
         if not self._coordinator.is_current(request, computed):

@@ -28,13 +28,24 @@ def check_salt(cache_salt: Any) -> str | None:
     return cache_salt
 
 
-def check_count(value: Any, what: str, minimum: int = 0) -> int:
-    """Validate a count: an int (not a bool) of at least `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r:.60}")
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+def as_count(value: Any) -> int | None:
+    """A count as a Python int: an int or numpy integer, never a bool; None otherwise. The
+    one rule for every count the cache layer takes."""
+    if type(value) is int:
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
     return int(value)
+
+
+def check_count(value: Any, what: str, minimum: int = 0) -> int:
+    """Validate a count (see `as_count`) of at least `minimum`; returns it as an int."""
+    n = as_count(value)
+    if n is None:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r:.60}")
+    if n < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {n}")
+    return n
 
 
 def _token(value: Any, what: str) -> int:

@@ -17,6 +17,14 @@ def is_shared(block: KVCacheBlock) -> bool:
     return block.ref_cnt - block.pin_cnt > 1
 
 
+def is_read_only(block: KVCacheBlock, i: int, num_cached: int) -> bool:
+    """Whether a request must not write entry `i` of its table in place: another table holds
+    the page, or it is indexed content the request did not index itself (a fork parent
+    computed and cached it); `num_cached` is how many leading entries the request indexed."""
+    return block.ref_cnt - block.pin_cnt > 1 or (block.block_hash is not None
+                                                 and i >= num_cached)
+
+
 #: A cached page a request dropped from its window: the page, its content serial then, and
 #: its table index.
 Dropped = tuple[KVCacheBlock, int, int]
@@ -119,8 +127,7 @@ class SingleTypeKVCacheManager:
         else:
             table = self._req_to_blocks[request_id]
             table_len = len(table)
-            n = sum(1 for b in self._blocks_to_write(table, num_computed_tokens, num_tokens)
-                    if is_shared(b))
+            n = len(self._read_only_to_write(request_id, num_computed_tokens, num_tokens))
         return n + max(0, cdiv(num_tokens, self.block_size) - table_len)
 
     def is_noop(self, request: Request, num_tokens: int) -> bool:
@@ -134,7 +141,7 @@ class SingleTypeKVCacheManager:
             return False
         if self.pool.enable_caching and num_computed // bs > self._num_cached_blocks[rid]:
             return False
-        if any(is_shared(b) for b in self._blocks_to_write(table, num_computed, num_tokens)):
+        if self._read_only_to_write(rid, num_computed, num_tokens):
             return False
         return not self.has_skippable(rid, num_computed)
 
@@ -154,10 +161,15 @@ class SingleTypeKVCacheManager:
               else _UNBOUNDED)
         return hi, len(table) * bs
 
-    def _blocks_to_write(self, table: list[KVCacheBlock], num_computed_tokens: int,
-                         num_tokens: int) -> list[KVCacheBlock]:
+    def _read_only_to_write(self, request_id: str, num_computed_tokens: int,
+                            num_tokens: int) -> list[int]:
+        """Table indexes the request writes growing to `num_tokens` whose pages it must
+        replace first (`is_read_only`)."""
+        table = self._req_to_blocks[request_id]
+        num_cached = self._num_cached_blocks[request_id]
         bs = self.block_size
-        return table[num_computed_tokens // bs: cdiv(num_tokens, bs)]
+        return [i for i in range(num_computed_tokens // bs, min(cdiv(num_tokens, bs), len(table)))
+                if is_read_only(table[i], i, num_cached)]
 
     # ---- mutation (only after the coordinator has checked the plan fits) ---------------------
     def take_hit(self, hit_blocks: list[KVCacheBlock], partial_src: KVCacheBlock | None,
@@ -206,21 +218,23 @@ class SingleTypeKVCacheManager:
         """Copy shared pages about to be written and append pages up to `num_tokens`;
         returns the ids of the appended pages."""
         pool = self.pool
-        table = self._req_to_blocks[request.request_id]
+        rid = request.request_id
+        table = self._req_to_blocks[rid]
         bs = self.block_size
         num_computed = request.num_computed_tokens
         end = cdiv(num_tokens, bs)
+        num_cached = self._num_cached_blocks[rid]
         for i in range(num_computed // bs, min(end, len(table))):
             block = table[i]
-            if block.ref_cnt - block.pin_cnt <= 1:  # not shared
+            if not is_read_only(block, i, num_cached):
                 continue
             if i * bs >= num_computed:
-                # Shared but holding no computed token yet: a fresh page will do.
+                # Holding no token the request computed: a fresh page will do.
                 table[i] = pool.get_new_blocks(1, self.group_id)[0]
                 pool.free_blocks((block,))
                 continue
-            # Shared with a fork: write into a private copy; our reference on the
-            # original becomes the copy's pin.
+            # Shared with a fork, or cached by one: write into a private copy; our
+            # reference on the original becomes the copy's pin.
             self._copies.pin(block)
             table[i] = self._copy_destination(block)
             pool.stats.fork_copies += 1
@@ -343,13 +357,19 @@ class SingleTypeKVCacheManager:
         del self._last_serial[rid]
         return table, []
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """The child shares every page of the parent."""
+    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:
+        """The child shares every page of the parent; it has indexed only the blocks both
+        have computed (`num_computed_tokens`), not those the parent indexed when they were
+        scheduled."""
         table = self._req_to_blocks[parent_id]
         self.pool.touch(b for b in table if b.block_id != 0)
         self._req_to_blocks[child_id] = list(table)
-        self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
-        self._last_serial[child_id] = self._last_serial[parent_id]
+        num_cached = self._num_cached_blocks[parent_id]
+        k = min(num_cached, num_computed_tokens // self.block_size)
+        self._num_cached_blocks[child_id] = k
+        # The serial the child's next block hangs under: that of its last indexed block.
+        self._last_serial[child_id] = (self._last_serial[parent_id] if k == num_cached
+                                       else table[k].parent_serial)
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
@@ -425,9 +445,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if end > 0:
                 ranges.append(self._end_range(end))
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:
         """Share the parent's pages and its hit ends; the child has dropped none yet."""
-        super().fork(parent_id, child_id)
+        super().fork(parent_id, child_id, num_computed_tokens)
         self._dropped[child_id] = []
         self._ends[child_id] = list(self._ends[parent_id])
         self._holding[child_id] = self._holding[parent_id]

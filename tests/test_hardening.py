@@ -1,7 +1,7 @@
-"""Hardening (issue 15): bad input is refused at the door and changes nothing, salts cost no
+"""Hardening: bad input is refused at the door and changes nothing, salts cost no
 memory once their requests are gone, the hit search is linear however the groups disagree,
 and no hit ever serves content computed under another prefix or tenant, even when every
-block hash collides. Also the hit statistics of an all-W = 1 model (issue 14)."""
+block hash collides. Also the hit statistics of an all-W = 1 model."""
 
 from __future__ import annotations
 
@@ -298,7 +298,23 @@ def test_bad_counts_change_nothing(count: Any) -> None:
     check_manager(m)
 
 
-@pytest.mark.parametrize("progress", [True, 2.5, -1, 12, None, np.int64(4)], ids=repr)
+def test_integer_like_counts_are_taken_everywhere() -> None:
+    """One rule for counts: a numpy integer is a count wherever an int is (admission, growth,
+    lookahead, progress, max_tokens); it is stored as an int."""
+    m = manager([None, 4], num_blocks=20)
+    r = Request("r", list(range(10)), max_tokens=np.int64(5))
+    assert r.max_tokens == 5 and type(r.max_tokens) is int
+    assert m.admit(r, np.int64(6), m.get_computed_blocks(r), num_lookahead_tokens=np.int32(1))
+    r.num_computed_tokens = np.int64(6)
+    assert m.grow(r, np.int64(4)) is not None
+    assert type(r.num_computed_tokens) is int
+    r.num_computed_tokens = np.int64(10)
+    m.free(r)
+    assert type(r.num_computed_tokens) is int
+    check_manager(m)
+
+
+@pytest.mark.parametrize("progress", [True, 2.5, -1, 12, None, np.bool_(True)], ids=repr)
 def test_bad_progress_is_refused_and_the_request_frees_once_fixed(progress: Any) -> None:
     """num_computed_tokens is the scheduler's to advance: a value that is not an int in
     [0, num_tokens] is refused by grow and free, which change nothing."""
@@ -752,7 +768,7 @@ del _name, _windows, _blocks, _hash_name, _hash, _machine, _case
 
 
 # =============================================================================================
-# Issue 14: hit statistics count only tokens that came from the cache
+# Hit statistics count only tokens that came from the cache
 # =============================================================================================
 
 
