@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, tokens: list,
                device: torch.device) -> dict[str, Any]:
     """Valkey put/get through ValkeyStore against raw pipelined SET/GET on its client."""
-    from kvstore.tiers.server import ValkeyServer
+    from kvstore.benchmarks.valkey_server import ValkeyServer
     from kvstore.tiers.valkey_store import ValkeyStore
 
     server = None

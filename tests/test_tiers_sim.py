@@ -137,7 +137,7 @@ def test_hybrid_replay_with_a_store():
 @pytest.fixture(scope="module")
 def valkey_url():
     pytest.importorskip("redis")
-    from kvstore.tiers.server import ValkeyServer, find_server_binary
+    from kvstore.benchmarks.valkey_server import ValkeyServer, find_server_binary
 
     url = os.environ.get("KVSTORE_VALKEY_URL")
     if url:

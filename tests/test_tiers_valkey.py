@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("redis")
 
+from kvstore.benchmarks.valkey_server import ValkeyCluster, ValkeyServer, find_server_binary  # noqa: E402
 from kvstore.hashing import hash_block, root_hash  # noqa: E402
 from kvstore.paged_kv_cache import PagedKVCache  # noqa: E402
 from kvstore.specs import FullAttentionSpec, SlidingWindowSpec, make_kv_cache_config  # noqa: E402
@@ -25,7 +26,6 @@ from kvstore.tiers import (  # noqa: E402
     request_keys,
     restore_payloads,
 )
-from kvstore.tiers.server import ValkeyCluster, ValkeyServer, find_server_binary  # noqa: E402
 from kvstore.tiers.valkey_store import ValkeyStore, parse_store_url  # noqa: E402
 
 try:
@@ -246,7 +246,7 @@ def test_hung_server_answers_within_the_timeout():
 
 
 def test_unreachable_store_from_the_start_is_all_misses():
-    from kvstore.tiers.server import free_port
+    from kvstore.benchmarks.valkey_server import free_port
 
     st = ValkeyStore(f"valkey://127.0.0.1:{free_port()}/0", timeout_s=TIMEOUT)
     items, _ = values(2)
@@ -346,7 +346,7 @@ def _bounded(fn, *args, limit: float):
 
 
 def test_an_unreachable_cluster_seed_is_a_bounded_miss_not_a_hang():
-    from kvstore.tiers.server import free_port
+    from kvstore.benchmarks.valkey_server import free_port
 
     for url in (f"valkey+cluster://127.0.0.1:{free_port()}",
                 f"valkey+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"):
@@ -439,3 +439,98 @@ def test_cluster_keeps_serving_from_the_other_masters_when_its_seed_is_killed():
         for st in (*stores.values(), late, alone):
             assert st.stats["errors"] >= 1
             _bounded(st.close, limit=3)
+
+
+def test_redact_url():
+    from kvstore.tiers.valkey_store import redact_url
+
+    cases = {
+        "valkey://:s3cret@h:1/0": "valkey://:***@h:1/0",
+        "valkeys://user:s3cret@h:1/0?ssl_cert_reqs=required": "valkeys://user:***@h:1/0?ssl_cert_reqs=required",
+        "valkey+cluster://:s3cret@h:1,h:2": "valkey+cluster://:***@h:1,h:2",
+        "redis://s3cret@h:1": "redis://***@h:1",
+        "valkey://:p@ss:w0rd@h:1/0": "valkey://:***@h:1/0",
+        "valkey://h:1/0": "valkey://h:1/0",
+        "not a url": "not a url",
+    }
+    for url, want in cases.items():
+        assert redact_url(url) == want
+
+
+SECRET = "hunter2-" + os.urandom(4).hex()
+
+
+def test_a_password_protected_server_and_no_secret_in_any_output(capfd):
+    from kvstore.tiers.valkey_store import StoreConfigWarning
+
+    with ValkeyServer(password=SECRET) as srv:
+        assert SECRET in srv.url
+        st = ValkeyStore(srv.url, timeout_s=2.0, sync_stores=True)
+        items, tokens = values(3)
+        keys = [k for k, _ in items]
+        assert st.store_now(items) == 3 and len(load_verified(st, LAYOUT, keys, tokens)) == 3
+        wrong = ValkeyStore(srv.url.replace(SECRET, SECRET + "x"), retry_interval_s=0.05)
+        with pytest.warns(StoreConfigWarning) as caught:
+            assert wrong.contains(keys) == 0
+        texts = [repr(st), str(st), repr(wrong), str(wrong.stats), wrong.last_error or "",
+                 *(str(w.message) for w in caught)]
+        for bad_url in (srv.url + "?x=1", srv.url.replace("/0", "/zero")):
+            with pytest.raises(ValueError) as info:
+                ValkeyStore(bad_url)
+            texts.append(str(info.value))
+        out, err = capfd.readouterr()
+        texts += [out, err]
+        for text in texts:
+            assert SECRET not in text
+        assert "***" in repr(st)
+        st.close()
+        wrong.close()
+
+
+def test_wrong_password_missing_db_and_refused_acl_warn_once_and_count():
+    from kvstore.tiers.valkey_store import StoreConfigWarning
+
+    with ValkeyServer(password=SECRET, extra_args=["--databases", "4"]) as srv:
+        items, _ = values(2)
+        keys = [k for k, _ in items]
+        cases = {"credentials": srv.url.replace(SECRET, "nope"),
+                 "database": srv.url.replace("/0", "/7"),
+                 "no password": srv.url.replace(f":{SECRET}@", "")}
+        for what, url in cases.items():
+            st = ValkeyStore(url, retry_interval_s=0.01, sync_stores=True)
+            with pytest.warns(StoreConfigWarning) as caught:
+                for _ in range(4):
+                    assert st.contains(keys) == 0
+                    st.store(items)
+                    time.sleep(0.02)
+            assert len([w for w in caught if issubclass(w.category, StoreConfigWarning)]) == 1, what
+            assert st.stats["config_errors"] >= 4, what
+            st.close()
+        import redis
+
+        admin = redis.Redis(host="127.0.0.1", port=srv.port, password=SECRET)
+        admin.execute_command("ACL", "SETUSER", "reader", "on", ">readpw", "~*", "+exists", "+get",
+                              "+mget", "+ping", "+hello", "+auth")
+        admin.close()
+        st = ValkeyStore(f"valkey://reader:readpw@127.0.0.1:{srv.port}/0", sync_stores=True)
+        with pytest.warns(StoreConfigWarning, match="ACL"):
+            assert st.store_now(items) == 0
+        assert st.stats["config_errors"] >= 1 and st.contains(keys) == 0
+        st.close()
+
+
+def test_the_launcher_starts_a_password_protected_server_and_prints_no_secret(tmp_path):
+    import subprocess
+    import sys
+
+    pw = tmp_path / "pw"
+    pw.write_text(SECRET + "\n")
+    probe = ("import os, redis; from kvstore.tiers.valkey_store import parse_store_url; "
+             "u = os.environ['KVSTORE_VALKEY_URL']; "
+             "print(redis.Redis.from_url(parse_store_url(u)[0]).ping())")
+    res = subprocess.run([sys.executable, "-m", "kvstore.benchmarks.valkey_server", "--password-file",
+                          str(pw), "--", sys.executable, "-c", probe],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "True"
+    assert SECRET not in res.stderr and "***" in res.stderr

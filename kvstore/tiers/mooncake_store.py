@@ -20,7 +20,25 @@ from typing import Any
 
 from kvstore.tiers.base import BackgroundWriter, StoreItem, TierStats, check_items, check_keys, leading_run
 from kvstore.tiers.codec import Buffer
-from kvstore.tiers.server import HOST, _die_with_parent, free_port
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # Linux: the master gets SIGTERM when the process that started it exits, however it exits.
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class MooncakeStore:
