@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -216,7 +217,9 @@ class LLMEngine:
     engine's runner and scheduler keep the promises it needs); ``typical_tokens``, the
     length a request usually reaches, lets a hybrid model's cache keep a few sliding layers
     whole where that packs the layers without padding (see :func:`kvstore.specs.group_layers`);
-    ``hold_window_pages``: see :class:`~kvstore.KVCacheManager`.
+    ``hold_window_pages``: see :class:`~kvstore.KVCacheManager`. ``store_key`` (an operator
+    secret, or the path of a key file) seals the store's values per tenant and keys its
+    keys (see docs/tiers.md).
     """
 
     def __init__(
@@ -236,6 +239,7 @@ class LLMEngine:
         tier_model_name: str | None = None,
         store_timeout_s: float = 0.5,
         tier_window_offload: str = "ends",
+        store_key: bytes | os.PathLike[str] | None = None,
         eviction: str = "lru",
         hash_fn: HashFn = hash_block,
         index_scheduled_blocks: bool = False,
@@ -250,6 +254,8 @@ class LLMEngine:
             typical_tokens=typical_tokens)
         self.tiers: TierConnector | None = None
         manager_cls: Callable[..., KVCacheManager] = KVCacheManager
+        if store_key is not None and not store_url:
+            raise ValueError("store_key seals store values: it needs a store_url")
         if index_scheduled_blocks and (host_tier_bytes or store_url):
             raise ValueError("index_scheduled_blocks is not supported with tiers")
         if host_tier_bytes or store_url:
@@ -259,7 +265,8 @@ class LLMEngine:
             self.tiers = TierConnector.create(
                 self.config, tier_model_name or model_fingerprint(model, block_size),
                 host_tier_bytes=host_tier_bytes, store_url=store_url,
-                store_timeout_s=store_timeout_s, window_offload=tier_window_offload)
+                store_timeout_s=store_timeout_s, window_offload=tier_window_offload,
+                store_key=store_key)
             manager_cls = functools.partial(TieredKVCacheManager, tiers=self.tiers)
         self.manager = manager_cls(self.config, enable_caching=enable_prefix_caching,
                                       enable_partial_hits=enable_partial_hits, eviction=eviction,

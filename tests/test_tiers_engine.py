@@ -595,3 +595,84 @@ def test_same_weights_with_other_kv_settings_never_load_a_block(model, shared_ur
     finally:
         a.close()
         b.close()
+
+
+STORE_KEY = b"operator secret " + os.urandom(8).hex().encode()
+
+
+def test_sealed_values_share_a_prefix_and_a_store_reader_learns_nothing(model, tmp_path):
+    from array import array
+
+    from kvstore.hashing import hash_block, root_hash
+
+    prefix = tokens(41, seed=1500)
+    first, second = prefix + tokens(5, 1501), prefix + tokens(3, 1502)
+    want = reference(model, [first, second])
+    key_file = tmp_path / "store.key"
+    key_file.write_bytes(STORE_KEY + b"\n")
+    with ValkeyServer() as server:
+        a = engine(model, store_url=server.url, store_key=STORE_KEY)
+        b = engine(model, store_url=server.url, store_key=key_file)  # the same secret, from a file
+        plain = engine(model, store_url=server.url)
+        other = engine(model, store_url=server.url, store_key=STORE_KEY[::-1])
+        try:
+            got = run(a, [first], salt=RUN)
+            assert a.flush_tiers(5.0)
+            full = len(prefix) // BLOCK * BLOCK
+            # a reader of the store: neither the tokens nor the K/V pages are in any value
+            client = client_for(server.url)
+            names = list(client.scan_iter(match=b"kvstore:*"))
+            stored = [client.get(n) for n in names]
+            assert len(stored) >= full // BLOCK
+            page = a.cache.key_caches[0].view(torch.uint8)
+            pages = [bytes(page[i].reshape(-1)[:64].numpy()) for i in range(1, a.config.num_blocks)
+                     if page[i].any()]
+            blob = b"".join(stored)
+            for i in range(0, len(prefix) - 2):
+                assert array("q", prefix[i:i + 3]).tobytes() not in blob
+            assert pages and not any(p in blob for p in pages)
+            # nor can it test a guessed prompt: the unkeyed keys of the prompt are not there
+            from kvstore.tiers.codec import BlockLayout, request_keys
+
+            layout = BlockLayout.for_group(a.tiers.layouts[0].model, a.config, 0)
+            hashes, parent = [], root_hash(RUN)
+            for j in range(len(prefix) // BLOCK):
+                parent = hash_block(parent, prefix[j * BLOCK:(j + 1) * BLOCK])
+                hashes.append(parent)
+            guessed = {b"kvstore:" + k for k in request_keys(layout, hashes, RUN)}
+            assert not guessed & set(names)
+            # the same secret loads every full block; none or another secret loads nothing
+            got += run(b, [second], salt=RUN)
+            assert got == want
+            assert b.stats.store_hit_tokens == full
+            assert run(plain, [second], salt=RUN) == want[1:] and plain.stats.store_hit_tokens == 0
+            assert run(other, [second], salt=RUN) == want[1:] and other.stats.store_hit_tokens == 0
+            # a forged value: sealed under another secret, or one byte flipped, is refused
+            from kvstore.tiers.seal import Sealer
+
+            forged = Sealer(STORE_KEY[::-1]).seal(root_hash(RUN), names[0][8:], stored[0])
+            client.set(names[0], forged)
+            for n, v in zip(names[1:], stored[1:], strict=True):
+                flipped = bytearray(v)
+                flipped[len(v) // 2] ^= 1
+                client.set(n, bytes(flipped))
+            client.close()
+            c = engine(model, store_url=server.url, store_key=STORE_KEY)
+            assert run(c, [second], salt=RUN) == want[1:]
+            assert c.stats.store_hit_tokens == 0 and c.stats.tier_rejected_values >= 1
+            assert c.tier_stats()["store"].get("bad_seal", 0) >= 1
+            c.close()
+        finally:
+            for e in (a, b, plain, other):
+                e.close()
+
+
+def test_a_bad_store_key_is_refused(model, tmp_path):
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        engine(model, store_url="valkey://127.0.0.1:1/0", store_key=b"short")
+    with pytest.raises(ValueError, match="key file"):
+        engine(model, store_url="valkey://127.0.0.1:1/0", store_key=tmp_path / "missing")
+    with pytest.raises(ValueError, match="bytes"):
+        engine(model, store_url="valkey://127.0.0.1:1/0", store_key="a str secret is ambiguous")
+    with pytest.raises(ValueError, match="needs a store_url"):
+        engine(model, store_key=STORE_KEY)

@@ -137,25 +137,30 @@ def _check_hash(value: int, what: str) -> bytes:
     return value.to_bytes(16, "little")
 
 
-def block_key(layout: BlockLayout, block_hash: BlockHash, salt_root: BlockHash) -> bytes:
+def block_key(layout: BlockLayout, block_hash: BlockHash, salt_root: BlockHash,
+              key_secret: bytes | None = None) -> bytes:
     """The 32-byte key of one block of one group: BLAKE2b-256 over the block's chained hash,
-    the layout digest and the salt's root hash. It carries no token ids."""
-    h = hashlib.blake2b(digest_size=KEY_NBYTES, person=b"kvstore-tierkey")
+    the layout digest and the salt's root hash, keyed with ``key_secret`` when given (then
+    nobody without it can tell which key a given prompt has). It carries no token ids."""
+    if key_secret is not None and (not isinstance(key_secret, bytes) or not 16 <= len(key_secret) <= 64):
+        raise ValueError("key_secret must be 16 to 64 bytes or None")
+    h = hashlib.blake2b(digest_size=KEY_NBYTES, person=b"kvstore-tierkey", key=key_secret or b"")
     h.update(_check_hash(block_hash, "block_hash"))
     h.update(layout.digest)
     h.update(_check_hash(salt_root, "salt_root"))
     return h.digest()
 
 
-def block_keys(layout: BlockLayout, block_hashes: Sequence[BlockHash], salt_root: BlockHash) -> list[bytes]:
+def block_keys(layout: BlockLayout, block_hashes: Sequence[BlockHash], salt_root: BlockHash,
+               key_secret: bytes | None = None) -> list[bytes]:
     """Keys of consecutive blocks of one chain, in order."""
-    return [block_key(layout, h, salt_root) for h in block_hashes]
+    return [block_key(layout, h, salt_root, key_secret) for h in block_hashes]
 
 
 def request_keys(layout: BlockLayout, block_hashes: Sequence[BlockHash],
-                 cache_salt: str | None) -> list[bytes]:
+                 cache_salt: str | None, key_secret: bytes | None = None) -> list[bytes]:
     """Keys of a request's full blocks, from its ``block_hashes`` and ``cache_salt``."""
-    return block_keys(layout, block_hashes, root_hash(cache_salt))
+    return block_keys(layout, block_hashes, root_hash(cache_salt), key_secret)
 
 
 def _token_bytes(layout: BlockLayout, token_ids: Sequence[int]) -> bytes:
@@ -204,7 +209,7 @@ def seal_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value:
 
 #: Names of the counters decode_block increments, one per way a value can be refused.
 REJECT_REASONS = ("wrong_size", "bad_header", "wrong_version", "wrong_layout", "wrong_key",
-                  "wrong_tokens", "bad_checksum")
+                  "wrong_tokens", "bad_checksum", "bad_seal")
 
 
 def decode_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None,

@@ -24,6 +24,7 @@ Imports no torch; the worker-side functions import it when called."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import RequestTooLargeError
+from kvstore.hashing import root_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import BlockIds, KVCacheManager
 from kvstore.request import Request
@@ -41,8 +43,8 @@ from kvstore.tiers.base import StoreItem, Tier, load_verified
 from kvstore.tiers.codec import REJECT_REASONS, BlockLayout, Buffer, decode_block, request_keys
 
 if TYPE_CHECKING:
-
     from kvstore.paged_kv_cache import PagedKVCache
+    from kvstore.tiers.seal import Sealer
 
 __all__ = [
     "PendingLoad",
@@ -75,6 +77,7 @@ class PendingOffload:
     token_ids: tuple[tuple[int, ...], ...]
     to_host: tuple[bool, ...]
     to_store: tuple[bool, ...]
+    salt_root: int = 0  # the request's ``root_hash(cache_salt)``: whose key seals the values
 
 
 @dataclass(frozen=True)
@@ -134,12 +137,16 @@ class TierConnector:
     handed to it) or loaded from it, among the last ``recent_keys``, for at most
     ``remember_s`` seconds (None: no limit). A key is forgotten when a read of it misses
     or fails verification, and every key when the store fails (its ``failure_count``
-    changes): a restarted, flushed or evicting store gets the blocks written again."""
+    changes): a restarted, flushed or evicting store gets the blocks written again.
+
+    With a ``sealer``, every key is keyed with its secret and every store value is sealed
+    for the request's tenant (see :mod:`kvstore.tiers.seal`); a value that does not open
+    is a miss, counted ``bad_seal``."""
 
     def __init__(self, config: KVCacheConfig, model_name: str, *, host: Tier | None = None,
                  store: Tier | None = None, extra: str = "",
                  recent_keys: int = 1 << 16, window_offload: str = "ends",
-                 remember_s: float | None = 60.0) -> None:
+                 remember_s: float | None = 60.0, sealer: Sealer | None = None) -> None:
         if remember_s is not None and not (isinstance(remember_s, (int, float)) and remember_s > 0):
             raise ValueError(f"remember_s must be a positive number of seconds or None, got {remember_s!r}")
         if window_offload not in WINDOW_OFFLOADS:
@@ -166,6 +173,8 @@ class TierConnector:
         self._full_groups = full
         self._window_groups = tuple(g for g in range(len(config.groups)) if g not in full)
         self.stats = TierHitStats()
+        self.sealer = sealer
+        self._key_secret = sealer.key_secret if sealer is not None else None
         # Keys the store holds as far as we know (accepted, or read from it), with when they
         # were remembered: not written again. Keys handed to the store and not yet reported.
         self._in_store: OrderedDict[bytes, float] = OrderedDict()
@@ -184,9 +193,18 @@ class TierConnector:
     @classmethod
     def create(cls, config: KVCacheConfig, model_name: str, *, host_tier_bytes: int | None = None,
                store_url: str | None = None, store_timeout_s: float = 0.5,
-               extra: str = "", window_offload: str = "ends") -> TierConnector:
+               extra: str = "", window_offload: str = "ends",
+               store_key: bytes | os.PathLike[str] | None = None) -> TierConnector:
         """A connector with a ``HostTier`` of ``host_tier_bytes`` and a ``ValkeyStore`` at
-        ``store_url`` (either may be None)."""
+        ``store_url`` (either may be None); ``store_key`` (the operator secret, or a key
+        file's path) seals the store's values and keys its keys."""
+        sealer = None
+        if store_key is not None:
+            if not store_url:
+                raise ValueError("store_key seals store values: it needs a store_url")
+            from kvstore.tiers.seal import Sealer
+
+            sealer = Sealer(store_key)
         from kvstore.tiers.host import HostTier
 
         slot = max(HostTier.slot_nbytes_for(BlockLayout.for_group(model_name, config, g, extra))
@@ -198,7 +216,7 @@ class TierConnector:
 
             store = ValkeyStore(store_url, timeout_s=store_timeout_s)
         return cls(config, model_name, host=host, store=store, extra=extra,
-                   window_offload=window_offload)
+                   window_offload=window_offload, sealer=sealer)
 
     def tier_name(self, i: int) -> str:
         """``host`` or ``store`` for tier i."""
@@ -219,7 +237,9 @@ class TierConnector:
         bs = self.block_size
         hashes = request.block_hashes[start:max_blocks]
         tokens = [tuple(request.token_ids[i * bs:(i + 1) * bs]) for i in range(start, max_blocks)]
-        keys = [request_keys(layout, hashes, request.cache_salt) for layout in self.layouts]
+        keys = [request_keys(layout, hashes, request.cache_salt, self._key_secret)
+                for layout in self.layouts]
+        salt_root = root_hash(request.cache_salt)
         payloads: list[list[memoryview]] = [[] for _ in self.layouts]
         per_tier: list[int] = []
         full, windowed = self._full_groups, self._window_groups
@@ -231,7 +251,7 @@ class TierConnector:
             for g in full:
                 if n == 0:
                     break
-                got[g] = self._load(tier, g, keys[g][pos:pos + n], tokens[pos:pos + n])
+                got[g] = self._load(tier, g, keys[g][pos:pos + n], tokens[pos:pos + n], salt_root)
                 n = min(n, len(got[g]))
             for g in (got if n else ()):
                 payloads[g].extend(got[g][:n])
@@ -257,7 +277,7 @@ class TierConnector:
                         stop += 1
                     best: list[memoryview] = []
                     for tier in self.tiers:
-                        got_w = self._load(tier, g, keys[g][j:stop], tokens[j:stop])
+                        got_w = self._load(tier, g, keys[g][j:stop], tokens[j:stop], salt_root)
                         if tier is self.store:
                             self._remember(keys[g][j:j + len(got_w)])
                             self._forget(keys[g][j + len(got_w):stop])
@@ -301,13 +321,26 @@ class TierConnector:
         first = self.config.groups[g].spec.first_needed_position((start + end) * bs) // bs
         return min(end, max(0, first - start))
 
-    def _load(self, tier: Tier, g: int, keys: Sequence[bytes],
-              tokens: Sequence[tuple[int, ...]]) -> list[memoryview]:
-        """The leading run of group g's blocks under ``keys`` that ``tier`` holds and verify."""
+    def _load(self, tier: Tier, g: int, keys: Sequence[bytes], tokens: Sequence[tuple[int, ...]],
+              salt_root: int = 0) -> list[memoryview]:
+        """The leading run of group g's blocks under ``keys`` that ``tier`` holds and verify
+        (store values opened first when sealed)."""
         if not keys:
             return []
         before = _rejections(tier)
-        verified = load_verified(tier, self.layouts[g], keys, tokens, self.decode_value)
+        decode = self.decode_value
+        sealer = self.sealer
+        if sealer is not None and tier is self.store:
+            def decode(layout: BlockLayout, key: bytes, token_ids: Sequence[int],
+                       value: Buffer | None, counters: dict[str, int] | None) -> memoryview | None:
+                opened = sealer.open(salt_root, key, value)
+                if opened is None and value is not None:
+                    if counters is not None:
+                        counters["bad_seal"] = counters.get("bad_seal", 0) + 1
+                    return None
+                return self.decode_value(layout, key, token_ids, opened, counters)
+
+        verified = load_verified(tier, self.layouts[g], keys, tokens, decode)
         self.stats.rejected_values += _rejections(tier) - before
         if tier is self.host and verified:
             self._host_keys.extend(keys[:len(verified)])
@@ -352,7 +385,8 @@ class TierConnector:
             self._check_store()
         blocks = [(i, b) for i, b in blocks if b != 0]
         hashes = request.block_hashes
-        keys = request_keys(self.layouts[group_id], [hashes[i] for i, _ in blocks], request.cache_salt)
+        keys = request_keys(self.layouts[group_id], [hashes[i] for i, _ in blocks], request.cache_salt,
+                            self._key_secret)
         rows = []
         for (i, block_id), key in zip(blocks, keys, strict=True):
             to_host = (self.host is not None and key not in self._host_pending
@@ -367,7 +401,8 @@ class TierConnector:
             self._remember(to_store_keys)
         if rows:
             ids, ks, toks, th, ts = zip(*rows, strict=True)
-            self._offloads.append(PendingOffload(group_id, ids, ks, toks, th, ts))
+            self._offloads.append(PendingOffload(group_id, ids, ks, toks, th, ts,
+                                                 root_hash(request.cache_salt)))
 
     def take_offloads(self) -> list[PendingOffload]:
         """The queued offloads (the worker must run them before pages are overwritten)."""
@@ -464,7 +499,12 @@ class TierConnector:
                 host.store([(off.keys[i], values[i]) for i in to_host])
             if to_store:
                 assert store is not None
-                store.store([(off.keys[i], values[i]) for i in to_store])
+                sealer = self.sealer
+                if sealer is not None:
+                    store.store([(off.keys[i], sealer.seal(off.salt_root, off.keys[i], values[i]))
+                                 for i in to_store])
+                else:
+                    store.store([(off.keys[i], values[i]) for i in to_store])
 
     def run_loads(self, cache: PagedKVCache | None, loads: Sequence[PendingLoad]) -> None:
         """Write verified payloads into their device pages (queued on the current stream on
@@ -497,7 +537,8 @@ def _subset(off: PendingOffload, rows: Sequence[int]) -> PendingOffload:
     """The offload of rows ``rows`` of ``off`` only."""
     return PendingOffload(off.group_id, tuple(off.block_ids[i] for i in rows),
                           tuple(off.keys[i] for i in rows), tuple(off.token_ids[i] for i in rows),
-                          tuple(off.to_host[i] for i in rows), tuple(off.to_store[i] for i in rows))
+                          tuple(off.to_host[i] for i in rows), tuple(off.to_store[i] for i in rows),
+                          off.salt_root)
 
 
 def _rejections(tier: Tier) -> int:
