@@ -9,9 +9,10 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
@@ -166,29 +167,103 @@ def _chat_rounds(system: str) -> list[list[tuple[str, list[dict[str, str]] | Non
     ]
 
 
+class Progress:
+    """Progress lines for a run that takes minutes, on ``stream`` (stderr in the CLI; None:
+    silent). :meth:`stage` prints a line; :meth:`update` prints a running count at most
+    every ``interval`` seconds, rewriting one line in place on a terminal; :meth:`end`
+    finishes that line. Every line carries the seconds since the start."""
+
+    def __init__(self, stream: TextIO | None = None, prog: str = "kvstore generate",
+                 interval: float | None = None) -> None:
+        self.stream = stream
+        self.prog = prog
+        self.tty = bool(stream is not None and stream.isatty())
+        self.interval = interval if interval is not None else (0.25 if self.tty else 5.0)
+        self._start = time.monotonic()
+        self._last = self._start
+        self._open = False  # an in-place line waits for its end
+
+    def _line(self, message: str) -> str:
+        return f"{self.prog}: {message} ({time.monotonic() - self._start:.0f} s)"
+
+    def stage(self, message: str) -> None:
+        """A stage starts: one line, at once."""
+        if self.stream is None:
+            return
+        self.end()
+        print(self._line(message), file=self.stream, flush=True)
+        self._last = time.monotonic()
+
+    def update(self, message: str) -> None:
+        """A running count: shown if ``interval`` seconds passed since the last line."""
+        if self.stream is None or time.monotonic() - self._last < self.interval:
+            return
+        if self.tty:
+            self.stream.write("\r\x1b[K" + self._line(message))
+            self.stream.flush()
+            self._open = True
+        else:
+            print(self._line(message), file=self.stream, flush=True)
+        self._last = time.monotonic()
+
+    def end(self) -> None:
+        """Finish an in-place line (a no-op when none is open)."""
+        if self._open and self.stream is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+        self._open = False
+
+
+def generate_with_progress(engine: LLMEngine, prompts: Sequence[Sequence[int]],
+                            sampling: SamplingParams, what: str, progress: Progress
+                            ) -> list[RequestOutput]:
+    """``engine.generate(prompts, sampling)``, step by step, telling ``progress`` what the
+    step did: prompt tokens left to prefill, then tokens generated and requests done."""
+    progress.stage(f"{what}: {len(prompts)} request(s), {sum(map(len, prompts))} prompt tokens")
+    ids = [engine.add_request(p, sampling) for p in prompts]
+    results: dict[str, RequestOutput] = {}
+    steps = 0
+    while len(results) < len(ids) and engine.has_unfinished_requests:
+        for out in engine.step():
+            results[out.request_id] = out
+        steps += 1
+        live = [*engine.scheduler.running, *engine.scheduler.waiting]
+        to_prefill = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in live)
+        generated = (sum(r.num_output_tokens for r in live)
+                     + sum(len(s.token_ids) for o in results.values() for s in o.outputs))
+        phase = (f"prefill, {to_prefill} prompt tokens to go" if to_prefill
+                 else f"decode, {generated} tokens generated")
+        progress.update(f"{what}: step {steps}, {phase}, {len(results)}/{len(ids)} done")
+    progress.end()
+    return [results[i] for i in ids if i in results]
+
+
 def run_chat_demo(chat: ChatModel, sampling: SamplingParams, system_prompt: str = SYSTEM_PROMPT,
-                  **engine_kwargs: Any) -> ChatDemoResult:
+                  progress: Progress | None = None, **engine_kwargs: Any) -> ChatDemoResult:
     """Run a conversation and side requests through one fresh engine, round by round.
 
     Round 1 asks one question under the system prompt; round 2 batches the conversation's
     second turn (its history is round 1's prompt and reply) with new questions under the
     same system prompt and one with the template's default system prompt; round 3 is the
-    third turn. Replies stop at the model's stop tokens. ``engine_kwargs`` go to
-    :class:`LLMEngine`.
+    third turn. Replies stop at the model's stop tokens. ``progress`` reports each round's
+    steps as they run; ``engine_kwargs`` go to :class:`LLMEngine`.
     """
+    progress = progress or Progress()
     engine = LLMEngine(chat.model, **engine_kwargs)
     sampling = dataclasses.replace(
         sampling, stop_token_ids=tuple(dict.fromkeys(sampling.stop_token_ids + chat.stop_token_ids)))
     followups = iter([_FOLLOW_UP, _THIRD])
     conversation: list[dict[str, str]] = []
     requests: list[ChatRequest] = []
-    for r, round_ in enumerate(_chat_rounds(system_prompt), start=1):
+    rounds = _chat_rounds(system_prompt)
+    for r, round_ in enumerate(rounds, start=1):
         batch: list[tuple[str, list[dict[str, str]]]] = []
         for label, messages in round_:
             if messages is None:
                 messages = conversation + [{"role": "user", "content": next(followups)}]
             batch.append((label, messages))
-        outs = engine.generate([chat.encode_chat(m) for _, m in batch], sampling)
+        outs = generate_with_progress(engine, [chat.encode_chat(m) for _, m in batch], sampling,
+                                       f"round {r}/{len(rounds)}", progress)
         for (label, messages), out in zip(batch, outs, strict=True):
             replies = [chat.decode(s.token_ids).strip() for s in out.outputs]
             requests.append(ChatRequest(r, label, messages, out, replies))
@@ -260,8 +335,9 @@ def run_chat_cli(args: argparse.Namespace, device: torch.device | str | None = N
         print(f"kvstore generate: --backend triton needs a CUDA device (this run is on {device})",
               file=sys.stderr)
         return 2
+    progress = Progress(sys.stderr)
     try:
-        chat = load_gguf_chat_model(smollm2_gguf_path(), device=device)
+        chat = load_gguf_chat_model(smollm2_gguf_path(), device=device, progress=progress.stage)
     except ImportError as e:
         print(f"kvstore generate: {e}", file=sys.stderr)
         return 2
@@ -274,9 +350,11 @@ def run_chat_cli(args: argparse.Namespace, device: torch.device | str | None = N
             enable_prefix_caching=not args.no_prefix_caching,
             enable_partial_hits=not args.no_partial_hits,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            attention_backend=args.backend, device=device)
+            attention_backend=args.backend, device=device, progress=progress)
     except RequestTooLargeError as e:
+        progress.end()
         print(f"kvstore generate: --num-blocks {args.num_blocks} is too small: {e}", file=sys.stderr)
         return 2
+    progress.stage("done")
     render_chat_demo(result)
     return 0

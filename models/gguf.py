@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,14 +245,20 @@ class ChatModel:
 
 
 def load_gguf_chat_model(path: str | Path, dtype: torch.dtype = torch.float32,
-                         device: str | torch.device = "cpu") -> ChatModel:
+                         device: str | torch.device = "cpu",
+                         progress: Callable[[str], None] | None = None) -> ChatModel:
     """Model, tokenizer and stop tokens (EOS, and EOT when the file names one) of a llama
-    GGUF chat model."""
+    GGUF chat model. ``progress``, if given, is called with a line before each stage
+    (reading, dequantizing, building the tokenizer): loading takes seconds."""
     path = Path(path)
+    say = progress or (lambda _message: None)
+    say(f"reading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
     reader = read_gguf(path)
     config = gguf_config(reader, dtype)
     model = DecoderModel(config)
+    say(f"dequantizing {len(reader.tensors)} tensors to {str(dtype).removeprefix('torch.')}")
     load_state_dict_from_hf(model, gguf_state_dict(reader, config))
+    say("building the tokenizer from the file's metadata")
     meta = _metadata(reader)
     stops = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
              if k in meta]

@@ -197,13 +197,17 @@ def test_preemption_matches_transformers(smol: tuple[Any, torch.nn.Module]) -> N
 
 def test_cli_generate_smollm2(smol: tuple[Any, torch.nn.Module], monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:
-    """`kvstore generate --model smollm2` prints real replies and per-request hit rates
-    (the model is the fixture's, not loaded again)."""
+    """`kvstore generate --model smollm2` prints real replies and per-request hit rates, and
+    its progress on stderr (the model is the fixture's, not loaded again)."""
     import kvstore.models.gguf as gguf_mod
 
     chat, _ = smol
-    monkeypatch.setattr(gguf_mod, "load_gguf_chat_model", lambda path, device="cpu": chat)
+    monkeypatch.setattr(gguf_mod, "load_gguf_chat_model", lambda path, **kwargs: chat)
     assert cli_main(["generate", "--model", "smollm2", "--max-tokens", "3", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    for r in (1, 2, 3):
+        assert f"kvstore generate: round {r}/3: " in captured.err, captured.err
+    assert "kvstore generate: done" in captured.err
     assert "assistant: The capital" in out and "partial_hits" in out
     assert re.search(r"turn 2: prompt \d+ tokens, [1-9]\d* cached, hit rate [1-9]", out), out
