@@ -208,6 +208,13 @@ def _group_gone(pgid: int, timeout: float) -> bool:
     return False
 
 
+def _default_sigint() -> None:
+    """In the child, before exec: SIGINT back to its default action. A shell running pytest in
+    the background (`nohup`, `&`) starts it with SIGINT ignored, children inherit that, and
+    Python leaves an ignored SIGINT ignored, so the Ctrl-C the test sends would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("presses", [1, 3])
 def test_ctrl_c_stops_workers_and_keeps_finished_points(tmp_path, presses):
@@ -219,7 +226,8 @@ def test_ctrl_c_stops_workers_and_keeps_finished_points(tmp_path, presses):
     proc = subprocess.Popen(
         [sys.executable, "-c", MAIN, "bench", "--model-shape", "tiny", "--points", "4", "--limit", "120",
          "--jobs", "2", "--out", "out"],
-        cwd=tmp_path, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+        cwd=tmp_path, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
+        preexec_fn=_default_sigint)
     os.close(slave)
     try:
         started = _read(master, re.compile(rb"\b[1-9]\d*/%d\b" % total), timeout=120)
