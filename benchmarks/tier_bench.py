@@ -40,6 +40,8 @@ from kvstore.tiers import (
     BlockLayout,
     HostTier,
     block_payload_nbytes,
+    decode_block,
+    encode_block,
     gather_blocks,
     host_buffer,
     load_verified,
@@ -119,13 +121,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hashes.append(parent)
     keys = request_keys(layout, hashes, None)
     tier = HostTier(4 * n * HostTier.slot_nbytes_for(layout), pin=pin)
+
+    def in_process(layout: BlockLayout, key: bytes, token_ids: Any, value: Any, counters: Any) -> Any:
+        return decode_block(layout, key, token_ids, value, counters, trusted=True)
+
+    # The engine's path: values that stay in this process carry no checksum.
+    rows["host tier offload, engine (store_blocks, no checksum)"] = side_by_side(
+        lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens, checksum=False), plain_d2h,
+        nbytes, device, args.reps)
+    rows["host tier restore, engine (load + check header/tokens + scatter)"] = side_by_side(
+        lambda: restore_payloads(cache, 0, dst_ids, load_verified(tier, layout, keys, tokens, in_process)),
+        plain_h2d, nbytes, device, args.reps)
+    k = cache.key_caches[0].view(torch.uint8)
+    assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
     rows["host tier offload (store_blocks: gather into slots + seal)"] = side_by_side(
         lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens), plain_d2h,
         nbytes, device, args.reps)
     rows["host tier restore (load + verify + scatter)"] = side_by_side(
         lambda: restore_payloads(cache, 0, dst_ids, load_verified(tier, layout, keys, tokens)),
         plain_h2d, nbytes, device, args.reps)
-    k = cache.key_caches[0].view(torch.uint8)
     assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
     rows["host tier verify only (load + XXH3 of every value)"] = side_by_side(
         lambda: load_verified(tier, layout, keys, tokens), plain_h2d, nbytes, device, args.reps)
@@ -133,10 +147,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lambda: tier.store(offload_items(cache, layout, 0, src_ids, keys, tokens)), plain_d2h,
         nbytes, device, args.reps)
 
+    sealed_rows(rows, offload_items(cache, layout, 0, src_ids, keys, tokens), layout, tokens, device,
+                args.reps, nbytes, plain_d2h)
     if not args.no_store:
         rows.update(store_rows(args, offload_items(cache, layout, 0, src_ids, keys, tokens),
                                layout, tokens, device))
     return rows
+
+
+def sealed_rows(rows: dict[str, Any], items: list, layout: BlockLayout, tokens: list,
+                device: torch.device, reps: int, nbytes: int, plain: Callable[[], object]) -> None:
+    """What a store value costs on this side of the socket, sealed (AES-256-GCM) or with its
+    checksum only, against the same plain copy."""
+    from kvstore.tiers.seal import Sealer
+
+    sealer = Sealer(b"tier bench secret, not a real one")
+    root = root_hash(None)
+    keys = [k for k, _ in items]
+    values = [v for _, v in items]
+    sealed = [sealer.seal(root, k, v) for k, v in items]
+
+    def verify_checked() -> None:
+        for k, t, v in zip(keys, tokens, values, strict=True):
+            assert decode_block(layout, k, t, v) is not None
+
+    def open_and_verify() -> None:
+        for k, t, v in zip(keys, tokens, sealed, strict=True):
+            assert decode_block(layout, k, t, sealer.open(root, k, v)) is not None
+
+    rows["store value, checksum path: encode (XXH3) of gathered pages"] = side_by_side(
+        lambda: [encode_block(layout, k, t, v[-layout.payload_nbytes:])
+                 for k, t, v in zip(keys, tokens, values, strict=True)], plain, nbytes, device, reps)
+    rows["store value, sealed: encode + AES-GCM seal"] = side_by_side(
+        lambda: [sealer.seal(root, k, encode_block(layout, k, t, v[-layout.payload_nbytes:]))
+                 for k, t, v in zip(keys, tokens, values, strict=True)], plain, nbytes, device, reps)
+    rows["store value, checksum path: verify (XXH3)"] = side_by_side(
+        verify_checked, plain, nbytes, device, reps)
+    rows["store value, sealed: AES-GCM open + verify"] = side_by_side(
+        open_and_verify, plain, nbytes, device, reps)
 
 
 def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, tokens: list,
@@ -152,9 +200,9 @@ def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, token
         url = server.url
     try:
         st = ValkeyStore(url, timeout_s=10.0, sync_stores=True, chunk=len(items))
-        assert st.ping(), f"no Valkey at {url}"
+        assert st.ping(), f"no Valkey at {st.url}"
         client = st._get_client()
-        assert client is not None, f"no client for {url}"
+        assert client is not None, f"no client for {st.url}"
         keys = [k for k, _ in items]
         names = [st.namespace + k for k in keys]
         nbytes = sum(len(v) for _, v in items)

@@ -487,3 +487,33 @@ def test_checksum_bench_reports_every_thread_count(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if "threads=" in line]
     kinds = 2 if torch.cuda.is_available() else 1
     assert len(lines) == 5 * kinds and all(line.endswith("GB/s") for line in lines)
+
+
+def test_values_kept_in_process_skip_the_checksum_and_leave_it_with_their_copies():
+    from kvstore.tiers.codec import checked_copy
+
+    src, g = filled_cache(seed=3), 1
+    layout = BlockLayout.for_group("m", src.config, g)
+    keys = request_keys(layout, chain(TOKENS), None)
+    other = request_keys(layout, chain(TOKENS, "other"), "other")[0]
+    evicted: list = []
+    tier = HostTier(3 * HostTier.slot_nbytes_for(layout), on_evict=evicted.extend, pin=False)
+    assert tier.in_process
+    assert tier.store_blocks(src, layout, g, [2, 6, 7], keys, TOKENS, checksum=False) == 3
+    expected = dict(offload_items(src, layout, g, [2, 6, 7], keys, TOKENS))
+    views = tier.load(keys)
+    counters: dict = {}
+    for k, t, v in zip(keys, TOKENS, views, strict=True):
+        # only a reader that trusts this process's memory accepts them as they lie
+        assert decode_block(layout, k, t, v, counters) is None
+        payload = decode_block(layout, k, t, v, trusted=True)
+        assert payload is not None and bytes(payload) == expected[k][-layout.payload_nbytes:]
+        assert checked_copy(v) == expected[k]
+    assert counters == {"bad_checksum": 3}
+    # copies that leave (peek for a store, on_evict) carry the checksum encode_block computes
+    assert tier.peek(keys) == [expected[k] for k in keys]
+    assert tier.store_blocks(src, layout, g, [9], [other], [TOKENS[0]], checksum=False) == 1
+    assert evicted == [(keys[0], expected[keys[0]])]
+    # a trusted reader still checks size, layout, key and tokens
+    assert decode_block(layout, keys[1], TOKENS[0], views[1], trusted=True) is None
+    assert decode_block(layout, keys[2], TOKENS[2], bytes(views[2])[:-1], trusted=True) is None

@@ -31,6 +31,8 @@ _HEADER = struct.Struct("<4sHH16s32sIQ16s")
 HEADER_NBYTES = _HEADER.size
 _CHECKSUM_OFFSET = HEADER_NBYTES - 16
 _TOKEN = "q"  # token ids as int64, little-endian, like the chained hash
+#: Header flag: the checksum was not computed (a value that never left this process).
+FLAG_UNCHECKED = 1
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -189,35 +191,56 @@ def encode_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], payl
     return b"".join((head, check.digest(), tokens, body))  # the payload is copied once
 
 
-def seal_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: memoryview) -> None:
+def seal_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: memoryview,
+               checksum: bool = True) -> None:
     """Write the header (checksum included) and token ids into ``value``, a writable
     ``layout.value_nbytes`` buffer whose payload (from ``HEADER_NBYTES + 8 * block_size``)
-    is already in place: the bytes ``encode_block`` would return for that payload."""
+    is already in place: the bytes ``encode_block`` would return for that payload. Without
+    ``checksum`` the header is flagged ``FLAG_UNCHECKED`` instead (for a value that stays in
+    this process: only ``decode_block(..., trusted=True)`` accepts it, and
+    ``checked_copy`` makes it a value any reader accepts)."""
     if not isinstance(key, bytes) or len(key) != KEY_NBYTES:
         raise ValueError(f"key must be {KEY_NBYTES} bytes (from block_key), got {key!r:.60}")
     if value.nbytes != layout.value_nbytes:
         raise ValueError(f"value buffer is {value.nbytes} bytes, the layout needs {layout.value_nbytes}")
     tokens = _token_bytes(layout, token_ids)
-    _HEADER.pack_into(value, 0, MAGIC, CODEC_VERSION, 0, layout.digest, key, layout.block_size,
-                      layout.payload_nbytes, b"\0" * 16)
+    _HEADER.pack_into(value, 0, MAGIC, CODEC_VERSION, 0 if checksum else FLAG_UNCHECKED, layout.digest,
+                      key, layout.block_size, layout.payload_nbytes, b"\0" * 16)
     value[HEADER_NBYTES:HEADER_NBYTES + len(tokens)] = tokens
+    if not checksum:
+        return
     check = xxhash.xxh3_128()
     check.update(value[:_CHECKSUM_OFFSET])
     check.update(value[HEADER_NBYTES:])
     value[_CHECKSUM_OFFSET:HEADER_NBYTES] = check.digest()
 
 
+def checked_copy(value: Buffer) -> bytes:
+    """A copy of an encoded value with its checksum in place: ``value`` itself when it has
+    one, else (``FLAG_UNCHECKED``) the bytes ``encode_block`` makes for it."""
+    view = memoryview(value).cast("B")
+    if view.nbytes < HEADER_NBYTES or not _HEADER.unpack_from(view)[2] & FLAG_UNCHECKED:
+        return bytes(view)
+    head = bytearray(view[:_CHECKSUM_OFFSET])
+    struct.pack_into("<H", head, 6, _HEADER.unpack_from(view)[2] & ~FLAG_UNCHECKED)
+    check = xxhash.xxh3_128()
+    check.update(head)
+    check.update(view[HEADER_NBYTES:])
+    return b"".join((head, check.digest(), view[HEADER_NBYTES:]))
+
+
 #: Names of the counters decode_block increments, one per way a value can be refused.
 REJECT_REASONS = ("wrong_size", "bad_header", "wrong_version", "wrong_layout", "wrong_key",
-                  "wrong_tokens", "bad_checksum", "bad_seal")
+                  "wrong_tokens", "bad_checksum")
 
 
 def decode_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None,
-                 counters: dict[str, int] | None = None) -> memoryview | None:
+                 counters: dict[str, int] | None = None, trusted: bool = False) -> memoryview | None:
     """The payload of ``value`` when it is this key's block of this layout holding exactly
     ``token_ids``, with a checksum that matches; otherwise None and one count in ``counters``
-    under the reason (see REJECT_REASONS; ``miss`` for None). Never raises for a bad value."""
-    reason = _verify(layout, key, token_ids, value)
+    under the reason (see REJECT_REASONS; ``miss`` for None). Never raises for a bad value.
+    ``trusted`` (a value that never left this process) skips the checksum, and only it."""
+    reason = _verify(layout, key, token_ids, value, trusted)
     if reason is None:
         assert value is not None
         return memoryview(value).cast("B")[HEADER_NBYTES + 8 * layout.block_size:]
@@ -226,7 +249,8 @@ def decode_block(layout: BlockLayout, key: bytes, token_ids: Sequence[int], valu
     return None
 
 
-def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None) -> str | None:
+def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None,
+            trusted: bool = False) -> str | None:
     if value is None:
         return "miss"
     view = memoryview(value).cast("B")
@@ -249,6 +273,8 @@ def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Bu
         return "wrong_tokens"
     if view[HEADER_NBYTES:HEADER_NBYTES + len(expected)] != expected:
         return "wrong_tokens"
+    if trusted:
+        return None
     check = xxhash.xxh3_128()
     check.update(view[:_CHECKSUM_OFFSET])
     check.update(view[HEADER_NBYTES:])

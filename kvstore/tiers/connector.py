@@ -329,6 +329,8 @@ class TierConnector:
             return []
         before = _rejections(tier)
         decode = self.decode_value
+        if getattr(tier, "in_process", False) and type(self).decode_value is TierConnector.decode_value:
+            decode = _decode_in_process  # values that never left this process: no checksum pass
         sealer = self.sealer
         if sealer is not None and tier is self.store:
             def decode(layout: BlockLayout, key: bytes, token_ids: Sequence[int],
@@ -484,7 +486,7 @@ class TierConnector:
                 assert isinstance(host, HostTier) and cache is not None
                 host.store_blocks(cache, self.layouts[off.group_id], off.group_id,
                                   [off.block_ids[i] for i in to_host], [off.keys[i] for i in to_host],
-                                  [off.token_ids[i] for i in to_host])
+                                  [off.token_ids[i] for i in to_host], checksum=False)
             values: dict[int, Buffer] = {}
             if direct and to_store:
                 assert isinstance(host, HostTier)
@@ -541,9 +543,15 @@ def _subset(off: PendingOffload, rows: Sequence[int]) -> PendingOffload:
                           off.salt_root)
 
 
+def _decode_in_process(layout: BlockLayout, key: bytes, token_ids: Sequence[int],
+                       value: Buffer | None, counters: dict[str, int] | None) -> memoryview | None:
+    """``decode_block`` for a tier whose values never left this process (no checksum)."""
+    return decode_block(layout, key, token_ids, value, counters, trusted=True)
+
+
 def _rejections(tier: Tier) -> int:
     stats = tier.stats
-    return sum(stats[r] for r in REJECT_REASONS)
+    return sum(stats[r] for r in REJECT_REASONS) + stats["bad_seal"]
 
 
 @dataclass

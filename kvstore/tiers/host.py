@@ -13,7 +13,15 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstore.tiers.base import StoreItem, TierStats, check_items, check_keys, leading_run
-from kvstore.tiers.codec import HEADER_NBYTES, BlockLayout, Buffer, encode_block, map_values, seal_block
+from kvstore.tiers.codec import (
+    HEADER_NBYTES,
+    BlockLayout,
+    Buffer,
+    checked_copy,
+    encode_block,
+    map_values,
+    seal_block,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -47,9 +55,15 @@ class HostTier:
     ``release``. ``on_evict`` receives copies of what is evicted (a write-back hook, e.g.
     into a shared store's ``store``).
 
-    Its order is its own LRU: the device pool's eviction policies do not reach it."""
+    Its order is its own LRU: the device pool's eviction policies do not reach it.
+
+    Its values never leave this process except as copies (``peek``, ``on_evict``), which
+    always carry their checksum: ``store_blocks(..., checksum=False)`` skips the checksum
+    pass for values only this process reads (``in_process``)."""
 
     name = "host"
+    #: Values stay in this process's memory: a reader may skip their checksum.
+    in_process = True
 
     def __init__(self, capacity_bytes: int, *, on_evict: EvictFn | None = None,
                  slot_nbytes: int | None = None, pin: bool | None = None) -> None:
@@ -69,6 +83,7 @@ class HostTier:
         self._held: dict[int, int] = {}  # slot -> holds
         self._retired: set[int] = set()  # held slots whose key was replaced or dropped
         self._free: list[int] = []
+        self._unchecked: set[int] = set()  # slots sealed without their checksum
         self._chunks: list[Any] = []  # uint8 tensors [slots, slot_nbytes]
         self._rows: list[Any] = []  # their numpy views
         self._per_chunk = 0
@@ -105,6 +120,11 @@ class HostTier:
         start = self._start[slot]
         return memoryview(row[start:start + self._len[slot]]).cast("B")
 
+    def _copy(self, slot: int) -> bytes:
+        """A copy of a slot's value, checksum included."""
+        view = self._view(slot)
+        return checked_copy(view) if slot in self._unchecked else bytes(view)
+
     def _row(self, slot: int) -> Any:
         return self._rows[slot // self._per_chunk][slot % self._per_chunk]
 
@@ -139,7 +159,7 @@ class HostTier:
         key = victim
         slot = self._index.pop(key)
         if self._on_evict is not None:
-            evicted.append((key, bytes(self._view(slot))))
+            evicted.append((key, self._copy(slot)))
         else:
             evicted.append((key, b""))
         self._nbytes -= self._len[slot]
@@ -170,6 +190,7 @@ class HostTier:
             return None
         self._start[slot] = start
         self._len[slot] = nbytes
+        self._unchecked.discard(slot)
         return slot
 
     def _publish(self, key: bytes, slot: int) -> None:
@@ -206,11 +227,11 @@ class HostTier:
         return out
 
     def peek(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Copies of the keys' values (None where absent); order and counters unchanged."""
+        """Copies of the keys' values, checksum included (None where absent); order and
+        counters unchanged."""
         check_keys(keys)
         with self._lock:
-            return [None if (slot := self._index.get(k)) is None else bytes(self._view(slot))
-                    for k in keys]
+            return [None if (slot := self._index.get(k)) is None else self._copy(slot) for k in keys]
 
     def store(self, items: Sequence[StoreItem]) -> None:
         """Copy the values into slots as most recent, evicting the least recent to make room;
@@ -231,9 +252,12 @@ class HostTier:
 
     def store_blocks(self, cache: PagedKVCache, layout: BlockLayout, group_id: int,
                      block_ids: Sequence[int], keys: Sequence[bytes],
-                     token_ids: Sequence[Sequence[int]]) -> int:
+                     token_ids: Sequence[Sequence[int]], checksum: bool = True) -> int:
         """Gather blocks of one group straight into slots and seal each as the value
-        ``encode_block`` would make (no intermediate buffer); returns how many were stored."""
+        ``encode_block`` would make (no intermediate buffer); returns how many were stored.
+        Without ``checksum`` the values are sealed unchecked (``seal_block``): for readers in
+        this process (``decode_block(..., trusted=True)``); ``peek`` and ``on_evict`` still
+        hand out checked copies."""
         if not len(block_ids) == len(keys) == len(token_ids):
             raise ValueError(f"got {len(block_ids)} block ids, {len(keys)} keys, "
                              f"{len(token_ids)} token lists")
@@ -274,9 +298,14 @@ class HostTier:
             def seal(item: tuple[int, int]) -> None:
                 slot, i = item
                 value = memoryview(self._row(slot)[start:start + V]).cast("B")
-                seal_block(layout, keys[i], token_ids[i], value)
+                seal_block(layout, keys[i], token_ids[i], value, checksum)
 
-            map_values(seal, placed, len(placed) * V)
+            if checksum:
+                map_values(seal, placed, len(placed) * V)
+            else:  # headers and tokens only: no pass over the payloads
+                for item in placed:
+                    seal(item)
+                self._unchecked.update(slot for slot, _ in placed)
             for slot, i in placed:
                 self._publish(keys[i], slot)
         self._finish_store(len(placed), len(keys) - len(placed), evicted)
@@ -330,6 +359,7 @@ class HostTier:
             self._free.clear()
             self._held.clear()
             self._retired.clear()
+            self._unchecked.clear()
             self._nbytes = 0
 
 
