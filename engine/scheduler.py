@@ -144,9 +144,7 @@ class Scheduler:
         total = request.num_prompt_tokens + request.max_tokens
         need = 0
         for group in self.manager.config.groups:
-            window = group.spec.sliding_window
-            tokens = total if window is None else min(
-                total, window + self.config.max_num_batched_tokens + bs)
+            tokens = group.spec.resident_span(total, self.config.max_num_batched_tokens)
             # Each fork owns the pages its outputs fill, plus a copy of the shared last page.
             own = min(tokens, request.max_tokens + bs)
             need += cdiv(tokens, bs) + (n - 1) * (cdiv(own, bs) + 1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvstore.block import KVCacheBlock
@@ -98,7 +98,7 @@ class SingleTypeKVCacheManager:
     def kept_hit_blocks(self, hit_blocks: Sequence[KVCacheBlock],
                         num_computed_tokens: int) -> list[KVCacheBlock]:
         """The hit as the table starts: blocks the next query cannot see become null."""
-        k = self.spec.first_needed_position(num_computed_tokens) // self.block_size
+        k = self.spec.first_needed_block(num_computed_tokens)
         if k == 0:
             return list(hit_blocks)
         k = min(k, len(hit_blocks))
@@ -397,14 +397,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     pool reuses, which leaves the full-attention chain of a shared prefix unusable while
     the request that computed it still runs."""
 
-    __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_holding", "_window",
-                 "holds_ends")
+    __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_holding", "holds_ends")
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1, hold: bool = True) -> None:
         super().__init__(pool, spec, group_id, copies, num_groups)
         assert spec.sliding_window is not None
-        self._window = spec.sliding_window
         self.holds_ends = hold
         self._head_blocks = spec.sliding_window // self.block_size  # the first W tokens
         # Per request: whether it still holds its head and end ranges, and the table index
@@ -418,12 +416,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # without `hold` freed pages there are tagged worth keeping (KVCacheBlock.hint).
         self._ends: dict[str, list[tuple[int, int]]] = {}
 
-    def _end_range(self, end: int) -> tuple[int, int]:
-        """Table indexes of the pages a hit ending at `end` tokens (or at the block boundary
-        before it) needs in this group, and the page holding `end` itself."""
-        bs = self.block_size
-        return (self.spec.first_needed_position(end // bs * bs) // bs, -(-end // bs))
-
     def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
               partial_src: KVCacheBlock | None, parent_serial: int) -> None:
         """Start the table (see the base class), an empty record of dropped pages and the
@@ -433,17 +425,18 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self._dropped[rid] = []
         self._holding[rid] = self.holds_ends
         # Entries below the next query's window are null already (the hit starts there).
-        self._cursor[rid] = min(len(self._req_to_blocks[rid]), self.spec.first_needed_position(
-            request.num_computed_tokens) // self.block_size)
+        self._cursor[rid] = min(len(self._req_to_blocks[rid]),
+                                self.spec.first_needed_block(request.num_computed_tokens))
         p = request.num_prompt_tokens
-        self._ends[request.request_id] = [self._end_range(p - 1), self._end_range(p)]
+        end_range = self.spec.hit_end_range
+        self._ends[request.request_id] = [end_range(p - 1), end_range(p)]
 
     def note_hit_ends(self, request: Request, ends: Sequence[int]) -> None:
         """Keep the pages before these token counts too (the lookup's hit and branch point)."""
         ranges = self._ends[request.request_id]
         for end in ends:
             if end > 0:
-                ranges.append(self._end_range(end))
+                ranges.append(self.spec.hit_end_range(end))
 
     def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:
         """Share the parent's pages and its hit ends; the child has dropped none yet."""
@@ -459,7 +452,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         rid = request.request_id
         table = self._req_to_blocks[rid]
         near = bytearray(len(table))  # 1 where a table index is before a likely hit end
-        for start, stop in (self._end_range(min(request.num_computed_tokens,
+        for start, stop in (self.spec.hit_end_range(min(request.num_computed_tokens,
                                                 len(table) * self.block_size)),
                             *self._ends[rid]):
             start = max(start, 0)
@@ -485,7 +478,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         ranges = self._ends[rid]
         pool = self.pool
         for end in ends:
-            start, stop = self._end_range(end)
+            start, stop = self.spec.hit_end_range(end)
             ranges.append((start, stop))
             for i in range(max(start, 0), min(stop, len(table), len(parents))):
                 if table[i].block_id == 0:
@@ -498,7 +491,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def num_held_freed(self, request_id: str, num_computed_tokens: int) -> int:
         """See the base class."""
         table = self._req_to_blocks[request_id]
-        k = min(len(table), self.spec.first_needed_position(num_computed_tokens) // self.block_size)
+        k = min(len(table), self.spec.first_needed_block(num_computed_tokens))
         return sum(1 for i in range(k) if table[i].block_id != 0 and table[i].ref_cnt == 1
                    and self._held(request_id, i))
 
@@ -552,14 +545,14 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Table indexes of pages no query from `num_computed_tokens` on can attend, not
         yet null and not held, deepest first."""
         table = self._req_to_blocks[request_id]
-        k = min(len(table), self.spec.first_needed_position(num_computed_tokens) // self.block_size)
+        k = min(len(table), self.spec.first_needed_block(num_computed_tokens))
         return [i for i in range(k - 1, self._cursor[request_id] - 1, -1)
                 if table[i].block_id != 0 and not self._held(request_id, i)]
 
     def has_skippable(self, request_id: str, num_computed_tokens: int) -> bool:
         """Whether the window moved past entries not yet dropped or kept."""
         k = min(len(self._req_to_blocks[request_id]),
-                self.spec.first_needed_position(num_computed_tokens) // self.block_size)
+                self.spec.first_needed_block(num_computed_tokens))
         return k > self._cursor[request_id]
 
     def quiet_range(self, request_id: str, num_computed_tokens: int) -> tuple[int, int] | None:
@@ -569,8 +562,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             return None
         cursor = self._cursor[request_id]
         if cursor < len(self._req_to_blocks[request_id]):
-            # The smallest count whose first needed position reaches block cursor + 1.
-            return min(quiet[0], (cursor + 1) * self.block_size + self._window - 1), quiet[1]
+            return min(quiet[0], self.spec.leaves_window_at(cursor)), quiet[1]
         return quiet
 
     def num_skippable(self, request_id: str, num_computed_tokens: int) -> Skippable:
@@ -583,7 +575,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Replace pages no future query can attend with the null block, deepest freed first
         (held pages stay)."""
         k = min(len(self._req_to_blocks[request_id]),
-                self.spec.first_needed_position(num_computed_tokens) // self.block_size)
+                self.spec.first_needed_block(num_computed_tokens))
         if k <= self._cursor[request_id]:
             return  # the window has not moved past a new entry
         out = self._out_of_window(request_id, num_computed_tokens)
@@ -612,6 +604,18 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self._dropped[request_id].extend(
             (b, b.serial, i) for b, i in zip(reversed(removed), reversed(indexes), strict=True)
             if b.block_hash is not None)
+
+
+def longest_window_hit(end: int, missing: Callable[[int], int]) -> int:
+    """The longest hit of at most `end` blocks in sliding-window groups. `missing(e)` is a
+    block j that the windows of a hit of `e` blocks need and do not all hold (so no hit
+    ending in (j, e] is possible: windows only move right), or `e` when none is missing."""
+    while end > 0:
+        j = missing(end)
+        if j >= end:
+            return end
+        end = j
+    return 0
 
 
 class HitSearch:
@@ -732,38 +736,41 @@ class WindowSearch(HitSearch):
 
     def start(self, end: int) -> int:
         """The first block a hit ending before block `end` needs."""
-        return self.spec.first_needed_position(end * self.block_size) // self.block_size
+        return self.spec.first_needed_block(end * self.block_size)
 
     def longest(self, cap: int) -> int:
         """The longest hit of at most `cap` blocks whose window is cached in every group."""
         if self.end < 0 or cap < self.end:
             self.low = cap if self.end < 0 else min(self.low, cap)
             self.end = cap
+        self.end = longest_window_hit(self.end, self._missing)
+        return self.end
+
+    def _missing(self, end: int) -> int:
+        """A block the window of a hit of `end` blocks needs that is not cached in every
+        group, or `end` if none is (blocks [low, end) are verified already)."""
         index, find, lookup = self.pool.hash_index, self.pool.find_cached, self.lookup
         g0 = self.group_ids[0] if len(self.group_ids) == 1 else -1
         hashes, tokens, parents, found = self.hashes, self.tokens, self.parents, self.found
-        while self.end > 0:
-            start = self.start(self.end)
-            low = self.low
-            while low > start:
-                j = low - 1
-                if g0 >= 0:  # one group: one probe, inline
-                    block = index.get((g0, hashes[j]))
-                    if block is not None and (block.parent_serial != parents[j]
-                                              or block.token_ids != tokens[j]):
-                        block = find(g0, hashes[j], tokens[j], parents[j])  # twin or collision
-                    found_j: KVCacheBlock | list[KVCacheBlock] | None = block
-                else:
-                    found_j = lookup(j)
-                if found_j is None:
-                    self.end = self.low = j  # every end in (j, end] needs block j
-                    break
-                found[j] = found_j
-                low = j
+        start = self.start(end)
+        low = self.low
+        while low > start:
+            j = low - 1
+            if g0 >= 0:  # one group: one probe, inline
+                block = index.get((g0, hashes[j]))
+                if block is not None and (block.parent_serial != parents[j]
+                                          or block.token_ids != tokens[j]):
+                    block = find(g0, hashes[j], tokens[j], parents[j])  # twin or collision
+                found_j: KVCacheBlock | list[KVCacheBlock] | None = block
             else:
-                self.low = low
-                return self.end
-        return 0
+                found_j = lookup(j)
+            if found_j is None:
+                self.low = j  # every end in (j, end] needs block j
+                return j
+            found[j] = found_j
+            low = j
+        self.low = low
+        return end
 
     def blocks(self, num_blocks: int) -> list[list[KVCacheBlock]]:
         """Per group, null blocks before the window of a hit of `num_blocks` blocks, then its

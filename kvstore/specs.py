@@ -9,6 +9,9 @@ from typing import Any
 
 from kvstore.utils import cdiv
 
+#: A computed count no request reaches: where a page that never leaves the window leaves it.
+NEVER = 1 << 62
+
 # Bytes per element of the page dtypes a cache can hold, by torch's dtype name. The specs
 # keep the name, so the bookkeeping core never imports torch.
 DTYPE_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -58,11 +61,33 @@ class AttentionSpec:
         wholly before it can be freed."""
         raise NotImplementedError
 
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """The first block the next query (at `num_computed_tokens`) attends; blocks before
+        it are out of the window."""
+        raise NotImplementedError
+
+    def leaves_window_at(self, block_index: int) -> int:
+        """The smallest computed count whose first needed block is past block
+        `block_index` (from it on the page is out of the window; `NEVER` for full
+        attention)."""
+        raise NotImplementedError
+
+    def hit_end_range(self, end: int) -> tuple[int, int]:
+        """Table indexes [start, stop) of the pages a hit ending at `end` tokens (or at the
+        block boundary before it) needs in a group of this spec, and the page holding `end`
+        itself."""
+        bs = self.block_size
+        return self.first_needed_block(end // bs * bs), -(-end // bs)
+
+    def resident_span(self, num_tokens: int, max_step_tokens: int) -> int:
+        """Most token positions a request of up to `num_tokens` tokens, growing by at most
+        `max_step_tokens` a step, keeps pages for at once in a group of this spec."""
+        raise NotImplementedError
+
     def num_resident_blocks(self, num_computed_tokens: int, num_tokens: int) -> int:
         """Pages a request of `num_tokens` tokens holds in a group of this spec once its next
         query is at `num_computed_tokens`."""
-        bs = self.block_size
-        return cdiv(num_tokens, bs) - self.first_needed_position(num_computed_tokens) // bs
+        return cdiv(num_tokens, self.block_size) - self.first_needed_block(num_computed_tokens)
 
 
 @dataclass(frozen=True)
@@ -77,6 +102,18 @@ class FullAttentionSpec(AttentionSpec):
     def first_needed_position(self, num_computed_tokens: int) -> int:
         """0: every position stays visible."""
         return 0
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """0: every block stays visible."""
+        return 0
+
+    def leaves_window_at(self, block_index: int) -> int:
+        """`NEVER`: every page stays visible."""
+        return NEVER
+
+    def resident_span(self, num_tokens: int, max_step_tokens: int) -> int:
+        """Every position: `num_tokens`."""
+        return num_tokens
 
 
 @dataclass(frozen=True)
@@ -98,6 +135,18 @@ class SlidingWindowSpec(AttentionSpec):
     def first_needed_position(self, num_computed_tokens: int) -> int:
         """The query at q attends q - W < k <= q."""
         return max(0, num_computed_tokens - self.window + 1)
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """The block of the first position the query at q attends, q - W + 1."""
+        return max(0, num_computed_tokens - self.window + 1) // self.block_size
+
+    def leaves_window_at(self, block_index: int) -> int:
+        """The next query is past the block's last position by the window."""
+        return (block_index + 1) * self.block_size + self.window - 1
+
+    def resident_span(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The window, one step and one partly filled block, at most `num_tokens`."""
+        return min(num_tokens, self.window + max_step_tokens + self.block_size)
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec

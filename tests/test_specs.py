@@ -79,6 +79,26 @@ def test_spec_windows_and_defaults() -> None:
     assert full() != SlidingWindowSpec(BS, HEADS, DIM, torch.float16, window=1)
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 32, 100])
+def test_window_arithmetic(window: int) -> None:
+    """First needed block, where a block leaves the window (its inverse) and a hit end's
+    pages agree with the window's positions, at every edge."""
+    bs = 4
+    spec = SlidingWindowSpec(bs, HEADS, DIM, window=window)
+    for n in range(0, 3 * window + 4 * bs):
+        assert spec.first_needed_block(n) == spec.first_needed_position(n) // bs
+        start, stop = spec.hit_end_range(n)
+        assert (start, stop) == (spec.first_needed_block(n // bs * bs), -(-n // bs))
+    for i in range(3 * window // bs + 4):
+        at = spec.leaves_window_at(i)
+        assert spec.first_needed_block(at) > i >= spec.first_needed_block(at - 1)
+    assert spec.resident_span(10_000, 64) == window + 64 + bs
+    assert spec.resident_span(3, 64) == 3
+    whole = FullAttentionSpec(bs, HEADS, DIM)
+    assert whole.first_needed_block(10**6) == 0 and whole.hit_end_range(9) == (0, 3)
+    assert whole.leaves_window_at(0) > 10**12 and whole.resident_span(10_000, 64) == 10_000
+
+
 # ---- grouping ----------------------------------------------------------------------------------
 
 

@@ -37,7 +37,7 @@ from kvstore.hashing import root_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import BlockIds, KVCacheManager
 from kvstore.request import Request
-from kvstore.single_type_kv_cache_manager import SlidingWindowManager
+from kvstore.single_type_kv_cache_manager import SlidingWindowManager, longest_window_hit
 from kvstore.specs import FullAttentionSpec, KVCacheConfig
 from kvstore.tiers.base import StoreItem, Tier, load_verified
 from kvstore.tiers.codec import REJECT_REASONS, BlockLayout, Buffer, decode_block, request_keys
@@ -263,8 +263,8 @@ class TierConnector:
         # Sliding-window groups: the longest end <= pos whose window they all hold. A block
         # j missing from a window rules out every end above j (their windows hold j too).
         found: dict[int, dict[int, memoryview]] = {g: {} for g in windowed}
-        end = pos
-        while end > 0 and windowed:
+
+        def first_missing(end: int) -> int:
             missing = end
             for g in windowed:
                 j = self._first_needed(g, start, end)
@@ -291,9 +291,9 @@ class TierConnector:
                         missing = j + len(best)
                         break
                     j = stop
-            if missing == end:
-                break
-            end = missing
+            return missing
+
+        end = longest_window_hit(pos, first_missing) if windowed else pos
         host_keys, self._host_keys = self._host_keys, []
         if end == 0:
             return None
@@ -317,8 +317,7 @@ class TierConnector:
     def _first_needed(self, g: int, start: int, end: int) -> int:
         """The first block (counted from ``start``) group g needs for a hit of ``start + end``
         blocks: 0 for full attention, the window's first block for a sliding window."""
-        bs = self.block_size
-        first = self.config.groups[g].spec.first_needed_position((start + end) * bs) // bs
+        first = self.config.groups[g].spec.first_needed_block((start + end) * self.block_size)
         return min(end, max(0, first - start))
 
     def _load(self, tier: Tier, g: int, keys: Sequence[bytes], tokens: Sequence[tuple[int, ...]],
@@ -813,9 +812,7 @@ class TieredKVCacheManager(KVCacheManager):
     def _leaves_window_at(self, g: int, i: int) -> int:
         """The computed count from which window group g's table entry i is out of the window
         (the next query is past the entry's last token by the window)."""
-        window = self.config.groups[g].spec.sliding_window
-        assert window is not None
-        return (i + 1) * self.block_size + window - 1
+        return self.config.groups[g].spec.leaves_window_at(i)
 
     def _watch_window_ends(self, request: Request, computed: ComputedBlocks | None) -> None:
         """Note which sliding-window pages of an admitted request to offload when dropped:
@@ -837,7 +834,7 @@ class TieredKVCacheManager(KVCacheManager):
                 pages = set(range((p + request.max_tokens) // bs))
             else:
                 pages = {i for e in ends if e > 0
-                         for i in range(spec.first_needed_position(e * bs) // bs, e)}
+                         for i in range(*spec.hit_end_range(e * bs))}
             if self._coordinator.managers[g].holds_ends:
                 continue  # held until the request ends, then offloaded by `free`
             # Those already out of the window at admission are null.
