@@ -191,9 +191,12 @@ def _cells(r: SweepRow, wide: bool) -> list[str]:
             size(m.mean_idle_bytes)]
 
 
-def print_table(result: SweepResult, console: Any, wide: bool = False) -> None:
-    """The sweep as a rich table, a row per (budget, policy): the columns that fit 80
-    terminal columns and a legend, or with `wide` every column."""
+# Narrow columns left out, in this order, while the table is wider than 80 columns.
+_DROP_ORDER = ("peak KV", "steps", "vs unbnd", "recompute", "store")
+TABLE_WIDTH = 80
+
+
+def _table(result: SweepResult, wide: bool, drop: Sequence[str] = ()) -> Any:
     from rich import box
     from rich.table import Table
 
@@ -208,11 +211,11 @@ def print_table(result: SweepResult, console: Any, wide: bool = False) -> None:
     else:  # no borders or padding: one space between columns
         t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     keep = [i for i, (name, narrow, _) in enumerate(_COLUMNS)
-            if (tiers or name not in _TIER_COLUMNS)
+            if (tiers or name not in _TIER_COLUMNS) and name not in drop
             and (wide or (narrow and not (tiers and name in _NARROW_WITHOUT_TIERS)))]
     for i in keep:
         name, narrow, just = _COLUMNS[i]
-        t.add_column(name if wide else narrow or name, justify=just, no_wrap=not wide)
+        t.add_column(name if wide else narrow or name, justify=just, no_wrap=True)
     last = None
     for r in result.rows:
         cells = _cells(r, wide)
@@ -223,15 +226,45 @@ def print_table(result: SweepResult, console: Any, wide: bool = False) -> None:
             cells[0] = ""
         last = r.point
         if not wide and r.metrics is None:
-            cells[-2] = "[red]no fit[/red]"  # the last narrow column
+            cells[-2] = "[red]no fit[/red]"
         t.add_row(*(cells[i] for i in keep))
-    console.print(t)
+    return t
+
+
+def _width(table: Any) -> int:
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(file=buf, width=1000, color_system=None).print(table)
+    return max((len(line.rstrip()) for line in buf.getvalue().splitlines()[1:]), default=0)
+
+
+def print_table(result: SweepResult, console: Any, wide: bool = False) -> list[str]:
+    """The sweep as a rich table, a row per (budget, policy): the columns that fit 80
+    terminal columns and a legend (returns the columns left out to fit), or with `wide`
+    every column."""
+    drop: list[str] = []
+    table = _table(result, wide)
+    while not wide and _width(table) > TABLE_WIDTH and len(drop) < len(_DROP_ORDER):
+        drop.append(_DROP_ORDER[len(drop)])
+        table = _table(result, wide, drop)
+    console.print(table)
     if not wide:
-        console.print((TIER_LEGEND if tiers else TABLE_LEGEND)
+        console.print((TIER_LEGEND if result.meta.tiers else TABLE_LEGEND)
                       + (" no fit: the pool cannot hold some request."
-                                      if not all(r.feasible for r in result.rows) else ""),
-                      style="dim")
+                         if not all(r.feasible for r in result.rows) else ""), style="dim")
     print_group_table(result, console)
+    return drop
+
+
+def write_wide_table(result: SweepResult, path: Path) -> None:
+    """Every column of the sweep's table, as text."""
+    from rich.console import Console
+
+    with open(path, "w", encoding="utf-8") as f:
+        Console(file=f, width=400, color_system=None).print(_table(result, wide=True))
 
 
 def print_group_table(result: SweepResult, console: Any) -> None:
@@ -292,8 +325,17 @@ def _plot_metric(ax: Any, data: Sequence[dict[str, Any]], key: str, policies: Se
         ax.plot([x for x, _ in pts], [y / scale for _, y in pts], marker=marker, color=color,
                 label=p, ms=5, ls="--" if base != p else "-")
     ax.set_xscale("log")
+    budgets = sorted({d["budget_gib"] for d in data})
+    ax.set_xticks(budgets, [_short_bytes(b * 2**30) for b in budgets], rotation=45, ha="right",
+                  fontsize=7)
+    ax.minorticks_off()
     ax.invert_xaxis()
     ax.grid(True, which="both", alpha=0.3)
+
+
+def _legend(ax: Any) -> None:
+    if ax.lines:
+        ax.legend(fontsize=8)
 
 
 def write_figures(result: SweepResult, out: Path, run: RunInfo | None = None) -> list[Path]:
@@ -331,8 +373,8 @@ def write_figures(result: SweepResult, out: Path, run: RunInfo | None = None) ->
     _plot_metric(ax2, data, "partial_hit_tokens", [p for p in caching if POLICIES[p].enable_partial_hits])
     ax2.set_xlabel("KV budget (GiB, log)")
     ax2.set_ylabel("tokens reused by partial hits (copy-on-write)")
-    ax2.set_title("Partial-hit reuse")
-    ax2.legend(fontsize=8)
+    ax2.set_title("Partial-hit reuse" if ax2.lines else "Partial-hit reuse (no partial-hit policy)")
+    _legend(ax2)
     save(fig, "hit_rate_vs_pool", data, {
         "ideal_token_hit_rate": m.ideal_token_hit_rate,
         "ideal_block_hit_rate": m.ideal_block_hit_rate,
@@ -349,7 +391,7 @@ def write_figures(result: SweepResult, out: Path, run: RunInfo | None = None) ->
         _plot_metric(ax, data, key, policies)
         ax.set_title(title)
         ax.set_xlabel("KV budget (GiB, log)")
-        ax.legend(fontsize=8)
+        _legend(ax)
     fig.suptitle(f"Cost vs KV memory — {sub}")
     save(fig, "cost_vs_pool", data, {})
 
@@ -368,7 +410,7 @@ def write_figures(result: SweepResult, out: Path, run: RunInfo | None = None) ->
     axes[2].set_title("peak KV in use (GiB)")
     for ax in axes:
         ax.set_xlabel("KV budget (GiB, log)")
-        ax.legend(fontsize=8)
+        _legend(ax)
     fig.suptitle(f"Paged vs naive reservation — {sub}")
     save(fig, "paged_vs_naive", data, {})
     return written
@@ -522,7 +564,11 @@ def _store_spec(text: str) -> str:
         if parse_mem_store(text) is False:
             parse_store_url(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{e}; or mem, or mem:SIZE for an in-process store") from None
+        from kvstore.tiers.valkey_store import redact_url
+
+        message = str(e).replace(text, redact_url(text))
+        raise argparse.ArgumentTypeError(f"{message}; or mem, or mem:SIZE for an in-process "
+                                         "store") from None
     return text
 
 
@@ -695,9 +741,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """The parsed options, as plain values (for the run record)."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-            if not callable(v)}
+    """The parsed options, as plain values (for the run record; a store URL without its
+    password)."""
+    from kvstore.tiers.valkey_store import redact_url
+
+    out = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+           if not callable(v)}
+    if out.get("store"):
+        out["store"] = redact_url(out["store"])
+    return out
 
 
 def _usage_error(args: argparse.Namespace) -> Callable[[str], NoReturn]:
@@ -772,7 +824,7 @@ def run_bench(args: argparse.Namespace) -> int:
                                       points, policies, sched, jobs, tiers or None)
     except SweepInterrupted as e:
         return _save_interrupted(e.partial, out, args.in_place, run)
-    print_table(result, console, wide=args.wide)
+    dropped = print_table(result, console, wide=args.wide)
     if result.nothing_fits:
         need = result.meta.largest_request_bytes
         print(f"kvstore bench: nothing fits: every pool size is too small for some request of "
@@ -780,9 +832,14 @@ def run_bench(args: argparse.Namespace) -> int:
               f"{format_bytes(need)} of {args.model_shape} KV with every layer full attention); "
               f"give larger --pool-sizes, or omit them", file=sys.stderr)
         return EXIT_NOTHING_FITS
-    _print_findings(result, console)
+    for line in headline(result):
+        console.print(f"[bold]{line}[/bold]")
     folder = run_folder(out, args.in_place)
     written = write_results(result, folder, run)
+    write_wide_table(result, folder / "table.txt")
+    if dropped:
+        console.print(f"left out to fit {TABLE_WIDTH} columns: {', '.join(dropped)}; every column "
+                      f"is in {folder}/table.txt (or run with --wide)", style="dim")
     if args.workload.startswith("mooncake") and not args.no_mooncake_curve:
         from kvstore.benchmarks import traces
         from kvstore.benchmarks.mooncake_replay import run_mooncake_replay
@@ -833,7 +890,9 @@ def _check_store(spec: str, error: Callable[[str], NoReturn]) -> None:
     store = open_store(spec)
     try:
         if not store.ping():  # type: ignore[attr-defined]
-            error(f"argument --store: cannot reach {spec} "
+            from kvstore.tiers.valkey_store import redact_url
+
+            error(f"argument --store: cannot reach {redact_url(spec)} "
                   f"({getattr(store, 'last_error', None) or 'no answer'})")
     finally:
         store.close()
@@ -856,25 +915,34 @@ def _save_interrupted(partial: SweepResult, out: Path, in_place: bool, run: RunI
     return EXIT_INTERRUPTED
 
 
-def _print_findings(result: SweepResult, console: Any) -> None:
+def headline(result: SweepResult) -> list[str]:
+    """Two or three lines a user can act on: where the caching policy's hit rate bends,
+    where the pool starts to preempt, and what the best policy saves over no caching."""
     f = result.findings
-    for name in result.meta.policies:
-        info = f.get(name)
-        if not info:
-            continue
-        parts = [f"first preemption at {info['first_preemption']['label'] or 'none'}",
-                 f"recompute >= 25% of work at {info['thrash']['label'] or 'none'}"]
-        if "unbounded_prompt_hit_rate" in info:
-            parts = [f"unbounded hit {_pct(info['unbounded_prompt_hit_rate'])}",
-                     f"hit < 95% of unbounded at {info['hit_below_95pct']['label'] or 'none'}",
-                     f"< 50% at {info['hit_below_50pct']['label'] or 'none'}",
-                     f"recompute > hits at {info['recompute_exceeds_hits']['label'] or 'none'}",
-                     *parts]
-        console.print(f"[bold]{name}[/bold]: " + "; ".join(parts))
-    for c in f.get("naive_vs_paged", []):
-        console.print(
-            f"naive vs paged @ {c['budget_label']}: steps {c['steps_naive']} vs "
-            f"{c['steps_paged']} (x{c['steps_ratio']:.2f}), idle reserved "
-            f"{format_bytes(c['mean_idle_bytes_naive'])} vs "
-            f"{format_bytes(c['mean_idle_bytes_paged'])} per step, computed "
-            f"{_count(c['computed_naive'])} vs {_count(c['computed_paged'])} tokens")
+    caching = [p for p in result.meta.policies if policy_named(p).enable_caching]
+    if not caching:
+        return ["no caching policy in --policies: add prefix, partial or hybrid to see hits"]
+    ref = "partial" if "partial" in caching else caching[0]
+    info = f.get(ref, {})
+    lines = []
+    if "unbounded_prompt_hit_rate" in info:
+        bend = info["hit_below_95pct"]["label"]
+        lines.append(
+            f"{ref}: {_pct(info['unbounded_prompt_hit_rate'])} of prompt tokens hit with room for "
+            + (f"everything, under 95% of that from {bend} down: give the cache more than {bend}"
+               if bend else "everything, and at least 95% of that at every budget here"))
+    feasible = [r for r in result.rows if r.metrics is not None]
+    first = info.get("first_preemption", {}).get("label")
+    lines.append(f"{ref}: " + (f"preemptions start at {first}: from there down, tokens are computed "
+                               "again" if first else "no preemption at any budget here"))
+    small = max((r.point for r in feasible if r.budget_bytes), default=None)
+    at = {r.policy: r.metrics for r in feasible if r.point == small and r.metrics is not None}
+    best = min(caching, key=lambda p: at[p].computed_tokens if p in at else float("inf"))
+    base = at.get("paged") or at.get("naive")
+    if best in at and base is not None:
+        m = at[best]
+        budget = next(r.budget_bytes or 0 for r in feasible if r.point == small)
+        lines.append(f"at the smallest budget ({_short_bytes(budget)}) "
+                     f"{best} computes {m.computed_tokens / base.computed_tokens:.0%} of the tokens "
+                     f"of no caching, in {m.steps / max(1, base.steps):.0%} of the steps")
+    return lines

@@ -43,7 +43,9 @@ class TierOptions:
         if self.host_bytes:
             parts.append(f"host tier {format_bytes(self.host_bytes)}")
         if self.store:
-            parts.append(f"store {self.store}")
+            from kvstore.tiers.valkey_store import redact_url
+
+            parts.append(f"store {redact_url(self.store)}")
         return ", ".join(parts)
 
 

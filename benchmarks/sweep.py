@@ -722,7 +722,7 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
         total_replays=total,
         completed_replays=len(rows) + len(unbounded),
         interrupted=len(rows) + len(unbounded) < total,
-        tiers={"host_bytes": tiers.host_bytes, "store": tiers.store} if tiers else {},
+        tiers={"host_bytes": tiers.host_bytes, "store": _redact(tiers.store)} if tiers else {},
     )
     result = SweepResult(meta, rows, unbounded)
     result.findings = find_tension(result)
@@ -799,3 +799,10 @@ def find_tension(result: SweepResult) -> dict[str, Any]:
                         "preemptions_paged": p.preemptions})
     out["naive_vs_paged"] = cmp
     return out
+
+
+def _redact(url: str | None) -> str | None:
+    """A store URL without its password (for output and records)."""
+    from kvstore.tiers.valkey_store import redact_url
+
+    return None if url is None else redact_url(url)

@@ -8,6 +8,7 @@ import json
 import random
 import re
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -367,3 +368,85 @@ def test_viz_snapshots():
     assert result.evictions > 0 and result.copies == 1
     assert len(recorder.snapshots) == result.steps
     assert len(demo_scenario()) == 5
+
+
+# ------------------------------------------------------------------- documented commands
+
+DOCS_WITH_COMMANDS = ("benchmarks.md", "eviction.md", "cache_layer.md", "hybrid.md", "tiers.md",
+                      "kernels.md", "copy_on_write.md")
+
+
+def _documented_bench_commands() -> list[str]:
+    """Every ``kvstore bench ...`` command in the docs (code spans and blocks, joined over
+    backslash continuations), with the placeholders REV and PYTHON left as they are."""
+    import re
+    import shlex
+
+    root = Path(__file__).resolve().parent.parent / "docs"
+    found = []
+    for name in DOCS_WITH_COMMANDS:
+        text = "\n".join(line for line in (root / name).read_text().replace("\\\n", " ").splitlines()
+                         if not line.startswith("#"))  # headings name flags, not commands
+        text = re.sub(r"(?<!`)`[^`\n]+\n[^`\n]+`(?!`)", lambda m: m.group(0).replace("\n", " "), text)
+        for m in re.finditer(r"kvstore bench(?: [^`\n|#'$]*)?", text):
+            cmd = m.group(0).split("  #")[0].strip().rstrip(".,;:")
+            words = shlex.split(cmd)[2:]
+            if "..." in cmd or "[" in cmd or (len(words) > 1 and all(
+                    w.startswith("-") for w in words)) or any(
+                    len(w) <= 6 and w.isupper() and w not in ("REV", "PYTHON") for w in words) or any(
+                    a in ("--host-tier-bytes", "--store") and b.startswith("-")
+                    for a, b in zip(words, [*words[1:], "-"][:len(words)], strict=True)):
+                continue  # a syntax summary or a list of flags, not a command
+            found.append(" ".join(shlex.split(cmd)))
+    return sorted(set(found))
+
+
+def test_every_documented_bench_command_parses(capsys):
+    """Each documented command is one the CLI accepts (flags, names, values)."""
+    from kvstore.cli import build_parser
+
+    commands = _documented_bench_commands()
+    assert len(commands) >= 10
+    parser = build_parser()
+    for cmd in commands:
+        argv = [{"REV": "HEAD", "PYTHON": "python"}.get(w, w) for w in cmd.split()[1:]]
+        if "--trace" in argv and argv[argv.index("--trace") + 1] in ("conversation", "synthetic"):
+            if not (Path(__file__).resolve().parents[2] / "shared" / "traces").is_dir():
+                continue
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # pragma: no cover - the failure message names the command
+            raise AssertionError(f"documented command does not parse: {cmd}\n"
+                                 f"{capsys.readouterr().err}") from e
+        assert callable(args.func), cmd
+
+
+def test_bench_subcommands_reject_bad_values_with_a_usage_error(capsys):
+    from kvstore.cli import main
+
+    for argv, bad in ((["bench", "replay", "--trace", "/no/such/trace.jsonl"], "/no/such/trace"),
+                      (["bench", "replay", "--what", "nope"], "nope"),
+                      (["bench", "manager", "--scenarios", "full/nope"], "full/nope"),
+                      (["bench", "--policies", "nope"], "nope")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert bad in err and "Traceback" not in err
+
+
+def test_store_password_never_printed_or_recorded(tmp_path, capsys):
+    """A store URL with a password: the usage error, the tier line and the run record show
+    it redacted."""
+    from kvstore.benchmarks.bench import _arguments
+    from kvstore.benchmarks.simulator import TierOptions
+    from kvstore.cli import build_parser, main
+
+    url = "valkey://:secret@127.0.0.1:1/0"
+    with pytest.raises(SystemExit):
+        main(["bench", "--quick", "--store", url, "--out", str(tmp_path)])
+    out = capsys.readouterr()
+    assert "secret" not in out.out + out.err and "127.0.0.1:1" in out.err
+    assert "secret" not in TierOptions(None, url).describe()
+    args = build_parser().parse_args(["bench", "--store", url])
+    assert "secret" not in json.dumps(_arguments(args), default=str)
