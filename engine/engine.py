@@ -21,7 +21,7 @@ import torch
 from kvstore.engine.runner import ModelRunner, ModelRunnerOutput
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig
 from kvstore.hashing import HashFn, hash_block
-from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.models.model import DecoderModel
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.request import Request, as_token_list
@@ -268,10 +268,10 @@ class LLMEngine:
                 store_timeout_s=store_timeout_s, window_offload=tier_window_offload,
                 store_key=store_key)
             manager_cls = functools.partial(TieredKVCacheManager, tiers=self.tiers)
-        self.manager = manager_cls(self.config, enable_caching=enable_prefix_caching,
-                                      enable_partial_hits=enable_partial_hits, eviction=eviction,
-                                      hash_fn=hash_fn, index_scheduled_blocks=index_scheduled_blocks,
-                                      hold_window_pages=hold_window_pages)
+        self.manager = manager_cls(self.config, CacheConfig(
+            enable_caching=enable_prefix_caching, enable_partial_hits=enable_partial_hits,
+            eviction=eviction, hash_fn=hash_fn, index_scheduled_blocks=index_scheduled_blocks,
+            hold_window_pages=hold_window_pages))
         self.cache = PagedKVCache(self.config, device=device)
         self.scheduler = Scheduler(self.manager, SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))

@@ -19,7 +19,7 @@ from kvstore.block_pool import (
 from kvstore.errors import RequestTooLargeError
 from kvstore.hashing import BlockHash, HashFn, hash_block, make_keyed_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
-from kvstore.kv_cache_manager import BlockIds, KVCacheManager
+from kvstore.kv_cache_manager import BlockIds, CacheConfig, KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import (
     AttentionSpec,
@@ -51,6 +51,7 @@ __all__ = [
     "KVCacheConfig",
     "KVCacheEvent",
     "KVCacheGroup",
+    "CacheConfig",
     "KVCacheManager",
     "KVCacheSpec",
     "PagedKVCache",

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 
 from kvstore.block_pool import BlockPool, BlockState, CacheStats, KVCacheEvent, PendingCopies
 from kvstore.errors import RequestTooLargeError
-from kvstore.eviction import DEFAULT_EVICTION, EvictionPolicy
+from kvstore.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, EvictionPolicy
 from kvstore.hashing import HashFn, hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks, KVCacheCoordinator
 from kvstore.request import Request, as_count
@@ -17,6 +17,50 @@ from kvstore.utils import cdiv
 
 # Per group, block ids (0 = the null block).
 BlockIds = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How a `KVCacheManager` caches, checked when made.
+
+    - `enable_caching`: index computed blocks and serve prefix hits (off: every request
+      computes everything; the options below then have no effect).
+    - `enable_partial_hits`: also hit the leading tokens of a cached block (copy-on-write).
+    - `enable_events`: record BlockStored / BlockRemoved events (`take_events`).
+    - `hash_fn`: the block hash, (parent hash, token ids) -> hash; `make_keyed_hash(secret)`
+      where prompts come from untrusted users. Every request a manager sees is hashed with it.
+    - `eviction`: the policy ordering free cached pages for reuse, by name (see
+      `kvstore.eviction.EVICTION_POLICIES`) or a policy object used by one manager only.
+    - `index_scheduled_blocks`: a block becomes findable when the tokens that fill it are
+      scheduled, not once computed (see `KVCacheManager` for the promises it needs).
+    - `hold_window_pages`: sliding-window groups keep the pages past the window that likely
+      hits need until the request ends (see `KVCacheManager`); off, windows drop every page
+      as they pass it, as vLLM does.
+    """
+
+    enable_caching: bool = True
+    enable_partial_hits: bool = True
+    enable_events: bool = False
+    hash_fn: HashFn = hash_block
+    eviction: str | EvictionPolicy = DEFAULT_EVICTION
+    index_scheduled_blocks: bool = False
+    hold_window_pages: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and type(value) is not bool:
+                raise TypeError(f"CacheConfig.{f.name} must be a bool, got "
+                                f"{type(value).__name__} {value!r:.60}")
+        if not callable(self.hash_fn):
+            raise TypeError(f"CacheConfig.hash_fn must be callable, got {self.hash_fn!r:.60}")
+        if isinstance(self.eviction, str):
+            if self.eviction not in EVICTION_POLICIES:
+                raise ValueError(f"unknown eviction policy {self.eviction!r}; known: "
+                                 f"{', '.join(sorted(EVICTION_POLICIES))}")
+        elif not isinstance(self.eviction, EvictionPolicy):
+            raise TypeError(f"CacheConfig.eviction must be a policy name or an EvictionPolicy, "
+                            f"got {type(self.eviction).__name__}")
 
 
 class KVCacheManager:
@@ -29,9 +73,10 @@ class KVCacheManager:
     copy sources and destinations alive are released by the next `take_pending_copies()`
     call, so the worker must have run a batch of copies before it asks for the next one.
 
-    Block hashes are computed with `hash_fn` (XXH3-128 by default); every request this
-    manager sees must be hashed with it. `eviction` names the policy that orders free
-    cached pages for reuse (see kvstore.eviction; LRU by default).
+    `cache_config` (a `CacheConfig`; its defaults if None) says how it caches: block hashes
+    are computed with its `hash_fn` (XXH3-128 by default), and every request this manager
+    sees must be hashed with it; its `eviction` policy orders free cached pages for reuse
+    (see kvstore.eviction; LRU by default).
 
     With `index_scheduled_blocks`, a block becomes findable when the tokens that fill it
     are scheduled (admitted or grown for), not once they are computed, so a request
@@ -52,23 +97,27 @@ class KVCacheManager:
     they pass it, as vLLM does.
     """
 
-    __slots__ = ("config", "block_size", "enable_caching", "enable_partial_hits",
+    __slots__ = ("config", "cache_config", "block_size", "enable_caching", "enable_partial_hits",
                  "index_scheduled_blocks", "_hash_fn",
                  "_pool", "_copies", "_coordinator", "_requests", "_no_new_blocks", "_quiet",
                  "_num_groups", "_lookups", "_num_lookups")
 
-    def __init__(self, config: KVCacheConfig, enable_caching: bool = True,
-                 enable_partial_hits: bool = True, enable_events: bool = False,
-                 hash_fn: HashFn = hash_block, eviction: str | EvictionPolicy = DEFAULT_EVICTION,
-                 index_scheduled_blocks: bool = False, hold_window_pages: bool = True) -> None:
+    def __init__(self, config: KVCacheConfig, cache_config: CacheConfig | None = None) -> None:
+        if cache_config is None:
+            cache_config = CacheConfig()
+        elif not isinstance(cache_config, CacheConfig):
+            raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
         self.config = config
+        self.cache_config = cache_config
         self.block_size = config.block_size
+        enable_caching = cache_config.enable_caching
         self.enable_caching = enable_caching
-        self.enable_partial_hits = enable_caching and enable_partial_hits
-        self.index_scheduled_blocks = enable_caching and index_scheduled_blocks
-        self._hash_fn = hash_fn
-        self._pool = BlockPool(config.num_blocks, enable_caching, enable_events,
-                               index_partial_blocks=self.enable_partial_hits, eviction=eviction,
+        self.enable_partial_hits = enable_caching and cache_config.enable_partial_hits
+        self.index_scheduled_blocks = enable_caching and cache_config.index_scheduled_blocks
+        self._hash_fn = cache_config.hash_fn
+        self._pool = BlockPool(config.num_blocks, enable_caching, cache_config.enable_events,
+                               index_partial_blocks=self.enable_partial_hits,
+                               eviction=cache_config.eviction,
                                chained_groups=frozenset(
                                    g for g, group in enumerate(config.groups)
                                    if isinstance(group.spec, FullAttentionSpec)),
@@ -76,7 +125,7 @@ class KVCacheManager:
         # Copies queued for the worker and the pins that keep their pages alive.
         self._copies = PendingCopies(self._pool)
         self._coordinator = KVCacheCoordinator(config, self._pool, self._copies,
-                                               hold_window_pages)
+                                               cache_config.hold_window_pages)
         self._requests: dict[str, Request] = {}
         self._no_new_blocks: BlockIds = ((),) * len(config.groups)
         self._num_groups = len(config.groups)

@@ -32,7 +32,7 @@ from kvstore.eviction import (
     S3FIFOPolicy,
     make_policy,
 )
-from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 
 POLICIES = sorted(EVICTION_POLICIES)
 NON_LRU = [p for p in POLICIES if p != "lru"]
@@ -63,7 +63,7 @@ def test_make_policy_names_and_errors() -> None:
     with pytest.raises(ValueError, match="unknown eviction policy"):
         make_policy("nope")
     with pytest.raises(ValueError, match="unknown eviction policy"):
-        KVCacheManager(th.make_kv_cache_config([th.spec(None)], num_blocks=8), eviction="nope")
+        KVCacheManager(th.make_kv_cache_config([th.spec(None)], num_blocks=8), CacheConfig(eviction="nope"))
 
 
 def test_default_pool_is_lru() -> None:
@@ -218,7 +218,7 @@ class HybridPolicyMachine(th.HybridCacheMachine):
         layers: list[int | None] = list(windows)
         layers.insert(min(full_position, len(layers)), None)
         config = th.make_kv_cache_config([th.spec(w) for w in layers], num_blocks=num_blocks)
-        self.manager = KVCacheManager(config, enable_partial_hits=partial, eviction=eviction)
+        self.manager = KVCacheManager(config, CacheConfig(enable_partial_hits=partial, eviction=eviction))
         self.partial = partial
         for salt in (None, "tenant"):
             self.manager._pool.root_serial(salt)

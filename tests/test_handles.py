@@ -7,6 +7,7 @@ and no request writes a page holding content it did not index."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from invariants import check_manager
 
-from kvstore import FullAttentionSpec, KVCacheManager, Request, make_kv_cache_config
+from kvstore import CacheConfig, FullAttentionSpec, KVCacheManager, Request, make_kv_cache_config
 from kvstore.eviction import EVICTION_POLICIES, make_policy
 from kvstore.specs import KVCacheSpec, SlidingWindowSpec
 
@@ -28,9 +29,9 @@ def layout(windows: Sequence[int | None]) -> list[KVCacheSpec]:
 
 
 def make(num_blocks: int = 20, windows: Sequence[int | None] = (None,),
-         **kwargs: object) -> KVCacheManager:
+         **options: Any) -> KVCacheManager:
     return KVCacheManager(make_kv_cache_config(layout(windows), num_blocks=num_blocks),
-                          **kwargs)  # type: ignore[arg-type]
+                          CacheConfig(**options))
 
 
 def run(m: KVCacheManager, r: Request) -> None:
@@ -293,3 +294,24 @@ TestForkAtEveryPoint = ForkAtEveryPoint.TestCase
 TestForkAtEveryPoint.settings = settings(max_examples=150, stateful_step_count=40,
                                          deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize(("options", "error", "match"), [
+    ({"enable_caching": 1}, TypeError, "enable_caching must be a bool"),
+    ({"hold_window_pages": None}, TypeError, "hold_window_pages must be a bool"),
+    ({"eviction": "nope"}, ValueError, "unknown eviction policy 'nope'"),
+    ({"eviction": 3}, TypeError, "eviction must be a policy name"),
+    ({"hash_fn": "xxh3"}, TypeError, "hash_fn must be callable"),
+])
+def test_a_bad_cache_config_is_refused_when_made(options: dict[str, Any], error: type,
+                                                 match: str) -> None:
+    with pytest.raises(error, match=match):
+        CacheConfig(**options)
+
+
+def test_the_manager_takes_a_cache_config_only() -> None:
+    cfg = make_kv_cache_config(layout([None]), num_blocks=8)
+    with pytest.raises(TypeError, match="cache_config must be a CacheConfig"):
+        KVCacheManager(cfg, {"enable_caching": False})  # type: ignore[arg-type]
+    m = KVCacheManager(cfg, CacheConfig(enable_caching=False))
+    assert m.cache_config == CacheConfig(enable_caching=False) and not m.enable_caching

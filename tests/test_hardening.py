@@ -23,7 +23,7 @@ from invariants import check_manager
 from kvstore.block_pool import BlockPool
 from kvstore.hashing import hash_block, make_keyed_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
-from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.request import Request
 from kvstore.specs import (
@@ -48,7 +48,7 @@ def manager(windows: Sequence[int | None], num_blocks: int, partial: bool = True
             hash_fn: Callable[[int, Sequence[int]], int] = hash_block) -> KVCacheManager:
     """One layer per entry (None = full attention), one group per distinct entry."""
     config = make_kv_cache_config([spec(w) for w in windows], num_blocks=num_blocks)
-    return KVCacheManager(config, enable_partial_hits=partial, hash_fn=hash_fn)
+    return KVCacheManager(config, CacheConfig(enable_partial_hits=partial, hash_fn=hash_fn))
 
 
 def constant_hash(parent: int, tokens: Sequence[int]) -> int:

@@ -42,7 +42,7 @@ from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
 from kvstore.hashing import hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks
-from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.request import Request
 from kvstore.single_type_kv_cache_manager import SlidingWindowManager
 from kvstore.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, make_kv_cache_config
@@ -69,8 +69,8 @@ def make_manager(windows: Sequence[int | None], num_blocks: int, partial: bool =
     """One layer per entry (None = full attention); groups come out in first-appearance order.
     Windows drop every page that leaves them unless `hold` (hold_window_pages)."""
     config = make_kv_cache_config([spec(w) for w in windows], num_blocks=num_blocks)
-    return KVCacheManager(config, enable_partial_hits=partial, index_scheduled_blocks=scheduled,
-                          hold_window_pages=hold)
+    return KVCacheManager(config,
+        CacheConfig(enable_partial_hits=partial, index_scheduled_blocks=scheduled, hold_window_pages=hold))
 
 
 def group_windows(manager: KVCacheManager) -> list[int | None]:
@@ -639,7 +639,7 @@ def test_gemma3_like_long_request_holds_far_fewer_blocks() -> None:
     window, prompt_len, decode = 16, 200, 40
     gemma = KVCacheManager(make_kv_cache_config(
         [spec(window if (i + 1) % 6 else None) for i in range(12)], num_blocks=200),
-        hold_window_pages=False)
+            CacheConfig(hold_window_pages=False))
     all_full = KVCacheManager(make_kv_cache_config([spec(None)] * 12, num_blocks=200))
     assert len(gemma.config.groups) == 6 and gemma.config.num_slots == 2
     windows = group_windows(gemma)

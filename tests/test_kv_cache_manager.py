@@ -17,7 +17,7 @@ from kvstore.block import KVCacheBlock
 from kvstore.errors import RequestTooLargeError
 from kvstore.hashing import hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks
-from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import (
     FullAttentionSpec,
@@ -219,9 +219,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.m = KVCacheManager(config(self.NUM_BLOCKS, self.GROUPS),
-                                enable_partial_hits=self.PARTIAL,
-                                hash_fn=type(self).HASH or hash_block, eviction=self.EVICTION,
-                                index_scheduled_blocks=self.SCHEDULED)
+            CacheConfig(enable_partial_hits=self.PARTIAL, hash_fn=type(self).HASH or hash_block,
+                        eviction=self.EVICTION, index_scheduled_blocks=self.SCHEDULED))
         self.device = Device()
         self.waiting: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
@@ -579,7 +578,7 @@ def test_fully_cached_prompt_hits_all_but_the_last_token_with_partial_hits() -> 
 
 
 def test_block_boundary_prompt_recomputes_last_block_without_partial_hits() -> None:
-    d = Driver(KVCacheManager(config(10), enable_partial_hits=False))
+    d = Driver(KVCacheManager(config(10), CacheConfig(enable_partial_hits=False)))
     d.complete(Request("a", list(range(8))))
     b = Request("b", list(range(8)))
     computed = d.lookup(b)
@@ -599,7 +598,7 @@ def test_block_boundary_prompt_recomputes_last_block_without_partial_hits() -> N
 
 @pytest.mark.parametrize(("partial", "expected"), [(True, 3), (False, 0)])
 def test_single_block_prompt(partial: bool, expected: int) -> None:
-    d = Driver(KVCacheManager(config(6), enable_partial_hits=partial))
+    d = Driver(KVCacheManager(config(6), CacheConfig(enable_partial_hits=partial)))
     d.complete(Request("a", [5, 6, 7, 8]))
     again = Request("b", [5, 6, 7, 8])
     assert d.lookup(again).num_computed_tokens == expected
@@ -650,7 +649,7 @@ X, Y, Z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
 @pytest.mark.parametrize("groups", [1, 2])
 def test_forced_collisions_never_return_wrong_content(
         hash_fn: Callable[[int, Sequence[int]], int], groups: int) -> None:
-    d = Driver(KVCacheManager(config(40, groups), hash_fn=hash_fn))
+    d = Driver(KVCacheManager(config(40, groups), CacheConfig(hash_fn=hash_fn)))
     computed_prefixes: set[tuple[int, ...]] = set()
     prompts = [X + Y + [0], Y + X + [0], X + X + [0], Y + Y + X, X + Z + Y + [0],
                Z + X + [0], X + Y + Z + [1], Y + X + Z + [2], Z + Z + Z, X + [3, 3],
@@ -674,7 +673,7 @@ def test_forced_collisions_never_return_wrong_content(
 
 
 def test_degenerate_hash_shared_block_in_different_positions() -> None:
-    d = Driver(KVCacheManager(config(20), hash_fn=degenerate_hash))
+    d = Driver(KVCacheManager(config(20), CacheConfig(hash_fn=degenerate_hash)))
     d.complete(Request("a", X + Y + [0]))
     r = Request("b", Y + X + [0])
     computed = d.lookup(r)
@@ -893,7 +892,7 @@ def test_stale_partial_source_recached_under_another_salt() -> None:
 @pytest.mark.parametrize("hash_fn", [None, degenerate_hash])
 def test_stale_full_hit_recached_with_other_content(
         hash_fn: Callable[[int, Sequence[int]], int] | None) -> None:
-    d = Driver(KVCacheManager(config(4), hash_fn=hash_fn or hash_block))  # three usable blocks
+    d = Driver(KVCacheManager(config(4), CacheConfig(hash_fn=hash_fn or hash_block)))  # three usable blocks
     d.complete(Request("p", [1, 2, 3, 4, 5]))
     q = Request("q", [1, 2, 3, 4, 6])
     computed = d.lookup(q)
@@ -986,7 +985,7 @@ def test_preempted_request_rehits_its_own_blocks() -> None:
 
 
 def test_exhausted_pool_changes_nothing() -> None:
-    d = Driver(KVCacheManager(config(8, groups=2), enable_events=True))  # 7 usable blocks
+    d = Driver(KVCacheManager(config(8, groups=2), CacheConfig(enable_events=True)))  # 7 usable blocks
     d.complete(Request("a", list(range(6))))  # cached: 2 blocks per group
     b = Request("b", [40] * 8)
     assert d.admit(b, n=4) is not None  # 1 block per group
@@ -1085,7 +1084,7 @@ def test_admit_and_grow_are_the_two_halves_of_allocate_slots() -> None:
 
 def test_accessors_report_the_pool_and_the_tables() -> None:
     specs = [SPEC_A, SlidingWindowSpec(BS, 1, 8, window=BS)]
-    m = KVCacheManager(make_kv_cache_config(specs, num_blocks=20), hold_window_pages=False)
+    m = KVCacheManager(make_kv_cache_config(specs, num_blocks=20), CacheConfig(hold_window_pages=False))
     assert m.num_usable_blocks == 19 and m.num_free_blocks == 19
     assert m.blocks_in_use_by_group() == (0, 0)
     r = Request("r", list(range(14)))
@@ -1150,7 +1149,7 @@ def test_hash_function_is_passed_in() -> None:
         calls.append(len(tokens))
         return hash_block(parent, tokens)
 
-    m = KVCacheManager(config(10), hash_fn=counting)
+    m = KVCacheManager(config(10), CacheConfig(hash_fn=counting))
     assert m.hash_fn is counting
     r = Request("r", list(range(9)))
     m.get_computed_blocks(r)
@@ -1178,13 +1177,13 @@ def test_a_request_larger_than_the_pool_raises_request_too_large() -> None:
 
 # ---- index_scheduled_blocks ------------------------------------------------------------------
 def scheduled_manager(num_blocks: int = 20, groups: int = 1) -> KVCacheManager:
-    return KVCacheManager(config(num_blocks, groups), enable_partial_hits=False,
-                          index_scheduled_blocks=True)
+    return KVCacheManager(config(num_blocks, groups),
+        CacheConfig(enable_partial_hits=False, index_scheduled_blocks=True))
 
 
 @pytest.mark.parametrize("flag", [False, True])
 def test_scheduled_blocks_are_hit_in_the_same_step(flag: bool) -> None:
-    m = KVCacheManager(config(20, 2), enable_partial_hits=False, index_scheduled_blocks=flag)
+    m = KVCacheManager(config(20, 2), CacheConfig(enable_partial_hits=False, index_scheduled_blocks=flag))
     prompt = list(range(100, 100 + 3 * BS + 2))
     a = Request("a", prompt)
     assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
@@ -1267,7 +1266,7 @@ def test_free_before_compute_refused_while_another_request_holds_a_scheduled_blo
 def test_a_block_indexed_when_scheduled_is_no_copy_source_until_computed() -> None:
     """Copies run before the forward: a partial hit must not copy a page its forward has
     not written yet, though a full-block hit may share it."""
-    m = KVCacheManager(config(20), index_scheduled_blocks=True)
+    m = KVCacheManager(config(20), CacheConfig(index_scheduled_blocks=True))
     a = Request("a", list(range(10, 10 + 2 * BS + 1)))
     assert m.admit(a, a.num_tokens) is not None
     partial = Request("p", list(range(10, 10 + BS + 2)) + [99])  # shares block 1's first 2 tokens

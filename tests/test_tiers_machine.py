@@ -14,6 +14,7 @@ from invariants import check_manager
 
 from kvstore.benchmarks.tier_model import PlaceholderConnector
 from kvstore.kv_cache_coordinator import ComputedBlocks
+from kvstore.kv_cache_manager import CacheConfig
 from kvstore.request import Request
 from kvstore.specs import FullAttentionSpec, SlidingWindowSpec, make_kv_cache_config
 from kvstore.tiers import HostTier
@@ -33,7 +34,7 @@ class TieredManagerMachine(RuleBasedStateMachine):
         config = make_kv_cache_config(specs, num_blocks=16)  # 15 pages
         self.host = HostTier(12 * 256, slot_nbytes=256, pin=False)  # 12 values
         self.tiers = PlaceholderConnector(config, "m", host=self.host)
-        self.manager = TieredKVCacheManager(config, tiers=self.tiers, eviction=self.eviction)
+        self.manager = TieredKVCacheManager(config, CacheConfig(eviction=self.eviction), tiers=self.tiers)
         self.waiting: dict[str, tuple[Request, ComputedBlocks]] = {}
         self.running: dict[str, Request] = {}
         self.n = 0

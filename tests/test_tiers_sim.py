@@ -20,6 +20,7 @@ from kvstore.benchmarks.tier_model import (
 )
 from kvstore.benchmarks.workloads import make_workload
 from kvstore.cli import main
+from kvstore.kv_cache_manager import CacheConfig
 from kvstore.specs import FullAttentionSpec, make_kv_cache_config
 from kvstore.tiers import BlockLayout, load_verified, request_keys
 
@@ -260,7 +261,7 @@ def test_pages_dropped_before_the_prompt_end_are_queued_as_they_drop(grow, hold)
     specs = [SlidingWindowSpec(4, 1, 8, "float16", window=8), FullAttentionSpec(4, 1, 8, "float16")]
     config = make_kv_cache_config(specs, num_blocks=64)
     tiers = PlaceholderConnector(config, "m", host=ModelTier(None))
-    manager = TieredKVCacheManager(config, tiers=tiers, hold_window_pages=hold)
+    manager = TieredKVCacheManager(config, CacheConfig(hold_window_pages=hold), tiers=tiers)
     window_group = next(g for g, grp in enumerate(config.groups) if grp.spec.sliding_window)
     request = Request("r", list(range(100, 116)), max_tokens=40)
     assert manager.admit(request, 16, manager.get_computed_blocks(request)) is not None
