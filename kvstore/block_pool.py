@@ -83,6 +83,124 @@ class CacheStats:
         return out
 
 
+class HashIndex:
+    """Full cached blocks by (group, block hash). A key can hold several blocks (twins
+    computed side by side, or hash collisions); a probe verifies a block's tokens and
+    parent, so it never returns another prefix's content."""
+
+    def __init__(self) -> None:
+        # The first block indexed under each key; `_more` holds the others, rare, so the
+        # common probe is one dict lookup.
+        self._first: dict[tuple[int, BlockHash], KVCacheBlock] = {}
+        self._more: dict[tuple[int, BlockHash], list[KVCacheBlock]] = {}
+
+    def probe(self, group_id: int, block_hash: BlockHash, token_ids: Sequence[int],
+              parent_serial: int) -> KVCacheBlock | None:
+        """A block indexed under (group, hash) that holds these tokens under this parent
+        serial, or None."""
+        block = self._first.get((group_id, block_hash))
+        if block is None or (block.parent_serial == parent_serial
+                             and block.token_ids == token_ids):
+            return block
+        return self._probe_all(group_id, block_hash, token_ids, parent_serial)
+
+    def probe_row(self, group_ids: Sequence[int], block_hash: BlockHash,
+                  token_ids: Sequence[int], parent_serial: int) -> list[KVCacheBlock] | None:
+        """`probe` in each of these groups: their blocks, or None if some group has none."""
+        first = self._first
+        row = []
+        for g in group_ids:
+            block = first.get((g, block_hash))
+            if block is None:
+                return None
+            if block.parent_serial != parent_serial or block.token_ids != token_ids:
+                block = self._probe_all(g, block_hash, token_ids, parent_serial)
+                if block is None:
+                    return None
+            row.append(block)
+        return row
+
+    def chain(self, group_id: int, block_hashes: Sequence[BlockHash],
+              block_tokens: Sequence[Sequence[int]], parent_serial: int,
+              max_blocks: int) -> list[KVCacheBlock]:
+        """The longest run of blocks 0, 1, ... (at most `max_blocks`) that `probe` finds in
+        the group, block 0 under `parent_serial` and each next one under the serial of the
+        block found before it."""
+        first = self._first
+        out: list[KVCacheBlock] = []
+        for i in range(max_blocks):
+            block = first.get((group_id, block_hashes[i]))
+            if block is None:
+                break
+            if block.parent_serial != parent_serial or block.token_ids != block_tokens[i]:
+                block = self._probe_all(group_id, block_hashes[i], block_tokens[i],
+                                        parent_serial)
+                if block is None:
+                    break
+            out.append(block)
+            parent_serial = block.serial
+        return out
+
+    def _probe_all(self, group_id: int, block_hash: BlockHash, token_ids: Sequence[int],
+                   parent_serial: int) -> KVCacheBlock | None:
+        """`probe` past the first block of the key (a twin or a collision)."""
+        if type(token_ids) is not tuple:
+            token_ids = tuple(token_ids)
+        for block in self.blocks(group_id, block_hash):
+            if block.parent_serial == parent_serial and block.token_ids == token_ids:
+                return block
+        return None
+
+    def blocks(self, group_id: int, block_hash: BlockHash) -> list[KVCacheBlock]:
+        """Every block indexed under (group, hash), oldest first."""
+        key = (group_id, block_hash)
+        first = self._first.get(key)
+        if first is None:
+            return []
+        more = self._more.get(key)
+        return [first] if more is None else [first, *more]
+
+    def add(self, group_id: int, block_hash: BlockHash, block: KVCacheBlock) -> None:
+        """Index a block under (group, hash), after those indexed there already."""
+        key = (group_id, block_hash)
+        if key in self._first:
+            more = self._more.get(key)
+            if more is None:
+                self._more[key] = [block]
+            else:
+                more.append(block)
+        else:
+            self._first[key] = block
+
+    def remove(self, group_id: int, block_hash: BlockHash, block: KVCacheBlock) -> None:
+        """Drop an indexed block's entry (the oldest of the others becomes the first)."""
+        key = (group_id, block_hash)
+        more = self._more.get(key) if self._more else None
+        if more is None:
+            del self._first[key]
+            return
+        if self._first[key] is block:
+            self._first[key] = more.pop(0)
+        else:
+            more.remove(block)
+        if not more:
+            del self._more[key]
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        self._first.clear()
+        self._more.clear()
+
+    def __len__(self) -> int:
+        return len(self._first) + sum(len(v) for v in self._more.values())
+
+    def entries(self) -> list[tuple[int, int, BlockHash]]:
+        """(block_id, group, hash) of every entry."""
+        out = [(b.block_id, g, h) for (g, h), b in self._first.items()]
+        out += [(b.block_id, g, h) for (g, h), more in self._more.items() for b in more]
+        return out
+
+
 class BlockPool:
     """All pages of one cache, shared by every KV cache group.
 
@@ -121,12 +239,9 @@ class BlockPool:
         # Groups whose twins of an evicted chained block become orphans (policies tracking units).
         self._unit_groups: tuple[int, ...] = (
             tuple(range(num_groups)) if self.free_queue.tracks_units else ())
-        # (group, hash) -> the first block indexed under that key; `_hash_more` holds the
-        # others (twins computed side by side, or hash collisions), rare, so the common
-        # lookup is one dict probe. Read-only outside the pool: the hit searches probe it
-        # inline and fall back on `find_cached` when the first block is not the one.
-        self.hash_index: dict[tuple[int, BlockHash], KVCacheBlock] = {}
-        self._hash_more: dict[tuple[int, BlockHash], list[KVCacheBlock]] = {}
+        # Full cached blocks by (group, hash); the hit searches probe it (read-only outside
+        # the pool).
+        self.hash_index = HashIndex()
         # (group, parent serial) -> sorted [(token_ids, block_id)] of full and partial
         # children: kept only where something reads it (partial hits by longest common
         # prefix, orphan marking by a content-tracking policy).
@@ -232,28 +347,14 @@ class BlockPool:
     def find_cached(self, group_id: int, block_hash: BlockHash, token_ids: Sequence[int],
                     parent_serial: int) -> KVCacheBlock | None:
         """A full cached block with this hash, these stored tokens and this parent."""
-        key = (group_id, block_hash)
-        block = self.hash_index.get(key)
-        if block is None:
-            return None
-        if type(token_ids) is not tuple:
-            token_ids = tuple(token_ids)
-        if block.parent_serial == parent_serial and block.token_ids == token_ids:
-            return block
-        for block in self._hash_more.get(key, ()):
-            if block.parent_serial == parent_serial and block.token_ids == token_ids:
-                return block
-        return None
+        return self.hash_index.probe(group_id, block_hash, token_ids, parent_serial)
 
     def cached_blocks(self, group_id: int, block_hash: BlockHash,
                       token_ids: Sequence[int]) -> list[KVCacheBlock]:
         """Every full cached block with this hash and these stored tokens, whatever its parent."""
-        key = (group_id, block_hash)
-        first = self.hash_index.get(key)
-        if first is None:
-            return []
         token_ids = tuple(token_ids)
-        return [b for b in (first, *self._hash_more.get(key, ())) if b.token_ids == token_ids]
+        return [b for b in self.hash_index.blocks(group_id, block_hash)
+                if b.token_ids == token_ids]
 
     def new_serial(self) -> int:
         """A serial no cached block has: the parent of blocks that follow unknown content."""
@@ -265,8 +366,9 @@ class BlockPool:
                     group_ids: Iterable[int]) -> int:
         """The serial of a full cached block with this hash, parent and tokens in any of
         `group_ids` (searched in order), or 0 if there is none."""
+        probe = self.hash_index.probe
         for group in group_ids:
-            block = self.find_cached(group, block_hash, token_ids, parent_serial)
+            block = probe(group, block_hash, token_ids, parent_serial)
             if block is not None:
                 return block.serial
         return 0
@@ -290,16 +392,7 @@ class BlockPool:
         block.parent_serial = parent_serial
         if self._index_children:
             self._add_child(group, parent_serial, token_ids, block.block_id)
-        key = (group, block_hash)
-        index = self.hash_index
-        if key in index:
-            more = self._hash_more.get(key)
-            if more is None:
-                self._hash_more[key] = [block]
-            else:
-                more.append(block)
-        else:
-            index[key] = block
+        self.hash_index.add(group, block_hash, block)
         self.cached_by_group[group] += 1
         if self.enable_events:
             self._events.append(BlockStored(block_hash, parent_hash, token_ids, group))
@@ -386,17 +479,7 @@ class BlockPool:
             if not siblings:
                 del self._children[key]
         if block_hash is not None:
-            hkey = (block.group_id, block_hash)
-            more = self._hash_more.get(hkey) if self._hash_more else None
-            if more is None:
-                del self.hash_index[hkey]
-            else:
-                if self.hash_index[hkey] is block:
-                    self.hash_index[hkey] = more.pop(0)  # the oldest twin, as before
-                else:
-                    more.remove(block)
-                if not more:
-                    del self._hash_more[hkey]
+            self.hash_index.remove(block.group_id, block_hash, block)
             if self.enable_events:
                 self._events.append(BlockRemoved(block_hash, block.group_id))
         block.block_hash = block.token_ids = None
@@ -460,7 +543,6 @@ class BlockPool:
             block.parent_serial = 0
             block.orphan = False
         self.hash_index.clear()
-        self._hash_more.clear()
         self._children.clear()
         self.cached_by_group.clear()
         self.free_queue.reset()
@@ -482,7 +564,7 @@ class BlockPool:
 
     def num_cached_blocks(self) -> int:
         """Blocks in the full-block hash index."""
-        return len(self.hash_index) + sum(len(v) for v in self._hash_more.values())
+        return len(self.hash_index)
 
     def index_entries(self) -> list[tuple[int, int, int, tuple[int, ...]]]:
         """(block_id, group, parent_serial, tokens) of every indexed block, for invariant checks."""
@@ -497,9 +579,7 @@ class BlockPool:
 
     def hash_entries(self) -> list[tuple[int, int, BlockHash]]:
         """(block_id, group, hash) of every full-block index entry, for invariant checks."""
-        out = [(b.block_id, g, h) for (g, h), b in self.hash_index.items()]
-        out += [(b.block_id, g, h) for (g, h), more in self._hash_more.items() for b in more]
-        return out
+        return self.hash_index.entries()
 
 
 

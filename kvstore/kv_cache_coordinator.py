@@ -111,27 +111,16 @@ class KVCacheCoordinator:
         groups = self._spine_groups
         n = min(max_blocks, len(hashes))
         if len(groups) == 1:
-            # One probe per block; `find_cached` only for twins and collisions.
-            g = groups[0]
-            index = pool.hash_index
-            for i in range(n):
-                block = index.get((g, hashes[i]))
-                if block is None:
-                    break
-                if block.parent_serial != parent or block.token_ids != tokens[i]:
-                    block = pool.find_cached(g, hashes[i], tokens[i], parent)
-                    if block is None:
-                        break
-                blocks.append(block)
-                parent = block.serial
-                parents.append(parent)
+            blocks = pool.hash_index.chain(groups[0], hashes, tokens, parent, n)
+            parents += [block.serial for block in blocks]
             return parents, blocks
+        probe = pool.hash_index.probe
         at = 0  # the group that held the previous block is asked first
         for i in range(n):
             block_tokens = tokens[i]
             for k in range(len(groups)):
                 g = groups[(at + k) % len(groups)]
-                block = pool.find_cached(g, hashes[i], block_tokens, parents[i])
+                block = probe(g, hashes[i], block_tokens, parents[i])
                 if block is not None:
                     at = (at + k) % len(groups)
                     break

@@ -482,8 +482,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             ranges.append((start, stop))
             for i in range(max(start, 0), min(stop, len(table), len(parents))):
                 if table[i].block_id == 0:
-                    block = pool.find_cached(self.group_id, request.block_hashes[i],
-                                             request.block_tokens[i], parents[i])
+                    block = pool.hash_index.probe(self.group_id, request.block_hashes[i],
+                                                  request.block_tokens[i], parents[i])
                     if block is not None and block.ref_cnt > block.pin_cnt:
                         pool.touch((block,))
                         table[i] = block
@@ -642,21 +642,6 @@ class HitSearch:
         self.tokens = request.block_tokens
         self.parents = parents
 
-    def lookup(self, i: int) -> list[KVCacheBlock] | None:
-        """The cached blocks of every group holding block i of the request under its prefix
-        (one per group), or None if some group has none."""
-        index, find = self.pool.hash_index, self.pool.find_cached
-        h, t, p = self.hashes[i], self.tokens[i], self.parents[i]
-        row = []
-        for g in self.group_ids:
-            block = index.get((g, h))
-            if block is not None and (block.parent_serial != p or block.token_ids != t):
-                block = find(g, h, t, p)  # a twin or a collision
-            if block is None:
-                return None
-            row.append(block)
-        return row
-
     def longest(self, cap: int) -> int:
         """The longest hit of at most `cap` blocks (at most the previous cap)."""
         raise NotImplementedError
@@ -685,21 +670,19 @@ class ChainSearch(HitSearch):
         found = self.found
         if not self.complete and len(found) < cap:
             if len(self.group_ids) > 1:
-                lookup = self.lookup
+                probe_row, groups = self.pool.hash_index.probe_row, self.group_ids
+                hashes, tokens, parents = self.hashes, self.tokens, self.parents
                 for i in range(len(found), cap):
-                    row = lookup(i)
+                    row = probe_row(groups, hashes[i], tokens[i], parents[i])
                     if row is None:
                         self.complete = True
                         break
                     found.append(row)
                 return min(cap, len(found))
-            index, g, find = self.pool.hash_index, self.group_ids[0], self.pool.find_cached
+            probe, g = self.pool.hash_index.probe, self.group_ids[0]
             hashes, tokens, parents = self.hashes, self.tokens, self.parents
             for i in range(len(found), cap):
-                block = index.get((g, hashes[i]))
-                if block is not None and (block.parent_serial != parents[i]
-                                          or block.token_ids != tokens[i]):
-                    block = find(g, hashes[i], tokens[i], parents[i])  # a twin or a collision
+                block = probe(g, hashes[i], tokens[i], parents[i])
                 if block is None:
                     self.complete = True
                     break
@@ -749,21 +732,19 @@ class WindowSearch(HitSearch):
     def _missing(self, end: int) -> int:
         """A block the window of a hit of `end` blocks needs that is not cached in every
         group, or `end` if none is (blocks [low, end) are verified already)."""
-        index, find, lookup = self.pool.hash_index, self.pool.find_cached, self.lookup
+        probe, probe_row = self.pool.hash_index.probe, self.pool.hash_index.probe_row
+        groups = self.group_ids
         g0 = self.group_ids[0] if len(self.group_ids) == 1 else -1
         hashes, tokens, parents, found = self.hashes, self.tokens, self.parents, self.found
         start = self.start(end)
         low = self.low
         while low > start:
             j = low - 1
-            if g0 >= 0:  # one group: one probe, inline
-                block = index.get((g0, hashes[j]))
-                if block is not None and (block.parent_serial != parents[j]
-                                          or block.token_ids != tokens[j]):
-                    block = find(g0, hashes[j], tokens[j], parents[j])  # twin or collision
-                found_j: KVCacheBlock | list[KVCacheBlock] | None = block
+            found_j: KVCacheBlock | list[KVCacheBlock] | None
+            if g0 >= 0:  # one group: one probe
+                found_j = probe(g0, hashes[j], tokens[j], parents[j])
             else:
-                found_j = lookup(j)
+                found_j = probe_row(groups, hashes[j], tokens[j], parents[j])
             if found_j is None:
                 self.low = j  # every end in (j, end] needs block j
                 return j

@@ -445,20 +445,20 @@ def test_salted_requests_leave_no_memory_behind() -> None:
 
 
 def count_lookups(m: KVCacheManager) -> list[int]:
-    """Count every index lookup of the pool (find_cached and cached_blocks calls)."""
+    """Count every index lookup of the pool (hash index probes and cached_blocks calls)."""
     pool = m._pool
     count = [0]
-    find_cached, cached_blocks = pool.find_cached, pool.cached_blocks
+    probe, cached_blocks = pool.hash_index.probe, pool.cached_blocks
 
-    def counting_find(*args: Any, **kwargs: Any) -> Any:
+    def counting_probe(*args: Any, **kwargs: Any) -> Any:
         count[0] += 1
-        return find_cached(*args, **kwargs)
+        return probe(*args, **kwargs)
 
     def counting_all(*args: Any, **kwargs: Any) -> Any:
         count[0] += 1
         return cached_blocks(*args, **kwargs)
 
-    pool.find_cached = counting_find  # type: ignore[method-assign]
+    pool.hash_index.probe = counting_probe  # type: ignore[method-assign]
     pool.cached_blocks = counting_all  # type: ignore[method-assign]
     return count
 
