@@ -842,7 +842,7 @@ def run_bench(args: argparse.Namespace) -> int:
                       f"is in {folder}/table.txt (or run with --wide)", style="dim")
     if args.workload.startswith("mooncake") and not args.no_mooncake_curve:
         from kvstore.benchmarks import traces
-        from kvstore.benchmarks.mooncake_replay import run_mooncake_replay
+        from kvstore.benchmarks.replay import run_mooncake_replay
 
         name = args.workload.split("-", 1)[1]
         path = args.trace or traces.locate_trace(TRACE_WORKLOADS[args.workload])

@@ -33,7 +33,12 @@ import tracemalloc
 from collections import deque
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the worker imports only the standard library at module level
+    from kvstore.benchmarks.tier_model import PlaceholderConnector
+    from kvstore.kv_cache_manager import KVCacheManager
+    from kvstore.specs import KVCacheConfig
 
 BLOCK_SIZE = 16
 WINDOW = 1024
@@ -121,6 +126,30 @@ class ManagerResult:
 # ------------------------------------------------------------------------------- sides
 
 
+def new_manager(config: KVCacheConfig, tiers: PlaceholderConnector | None = None,
+                **options: Any) -> KVCacheManager:
+    """A KVCacheManager of `config` (with `tiers`: the TieredKVCacheManager over them);
+    `options` are `CacheConfig` fields (constructor keyword arguments in revisions before
+    `CacheConfig`), refused (TypeError) when this revision lacks one. Every benchmark builds
+    its managers here."""
+    from kvstore import kv_cache_manager
+    from kvstore.kv_cache_manager import KVCacheManager
+
+    cache_config = getattr(kv_cache_manager, "CacheConfig", None)
+    known = (inspect.signature(cache_config if cache_config is not None else KVCacheManager)
+             .parameters)
+    missing = [k for k in options if k not in known]
+    if missing:
+        raise TypeError(f"this revision's KVCacheManager has no {', '.join(missing)}")
+    args = (cache_config(**options),) if cache_config is not None else ()
+    kwargs = {} if cache_config is not None else options
+    if tiers is None:
+        return KVCacheManager(config, *args, **kwargs)
+    from kvstore.tiers.connector import TieredKVCacheManager
+
+    return TieredKVCacheManager(config, *args, tiers=tiers, **kwargs)
+
+
 class KvstoreSide:
     """kvstore's KVCacheManager behind the driver's calls: any revision whose manager has
     ``get_computed_blocks``, ``allocate_slots`` and ``free``; `options` are constructor
@@ -130,7 +159,6 @@ class KvstoreSide:
 
     def __init__(self, layout: str, num_blocks: int, options: dict[str, Any]) -> None:
         from kvstore import hashing
-        from kvstore.kv_cache_manager import KVCacheManager
         from kvstore.request import Request
         from kvstore.specs import FullAttentionSpec, SlidingWindowSpec, make_kv_cache_config
 
@@ -139,11 +167,7 @@ class KvstoreSide:
         slide = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_dim=128,
                                   window=WINDOW)
         config = make_kv_cache_config([slide] * n_slide + [full] * n_full, num_blocks=num_blocks)
-        known = inspect.signature(KVCacheManager).parameters
-        missing = [k for k in options if k not in known]
-        if missing:
-            raise TypeError(f"this revision's KVCacheManager has no {', '.join(missing)}")
-        self.manager = KVCacheManager(config, **options)
+        self.manager = new_manager(config, **options)
         self._request = Request
         self.hash_fn = getattr(self.manager, "hash_fn", hashing.hash_block)
         self.hash_s = 0.0
@@ -775,4 +799,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["SCENARIOS", "ManagerResult", "Spec", "Worker", "add_arguments", "cache_layer_tree",
-           "drive", "ideal_hit_rate", "make_specs", "run"]
+           "drive", "ideal_hit_rate", "make_specs", "new_manager", "run"]

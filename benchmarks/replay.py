@@ -1,27 +1,58 @@
 """``kvstore bench replay``: hit rate against cache capacity on a block-hash trace (the
-Mooncake format: each row names its 512-token blocks by prefix-chained hash ids).
+Mooncake format: each row names its 512-token blocks by prefix-chained hash ids). Hits
+are counted in whole blocks, at most the row's input length, as the Mooncake paper does.
 
 What it replays, by ``--what``:
 
-- ``lru``: kvstore's ``BlockPool`` next to the independent LRU model, with the paper's
-  points (``mooncake_hit_rate``);
+- ``lru``: kvstore's ``BlockPool`` next to the LRU model (``traces.mooncake_lru_replay``),
+  with the paper's points (``mooncake_hit_rate``);
 - ``policies``: every eviction policy through the pool, LIRS, the reuse oracle (LRU that
   knows which blocks never return) and Belady's MIN (``eviction_hit_rate``);
-- ``layouts``: a hybrid layout (10 full + 52 sliding-window layers) under each policy,
-  next to all-full LRU and the bound where windowed pages cost nothing
-  (``eviction_hybrid``);
+- ``layouts``: a hybrid layout (10 full + 52 sliding-window layers) through the real
+  ``KVCacheManager`` under each policy, next to all-full LRU and the bound where windowed
+  pages cost nothing (``eviction_hybrid``);
 - ``tiers``: device-only LRU, a host tier below it, and instances sharing a store.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
+import itertools
 import json
 import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvstore.benchmarks import traces as tr
+from kvstore.benchmarks.manager import new_manager
+from kvstore.benchmarks.output import pyplot, write_csv, write_json
+from kvstore.benchmarks.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    MooncakeRequest,
+    leading_run,
+    load_mooncake,
+    lru_hold,
+    mooncake_lru_replay,
+    mooncake_paper_points,
+)
+from kvstore.block import KVCacheBlock
+from kvstore.block_pool import BlockPool, BlockRemoved, BlockStored
+from kvstore.eviction import EVICTION_POLICIES, EvictionPolicy
+from kvstore.hashing import BlockHash
+from kvstore.request import Request
+from kvstore.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, make_kv_cache_config
+from kvstore.utils import hit_rate
+
+
+def _by_time(requests: Iterable[MooncakeRequest]) -> list[MooncakeRequest]:
+    return sorted(requests, key=lambda r: r.timestamp_ms)
+
 
 WHAT = ("lru", "policies", "layouts", "tiers")
 # Built-in trace names -> trace file keys.
@@ -95,8 +126,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the replays `args` ask for; write figures, JSON and CSV; print tables and a
     headline."""
-    from kvstore.benchmarks import eviction_replay, hybrid_replay, mooncake_replay
-
     if args.trace:
         traces = dict(args.trace)
     else:
@@ -110,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     headline: list[str] = []
     caps = args.capacities
     if "lru" in args.what:
-        res = mooncake_replay.run_mooncake_replay(out, traces, caps, limit, quick=args.quick)
+        res = run_mooncake_replay(out, traces, caps, limit, quick=args.quick)
         agree = all(r.get("agree", True) for rows in res["curves"].values() for r in rows)
         for name, rows in res["curves"].items():
             top = rows[-1]
@@ -120,18 +149,18 @@ def run(args: argparse.Namespace) -> int:
         headline.append(f"LRU: the pool {'equals' if agree else 'DIFFERS FROM'} the LRU model at "
                         f"every capacity ({out}/mooncake_hit_rate.png)")
     if "policies" in args.what:
-        res = eviction_replay.run_eviction_replay(
-            out, traces, caps or eviction_replay.GAP_CAPACITIES, args.policies, limit)
-        print("\n".join(eviction_replay.format_table(res["curves"], args.policies)))
+        res = run_eviction_replay(
+            out, traces, caps or GAP_CAPACITIES, args.policies, limit)
+        print("\n".join(format_policies(res["curves"], args.policies)))
         best = max(((r[p] - r.get("lru", r[p]), p, n, r["capacity_tokens"])
                     for n, rows in res["curves"].items() for r in rows for p in args.policies))
         headline.append(f"policies: best gain over LRU {best[0]:+.3f} ({best[1]}, {best[2]} at "
                         f"{best[3]:,} tokens); MIN bounds every line ({out}/eviction_hit_rate.png)")
     if "layouts" in args.what:
-        res = hybrid_replay.run_hybrid_replay(
-            out, traces, caps or hybrid_replay.CAPACITIES, args.policies, limit, args.jobs)
-        print("\n".join(hybrid_replay.format_table(res["curves"], args.policies)))
-        print("\n".join(hybrid_replay.format_groups(res["curves"], args.policies)))
+        res = run_hybrid_replay(
+            out, traces, caps or CAPACITIES, args.policies, limit, args.jobs)
+        print("\n".join(format_layouts(res["curves"], args.policies)))
+        print("\n".join(format_groups(res["curves"], args.policies)))
         worst = min((r[p] - r["full_lru"], p, n, r["capacity_tokens"])
                     for n, rows in res["curves"].items() for r in rows for p in args.policies)
         headline.append(f"layouts: the hybrid's largest loss against all-full LRU {worst[0]:+.3f} "
@@ -154,8 +183,6 @@ def _exists(key: str) -> bool:
 def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -> str:
     """Device-only LRU, device + host tier (both offload modes), instances sharing a store;
     printed, written as JSON, summed up in one line."""
-    from kvstore.benchmarks.tier_replay import MODES, pooled_replay, tiered_replay
-
     rows = tr.load_mooncake(path, limit)
     bt = tr.MOONCAKE_BLOCK_TOKENS
     dev, host, n = args.device_tokens // bt, args.host_tokens // bt, args.instances
@@ -186,3 +213,1006 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
     return (f"tiers {name}: a host tier lifts LRU from {out['device_only']['block_hit_rate']:.3f} "
             f"to {out['write-back']['block_hit_rate']:.3f}; {n} instances sharing a store keep "
             f"{shared:.2f}x one instance's hits")
+
+
+# --------------------------------------------------- lru: the pool against the LRU model
+
+
+PAPER_CAPACITIES: tuple[int, ...] = (10_000, 100_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000,
+                                     10_000_000, 50_000_000, 100_000_000, 1_000_000_000)
+
+
+def default_capacities(per_decade: int = 4, quick: bool = False) -> list[int]:
+    """Capacities in tokens: the paper's, plus a log grid from 1e4 to 1e9 (none in quick mode)."""
+    caps = set(PAPER_CAPACITIES)
+    if not quick:
+        for e in range(4 * per_decade, 9 * per_decade + 1):
+            caps.add(int(round(10 ** (e / per_decade), -2)))
+    return sorted(caps)
+
+
+def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None,
+                block_tokens: int = MOONCAKE_BLOCK_TOKENS, eviction: str = "lru") -> dict[str, Any]:
+    """Replay Mooncake rows through a BlockPool of ``capacity_blocks`` usable blocks
+    (None: unbounded) under the named eviction policy and count hits as the paper does.
+
+    Returns the oracle's totals (``input_tokens``, ``hit_tokens``, ``total_blocks``,
+    ``hit_blocks``, ``evictions``, ``token_hit_rate``, ``block_hit_rate``,
+    ``per_request_hit_tokens``) plus ``pool_blocks`` (the pool actually built: a pool at
+    least as large as the number of distinct ids never evicts, so it is capped there
+    with identical results), ``link_breaks`` (a leading id present in the pool but not
+    linked to the block before it; 0 on a consistent trace), ``unlinked_present``
+    (ids present after the hit run ended; reused, not recomputed, as the oracle does) and
+    ``partial_tail_tokens`` / ``token_hit_rate_with_tails``: an estimate that also counts
+    a chat turn's reuse of the previous turn's partial last block while that block is
+    cached (a token-level cache with partial hits reuses it; the trace's ids cannot say
+    so, since the block gets a new id once it fills). The replay itself is unchanged."""
+    if capacity_blocks is not None and capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0 or None, got {capacity_blocks}")
+    rows = _by_time(requests)
+    distinct = len({h for r in rows for h in r.hash_ids})
+    cap = capacity_blocks
+    pool_blocks = distinct if cap is None else min(cap, distinct)
+    input_tokens = sum(r.input_length for r in rows)
+    total_blocks = sum(len(r.hash_ids) for r in rows)
+    out: dict[str, Any] = {
+        "capacity_blocks": cap,
+        "capacity_tokens": None if cap is None else cap * block_tokens,
+        "pool_blocks": pool_blocks,
+        "requests": len(rows),
+        "input_tokens": input_tokens,
+        "total_blocks": total_blocks,
+    }
+    if pool_blocks == 0:  # nothing can be cached
+        out.update(hit_tokens=0, hit_blocks=0, evictions=0, link_breaks=0, unlinked_present=0,
+                   token_hit_rate=0.0, partial_tail_tokens=0, token_hit_rate_with_tails=0.0,
+                   block_hit_rate=0.0, per_request_hit_tokens=[0] * len(rows))
+        return out
+    pool = BlockPool(pool_blocks + 1, enable_caching=True, eviction=eviction)
+    root = pool.root_serial(None)
+    find, cached, touch = pool.find_cached, pool.cached_blocks, pool.touch
+    hit_tokens = hit_blocks = link_breaks = unlinked = tail_tokens = 0
+    per_request: list[int] = []
+    last_full: dict[int, MooncakeRequest] = {}  # id of a request's last full block -> request
+    for req in rows:
+        keep = req.hash_ids if cap is None else req.hash_ids[:cap]
+        table: list[KVCacheBlock | None] = []
+        parent = root
+        k = 0
+        for h in keep:  # the hit: consecutive linked blocks from the root
+            block = find(0, h, (h,), parent_serial=parent)
+            if block is None:
+                break
+            table.append(block)
+            parent = block.serial
+            k += 1
+        if k < len(keep) and cached(0, keep[k], (keep[k],)):
+            link_breaks += 1
+        tail_tokens += _continued_tail(req, k, last_full, block_tokens,
+                                       lambda h: bool(cached(0, h, (h,))))
+        for h in keep[k:]:  # after the run: present blocks are reused, missing ones computed
+            same = cached(0, h, (h,))
+            block = same[0] if same else None
+            unlinked += block is not None
+            table.append(block)
+        touch(b for b in table if b is not None)
+        missing = [i for i, b in enumerate(table) if b is None]
+        for i, block in zip(missing, pool.get_new_blocks(len(missing), 0), strict=True):
+            table[i] = block
+        parent = root
+        new = set(missing)
+        for i, (h, block) in enumerate(zip(keep, table, strict=True)):
+            assert block is not None
+            parent = (pool.cache_full_block(block, block_hash=h, token_ids=(h,), parent_serial=parent)
+                      if i in new else block.serial)
+        pool.free_blocks(reversed(table))  # type: ignore[arg-type]
+        n_full = req.input_length // block_tokens
+        if n_full:
+            last_full[req.hash_ids[n_full - 1]] = req
+        hit = min(k * block_tokens, req.input_length)
+        per_request.append(hit)
+        hit_tokens += hit
+        hit_blocks += k
+    if pool.num_free_blocks != pool.num_usable_blocks:
+        raise RuntimeError("pool replay leaked blocks")
+    out.update(hit_tokens=hit_tokens, hit_blocks=hit_blocks, evictions=pool.stats.evictions,
+               link_breaks=link_breaks, unlinked_present=unlinked,
+               token_hit_rate=hit_rate(hit_tokens, input_tokens),
+               partial_tail_tokens=tail_tokens,
+               token_hit_rate_with_tails=hit_rate(hit_tokens + tail_tokens, input_tokens),
+               block_hit_rate=hit_rate(hit_blocks, total_blocks),
+               per_request_hit_tokens=per_request)
+    return out
+
+
+def _continued_tail(req: MooncakeRequest, k: int, last_full: dict[int, MooncakeRequest],
+                    block_tokens: int, present: Callable[[int], bool]) -> int:
+    """Tokens of an earlier request's partial last block that `req` repeats, when `req`
+    continues that request (its hit run of `k` blocks ends at the earlier request's last
+    full block and it is longer than the earlier input plus output) and the partial
+    block is still cached; else 0."""
+    p = last_full.get(req.hash_ids[k - 1]) if k else None
+    if p is None or req.input_length <= p.input_length + p.output_length:
+        return 0
+    tail = p.input_length - k * block_tokens
+    if k != p.input_length // block_tokens or tail <= 0 or not present(p.hash_ids[-1]):
+        return 0
+    return tail
+
+
+def replay_curve(requests: Sequence[MooncakeRequest], capacities_tokens: Sequence[int],
+                 block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                 check_oracle: bool = True) -> list[dict[str, Any]]:
+    """Pool replay (and the oracle) at each capacity; one row per capacity, with
+    ``agree`` True when the pool and the oracle give the same hits per request and the
+    same eviction count."""
+    rows = _by_time(requests)
+    out = []
+    for cap_tokens in capacities_tokens:
+        blocks = cap_tokens // block_tokens
+        t0 = time.perf_counter()
+        res = pool_replay(rows, blocks, block_tokens)
+        t_pool = time.perf_counter() - t0
+        row = {k: v for k, v in res.items() if k != "per_request_hit_tokens"}
+        row.update(capacity_tokens=cap_tokens, pool_s=t_pool)
+        if check_oracle:
+            t0 = time.perf_counter()
+            ref = mooncake_lru_replay(rows, blocks, block_tokens)
+            row["oracle_s"] = time.perf_counter() - t0
+            row["oracle_token_hit_rate"] = ref["token_hit_rate"]
+            row["oracle_evictions"] = ref["evictions"]
+            row["agree"] = (ref["per_request_hit_tokens"] == res["per_request_hit_tokens"]
+                            and ref["evictions"] == res["evictions"])
+        out.append(row)
+    return out
+
+
+def gap_analysis(requests: Sequence[MooncakeRequest],
+                 block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> dict[str, Any]:
+    """What bounds the curve: the unbounded (infinite cache) hit rate under the paper's
+    whole-block counting, and what it would be if reuse also covered the previous turn's
+    partial last block and its output.
+
+    A request "continues" an earlier one when its hit run ends exactly at the earlier
+    request's last full block and it is longer than that request's input plus output
+    (a chat's next turn: the trace hashes the earlier partial block anew once it fills).
+    """
+    rows = _by_time(requests)
+    seen: set[int] = set()
+    last_full: dict[int, MooncakeRequest] = {}  # id of a request's last full block -> request
+    input_tokens = sum(r.input_length for r in rows)
+    total_blocks = sum(len(r.hash_ids) for r in rows)
+    base = tails = outputs = continuing = 0
+    for r in rows:
+        ids = r.hash_ids
+        k = 0
+        while k < len(ids) and ids[k] in seen:
+            k += 1
+        base += min(k * block_tokens, r.input_length)
+        p = last_full.get(ids[k - 1]) if k else None
+        if p is not None and r.input_length > p.input_length + p.output_length:
+            p_full = p.input_length // block_tokens
+            if k == p_full:
+                continuing += 1
+                tails += p.input_length - p_full * block_tokens
+                outputs += p.output_length
+        seen.update(ids)
+        n_full = r.input_length // block_tokens
+        if n_full:
+            last_full[ids[n_full - 1]] = r
+    distinct = len(seen)
+    rate = (lambda x: x / input_tokens) if input_tokens else (lambda x: 0.0)
+    return {
+        "requests": len(rows),
+        "input_tokens": input_tokens,
+        "total_blocks": total_blocks,
+        "distinct_blocks": distinct,
+        "block_ceiling": 1 - distinct / total_blocks if total_blocks else 0.0,
+        "token_ceiling": rate(base),
+        "continuing_requests": continuing,
+        "ceiling_with_partial_tails": rate(base + tails),
+        "ceiling_with_tails_and_outputs": rate(base + tails + outputs),
+        "starts_with_block_0": sum(1 for r in rows if r.hash_ids and r.hash_ids[0] == 0),
+    }
+
+
+def plot_curves(curves: dict[str, list[dict[str, Any]]],
+                paper: dict[str, list[tuple[int, float]]], path: str | Path,
+                ceilings: dict[str, dict[str, Any]] | None = None) -> None:
+    """One figure: each trace's pool-replay curve (and oracle markers), the paper's
+    points, and each trace's unbounded ceiling, against capacity in tokens (log x)."""
+    plt = pyplot()
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {"conversation": "tab:blue", "synthetic": "tab:orange"}
+    for name, rows in curves.items():
+        c = colors.get(name, None)
+        xs = [r["capacity_tokens"] for r in rows]
+        ax.plot(xs, [r["token_hit_rate"] for r in rows], "-", color=c, lw=2,
+                label=f"{name}: kvstore BlockPool replay")
+        if rows and "oracle_token_hit_rate" in rows[0]:
+            ax.plot(xs, [r["oracle_token_hit_rate"] for r in rows], "x", color=c, ms=6,
+                    label=f"{name}: LRU oracle")
+        if rows and "token_hit_rate_with_tails" in rows[0]:
+            ax.plot(xs, [r["token_hit_rate_with_tails"] for r in rows], "--", color=c, lw=1.2,
+                    label=f"{name}: + previous turn's cached partial block (estimate)")
+        pts = paper.get(name, [])
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", mfc="none", color=c, ms=9,
+                    mew=1.5, label=f"{name}: paper Fig. 9 (read by eye)")
+        if ceilings and name in ceilings:
+            ax.axhline(ceilings[name]["token_ceiling"], color=c, ls=":", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("LRU cache capacity (tokens, 512-token blocks)")
+    ax.set_ylabel("token hit rate (whole-block counting)")
+    ax.set_title("Mooncake FAST'25 traces: hit rate vs cache capacity\n"
+                 "(dotted: the trace's infinite-cache ceiling)")
+    ax.set_ylim(0, max(0.75, ax.get_ylim()[1]))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
+                        capacities: Sequence[int] | None = None, limit: int | None = None,
+                        paper_path: str | Path | None = None, quick: bool = False,
+                        check_oracle: bool = True, log: Any = print) -> dict[str, Any]:
+    """Replay each trace over the capacities, write ``mooncake_hit_rate.{png,json,csv}``
+    into `out_dir`, and return what was written (curves, gap analysis, paper points)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    caps = list(capacities) if capacities is not None else default_capacities(quick=quick)
+    try:
+        paper = mooncake_paper_points(paper_path)
+    except FileNotFoundError:
+        paper = {}
+    curves: dict[str, list[dict[str, Any]]] = {}
+    gaps: dict[str, dict[str, Any]] = {}
+    for name, path in traces.items():
+        rows = load_mooncake(path, limit)
+        t0 = time.perf_counter()
+        curves[name] = replay_curve(rows, caps, check_oracle=check_oracle)
+        gaps[name] = gap_analysis(rows)
+        agree = all(r.get("agree", True) for r in curves[name])
+        log(f"mooncake {name}: {len(rows)} requests, {len(caps)} capacities in "
+            f"{time.perf_counter() - t0:.1f}s; pool == oracle at every capacity: {agree}")
+    plot_curves(curves, paper, out / "mooncake_hit_rate.png", gaps)
+    table = []
+    for name, curve in curves.items():
+        for r in curve:
+            table.append({"trace": name, "source": "kvstore_pool", **r})
+    for name in curves:
+        for cap, rate in paper.get(name, []):
+            table.append({"trace": name, "source": "paper_fig9", "capacity_tokens": cap,
+                          "token_hit_rate": rate})
+    write_csv(out / "mooncake_hit_rate.csv", table)
+    result = {"capacities_tokens": caps, "limit": limit, "curves": curves, "gap": gaps,
+              "paper_points": {k: v for k, v in paper.items() if k in curves},
+              "comparison": compare_with_paper(curves, paper)}
+    write_json(out / "mooncake_hit_rate.json", result)
+    return result
+
+
+def compare_with_paper(curves: dict[str, list[dict[str, Any]]],
+                       paper: dict[str, list[tuple[int, float]]]) -> list[dict[str, Any]]:
+    """The replay next to each paper point at the same capacity."""
+    out = []
+    for name, rows in curves.items():
+        at = {r["capacity_tokens"]: r for r in rows}
+        for cap, rate in paper.get(name, []):
+            r = at.get(cap)
+            if r is not None:
+                out.append({"trace": name, "capacity_tokens": cap, "paper": rate,
+                            "kvstore": r["token_hit_rate"],
+                            "oracle": r.get("oracle_token_hit_rate"),
+                            "diff": r["token_hit_rate"] - rate,
+                            "with_tails": r.get("token_hit_rate_with_tails"),
+                            "diff_with_tails": r.get("token_hit_rate_with_tails", 0.0) - rate})
+    return out
+
+
+# -------------------------------- policies: online policies, LIRS, the reuse oracle, MIN
+
+
+# The paper's capacities where the issue's goal applies, in tokens.
+GAP_CAPACITIES: tuple[int, ...] = (1_000_000, 2_000_000, 3_000_000, 5_000_000)
+
+_NEVER = 1 << 62
+
+
+def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
+               block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> dict[str, Any]:
+    """Belady's MIN over the request model of `mooncake_lru_replay`: totals
+    (``input_tokens``, ``hit_tokens``, ``total_blocks``, ``hit_blocks``, ``evictions``),
+    ``token_hit_rate``, ``block_hit_rate``, ``per_request_hit_tokens`` and
+    ``unlinked_present`` (present blocks outside the hit run; 0 when prefix-closed)."""
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    rows = _by_time(requests)
+    cap = capacity_blocks
+    # next_use[r][j]: index of the next request after r that uses rows[r].hash_ids[j].
+    last_seen: dict[int, int] = {}
+    next_use: list[list[int]] = [[] for _ in rows]
+    for r in range(len(rows) - 1, -1, -1):
+        ids = rows[r].hash_ids[:cap]
+        next_use[r] = [last_seen.get(h, _NEVER) for h in ids]
+        for h in ids:
+            last_seen[h] = r
+    cache: dict[int, int] = {}  # id -> its current next use
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, id); stale entries skipped
+    input_tokens = hit_tokens = total_blocks = hit_blocks = evictions = unlinked = 0
+    per_request: list[int] = []
+    for r, req in enumerate(rows):
+        ids = req.hash_ids
+        k = leading_run(ids, cache)
+        keep = ids[:cap]
+        unlinked += sum(1 for h in keep[k:] if h in cache)
+        hit = min(k * block_tokens, req.input_length)
+        per_request.append(hit)
+        hit_tokens += hit
+        hit_blocks += k
+        input_tokens += req.input_length
+        total_blocks += len(ids)
+        held = set(keep)
+        need = len(cache) + sum(1 for h in keep if h not in cache) - cap
+        while need > 0:
+            neg_next, _, h = heapq.heappop(heap)
+            if cache.get(h) != -neg_next or h in held:
+                continue  # stale, or held (its entry is replaced below)
+            del cache[h]
+            evictions += 1
+            need -= 1
+        for depth, (h, nxt) in enumerate(zip(keep, next_use[r], strict=True)):
+            cache[h] = nxt
+            heapq.heappush(heap, (-nxt, -depth, h))
+    return {
+        "capacity_blocks": cap,
+        "capacity_tokens": cap * block_tokens,
+        "requests": len(rows),
+        "input_tokens": input_tokens,
+        "hit_tokens": hit_tokens,
+        "total_blocks": total_blocks,
+        "hit_blocks": hit_blocks,
+        "evictions": evictions,
+        "unlinked_present": unlinked,
+        "token_hit_rate": hit_rate(hit_tokens, input_tokens),
+        "block_hit_rate": hit_rate(hit_blocks, total_blocks),
+        "per_request_hit_tokens": per_request,
+    }
+
+
+def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
+                        block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> dict[str, Any]:
+    """LRU over the request model of `mooncake_lru_replay`, except that a block no later
+    request uses is evicted before any other (least recently used first among those, then
+    among the rest): offline, it knows whether a block returns but not when. Returns
+    ``token_hit_rate``, ``hit_tokens``, ``hit_blocks``, ``evictions``."""
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    rows = _by_time(requests)
+    cap = capacity_blocks
+    later: set[int] = set()
+    returns: list[frozenset[int]] = [frozenset()] * len(rows)
+    for r in range(len(rows) - 1, -1, -1):
+        ids = rows[r].hash_ids[:cap]
+        returns[r] = frozenset(h for h in ids if h in later)
+        later.update(ids)
+    dead: OrderedDict[int, None] = OrderedDict()  # never used again; first = LRU
+    live: OrderedDict[int, None] = OrderedDict()
+    input_tokens = hit_tokens = hit_blocks = evictions = 0
+    for r, req in enumerate(rows):
+        ids = req.hash_ids
+        k = 0
+        while k < len(ids) and (ids[k] in live or ids[k] in dead):
+            k += 1
+        hit_tokens += min(k * block_tokens, req.input_length)
+        hit_blocks += k
+        input_tokens += req.input_length
+        keep = ids[:cap]
+        for h in keep:
+            live.pop(h, None)
+            dead.pop(h, None)
+        while (dead or live) and len(dead) + len(live) + len(keep) > cap:
+            (dead if dead else live).popitem(last=False)
+            evictions += 1
+        back = returns[r]
+        for h in reversed(keep):
+            (live if h in back else dead)[h] = None
+    return {"capacity_blocks": cap, "hit_tokens": hit_tokens, "hit_blocks": hit_blocks,
+            "evictions": evictions, "token_hit_rate": hit_rate(hit_tokens, input_tokens)}
+
+
+def lirs_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
+                hir_fraction: float = 0.05, block_tokens: int = MOONCAKE_BLOCK_TOKENS
+                ) -> dict[str, Any]:
+    """LIRS (Jiang and Zhang, 2002) over the request model of `mooncake_lru_replay`, adapted
+    to prefix chains: online, block by block, outside the pool. A block is LIR once it is
+    reused within the recency of the least recent LIR block (its inter-reference recency is
+    small); LIR blocks fill all but `hir_fraction` of the cache and leave only when a block
+    with a smaller recency takes their place, so a set of chains outlives a stream of chains
+    whose reuse distance exceeds the cache (where LRU keeps none). Blocks whose parent was
+    evicted go first, then resident HIR blocks (FIFO), then the least recent LIR block.
+    Returns ``token_hit_rate``, ``hit_tokens``, ``hit_blocks``, ``evictions``."""
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    if not 0.0 < hir_fraction < 1.0:
+        raise ValueError(f"hir_fraction must be in (0, 1), got {hir_fraction}")
+    rows = _by_time(requests)
+    cap = capacity_blocks
+    num_lir = max(1, cap - max(1, int(cap * hir_fraction)))  # LIRS needs an LIR block
+    stack: OrderedDict[int, None] = OrderedDict()  # recency of LIR and HIR ids; last = newest
+    hir: OrderedDict[int, None] = OrderedDict()  # resident HIR blocks; first = next out
+    orphans: OrderedDict[int, None] = OrderedDict()  # resident blocks whose parent left
+    lir: set[int] = set()
+    resident: set[int] = set()
+    children: dict[int, set[int]] = {}
+
+    def prune() -> None:  # the stack's bottom is always an LIR block
+        while stack:
+            h = next(iter(stack))
+            if h in lir:
+                return
+            del stack[h]
+
+    def demote_bottom() -> None:
+        h, _ = stack.popitem(last=False)
+        assert h in lir and h in resident
+        lir.discard(h)
+        hir[h] = None
+        prune()
+
+    def unlink(h: int) -> None:  # out of LIR or HIR bookkeeping, still resident
+        if h in lir:
+            lir.discard(h)
+            del stack[h]
+            prune()
+        hir.pop(h, None)
+
+    input_tokens = hit_tokens = hit_blocks = evictions = 0
+    for req in rows:
+        ids = req.hash_ids
+        k = leading_run(ids, resident)
+        hit_tokens += min(k * block_tokens, req.input_length)
+        hit_blocks += k
+        input_tokens += req.input_length
+        keep = ids[:cap]
+        held = set(keep)
+        for parent, child in itertools.pairwise(keep):
+            children.setdefault(parent, set()).add(child)
+        for h in keep:  # an orphan this request links again is live
+            orphans.pop(h, None)
+        need = len(resident) + sum(1 for h in keep if h not in resident) - cap
+        while need > 0:
+            victim = next((h for q in (orphans, hir) for h in q if h not in held), None)
+            if victim is None:
+                victim = next(h for h in stack if h in lir and h not in held)
+            unlink(victim)
+            orphans.pop(victim, None)
+            resident.discard(victim)
+            evictions += 1
+            need -= 1
+            for child in children.get(victim, ()):
+                if child in resident and child not in orphans:
+                    unlink(child)
+                    orphans[child] = None
+        for h in reversed(keep):  # the root last: most recent, as LRU orders a chain
+            if h in lir:
+                stack.move_to_end(h)
+                prune()
+            elif h in hir:  # a resident HIR block
+                if h in stack:  # reused within the LIR recency: it becomes LIR
+                    del hir[h]
+                    lir.add(h)
+                    stack.move_to_end(h)
+                    demote_bottom()
+                else:
+                    stack[h] = None
+                    hir.move_to_end(h)
+            else:  # missing, or an orphan linked again
+                resident.add(h)
+                if len(lir) < num_lir:
+                    lir.add(h)
+                    stack[h] = None
+                    stack.move_to_end(h)
+                elif h in stack:
+                    lir.add(h)
+                    stack.move_to_end(h)
+                    demote_bottom()
+                else:
+                    stack[h] = None
+                    hir[h] = None
+    return {"capacity_blocks": cap, "hit_tokens": hit_tokens, "hit_blocks": hit_blocks,
+            "evictions": evictions, "token_hit_rate": hit_rate(hit_tokens, input_tokens)}
+
+
+def brute_force_best_hit_blocks(requests: Sequence[MooncakeRequest], capacity_blocks: int) -> int:
+    """The most leading-run hit blocks any eviction schedule achieves (exhaustive search over
+    which unheld blocks each request evicts; for tiny traces only)."""
+    rows = _by_time(requests)
+    cap = capacity_blocks
+
+    def best(r: int, cache: frozenset[int]) -> int:
+        if r == len(rows):
+            return 0
+        ids = rows[r].hash_ids
+        k = leading_run(ids, cache)
+        keep = ids[:cap]
+        held = set(keep)
+        need = len(cache | held) - cap
+        others = sorted(cache - held)
+        if need <= 0:
+            return k + best(r + 1, cache | held)
+        return k + max(best(r + 1, (cache - set(out)) | held)
+                       for out in itertools.combinations(others, need))
+
+    return best(0, frozenset())
+
+
+def gap_closed(rate: float, lru: float, opt: float) -> float | None:
+    """The fraction of the LRU-to-MIN gap a policy's hit rate closes (None without a gap)."""
+    return None if opt - lru <= 1e-12 else (rate - lru) / (opt - lru)
+
+
+def policy_curves(rows: Sequence[MooncakeRequest], capacities: Sequence[int],
+                  policies: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per capacity: each policy's token hit rate, LIRS's, the reuse oracle's, MIN's,
+    and the gap each closes."""
+    rows = _by_time(rows)
+    out = []
+    for cap_tokens in capacities:
+        blocks = cap_tokens // MOONCAKE_BLOCK_TOKENS
+        row: dict[str, Any] = {"capacity_tokens": cap_tokens}
+        t0 = time.perf_counter()
+        opt = min_replay(rows, blocks)
+        row["min"] = opt["token_hit_rate"]
+        row["min_unlinked_present"] = opt["unlinked_present"]
+        row["min_s"] = time.perf_counter() - t0
+        row["reuse_oracle"] = reuse_oracle_replay(rows, blocks)["token_hit_rate"]
+        row["lirs"] = lirs_replay(rows, blocks)["token_hit_rate"]
+        for name in policies:
+            t0 = time.perf_counter()
+            row[name] = pool_replay(rows, blocks, eviction=name)["token_hit_rate"]
+            row[f"{name}_s"] = time.perf_counter() - t0
+        lru = row.get("lru")
+        if lru is not None:
+            for name in [*policies, "lirs", "reuse_oracle"]:
+                row[f"{name}_gap_closed"] = gap_closed(row[name], lru, row["min"])
+        out.append(row)
+    return out
+
+
+def plot_policy_curves(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str],
+                       path: str | Path) -> None:
+    """Hit rate against capacity, one panel per trace, one line per policy plus MIN."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
+        xs = [r["capacity_tokens"] for r in rows]
+        for p in list(policies):
+            ax.plot(xs, [r[p] for r in rows], "-o", ms=3, label=p)
+        ax.plot(xs, [r["lirs"] for r in rows], "-.", color="tab:brown",
+                label="LIRS, block level (online, outside the pool)")
+        ax.plot(xs, [r["reuse_oracle"] for r in rows], ":", color="gray",
+                label="LRU knowing which blocks return (offline)")
+        ax.plot(xs, [r["min"] for r in rows], "--", color="black", label="MIN (offline)")
+        ax.set_xscale("log")
+        ax.set_xlabel("capacity (tokens, 512-token blocks)")
+        ax.set_ylabel("token hit rate (whole blocks)")
+        ax.set_title(f"Mooncake {name}: eviction policies")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
+                        capacities: Sequence[int] = GAP_CAPACITIES,
+                        policies: Sequence[str] = tuple(EVICTION_POLICIES),
+                        limit: int | None = None, log: Any = print) -> dict[str, Any]:
+    """Replay each trace under every policy and MIN; write ``eviction_hit_rate.{png,json,csv}``
+    into `out_dir` and return the curves."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    curves: dict[str, list[dict[str, Any]]] = {}
+    for name, path in traces.items():
+        rows = load_mooncake(path, limit)
+        t0 = time.perf_counter()
+        curves[name] = policy_curves(rows, capacities, policies)
+        log(f"eviction {name}: {len(rows)} requests, {len(capacities)} capacities in "
+            f"{time.perf_counter() - t0:.1f}s")
+    plot_policy_curves(curves, policies, out / "eviction_hit_rate.png")
+    write_csv(out / "eviction_hit_rate.csv",
+              [{"trace": name, **r} for name, rows in curves.items() for r in rows])
+    result = {"capacities_tokens": list(capacities), "policies": list(policies), "limit": limit,
+              "curves": curves}
+    write_json(out / "eviction_hit_rate.json", result)
+    return result
+
+
+def format_policies(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str]) -> list[str]:
+    """A markdown table: per trace and capacity, each policy's hit rate (gap closed) and MIN."""
+    head = "| trace | capacity | " + " | ".join(policies) + " | LIRS | reuse oracle | MIN |"
+    lines = [head, "|" + "---|" * (5 + len(policies))]
+    for name, rows in curves.items():
+        for r in rows:
+            cells = []
+            for p in [*policies, "lirs", "reuse_oracle"]:
+                g = r.get(f"{p}_gap_closed")
+                cells.append(f"{r[p]:.3f}" + ("" if p == "lru" or g is None else f" ({g:+.0%})"))
+            lines.append(f"| {name} | {r['capacity_tokens'] / 1e6:g}M | " + " | ".join(cells)
+                         + f" | {r['min']:.3f} |")
+    return lines
+
+
+# ------------------------------------------ layouts: a hybrid layout through the manager
+
+
+# Gemma-3-27B-like: 62 layers, 10 full attention and 52 sliding window of 1024 tokens.
+FULL_LAYERS = 10
+WINDOW_LAYERS = 52
+WINDOW = 1024
+CAPACITIES: tuple[int, ...] = (300_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000)
+# Prefill chunk (tokens), vLLM's default token budget per step.
+CHUNK_TOKENS = 8192
+
+
+def layer_specs(layout: str, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[KVCacheSpec]:
+    """The 62 layer specs of a layout: ``hybrid`` (every sixth layer full, as Gemma 3, the
+    rest windowed) or ``full``."""
+    full = FullAttentionSpec(block_tokens, 16, 128, "bfloat16")
+    if layout == "full":
+        return [full] * (FULL_LAYERS + WINDOW_LAYERS)
+    if layout != "hybrid":
+        raise ValueError(f"unknown layout {layout!r}; known: hybrid, full")
+    window = SlidingWindowSpec(block_tokens, 16, 128, "bfloat16", window=WINDOW)
+    return [full if i % 6 == 5 else window for i in range(FULL_LAYERS + WINDOW_LAYERS)]
+
+
+def _fast_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """The block's first token chained to its parent: enough, since a block's first token
+    names its trace id, which names its whole prefix (the pool verifies tokens anyway)."""
+    return hash((parent, token_ids[0])) & ((1 << 64) - 1)
+
+
+def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
+                  eviction: str | EvictionPolicy = "lru", layout: str = "hybrid",
+                  block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                  chunk_tokens: int = CHUNK_TOKENS) -> dict[str, Any]:
+    """Replay Mooncake rows through a KVCacheManager of `layout` at the bytes of an all-full
+    cache of `capacity_tokens` tokens. Returns ``token_hit_rate``, ``hit_tokens``,
+    ``input_tokens``, ``hit_blocks``, ``total_blocks``, ``num_blocks`` (the pool's pages),
+    ``truncated`` (rows cut to what the pool can hold at once), ``cut_tokens`` and
+    ``cut_rate`` (tokens past the hit whose full-attention chain was cached but whose window
+    pages were not: hits a sliding-window group cut), ``per_request_hit_tokens``
+    and, per group, ``groups``: its layers, pages stored, evicted, cached at the end and on
+    average (sampled after every request), and hit pages."""
+    specs = layer_specs(layout, block_tokens)
+    groups_probe = make_kv_cache_config(specs, num_blocks=2)
+    slots = groups_probe.num_slots
+    num_pages = capacity_tokens // block_tokens * len(specs) // slots
+    config = make_kv_cache_config(specs, num_blocks=num_pages + 1)
+    ng = len(config.groups)
+    manager = new_manager(config, enable_partial_hits=False, enable_events=True,
+                          hash_fn=_fast_hash, eviction=eviction)
+    # The most blocks a request may hold at once: every group's page per block, one more
+    # page per group for the extra token.
+    max_blocks = num_pages // ng - 1
+    rows = sorted(requests, key=lambda r: r.timestamp_ms)
+    stored = [0] * ng
+    evicted = [0] * ng
+    resident = [0] * ng
+    resident_sum = [0] * ng
+    hit_pages = [0] * ng
+    input_tokens = hit_tokens = hit_blocks = total_blocks = truncated = cut_tokens = 0
+    per_request: list[int] = []
+    for n, row in enumerate(rows):
+        ids = row.hash_ids
+        if len(ids) > max_blocks:
+            ids = ids[:max_blocks]
+            truncated += 1
+        num_tokens = min(row.input_length, len(ids) * block_tokens)
+        tokens = np.zeros(num_tokens, dtype=np.int64)
+        tokens[::block_tokens] = np.asarray(ids[:-(-num_tokens // block_tokens)],
+                                            dtype=np.int64) + 1
+        req = Request(f"r{n}", tokens)
+        computed = manager.get_computed_blocks(req)
+        k = computed.num_computed_tokens // block_tokens
+        for g in range(ng):
+            hit_pages[g] += sum(1 for b in computed.blocks[g] if b.block_id != 0)
+        end = min(num_tokens, computed.num_computed_tokens + chunk_tokens)
+        if manager.admit(req, end - computed.num_computed_tokens, computed) is None:
+            raise RuntimeError(f"row {n} ({len(ids)} blocks) does not fit {num_pages} pages")
+        while True:
+            req.num_computed_tokens = end
+            if end == num_tokens:
+                break
+            end = min(num_tokens, end + chunk_tokens)
+            if manager.grow(req, end - req.num_computed_tokens) is None:
+                raise RuntimeError(f"row {n} ({len(ids)} blocks) does not fit {num_pages} pages")
+        manager.free(req)
+        for ev in manager.take_events():
+            if isinstance(ev, BlockStored):
+                stored[ev.group_id] += 1
+                resident[ev.group_id] += 1
+            elif isinstance(ev, BlockRemoved):
+                evicted[ev.group_id] += 1
+                resident[ev.group_id] -= 1
+        for g in range(ng):
+            resident_sum[g] += resident[g]
+        hit = min(k * block_tokens, row.input_length)
+        cut_tokens += min(computed.num_verified_tokens, row.input_length) - min(
+            hit, computed.num_verified_tokens)
+        per_request.append(hit)
+        hit_tokens += hit
+        hit_blocks += k
+        input_tokens += row.input_length
+        total_blocks += len(row.hash_ids)
+    if manager.num_free_blocks != manager.num_usable_blocks:
+        raise RuntimeError("hybrid replay leaked pages")
+    groups = []
+    for g, group in enumerate(config.groups):
+        groups.append({
+            "group": g,
+            "kind": "full" if isinstance(group.spec, FullAttentionSpec) else "window",
+            "layers": len(group.layer_ids),
+            "stored": stored[g],
+            "evicted": evicted[g],
+            "cached_end": resident[g],
+            "cached_mean": resident_sum[g] / max(1, len(rows)),
+            "hit_pages": hit_pages[g],
+        })
+    return {
+        "layout": layout,
+        "eviction": eviction if isinstance(eviction, str) else eviction.name,
+        "capacity_tokens": capacity_tokens,
+        "num_blocks": num_pages,
+        "requests": len(rows),
+        "truncated": truncated,
+        "input_tokens": input_tokens,
+        "hit_tokens": hit_tokens,
+        "total_blocks": total_blocks,
+        "hit_blocks": hit_blocks,
+        "token_hit_rate": hit_rate(hit_tokens, input_tokens),
+        "cut_tokens": cut_tokens,
+        "cut_rate": hit_rate(cut_tokens, input_tokens),
+        "groups": groups,
+        "per_request_hit_tokens": per_request,
+    }
+
+
+def window_free_bound(requests: Sequence[MooncakeRequest], capacity_tokens: int,
+                      block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> float:
+    """LRU hit rate when windowed pages cost nothing: the full group alone holds every byte
+    of the budget (its pages are 10 of the 62 layers)."""
+    blocks = capacity_tokens // block_tokens * (FULL_LAYERS + WINDOW_LAYERS) // FULL_LAYERS
+    return float(pool_replay(requests, blocks, block_tokens)["token_hit_rate"])
+
+
+def capacity_row(rows: Sequence[MooncakeRequest], cap: int,
+                 policies: Sequence[str]) -> dict[str, Any]:
+    """At one budget: each hybrid policy's hit rate (and per-group breakdown), all-full
+    LRU's, and the bound where windowed pages cost nothing."""
+    row: dict[str, Any] = {"capacity_tokens": cap}
+    t0 = time.perf_counter()
+    row["full_lru"] = hybrid_replay(rows, cap, "lru", layout="full")["token_hit_rate"]
+    row["bound"] = window_free_bound(rows, cap)
+    row["groups"] = {}
+    for name in policies:
+        res = hybrid_replay(rows, cap, name)
+        row[name] = res["token_hit_rate"]
+        row[f"{name}_cut"] = res["cut_rate"]
+        row["groups"][name] = res["groups"]
+        row["truncated"] = res["truncated"]
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def _task(args: tuple[Path, int, tuple[str, ...], int | None]) -> dict[str, Any]:
+    path, cap, policies, limit = args
+    return capacity_row(load_mooncake(path, limit), cap, policies)
+
+
+def plot_hybrid_curves(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str],
+                       path: str | Path) -> None:
+    """Hit rate against capacity, one panel per trace: each hybrid policy, all-full LRU and
+    the bound where windowed pages cost nothing."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
+        xs = [r["capacity_tokens"] for r in rows]
+        for p in policies:
+            ax.plot(xs, [r[p] for r in rows], "-o", ms=3, label=f"hybrid {p}")
+        ax.plot(xs, [r["full_lru"] for r in rows], "-s", color="black", ms=3, label="all-full lru")
+        ax.plot(xs, [r["bound"] for r in rows], "--", color="gray",
+                label="bound: windowed pages free")
+        ax.set_xscale("log")
+        ax.set_xlabel("budget (tokens of an all-full cache, 512-token blocks)")
+        ax.set_ylabel("token hit rate (whole blocks)")
+        ax.set_title(f"Mooncake {name}: 10 full + 52 window (W=1024) layers")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_layouts(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str]) -> list[str]:
+    """A markdown table: per trace and capacity, all-full LRU, each hybrid policy, the bound."""
+    lines = ["| trace | budget | all-full lru | " + " | ".join(f"hybrid {p}" for p in policies)
+             + " | bound |", "|" + "---|" * (4 + len(policies))]
+    for name, rows in curves.items():
+        for r in rows:
+            lines.append(f"| {name} | {r['capacity_tokens'] / 1e6:g}M | {r['full_lru']:.3f} | "
+                         + " | ".join(f"{r[p]:.3f}" for p in policies) + f" | {r['bound']:.3f} |")
+    return lines
+
+
+def format_groups(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str]) -> list[str]:
+    """A markdown table: per trace, capacity and policy, pages kept (mean cached) and
+    evicted, and hit pages, for the full group and the window groups together, and the
+    share of input tokens a window group cut from a cached full chain."""
+    lines = ["| trace | budget | policy | full: mean cached / evicted / hit | "
+             "window: mean cached / evicted / hit | cut by a window |",
+             "|---|---|---|---|---|---|"]
+    for name, rows in curves.items():
+        for r in rows:
+            for p in policies:
+                cells = []
+                for kind in ("full", "window"):
+                    gs = [g for g in r["groups"][p] if g["kind"] == kind]
+                    cells.append(f"{sum(g['cached_mean'] for g in gs):,.0f} / "
+                                 f"{sum(g['evicted'] for g in gs):,} / "
+                                 f"{sum(g['hit_pages'] for g in gs):,}")
+                lines.append(f"| {name} | {r['capacity_tokens'] / 1e6:g}M | {p} | "
+                             + " | ".join(cells) + f" | {r[f'{p}_cut']:.3f} |")
+    return lines
+
+
+def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path],
+                      capacities: Sequence[int] = CAPACITIES,
+                      policies: Sequence[str] = tuple(EVICTION_POLICIES),
+                      limit: int | None = None, jobs: int = 1,
+                      log: Any = print) -> dict[str, Any]:
+    """Replay each trace under every policy, all-full LRU and the bound (one task per trace
+    and budget, `jobs` processes); write ``eviction_hybrid.{png,json,csv}`` into `out_dir`
+    and return the curves."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = [(path, cap, tuple(policies), limit) for path in traces.values() for cap in capacities]
+    names = [name for name in traces for _ in capacities]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            results = list(pool.map(_task, tasks))
+    else:
+        results = [_task(t) for t in tasks]
+    curves: dict[str, list[dict[str, Any]]] = {name: [] for name in traces}
+    for name, (_, cap, _, _), row in zip(names, tasks, results, strict=True):
+        curves[name].append(row)
+        log(f"hybrid {name} {cap / 1e6:g}M: " + ", ".join(
+            f"{k} {row[k]:.3f}" for k in ["full_lru", *policies, "bound"])
+            + f" ({row['seconds']:.0f}s)")
+    plot_hybrid_curves(curves, policies, out / "eviction_hybrid.png")
+    write_csv(out / "eviction_hybrid.csv",
+              [{"trace": name, **{k: v for k, v in r.items() if k != "groups"}}
+               for name, rows in curves.items() for r in rows])
+    result = {"capacities_tokens": list(capacities), "policies": list(policies), "limit": limit,
+              "curves": curves}
+    write_json(out / "eviction_hybrid.json", result)
+    return result
+
+
+# ----------------------------------------- tiers: a host tier, instances sharing a store
+
+
+MODES = ("on-free", "write-back")
+
+
+def tiered_replay(requests: Iterable[MooncakeRequest], device_blocks: int, host_blocks: int,
+                  mode: str = "on-free") -> dict[str, Any]:
+    """Replay rows (timestamp order) through a device LRU of ``device_blocks`` hash ids and
+    a host LRU of ``host_blocks``; hit blocks per tier and the block hit rates."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if device_blocks < 1 or host_blocks < 0:
+        raise ValueError(f"need device_blocks >= 1 and host_blocks >= 0, got {device_blocks}, "
+                         f"{host_blocks}")
+    rows = sorted(requests, key=lambda r: r.timestamp_ms)
+    dev: OrderedDict[int, None] = OrderedDict()
+    host: OrderedDict[int, None] = OrderedDict()
+    total = dev_hits = host_hits = input_tokens = hit_tokens = 0
+
+    def host_put(h: int) -> None:
+        if h in host:
+            host.move_to_end(h)
+            return
+        if host_blocks == 0:
+            return
+        while len(host) >= host_blocks:
+            host.popitem(last=False)
+        host[h] = None
+
+    for req in rows:
+        ids = req.hash_ids
+        total += len(ids)
+        k = leading_run(ids, dev)
+        j = k
+        while j < len(ids) and ids[j] in host:
+            host.move_to_end(ids[j])  # a load refreshes the block in the host tier
+            j += 1
+        dev_hits += k
+        host_hits += j - k
+        input_tokens += req.input_length
+        hit_tokens += min(j * MOONCAKE_BLOCK_TOKENS, req.input_length)
+        keep = ids[:device_blocks]
+        for evicted in lru_hold(dev, keep, device_blocks):
+            if mode == "write-back":
+                host_put(evicted)
+        if mode == "on-free":
+            for h in keep:
+                if h not in host:
+                    host_put(h)
+    return {"mode": mode, "device_blocks": device_blocks, "host_blocks": host_blocks,
+            "requests": len(rows), "total_blocks": total, "device_hit_blocks": dev_hits,
+            "host_hit_blocks": host_hits, "device_hit_rate": hit_rate(dev_hits, total),
+            "block_hit_rate": hit_rate(dev_hits + host_hits, total),
+            "token_hit_rate": hit_rate(hit_tokens, input_tokens)}
+
+
+def pooled_replay(requests: Iterable[MooncakeRequest], instances: int, device_blocks: int,
+                  store_blocks: int | None = 0) -> dict[str, Any]:
+    """Replay rows (timestamp order) dealt round-robin over ``instances`` device LRUs of
+    ``device_blocks`` hash ids each, sharing one store LRU of ``store_blocks`` ids (None:
+    unbounded; 0: no store, the instances are local-only). Hit blocks per tier, the block
+    and token hit rates over all instances, and each instance's block hit rate.
+
+    With one instance and no store this is :func:`mooncake_lru_replay` exactly."""
+    if instances < 1 or device_blocks < 1:
+        raise ValueError(f"need instances >= 1 and device_blocks >= 1, got {instances}, "
+                         f"{device_blocks}")
+    if store_blocks is not None and store_blocks < 0:
+        raise ValueError(f"store_blocks must be >= 0 or None, got {store_blocks}")
+    rows = sorted(requests, key=lambda r: r.timestamp_ms)
+    devs: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(instances)]
+    store: OrderedDict[int, None] = OrderedDict()
+    use_store = store_blocks is None or store_blocks > 0
+    total = dev_hits = store_hits = input_tokens = hit_tokens = 0
+    per_total = [0] * instances
+    per_hits = [0] * instances
+
+    for i, req in enumerate(rows):
+        n = i % instances
+        dev = devs[n]
+        ids = req.hash_ids
+        total += len(ids)
+        k = leading_run(ids, dev)
+        j = k
+        if use_store:
+            while j < len(ids) and ids[j] in store:
+                store.move_to_end(ids[j])  # a load refreshes the block in the store
+                j += 1
+        dev_hits += k
+        store_hits += j - k
+        per_total[n] += len(ids)
+        per_hits[n] += j
+        input_tokens += req.input_length
+        hit_tokens += min(j * MOONCAKE_BLOCK_TOKENS, req.input_length)
+        keep = ids[:device_blocks]
+        lru_hold(dev, keep, device_blocks)
+        if use_store:  # on free: write through the blocks the store lacks
+            for h in keep:
+                if h in store:
+                    continue
+                if store_blocks is not None:
+                    while len(store) >= store_blocks:
+                        store.popitem(last=False)
+                store[h] = None
+    return {"instances": instances, "device_blocks": device_blocks,
+            "store_blocks": store_blocks, "requests": len(rows), "total_blocks": total,
+            "device_hit_blocks": dev_hits, "store_hit_blocks": store_hits,
+            "device_hit_rate": hit_rate(dev_hits, total),
+            "block_hit_rate": hit_rate(dev_hits + store_hits, total),
+            "token_hit_rate": hit_rate(hit_tokens, input_tokens),
+            "per_instance_block_hit_rate": [hit_rate(h, t) for h, t in zip(per_hits, per_total, strict=True)]}

@@ -5,13 +5,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import xxhash
 
+from kvstore.benchmarks.manager import new_manager
 from kvstore.benchmarks.workloads import RequestSpec, Workload
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import KVCacheConfig, KVCacheSpec
 from kvstore.utils import hit_rate
@@ -19,6 +19,7 @@ from kvstore.utils import hit_rate
 if TYPE_CHECKING:
     from kvstore.benchmarks.tier_model import PlaceholderConnector
     from kvstore.tiers.base import Tier
+    from kvstore.tiers.connector import TieredKVCacheManager
 
 
 @dataclass(frozen=True)
@@ -303,18 +304,11 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
               step_time: float, record_timeline: bool,
               on_step: Callable[[Scheduler, SchedulerOutput], None] | None, eviction: str,
               connector: PlaceholderConnector | None, hold_window_pages: bool) -> SimResult:
-    manager: KVCacheManager
-    if connector is None:
-        manager = KVCacheManager(config, enable_caching=enable_caching,
-                                 enable_partial_hits=enable_partial_hits, eviction=eviction,
-                                 hold_window_pages=hold_window_pages)
-    else:
-        from kvstore.tiers.connector import TieredKVCacheManager
-
-        tiered = TieredKVCacheManager(config, enable_caching=enable_caching,
-                                      enable_partial_hits=enable_partial_hits, eviction=eviction,
-                                      tiers=connector, hold_window_pages=hold_window_pages)
-        manager = tiered
+    manager = new_manager(config, tiers=connector, enable_caching=enable_caching,
+                          enable_partial_hits=enable_partial_hits, eviction=eviction,
+                          hold_window_pages=hold_window_pages)
+    if connector is not None:
+        tiered = cast("TieredKVCacheManager", manager)
 
         def run_transfers() -> None:
             tiered.take_pending_transfers().run(None)

@@ -375,27 +375,34 @@ def mooncake_paper_points(path: str | Path | None = None) -> dict[str, list[tupl
     return points
 
 
+def lru_hold(lru: OrderedDict[int, None], keep: Sequence[int], capacity: int | None) -> list[int]:
+    """The LRU model of a paged pool: a request's blocks `keep` are held (out of `lru`)
+    while room is made by evicting the least recently used others (up to `capacity`
+    blocks; None: unbounded), then released deepest first, so the root ends most recently
+    used and a chain is evicted from its tail. Returns the evicted ids, oldest first."""
+    for h in keep:
+        lru.pop(h, None)
+    evicted = []
+    while capacity is not None and lru and len(lru) + len(keep) > capacity:
+        evicted.append(lru.popitem(last=False)[0])
+    for h in reversed(keep):
+        lru[h] = None
+    return evicted
+
+
 def mooncake_lru_replay(
     requests: Iterable[MooncakeRequest],
     capacity_blocks: int | None,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
 ) -> dict[str, Any]:
-    """Replay Mooncake rows through an LRU cache of ``capacity_blocks`` hash ids
-    (None: unbounded) and count hits the way the Mooncake paper does.
+    """Replay Mooncake rows (timestamp order, one at a time) through `lru_hold` with
+    ``capacity_blocks`` hash ids (None: unbounded). A request hits the longest run of its
+    leading ids that are cached, ``min(hit_blocks * block_tokens, input_length)`` tokens,
+    and keeps at most its first ``capacity_blocks`` blocks.
 
-    Rows are replayed in timestamp order (ties in the given order), one at a time. A
-    request hits the longest run of its leading hash ids that are cached, counted in
-    whole blocks: ``min(hit_blocks * block_tokens, input_length)`` tokens. Then, as a
-    paged block pool does it, the request's hit blocks are held while its missing
-    blocks are admitted (evicting least recently used ids of other requests), and all
-    its blocks are released deepest first, so the root becomes the most recently used
-    and a chain is evicted from its tail. A request longer than the cache keeps only
-    its first ``capacity_blocks`` blocks.
-
-    Returns totals (``input_tokens``, ``hit_tokens``, ``total_blocks``,
-    ``hit_blocks``, ``evictions``), ``token_hit_rate`` (hit tokens / input tokens),
-    ``block_hit_rate`` and ``per_request_hit_tokens`` (in replay order).
-    """
+    Returns totals (``input_tokens``, ``hit_tokens``, ``total_blocks``, ``hit_blocks``,
+    ``evictions``), ``token_hit_rate``, ``block_hit_rate`` and ``per_request_hit_tokens``
+    (in replay order)."""
     if capacity_blocks is not None and capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0 or None, got {capacity_blocks}")
     rows = sorted(requests, key=lambda r: r.timestamp_ms)
@@ -412,18 +419,7 @@ def mooncake_lru_replay(
         hit_blocks += k
         input_tokens += req.input_length
         total_blocks += len(ids)
-        keep = ids if cap is None else ids[:cap]
-        # Hold the request's cached blocks (they cannot be evicted while in use) ...
-        for h in keep:
-            cache.pop(h, None)
-        # ... make room for the rest by evicting the least recently used ...
-        if cap is not None:
-            while cache and len(cache) + len(keep) > cap:
-                cache.popitem(last=False)
-                evictions += 1
-        # ... and release deepest block first: the root ends most recently used.
-        for h in reversed(keep):
-            cache[h] = None
+        evictions += len(lru_hold(cache, ids if cap is None else ids[:cap], cap))
     return {
         "capacity_blocks": capacity_blocks,
         "capacity_tokens": None if cap is None else cap * block_tokens,

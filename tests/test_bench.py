@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import kvstore
 from kvstore.benchmarks import sweep
 from kvstore.benchmarks.bench import add_bench_parser, load_bench_workload, print_table
-from kvstore.benchmarks.mooncake_replay import gap_analysis, pool_replay, run_mooncake_replay
+from kvstore.benchmarks.replay import gap_analysis, pool_replay, run_mooncake_replay
 from kvstore.benchmarks.sweep import (
     DEFAULT_POLICIES,
     MODEL_SHAPES,
