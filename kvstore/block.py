@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 #: `KVCacheBlock.hint` of a full-attention page a lookup's verified chain ended at.
@@ -81,20 +81,21 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list threaded through the blocks; head is evicted first."""
+    """Doubly linked list threaded through the blocks; head is evicted first. `size` is the
+    number of blocks in it (read-only outside the queue)."""
 
-    __slots__ = ("_head", "_tail", "_len")
+    __slots__ = ("_head", "_tail", "size")
 
     def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-2)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
-        self._len = 0
-        self.append_n(blocks)
+        self.size = 0
+        self.extend(list(blocks))
 
     def __len__(self) -> int:
-        return self._len
+        return self.size
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         node = self._head.next_free
@@ -115,8 +116,8 @@ class FreeBlockQueue:
         """Remove and return the first n blocks, in order."""
         if n < 0:
             raise ValueError(f"cannot pop a negative number of blocks ({n})")
-        if n > self._len:
-            raise IndexError(f"cannot pop {n} blocks from a queue of {self._len}")
+        if n > self.size:
+            raise IndexError(f"cannot pop {n} blocks from a queue of {self.size}")
         out = []
         node = self._head.next_free
         for _ in range(n):
@@ -128,37 +129,32 @@ class FreeBlockQueue:
         self._head.next_free = node
         assert node is not None
         node.prev_free = self._head
-        self._len -= n
+        self.size -= n
         return out
 
     def append(self, block: KVCacheBlock) -> None:
         """Put a block at the tail (evicted last)."""
-        if block.prev_free is not None or block.next_free is not None:
-            raise ValueError(f"block {block.block_id} is already in the free queue")
         last = self._tail.prev_free
         assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self._len += 1
+        self._splice((block,), last, self._tail)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put a block at the head (evicted first)."""
-        if block.prev_free is not None or block.next_free is not None:
-            raise ValueError(f"block {block.block_id} is already in the free queue")
         first = self._head.next_free
         assert first is not None
-        first.prev_free = block
-        block.next_free = first
-        block.prev_free = self._head
-        self._head.next_free = block
-        self._len += 1
+        self._splice((block,), self._head, first)
 
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Append blocks at the tail, in order."""
-        for block in blocks:
-            self.append(block)
+    def extend(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put blocks at the tail, in order (the last of them is evicted last)."""
+        last = self._tail.prev_free
+        assert last is not None
+        self._splice(blocks, last, self._tail)
+
+    def extendleft(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put blocks at the head, in order (the first of them is evicted first)."""
+        first = self._head.next_free
+        assert first is not None
+        self._splice(blocks, self._head, first)
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink a block from anywhere in the queue."""
@@ -166,10 +162,39 @@ class FreeBlockQueue:
             raise ValueError(f"block {block.block_id} is not in the free queue")
         self._unlink(block)
 
+    def move_to_tail(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Move blocks of this queue to its tail, in order."""
+        tail = self._tail
+        for block in blocks:
+            prev, nxt = block.prev_free, block.next_free
+            if prev is None or nxt is None:
+                raise ValueError(f"block {block.block_id} is not in the free queue")
+            prev.next_free = nxt
+            nxt.prev_free = prev
+            last = tail.prev_free
+            assert last is not None
+            last.next_free = block
+            block.prev_free = last
+            block.next_free = tail
+            tail.prev_free = block
+
+    def _splice(self, blocks: Sequence[KVCacheBlock], prev: KVCacheBlock,
+                nxt: KVCacheBlock) -> None:
+        """Link blocks not in any queue, in order, between two adjacent nodes."""
+        for block in blocks:
+            if block.prev_free is not None or block.next_free is not None:
+                raise ValueError(f"block {block.block_id} is already in the free queue")
+            prev.next_free = block
+            block.prev_free = prev
+            prev = block
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        self.size += len(blocks)
+
     def _unlink(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         assert prev is not None and nxt is not None
         prev.next_free = nxt
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
-        self._len -= 1
+        self.size -= 1

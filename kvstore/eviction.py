@@ -114,7 +114,7 @@ class LRUPolicy(FreeBlockQueue, EvictionPolicy):
 
     def attach(self, blocks: list[KVCacheBlock]) -> None:
         """Queue the pages in id order."""
-        self.append_n(blocks)
+        self.extend(blocks)
 
     def take(self, n: int, evict: Evict) -> list[KVCacheBlock]:
         """The first n pages of the queue; their content is evicted in that order."""
@@ -125,45 +125,20 @@ class LRUPolicy(FreeBlockQueue, EvictionPolicy):
         return blocks
 
     def freed_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Cached pages to the tail, empty ones to the head, in order, linked in one pass."""
-        head, tail = self._head, self._tail
-        last = tail.prev_free
-        assert last is not None
-        for block in blocks:
-            if block.prev_free is not None or block.next_free is not None:
-                raise ValueError(f"block {block.block_id} is already in the free queue")
-            if block.token_ids is None:
-                first = head.next_free
-                assert first is not None
-                first.prev_free = block
-                block.next_free = first
-                block.prev_free = head
-                head.next_free = block
-                if last is head:
-                    last = block
-            else:
-                last.next_free = block
-                block.prev_free = last
-                block.next_free = tail
-                tail.prev_free = block
-                last = block
-        self._len += len(blocks)
+        """Cached pages to the tail, empty ones to the head, each in turn (so the last empty
+        page freed is reused first)."""
+        empty = [block for block in blocks if block.token_ids is None]
+        if not empty:
+            self.extend(blocks)
+            return
+        empty.reverse()
+        self.extendleft(empty)
+        if len(empty) < len(blocks):
+            self.extend([block for block in blocks if block.token_ids is not None])
 
     def refresh_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Move each page to the tail, in order, relinking in one pass."""
-        tail = self._tail
-        for block in blocks:
-            prev, nxt = block.prev_free, block.next_free
-            if prev is None or nxt is None:
-                raise ValueError(f"block {block.block_id} is not in the free queue")
-            prev.next_free = nxt
-            nxt.prev_free = prev
-            last = tail.prev_free
-            assert last is not None
-            last.next_free = block
-            block.prev_free = last
-            block.next_free = tail
-            tail.prev_free = block
+        """Move each page to the tail, in order."""
+        self.move_to_tail(blocks)
 
 
 # Free lists of S3FIFOPolicy, in the order they are drained.
@@ -188,8 +163,6 @@ class S3FIFOPolicy(EvictionPolicy):
     name = "s3fifo"
     tracks_content = True
     adaptive: ClassVar[bool] = False
-    # Whether sliding-window pages are sorted by their hint (``window``'s extra lists).
-    windowed: ClassVar[bool] = False
 
     def __init__(self, small_fraction: float = 0.25) -> None:
         if not 0.0 < small_fraction < 1.0:
@@ -203,7 +176,6 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost_cap = 0
         self._first_lists: list[FreeBlockQueue] = []
         self._size = 0  # pages in all lists
-        self._has_chain = False  # set by `window` (see WindowPolicy.set_layout)
 
     def attach(self, blocks: list[KVCacheBlock]) -> None:
         """All pages start empty; each ghost list holds as many entries as there are pages."""
@@ -249,7 +221,7 @@ class S3FIFOPolicy(EvictionPolicy):
         than its share (its content joins the ghost list), else main."""
         lists = self._lists
         empty = lists[_EMPTY]
-        if n <= empty._len:  # no content to evict
+        if n <= empty.size:  # no content to evict
             out = empty.popleft_n(n)
             for page in out:
                 page.free_tag = -1
@@ -264,26 +236,18 @@ class S3FIFOPolicy(EvictionPolicy):
         for _ in range(n):
             remember = None
             for q in first:
-                if q._len:
+                if q.size:
                     break
             else:
-                n_small = small._len
-                if n_small and (not main._len
-                                or n_small > self.small_fraction * (n_small + main._len)):
+                n_small = small.size
+                if n_small and (not main.size
+                                or n_small > self.small_fraction * (n_small + main.size)):
                     q, remember = small, ghost
-                elif main._len:
+                elif main.size:
                     q, remember = main, main_ghost
                 else:
                     q, remember = self._last_resort()
-            head = q._head
-            block = head.next_free
-            assert block is not None and block is not q._tail
-            nxt = block.next_free
-            assert nxt is not None
-            head.next_free = nxt
-            nxt.prev_free = head
-            block.prev_free = block.next_free = None
-            q._len -= 1
+            block = q.popleft()
             block.free_tag = -1
             if remember is not None and block.block_hash is not None:
                 remember[(block.group_id, block.block_hash)] = None
@@ -301,70 +265,52 @@ class S3FIFOPolicy(EvictionPolicy):
         raise IndexError("take from an empty policy")
 
     def freed_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Each page, in order, to the tail of its list: empty, orphaned; with `windowed`, a
-        window page far from any likely hit end to the far list and a tagged one (its
-        full-attention twin still cached) to the held lists (never reused, or reused or
-        recomputed after its content was evicted) unless a hit used it; then main (reused,
-        or its content was evicted from probation, or with `adaptive` from main, recently),
-        or probation."""
-        lists = self._lists
-        ghost = self._ghost
-        adaptive = self.adaptive
-        main_ghost = self._main_ghost
-        windowed = self.windowed
-        held = windowed and self._has_chain
+        """Each page, in order, to the tail of the list `_free_tag` picks for it."""
+        tag_of = self._free_tag
+        by_tag: dict[int, list[KVCacheBlock]] = {}
         for block in blocks:
             if block.prev_free is not None or block.next_free is not None:
                 raise ValueError(f"block {block.block_id} is already in the free queue")
-            if block.token_ids is None:
-                tag = _EMPTY
-            elif block.orphan:
-                tag = _ORPHAN
-            elif windowed and block.hint == 0:
-                tag = _COLD
-            elif held and block.hint == 1 and block.block_hash is not None:
-                if block.uses:
-                    tag = _MAIN
-                elif ghost.pop((block.group_id, block.block_hash), 0) is None:
-                    tag = _HELD_MAIN
-                else:
-                    tag = _HELD
-            elif block.uses:
-                tag = _MAIN
-            elif block.block_hash is None:
-                tag = _SMALL
-            else:
-                key = (block.group_id, block.block_hash)
-                if ghost and ghost.pop(key, 0) is None:
-                    tag = _MAIN
-                    if adaptive:
-                        self._probation_ghost_hit()
-                elif main_ghost and key in main_ghost:
-                    self._main_ghost_hit(key)
-                    tag = _MAIN
-                else:
-                    tag = _SMALL
+            tag = tag_of(block)
             block.free_tag = tag
-            q = lists[tag]
-            tail = q._tail
-            last = tail.prev_free
-            assert last is not None
-            last.next_free = block
-            block.prev_free = last
-            block.next_free = tail
-            tail.prev_free = block
-            q._len += 1
+            same = by_tag.get(tag)
+            if same is None:
+                by_tag[tag] = [block]
+            else:
+                same.append(block)
+        lists = self._lists
+        for tag, same in by_tag.items():
+            lists[tag].extend(same)
         self._size += len(blocks)
+
+    def _free_tag(self, block: KVCacheBlock) -> int:
+        """The list a freed page joins: empty, orphaned, main (reused, or its content was
+        evicted from probation, or with `adaptive` from main, recently), or probation."""
+        if block.token_ids is None:
+            return _EMPTY
+        if block.orphan:
+            return _ORPHAN
+        if block.uses:
+            return _MAIN
+        if block.block_hash is None:
+            return _SMALL
+        key = (block.group_id, block.block_hash)
+        ghost = self._ghost
+        if ghost and ghost.pop(key, 0) is None:
+            if self.adaptive:
+                self._probation_ghost_hit()
+            return _MAIN
+        main_ghost = self._main_ghost
+        if main_ghost and key in main_ghost:
+            self._main_ghost_hit(key)
+            return _MAIN
+        return _SMALL
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink from its list."""
-        prev, nxt = block.prev_free, block.next_free
-        if prev is None or nxt is None or block.free_tag < 0:
+        if block.free_tag < 0:
             raise ValueError(f"block {block.block_id} is not in the free queue")
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
-        self._lists[block.free_tag]._len -= 1
+        self._lists[block.free_tag].remove(block)
         block.free_tag = -1
         self._size -= 1
 
@@ -426,12 +372,11 @@ class WindowPolicy(S3FIFOPolicy):
     name = "window"
     tracks_units = True
     adaptive = True
-    windowed = True
 
     def __init__(self, small_fraction: float = 0.25) -> None:
         super().__init__(small_fraction)
         self._lists += [FreeBlockQueue(), FreeBlockQueue(), FreeBlockQueue()]
-        self._has_chain = True
+        self._has_chain = True  # see set_layout
 
     def set_layout(self, has_chain: bool) -> None:
         """Without a full-attention group, tagged window pages age in probation and main."""
@@ -445,10 +390,26 @@ class WindowPolicy(S3FIFOPolicy):
 
     _first = (_EMPTY, _ORPHAN, _COLD)
 
+    def _free_tag(self, block: KVCacheBlock) -> int:
+        """As in ``adaptive``, except for a window page with content and a parent chain: one
+        far from any likely hit end joins the far list, and a tagged one (its full-attention
+        twin still cached, in a layout with a full-attention group) the held lists unless a
+        hit used it (never reused, or recomputed after its content was evicted)."""
+        if block.token_ids is not None and not block.orphan:
+            if block.hint == 0:
+                return _COLD
+            if self._has_chain and block.hint == 1 and block.block_hash is not None:
+                if block.uses:
+                    return _MAIN
+                if self._ghost.pop((block.group_id, block.block_hash), 0) is None:
+                    return _HELD_MAIN
+                return _HELD
+        return super()._free_tag(block)
+
     def _last_resort(self) -> tuple[FreeBlockQueue, OrderedDict[tuple[int, int], None] | None]:
         """Held window pages never used (their content joins the probation ghost list), then
         those recomputed after such an eviction."""
-        if self._lists[_HELD]._len:
+        if self._lists[_HELD].size:
             return self._lists[_HELD], self._ghost
         return self._lists[_HELD_MAIN], None
 
