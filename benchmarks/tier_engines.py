@@ -43,7 +43,7 @@ def serve(role: str, store_url: str | None, args: dict[str, Any]) -> dict[str, A
     counters."""
     import torch
 
-    from kvstore.engine.engine import LLMEngine, SamplingParams
+    from kvstore.engine.engine import EngineConfig, LLMEngine, SamplingParams, TierConfig
     from kvstore.models.model import DecoderModel, ModelConfig, tiny_llama
 
     torch.manual_seed(0)
@@ -51,8 +51,9 @@ def serve(role: str, store_url: str | None, args: dict[str, Any]) -> dict[str, A
     config = ModelConfig(**{**base.__dict__, "num_layers": args["layers"],
                             "layer_types": base.layer_types[:1] * args["layers"]})
     model = DecoderModel(config)
-    engine = LLMEngine(model, num_blocks=args["num_blocks"], block_size=args["block_size"],
-                       store_url=store_url)
+    engine = LLMEngine(model, EngineConfig(
+        num_blocks=args["num_blocks"], block_size=args["block_size"],
+        tiers=TierConfig(store_url=store_url) if store_url else None))
     prompts: list[list[int]] = []
     for r in role:
         prompts += prompts_for(r, args["prefixes"], args["prefix_len"], args["suffix_len"],

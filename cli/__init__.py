@@ -206,7 +206,13 @@ def _check_pool_holds_prompts(model: Any, prompts: Sequence[Sequence[int]],
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from kvstore.cli.generate import build_demo_model, demo_prompts, render_demo, run_generate_demo
+    from kvstore.cli.generate import (
+        build_demo_model,
+        demo_prompts,
+        engine_config,
+        render_demo,
+        run_generate_demo,
+    )
     from kvstore.engine.engine import SamplingParams
 
     error = args.usage_error
@@ -228,12 +234,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(max_tokens=args.max_tokens, n=args.n,
                               temperature=args.temperature, seed=args.seed)
     result = run_generate_demo(
-        model, prompts, sampling, model_name=Path(args.checkpoint).name if args.checkpoint else args.model,
-        num_blocks=args.num_blocks, block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enable_partial_hits=not args.no_partial_hits,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        attention_backend=args.backend, device=device)
+        model, prompts, sampling, engine_config(args),
+        model_name=Path(args.checkpoint).name if args.checkpoint else args.model, device=device)
     render_demo(result)
     return 0
 

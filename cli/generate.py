@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 
 from kvstore.cli import CHAT_MAX_TOKENS, DEMO_MODELS
-from kvstore.engine.engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
+from kvstore.engine.engine import (
+    EngineConfig,
+    EngineStats,
+    LLMEngine,
+    RequestOutput,
+    SamplingParams,
+)
+from kvstore.kv_cache_manager import CacheConfig
 from kvstore.models.model import PRESETS, DecoderModel, load_checkpoint_dir
 
 if TYPE_CHECKING:
@@ -83,12 +90,21 @@ class DemoResult:
     layout: dict[str, Any]
 
 
+def engine_config(args: Any) -> EngineConfig:
+    """The engine settings of `kvstore generate`'s parsed options."""
+    return EngineConfig(
+        num_blocks=args.num_blocks, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.backend,
+        cache=CacheConfig(enable_caching=not args.no_prefix_caching,
+                          enable_partial_hits=not args.no_partial_hits))
+
+
 def run_generate_demo(model: DecoderModel, prompts: Sequence[Sequence[int]],
-                      sampling: SamplingParams, model_name: str = "", **engine_kwargs: Any
-                      ) -> DemoResult:
+                      sampling: SamplingParams, config: EngineConfig, model_name: str = "",
+                      device: torch.device | str | None = None) -> DemoResult:
     """Run the first prompt alone, then the rest as one batch (which hit its cached
-    prefix), on a fresh engine built with ``engine_kwargs``."""
-    engine = LLMEngine(model, **engine_kwargs)
+    prefix), on a fresh engine of `config`."""
+    engine = LLMEngine(model, config, device)
     outputs = engine.generate(prompts[:1], sampling) + engine.generate(prompts[1:], sampling)
     return DemoResult(model_name, outputs, engine.stats, engine.describe())
 
@@ -238,18 +254,19 @@ def generate_with_progress(engine: LLMEngine, prompts: Sequence[Sequence[int]],
     return [results[i] for i in ids if i in results]
 
 
-def run_chat_demo(chat: ChatModel, sampling: SamplingParams, system_prompt: str = SYSTEM_PROMPT,
-                  progress: Progress | None = None, **engine_kwargs: Any) -> ChatDemoResult:
+def run_chat_demo(chat: ChatModel, sampling: SamplingParams, config: EngineConfig,
+                  system_prompt: str = SYSTEM_PROMPT, progress: Progress | None = None,
+                  device: torch.device | str | None = None) -> ChatDemoResult:
     """Run a conversation and side requests through one fresh engine, round by round.
 
     Round 1 asks one question under the system prompt; round 2 batches the conversation's
     second turn (its history is round 1's prompt and reply) with new questions under the
     same system prompt and one with the template's default system prompt; round 3 is the
     third turn. Replies stop at the model's stop tokens. ``progress`` reports each round's
-    steps as they run; ``engine_kwargs`` go to :class:`LLMEngine`.
+    steps as they run; the engine is built from `config` on `device`.
     """
     progress = progress or Progress()
-    engine = LLMEngine(chat.model, **engine_kwargs)
+    engine = LLMEngine(chat.model, config, device)
     sampling = dataclasses.replace(
         sampling, stop_token_ids=tuple(dict.fromkeys(sampling.stop_token_ids + chat.stop_token_ids)))
     followups = iter([_FOLLOW_UP, _THIRD])
@@ -345,12 +362,8 @@ def run_chat_cli(args: argparse.Namespace, device: torch.device | str | None = N
         max_tokens=args.max_tokens if args.max_tokens is not None else CHAT_MAX_TOKENS,
         n=args.n, temperature=args.temperature, seed=args.seed)
     try:
-        result = run_chat_demo(
-            chat, sampling, num_blocks=args.num_blocks, block_size=args.block_size,
-            enable_prefix_caching=not args.no_prefix_caching,
-            enable_partial_hits=not args.no_partial_hits,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            attention_backend=args.backend, device=device, progress=progress)
+        result = run_chat_demo(chat, sampling, engine_config(args), progress=progress,
+                               device=device)
     except RequestTooLargeError as e:
         progress.end()
         print(f"kvstore generate: --num-blocks {args.num_blocks} is too small: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ from typing import Any
 
 _EXPORTS = {
     "CompletionOutput": "kvstore.engine.engine",
+    "EngineConfig": "kvstore.engine.engine",
     "EngineStats": "kvstore.engine.engine",
     "LLMEngine": "kvstore.engine.engine",
     "RequestOutput": "kvstore.engine.engine",
@@ -20,6 +21,7 @@ _EXPORTS = {
     "Scheduler": "kvstore.engine.scheduler",
     "SchedulerConfig": "kvstore.engine.scheduler",
     "SchedulerOutput": "kvstore.engine.scheduler",
+    "TierConfig": "kvstore.engine.engine",
 }
 
 __all__ = sorted(_EXPORTS)

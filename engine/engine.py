@@ -20,7 +20,6 @@ import torch
 
 from kvstore.engine.runner import ModelRunner, ModelRunnerOutput
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig
-from kvstore.hashing import HashFn, hash_block
 from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.models.model import DecoderModel
 from kvstore.paged_kv_cache import PagedKVCache
@@ -198,84 +197,121 @@ def kv_cache_specs(model: DecoderModel, block_size: int) -> list[KVCacheSpec]:
     return specs
 
 
+ATTENTION_BACKENDS = ("reference", "triton", "auto")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Tiers below device memory (docs/tiers.md): a host-memory tier of `host_tier_bytes`
+    and/or the shared store at `store_url` (`valkey://...`, `valkey+cluster://...`, `mem`),
+    whose calls give up after `store_timeout_s`. `model_name` names the K/V layout in the
+    store's keys (default: a fingerprint of the model's config, weights and block size);
+    `window_offload` is which released sliding-window pages are offloaded (`"ends"`,
+    `"all"`, `"none"`); `store_key` (an operator secret of 32+ bytes, or a key file's path)
+    seals the store's values per tenant and keys its keys."""
+
+    host_tier_bytes: int | None = None
+    store_url: str | None = None
+    model_name: str | None = None
+    store_timeout_s: float = 0.5
+    window_offload: str = "ends"
+    store_key: bytes | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.store_key is not None and not self.store_url:
+            raise ValueError("store_key seals store values: it needs a store_url")
+        if not self.host_tier_bytes and not self.store_url:
+            raise ValueError("a TierConfig needs host_tier_bytes or a store_url")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """An `LLMEngine`'s settings, checked when made.
+
+    The pool holds `num_blocks` pages (the null block included) or as many as
+    `memory_bytes` holds, of `block_size` tokens; `max_num_batched_tokens` bounds the
+    tokens of one step (longer prompts are prefilled in chunks) and `max_num_seqs` the
+    running requests; `attention_backend` is ``"reference"``, ``"triton"`` or ``"auto"``
+    (see :class:`~kvstore.engine.runner.ModelRunner`); `typical_tokens`, the length a
+    request usually reaches, lets a hybrid model's cache keep a few sliding layers whole
+    where that packs the layers without padding (see :func:`kvstore.specs.group_layers`);
+    `cache` says how the manager caches (:class:`~kvstore.CacheConfig`: its hash function,
+    eviction policy, blocks indexed when scheduled, which this engine's runner and
+    scheduler support); `tiers` adds a host tier and a shared store."""
+
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    attention_backend: str = "reference"
+    typical_tokens: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    tiers: TierConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"EngineConfig.attention_backend must be one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if not isinstance(self.cache, CacheConfig):
+            raise TypeError(f"EngineConfig.cache must be a CacheConfig, got "
+                            f"{type(self.cache).__name__}")
+        if self.tiers is not None and not isinstance(self.tiers, TierConfig):
+            raise TypeError(f"EngineConfig.tiers must be a TierConfig or None, got "
+                            f"{type(self.tiers).__name__}")
+
+
 def _fork_seed(seed: int, k: int) -> int:
     """A distinct, reproducible seed for the k-th sample of a seeded request."""
     return (seed * 0x9E3779B97F4A7C15 + k * 0xBF58476D1CE4E5B9) % (2**63 - 1)
 
 
 class LLMEngine:
-    """Continuous batching with prefix caching over one model and one paged KV cache.
+    """Continuous batching with prefix caching over one model and one paged KV cache,
+    set up by an :class:`EngineConfig` (its defaults if None) on `device` (the model's
+    if None)."""
 
-    Give the pool size as ``num_blocks`` (including the null block) or ``memory_bytes``.
-    ``max_num_batched_tokens`` bounds the tokens of one step (longer prompts are
-    prefilled in chunks); ``attention_backend`` is ``"reference"``, ``"triton"`` or
-    ``"auto"`` (see :class:`~kvstore.engine.runner.ModelRunner`); ``eviction`` names the
-    policy that orders free cached pages for reuse (see :mod:`kvstore.eviction`);
-    ``hash_fn`` hashes blocks (``kvstore.make_keyed_hash(secret)`` where prompts come from
-    untrusted users: see the threat model in docs/design.md); ``index_scheduled_blocks``
-    makes blocks findable when scheduled (see :class:`~kvstore.KVCacheManager`: this
-    engine's runner and scheduler keep the promises it needs); ``typical_tokens``, the
-    length a request usually reaches, lets a hybrid model's cache keep a few sliding layers
-    whole where that packs the layers without padding (see :func:`kvstore.specs.group_layers`);
-    ``hold_window_pages``: see :class:`~kvstore.KVCacheManager`. ``store_key`` (an operator
-    secret, or the path of a key file) seals the store's values per tenant and keys its
-    keys (see docs/tiers.md).
-    """
-
-    def __init__(
-        self,
-        model: DecoderModel,
-        num_blocks: int | None = None,
-        memory_bytes: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_partial_hits: bool = True,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        attention_backend: str = "reference",
-        device: torch.device | str | None = None,
-        host_tier_bytes: int | None = None,
-        store_url: str | None = None,
-        tier_model_name: str | None = None,
-        store_timeout_s: float = 0.5,
-        tier_window_offload: str = "ends",
-        store_key: bytes | os.PathLike[str] | None = None,
-        eviction: str = "lru",
-        hash_fn: HashFn = hash_block,
-        index_scheduled_blocks: bool = False,
-        typical_tokens: int | None = None,
-        hold_window_pages: bool = True,
-    ) -> None:
+    def __init__(self, model: DecoderModel, config: EngineConfig | None = None,
+                 device: torch.device | str | None = None) -> None:
+        if config is None:
+            config = EngineConfig()
+        elif not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         if device is None:
             device = next(model.parameters()).device
+        self.engine_config = config
         self.model = model.eval()
         self.config: KVCacheConfig = make_kv_cache_config(
-            kv_cache_specs(model, block_size), memory_bytes=memory_bytes, num_blocks=num_blocks,
-            typical_tokens=typical_tokens)
+            kv_cache_specs(model, config.block_size), memory_bytes=config.memory_bytes,
+            num_blocks=config.num_blocks, typical_tokens=config.typical_tokens)
         self.tiers: TierConnector | None = None
         manager_cls: Callable[..., KVCacheManager] = KVCacheManager
-        if store_key is not None and not store_url:
-            raise ValueError("store_key seals store values: it needs a store_url")
-        if index_scheduled_blocks and (host_tier_bytes or store_url):
-            raise ValueError("index_scheduled_blocks is not supported with tiers")
-        if host_tier_bytes or store_url:
+        tiers = config.tiers
+        if tiers is not None:
             from kvstore.engine.fingerprint import model_fingerprint
             from kvstore.tiers.connector import TierConnector, TieredKVCacheManager
 
             self.tiers = TierConnector.create(
-                self.config, tier_model_name or model_fingerprint(model, block_size),
-                host_tier_bytes=host_tier_bytes, store_url=store_url,
-                store_timeout_s=store_timeout_s, window_offload=tier_window_offload,
-                store_key=store_key)
+                self.config, tiers.model_name or model_fingerprint(model, config.block_size),
+                host_tier_bytes=tiers.host_tier_bytes, store_url=tiers.store_url,
+                store_timeout_s=tiers.store_timeout_s, window_offload=tiers.window_offload,
+                store_key=tiers.store_key)
             manager_cls = functools.partial(TieredKVCacheManager, tiers=self.tiers)
-        self.manager = manager_cls(self.config, CacheConfig(
-            enable_caching=enable_prefix_caching, enable_partial_hits=enable_partial_hits,
-            eviction=eviction, hash_fn=hash_fn, index_scheduled_blocks=index_scheduled_blocks,
-            hold_window_pages=hold_window_pages))
+        try:
+            self.manager = manager_cls(self.config, config.cache)
+        except BaseException:
+            if self.tiers is not None:  # a cache setting the tiers refuse: stop their threads
+                self.tiers.close()
+            raise
         self.cache = PagedKVCache(self.config, device=device)
         self.scheduler = Scheduler(self.manager, SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))
-        self.runner = ModelRunner(model, self.cache, attention_backend)
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs))
+        self.runner = ModelRunner(model, self.cache, config.attention_backend)
         self._groups: dict[str, _Group] = {}
         self._samples: dict[str, _Sample] = {}  # running sequence id -> its state
         self._ids = itertools.count()

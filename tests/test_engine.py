@@ -20,11 +20,20 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from engines import engine_config  # noqa: E402
 from test_models_hf import PRESETS, build_pair  # noqa: E402
 
 from kvstore.cli import main as cli_main  # noqa: E402
-from kvstore.engine.engine import LLMEngine, RequestOutput, SamplingParams, kv_cache_specs  # noqa: E402
+from kvstore.engine.engine import (  # noqa: E402
+    EngineConfig,
+    LLMEngine,
+    RequestOutput,
+    SamplingParams,
+    TierConfig,
+    kv_cache_specs,
+)
 from kvstore.engine.runner import ModelRunner  # noqa: E402
+from kvstore.kv_cache_manager import CacheConfig  # noqa: E402
 from kvstore.models.model import DecoderModel, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
 from kvstore.paged_kv_cache import PagedKVCache  # noqa: E402
 from kvstore.specs import make_kv_cache_config  # noqa: E402
@@ -77,9 +86,10 @@ def sample_tokens(outs: list[RequestOutput]) -> list[list[list[int]]]:
 
 
 def make_engine(model: DecoderModel, **kw) -> LLMEngine:
+    """An engine of `engine_config(**kw)` (256 pages of BLOCK tokens unless given)."""
     kw.setdefault("num_blocks", 256)
     kw.setdefault("block_size", BLOCK)
-    return LLMEngine(model, **kw)
+    return LLMEngine(model, engine_config(**kw))
 
 
 def check_engine_against_hf(hf: torch.nn.Module, model: DecoderModel, n: int, max_tokens: int,
@@ -94,7 +104,7 @@ def check_engine_against_hf(hf: torch.nn.Module, model: DecoderModel, n: int, ma
                tokens(7, seed=4)]
     results = []
     for caching in (True, False):
-        engine = make_engine(model, enable_prefix_caching=caching,
+        engine = make_engine(model, enable_caching=caching,
                              max_num_batched_tokens=batched_tokens, **engine_kw)
         results.append(engine.generate(prompts, greedy(max_tokens)))
         assert engine.manager.usage == 0.0
@@ -152,7 +162,7 @@ def test_shared_prefix_batch_matches_hf(style: str, pairs: dict) -> None:
     ]
     results = []
     for caching in (True, False):
-        engine = make_engine(model, enable_prefix_caching=caching, max_num_batched_tokens=24)
+        engine = make_engine(model, enable_caching=caching, max_num_batched_tokens=24)
         results.append(engine.generate(prompts, greedy(6)))
         assert engine.manager.usage == 0.0
     cached, uncached = results
@@ -172,7 +182,7 @@ def test_prefix_hit_after_finish_matches_hf(style: str, pairs: dict) -> None:
     second = first[: 2 * w] + tokens(3, seed=21)
     outs = {}
     for caching in (True, False):
-        engine = make_engine(model, enable_prefix_caching=caching)
+        engine = make_engine(model, enable_caching=caching)
         a = engine.generate([first], greedy(5))[0]
         assert engine.stats.hit_tokens == 0
         b = engine.generate([second], greedy(5))[0]
@@ -353,7 +363,7 @@ def test_seeded_sampling_is_reproducible(pairs: dict) -> None:
     params = SamplingParams(max_tokens=6, n=4, temperature=1.5, seed=123)
     runs = []
     for caching in (True, False):
-        engine = make_engine(model, enable_prefix_caching=caching)
+        engine = make_engine(model, enable_caching=caching)
         runs.append(sample_tokens(engine.generate([prompt], params)))
     assert runs[0] == runs[1]
     samples = runs[0][0]
@@ -433,7 +443,7 @@ def test_runner_rejects_mismatched_cache() -> None:
 
 def test_memory_bytes_sizing() -> None:
     model = DecoderModel(tiny_gemma3())
-    engine = LLMEngine(model, memory_bytes=1 << 20, block_size=BLOCK)
+    engine = LLMEngine(model, EngineConfig(memory_bytes=1 << 20, block_size=BLOCK))
     assert engine.config.num_blocks == (1 << 20) // engine.config.bytes_per_block
     assert engine.describe()["num_slots"] == 1
 
@@ -471,8 +481,9 @@ def test_engine_takes_a_keyed_hash(pairs: dict) -> None:
     keyed = make_keyed_hash(b"k" * 32)
     _hf, model = pairs["llama"]
     prompts = [list(range(1, 40)), list(range(1, 30)) + [7, 8]]
-    plain = LLMEngine(model, num_blocks=64, block_size=4)
-    secret = LLMEngine(model, num_blocks=64, block_size=4, hash_fn=keyed)
+    plain = LLMEngine(model, EngineConfig(num_blocks=64, block_size=4))
+    secret = LLMEngine(model, EngineConfig(num_blocks=64, block_size=4,
+                                           cache=CacheConfig(hash_fn=keyed)))
     sampling = SamplingParams(max_tokens=3)
     for prompt in prompts:  # one after the other: the second hits the first's prefix
         assert plain.generate([prompt], sampling)[0].outputs[0].token_ids == \
@@ -505,3 +516,27 @@ def test_sliding_layers_kept_whole_match_hf() -> None:
     assert (sample_tokens(packed.generate(prompts, greedy(w)))
             == sample_tokens(padded.generate(prompts, greedy(w))))
 
+
+
+@pytest.mark.parametrize(("make", "error", "match"), [
+    (lambda: EngineConfig(block_size=0), ValueError, "block_size must be a positive int"),
+    (lambda: EngineConfig(max_num_seqs=2.0), ValueError, "max_num_seqs must be a positive int"),
+    (lambda: EngineConfig(attention_backend="flash"), ValueError, "attention_backend must be"),
+    (lambda: EngineConfig(cache={"enable_caching": False}), TypeError, "cache must be a CacheConfig"),
+    (lambda: EngineConfig(tiers={"store_url": "mem"}), TypeError, "tiers must be a TierConfig"),
+    (lambda: TierConfig(), ValueError, "needs host_tier_bytes or a store_url"),
+    (lambda: TierConfig(host_tier_bytes=1 << 20, store_key=b"k" * 32), ValueError,
+     "needs a store_url"),
+])
+def test_a_bad_engine_config_is_refused_when_made(make, error, match) -> None:
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_the_engine_takes_an_engine_config_only() -> None:
+    model = DecoderModel(tiny_llama())
+    with pytest.raises(TypeError, match="config must be an EngineConfig"):
+        LLMEngine(model, {"num_blocks": 64})  # type: ignore[arg-type]
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=BLOCK,
+                                           cache=CacheConfig(enable_caching=False)))
+    assert not engine.manager.enable_caching and engine.config.num_blocks == 64

@@ -9,7 +9,7 @@ import io
 import pytest
 
 from kvstore.cli.generate import Progress, build_demo_model, demo_prompts, generate_with_progress
-from kvstore.engine.engine import LLMEngine, SamplingParams
+from kvstore.engine.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 class _Terminal(io.StringIO):
@@ -55,9 +55,9 @@ def test_step_loop_reports_and_matches_generate(interval: float) -> None:
     model = build_demo_model("llama")
     prompts = demo_prompts(model.config.vocab_size, 16)
     sampling = SamplingParams(max_tokens=4)
-    expected = LLMEngine(model, num_blocks=64, block_size=16).generate(prompts, sampling)
+    expected = LLMEngine(model, EngineConfig(num_blocks=64, block_size=16)).generate(prompts, sampling)
     out = io.StringIO()
-    got = generate_with_progress(LLMEngine(model, num_blocks=64, block_size=16), prompts,
+    got = generate_with_progress(LLMEngine(model, EngineConfig(num_blocks=64, block_size=16)), prompts,
                                   sampling, "round 1/1", Progress(out, interval=interval))
     assert [o.request_id for o in got] == [o.request_id for o in expected]
     assert [[s.token_ids for s in o.outputs] for o in got] == \

@@ -25,7 +25,7 @@ import torch
 
 from kvstore.cli import main as cli_main
 from kvstore.cli.generate import SYSTEM_PROMPT, ChatDemoResult, run_chat_demo
-from kvstore.engine.engine import LLMEngine, RequestOutput, SamplingParams
+from kvstore.engine.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from kvstore.models.gguf import unpermute_rope
 from kvstore.models.model import hf_parameter_names
 
@@ -144,7 +144,7 @@ def test_conversation_matches_transformers(smol: tuple[Any, torch.nn.Module]) ->
     chat, hf = smol
     result: ChatDemoResult = run_chat_demo(
         chat, SamplingParams(max_tokens=10, n=2, return_logits=True),
-        num_blocks=256, block_size=BLOCK, max_num_batched_tokens=48)
+        EngineConfig(num_blocks=256, block_size=BLOCK, max_num_batched_tokens=48))
     reqs = {(r.round, r.label): r for r in result.requests}
     first, second, third = reqs[1, "turn 1"], reqs[2, "turn 2"], reqs[3, "turn 3"]
     assert "Paris" in first.replies[0]
@@ -182,11 +182,12 @@ def test_preemption_matches_transformers(smol: tuple[Any, torch.nn.Module]) -> N
     params = SamplingParams(max_tokens=8, return_logits=True)
     longest = max(map(len, prompts)) + params.max_tokens
     num_blocks = 1 + -(-longest // BLOCK) + 3  # the longest alone, and little more
-    small = LLMEngine(chat.model, num_blocks=num_blocks, block_size=BLOCK, max_num_batched_tokens=32)
+    small = LLMEngine(chat.model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK,
+                                               max_num_batched_tokens=32))
     outs = small.generate(prompts, params)
     stats = small.stats
     assert stats.preemptions > 0 and stats.evictions > 0 and stats.recomputed_tokens > 0
-    roomy = LLMEngine(chat.model, num_blocks=128, block_size=BLOCK)
+    roomy = LLMEngine(chat.model, EngineConfig(num_blocks=128, block_size=BLOCK))
     ref = roomy.generate(prompts, params)
     assert roomy.stats.preemptions == 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]

@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("redis")
 
+from engines import engine_config  # noqa: E402
+
 from kvstore.benchmarks.valkey_server import ValkeyCluster, ValkeyServer, find_server_binary  # noqa: E402
 from kvstore.engine.engine import LLMEngine, SamplingParams  # noqa: E402
 from kvstore.models.model import DecoderModel, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
@@ -59,8 +61,9 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def engine(model: DecoderModel, **kw) -> LLMEngine:
+    """An engine of `engine_config(**kw)` (64 pages of BLOCK tokens unless given)."""
     kw.setdefault("num_blocks", 64)
-    return LLMEngine(model, block_size=BLOCK, **kw)
+    return LLMEngine(model, engine_config(block_size=BLOCK, **kw))
 
 
 def run(e: LLMEngine, prompts: list[list[int]], salt: str | None = None) -> list[list[int]]:
@@ -260,21 +263,18 @@ def test_window_only_models_are_refused():
     torch.manual_seed(0)
     windowed = DecoderModel(tiny_mistral())
     with pytest.raises(ValueError, match="at least one full-attention group"):
-        LLMEngine(windowed, num_blocks=32, block_size=BLOCK, host_tier_bytes=1 << 20)
+        engine(windowed, num_blocks=32, host_tier_bytes=1 << 20)
 
 
 def test_tiers_refuse_blocks_indexed_when_scheduled(model):
     with pytest.raises(ValueError, match="index_scheduled_blocks is not supported with tiers"):
-        LLMEngine(model, num_blocks=32, block_size=BLOCK, host_tier_bytes=1 << 20,
-                  index_scheduled_blocks=True)
+        engine(model, num_blocks=32, host_tier_bytes=1 << 20, index_scheduled_blocks=True)
 
 
 def test_engine_passes_its_window_offload_to_the_connector(model):
     with pytest.raises(ValueError, match="window_offload must be one of"):
-        LLMEngine(model, num_blocks=32, block_size=BLOCK, host_tier_bytes=1 << 20,
-                  tier_window_offload="sometimes")
-    e = LLMEngine(model, num_blocks=32, block_size=BLOCK, host_tier_bytes=1 << 20,
-                  tier_window_offload="none")
+        engine(model, num_blocks=32, host_tier_bytes=1 << 20, window_offload="sometimes")
+    e = engine(model, num_blocks=32, host_tier_bytes=1 << 20, window_offload="none")
     assert e.tiers is not None and e.tiers.window_offload == "none"
     e.close()
 
