@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 #: `KVCacheBlock.hint` of a full-attention page a lookup's verified chain ended at.
 BRANCH_POINT = 2
@@ -27,7 +26,6 @@ class KVCacheBlock:
         "orphan",
         "free_tag",
         "hint",
-        "pending",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -58,10 +56,6 @@ class KVCacheBlock:
         # full-attention page, BRANCH_POINT: a lookup's verified chain ended right after it,
         # so hits are likely to end there. -1 for every other page (reset on allocation).
         self.hint = -1
-        # Indexed when scheduled (`index_scheduled_blocks`): (request, token count) such that
-        # the page is written once the request has computed that many tokens; until then a
-        # hit may share it (the same forward writes it first) but nothing may copy from it.
-        self.pending: tuple[Any, int] | None = None
 
     @property
     def is_null(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -420,20 +420,23 @@ class BlockPool:
         else:
             insort(siblings, (token_ids, block_id))
 
-    def longest_partial_match(self, group_id: int, parent_serial: int,
-                              query: tuple[int, ...]) -> PartialMatch:
-        """The indexed child of `parent_serial` sharing the longest token prefix with `query`."""
+    def longest_partial_match(self, group_id: int, parent_serial: int, query: tuple[int, ...],
+                              written: Callable[[KVCacheBlock], bool] | None = None
+                              ) -> PartialMatch:
+        """The indexed child of `parent_serial` sharing the longest token prefix with `query`,
+        among those `written` accepts (those holding their content already; None: all)."""
         siblings = self._children.get((group_id, parent_serial))
         if not siblings or not query:
             return PartialMatch(None, 0)
         # In sorted order the longest common prefix with `query` sits next to its insertion
         # point, and shrinks moving away from it: the nearest entry on each side that can be
-        # copied from (not pending) is the best there.
+        # copied from (written) is the best there.
         i = bisect_left(siblings, (query,))
         best, best_len = None, 0
         for j, step in ((i - 1, -1), (i, 1)):
-            while 0 <= j < len(siblings) and not self._copyable(self.blocks[siblings[j][1]]):
-                j += step
+            if written is not None:
+                while 0 <= j < len(siblings) and not written(self.blocks[siblings[j][1]]):
+                    j += step
             if 0 <= j < len(siblings):
                 tokens, block_id = siblings[j]
                 n = common_prefix_len(tokens, query)
@@ -449,18 +452,6 @@ class BlockPool:
         self._evict(block)
         self.stats.evictions -= 1
         self.evicted_by_group[block.group_id] -= 1
-
-    @staticmethod
-    def _copyable(block: KVCacheBlock) -> bool:
-        """Whether the page holds its indexed content already (not one indexed when scheduled
-        whose request has not computed it)."""
-        pending = block.pending
-        if pending is None:
-            return True
-        if pending[0].num_computed_tokens >= pending[1]:
-            block.pending = None
-            return True
-        return False
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a block's content from every index (telling a content-tracking policy, and
@@ -485,7 +476,6 @@ class BlockPool:
         block.block_hash = block.token_ids = None
         block.serial = block.parent_serial = 0
         block.orphan = False
-        block.pending = None
         self.cached_by_group[block.group_id] -= 1
         self.evicted_by_group[block.group_id] += 1
         self.stats.evictions += 1

@@ -56,11 +56,23 @@ class AllocationPlan(NamedTuple):
     num_resident: int  # pages the request holds afterwards
 
 
+class PendingWrite(NamedTuple):
+    """A page indexed when scheduled (KVCacheManager's `index_scheduled_blocks`): it holds
+    its content once `request` has computed `num_tokens` tokens; until then a hit may share
+    it (the same forward writes it first) but nothing may copy from it. `serial` is the
+    content serial it was indexed under (another serial: the page was reused since)."""
+
+    request: Request
+    num_tokens: int
+    serial: int
+
+
 class KVCacheCoordinator:
     """All KV cache groups of one cache over one shared pool."""
 
     __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_free_order",
-                 "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "_pending")
+                 "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "_pending",
+                 "_writes")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
                  hold_window_pages: bool = True) -> None:
@@ -85,6 +97,8 @@ class KVCacheCoordinator:
         # Per request, (table index, block) of the blocks it indexed when scheduled that its
         # computed tokens do not fill yet (KVCacheManager's `index_scheduled_blocks`).
         self._pending: dict[str, list[tuple[int, KVCacheBlock]]] = {}
+        # Those blocks' pending writes, by block.
+        self._writes: dict[KVCacheBlock, PendingWrite] = {}
         # Full-attention groups cache their blocks first: a sliding group's null entries
         # below a tier hit's window take their serials from them.
         self._cache_order = tuple(self.managers[g] for g in full) + tuple(
@@ -169,8 +183,9 @@ class KVCacheCoordinator:
         if partial and max_tokens > full:
             query = tuple(request.token_ids[full:min(full + bs - 1, max_tokens)])
             num_partial = len(query)
+            written = self._written if self._writes else None
             for g in range(len(self.managers)):
-                sources[g], n = self.pool.longest_partial_match(g, parent, query)
+                sources[g], n = self.pool.longest_partial_match(g, parent, query, written)
                 num_partial = min(num_partial, n)
                 if num_partial == 0:
                     break
@@ -322,14 +337,15 @@ class KVCacheCoordinator:
         first = request.num_computed_tokens // bs
         serials: dict[int, int] | None = {} if len(self.managers) > 1 else None
         pending = self._pending.setdefault(rid, [])
+        writes = self._writes
         for manager in self._cache_order:
             table = manager.table(rid)
             last = min(num_scheduled_tokens // bs, len(table))
             manager.cache_blocks(request, last * bs, serials)
             for i in range(first, last):
                 block = table[i]
-                if block.block_hash is not None and block.pending is None:
-                    block.pending = (request, (i + 1) * bs)
+                if block.block_hash is not None and block not in writes:
+                    writes[block] = PendingWrite(request, (i + 1) * bs, block.serial)
                     pending.append((i, block))
         if not pending:
             del self._pending[rid]
@@ -343,7 +359,7 @@ class KVCacheCoordinator:
         rest = []
         for i, block in pending:
             if i < done:
-                block.pending = None
+                self._writes.pop(block, None)
             else:
                 rest.append((i, block))
         if rest:
@@ -366,7 +382,18 @@ class KVCacheCoordinator:
         for manager, blocks in zip(self.managers, pending, strict=True):
             if blocks:
                 manager.uncache(rid, request.num_computed_tokens, blocks)
-        self._pending.pop(rid, None)
+        for _, block in self._pending.pop(rid, ()):
+            self._writes.pop(block, None)
+
+    def _written(self, block: KVCacheBlock) -> bool:
+        """Whether a cached page holds its content (no write of it is pending)."""
+        write = self._writes.get(block)
+        if write is None:
+            return True
+        if write.serial != block.serial or write.request.num_computed_tokens >= write.num_tokens:
+            del self._writes[block]
+            return True
+        return False
 
     def free(self, request: Request) -> None:
         """Release the request's pages in every group (full attention's blocks indexed first,
