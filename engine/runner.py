@@ -24,14 +24,15 @@ import torch
 from kvstore import kernels
 from kvstore.engine.scheduler import SchedulerOutput
 from kvstore.kv_cache_manager import KVCacheManager
-from kvstore.models.model import AttentionFn, DecoderModel
+from kvstore.models.model import DecoderModel
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.specs import dtype_name
 
 if TYPE_CHECKING:
+    from kvstore.models.hf import HFCausalLM
     from kvstore.tiers.connector import TierTransfers
 
-__all__ = ["BatchInputs", "ModelRunner", "ModelRunnerOutput", "build_batch"]
+__all__ = ["BatchInputs", "ModelRunner", "ModelRunnerOutput", "PagedAttention", "build_batch"]
 
 _BACKENDS = ("reference", "triton", "auto")
 
@@ -151,7 +152,7 @@ class ModelRunner:
     ``"triton"`` (the paged-attention kernel; on CPU only under ``TRITON_INTERPRET=1``) or
     ``"auto"`` (Triton on CUDA, the reference elsewhere)."""
 
-    def __init__(self, model: DecoderModel, cache: PagedKVCache,
+    def __init__(self, model: DecoderModel | HFCausalLM, cache: PagedKVCache,
                  attention_backend: str = "reference") -> None:
         if attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}, "
@@ -178,31 +179,62 @@ class ModelRunner:
             return ModelRunnerOutput([], torch.empty(0, vocab, device=self.cache.device))
         batch = build_batch(output, manager, self.cache.block_size, self.num_groups,
                             self.cache.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.attention_fn(batch))
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        attention = self.attention_fn(batch)
+        if isinstance(self.model, DecoderModel):
+            hidden = self.model(batch.input_ids, batch.positions, attention)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        else:  # a transformers model: its own head computes the logits of the rows asked for
+            logits = self.model(batch.input_ids, batch.positions, attention, batch.logits_indices)
         return ModelRunnerOutput(batch.sample_request_ids, logits)
 
-    def attention_fn(self, batch: BatchInputs) -> AttentionFn:
-        """The AttentionFn of one batch: write the layer's new K/V, then paged attention
-        (with the layer's attention sinks when the model has ``layer_sinks``)."""
-        cache, model, backend = self.cache, self.model, self.attention_backend
-        # DecoderModel.layer_sinks(i) -> Tensor [num_heads] | None, for models with sinks
-        layer_sinks = getattr(model, "layer_sinks", None)
-
-        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                      ) -> torch.Tensor:
-            g = self._group_of[layer]
-            cache.write(layer, k, v, batch.slot_mappings[g])
-            key_cache, value_cache = cache.layer_caches(layer)
-            return kernels.attention(
-                q, key_cache, value_cache, batch.attn_metadata[g], model.attn_scale,
-                window=self._windows[layer], softcap=model.attn_softcap,
-                sinks=layer_sinks(layer) if layer_sinks is not None else None, backend=backend)
-
-        return attention
+    def attention_fn(self, batch: BatchInputs) -> PagedAttention:
+        """The attention of one batch: an AttentionFn that writes the layer's new K/V, then
+        runs paged attention (with the layer's attention sinks when the model has
+        ``layer_sinks``)."""
+        return PagedAttention(self, batch)
 
 
-def check_cache_matches_model(model: DecoderModel, cache: PagedKVCache) -> None:
+class PagedAttention:
+    """One batch's attention over the paged cache: for layer ``i``, write the step's K/V
+    into the pages of the layer's group, then run :func:`kvstore.kernels.attention` over the
+    visible context with the layer's window.
+
+    Called as an :data:`~kvstore.models.model.AttentionFn` ``(layer, q, k, v)``, it uses
+    the model's ``attn_scale``, ``attn_softcap`` and ``layer_sinks``; :meth:`attend` takes
+    them from the caller (a transformers attention module's own settings)."""
+
+    def __init__(self, runner: ModelRunner, batch: BatchInputs) -> None:
+        self.runner = runner
+        self.batch = batch
+
+    def window(self, layer: int) -> int | None:
+        """The window the cache serves for ``layer`` (None: full attention)."""
+        return self.runner._windows[layer]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> torch.Tensor:
+        model = self.runner.model
+        if not isinstance(model, DecoderModel):
+            raise TypeError("a transformers model's attention calls PagedAttention.attend")
+        return self.attend(layer, q, k, v, scale=model.attn_scale, softcap=model.attn_softcap,
+                           sinks=model.layer_sinks(layer))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """Write ``k``, ``v`` ``[T, num_kv_heads, head_dim]`` of ``layer`` into its pages and
+        return the attention output ``[T, num_heads, head_dim]`` of ``q``."""
+        runner, batch = self.runner, self.batch
+        g = runner._group_of[layer]
+        runner.cache.write(layer, k, v, batch.slot_mappings[g])
+        key_cache, value_cache = runner.cache.layer_caches(layer)
+        return kernels.attention(
+            q, key_cache, value_cache, batch.attn_metadata[g], scale,
+            window=runner._windows[layer], softcap=softcap, sinks=sinks,
+            backend=runner.attention_backend)
+
+
+def check_cache_matches_model(model: DecoderModel | HFCausalLM, cache: PagedKVCache) -> None:
     """Raise ValueError unless every layer's cache group fits the layer (window, heads,
     head dim, dtype)."""
     c = model.config

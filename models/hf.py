@@ -1,0 +1,315 @@
+"""Any transformers decoder through kvstore's paged cache.
+
+transformers' own modules run unchanged; only attention is routed to kvstore. The
+attention function registered under :data:`ATTENTION_NAME` (in transformers'
+``AttentionInterface``, and absent from its mask registry, so no mask is ever built) takes
+the step's :class:`~kvstore.engine.runner.PagedAttention` from its keyword arguments,
+writes the layer's K/V into kvstore's pages and runs kvstore's paged attention with the
+module's scaling, window, softcap and sinks. :class:`HFCausalLM` wraps an
+``AutoModelForCausalLM`` for :class:`~kvstore.engine.engine.LLMEngine`: the packed batch is
+one row of ``input_ids`` with per-token ``position_ids``.
+
+transformers is imported only when a model is loaded or wrapped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from kvstore.engine.runner import PagedAttention
+
+__all__ = [
+    "ATTENTION_NAME",
+    "HFCausalLM",
+    "HFModelConfig",
+    "layer_windows",
+    "load_hf_model",
+    "paged_attention_forward",
+    "register_attention",
+]
+
+ATTENTION_NAME = "kvstore_paged"
+"""The ``attn_implementation`` under which kvstore's attention is registered."""
+
+_BATCH_KWARG = "kvstore_attention"  # the keyword that carries a step's PagedAttention
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """What the engine and the cache need to know of a transformers model: its vocabulary,
+    layers, K/V heads and head size, dtype, and each layer's window (None: full attention).
+    ``hf_config`` is transformers' config as JSON (part of the model's fingerprint)."""
+
+    model_type: str
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    windows: tuple[int | None, ...]
+    hf_config: str
+
+
+def _get(hf_config: Any, key: str, default: Any = None) -> Any:
+    return getattr(hf_config, key, default)
+
+
+def _positive_int(hf_config: Any, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{hf_config.model_type}: {key} must be a positive int, got {value!r}")
+    return value
+
+
+def layer_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Each layer's window from a transformers config: ``sliding_window`` for the layers
+    that ``layer_types`` calls ``sliding_attention``, None for ``full_attention``; without
+    ``layer_types``, every layer slides when ``sliding_window`` is set and the config's class
+    declares it (as the models of Mistral's style build their mask). ValueError naming the
+    key for what kvstore does not serve: ``attention_chunk_size``, any other layer type,
+    bidirectional attention."""
+    model_type = _get(hf_config, "model_type", "?")
+    num_layers = _positive_int(hf_config, "num_hidden_layers", _get(hf_config, "num_hidden_layers"))
+    if _get(hf_config, "attention_chunk_size") is not None:
+        raise ValueError(f"{model_type}: attention_chunk_size "
+                         f"{hf_config.attention_chunk_size!r}: chunked attention is not served")
+    for key in ("use_bidirectional_attention", "is_encoder_decoder"):
+        if _get(hf_config, key):
+            raise ValueError(f"{model_type}: {key} is set: only causal decoders are served")
+    sliding = _get(hf_config, "sliding_window")
+    layer_types = _get(hf_config, "layer_types")
+    if layer_types is None:
+        # A sliding_window the config class does not declare is a stray key its model ignores.
+        if sliding is None or not hasattr(type(hf_config), "sliding_window"):
+            return (None,) * num_layers
+        return (_positive_int(hf_config, "sliding_window", sliding),) * num_layers
+    layer_types = list(layer_types)
+    if len(layer_types) != num_layers:
+        raise ValueError(f"{model_type}: layer_types has {len(layer_types)} entries for "
+                         f"{num_layers} layers")
+    windows: list[int | None] = []
+    for i, kind in enumerate(layer_types):
+        if kind == _FULL:
+            windows.append(None)
+        elif kind == _SLIDING:
+            windows.append(_positive_int(hf_config, "sliding_window", sliding))
+        else:
+            raise ValueError(f"{model_type}: layer_types[{i}] is {kind!r}: kvstore serves "
+                             f"{_FULL!r} and {_SLIDING!r} layers")
+    return tuple(windows)
+
+
+def hf_model_config(hf_config: Any, dtype: torch.dtype) -> HFModelConfig:
+    """The :class:`HFModelConfig` of a transformers config (ValueError naming the key for
+    settings kvstore does not serve)."""
+    windows = layer_windows(hf_config)
+    num_heads = _positive_int(hf_config, "num_attention_heads", _get(hf_config, "num_attention_heads"))
+    kv = _get(hf_config, "num_key_value_heads")
+    num_kv_heads = num_heads if kv is None else _positive_int(hf_config, "num_key_value_heads", kv)
+    head_dim = _get(hf_config, "head_dim")
+    if head_dim is None:
+        head_dim = _positive_int(hf_config, "hidden_size", _get(hf_config, "hidden_size")) // num_heads
+    return HFModelConfig(
+        model_type=str(_get(hf_config, "model_type", "")),
+        vocab_size=_positive_int(hf_config, "vocab_size", _get(hf_config, "vocab_size")),
+        num_layers=len(windows), num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=_positive_int(hf_config, "head_dim", head_dim), dtype=dtype, windows=windows,
+        hf_config=hf_config.to_json_string(use_diff=False) if hasattr(hf_config, "to_json_string")
+        else json.dumps(dict(hf_config), sort_keys=True, default=str))
+
+
+class _MissingBatch(RuntimeError):
+    """The attention function was called without a step's batch."""
+
+
+def paged_attention_forward(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature over kvstore's paged cache.
+
+    ``query`` is ``[1, heads, T, head_dim]`` (``key``/``value`` with the K/V heads) for the
+    step's packed tokens; the step's :class:`~kvstore.engine.runner.PagedAttention` comes as
+    the ``kvstore_attention`` keyword. Returns ``([1, T, heads, head_dim], None)``."""
+    paged: PagedAttention | None = kwargs.get(_BATCH_KWARG)
+    if paged is None:
+        raise _MissingBatch(f"attn_implementation {ATTENTION_NAME!r} runs only inside kvstore's "
+                           f"engine (no {_BATCH_KWARG!r} keyword argument)")
+    if query.shape[0] != 1:
+        raise ValueError(f"kvstore runs a packed batch as one row, got batch size {query.shape[0]}")
+    if module.training and dropout:
+        raise ValueError("dropout: kvstore's attention is for inference (call model.eval())")
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise ValueError(f"{type(module).__name__} has no int layer_idx")
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if "sliding_window" in kwargs or hasattr(module, "sliding_window"):
+        if window != paged.window(layer):
+            raise ValueError(f"layer {layer}: the module's sliding_window {window!r} is not the "
+                             f"cache's window {paged.window(layer)!r}")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1).contiguous()
+    out = paged.attend(layer, q, key[0].transpose(0, 1), value[0].transpose(0, 1),
+                       scale=float(scaling), softcap=softcap, sinks=sinks)
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register :func:`paged_attention_forward` with transformers' ``AttentionInterface``
+    under :data:`ATTENTION_NAME` (not with the mask registry: no mask is built for it);
+    returns the name. Idempotent."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    return ATTENTION_NAME
+
+
+def _check_modules(model: nn.Module, config: HFModelConfig) -> None:
+    """ValueError, before anything runs, for attention modules kvstore cannot honor."""
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if not hasattr(module, "is_causal") or not isinstance(getattr(module, "layer_idx", None), int):
+            continue
+        layer = int(module.layer_idx)
+        if not module.is_causal:
+            raise ValueError(f"{name}: is_causal is False: only causal attention is served")
+        if hasattr(module, "sliding_window") and isinstance(module.sliding_window, (int, type(None))):
+            if module.sliding_window != config.windows[layer]:
+                raise ValueError(f"{name}: sliding_window {module.sliding_window!r} differs from "
+                                 f"the config's window {config.windows[layer]!r} for layer {layer}")
+        seen.add(layer)
+    if seen and seen != set(range(config.num_layers)):
+        raise ValueError(f"attention modules cover layers {sorted(seen)}, the config has "
+                         f"{config.num_layers} (num_hidden_layers)")
+
+
+class _Probe:
+    """Stands in for a step's PagedAttention in a one-token forward at wrap time: records
+    what each layer's attention call brings, returns zeros."""
+
+    def __init__(self, config: HFModelConfig) -> None:
+        self.config = config
+        self.calls: dict[int, tuple[int, int, int, int]] = {}
+
+    def window(self, layer: int) -> int | None:
+        return self.config.windows[layer] if 0 <= layer < self.config.num_layers else None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        self.calls[layer] = (int(k.shape[1]), int(k.shape[2]), int(v.shape[1]), int(v.shape[2]))
+        return torch.zeros_like(q)
+
+
+def _probe(model: nn.Module, config: HFModelConfig) -> None:
+    """ValueError unless a one-token forward calls the registered attention of every layer
+    once, with the keyword arguments passed through and K/V shaped as the config says."""
+    probe = _Probe(config)
+    device = next(model.parameters()).device
+    one = torch.zeros(1, 1, dtype=torch.long, device=device)
+    try:
+        with torch.inference_mode():
+            model(input_ids=one, position_ids=one, use_cache=False, logits_to_keep=1,
+                  **{_BATCH_KWARG: probe})
+    except _MissingBatch as e:
+        raise ValueError(f"{config.model_type}: its attention modules do not pass keyword "
+                         f"arguments through to the attention function") from e
+    missing = sorted(set(range(config.num_layers)) - set(probe.calls))
+    if missing:
+        raise ValueError(f"{config.model_type}: layers {missing} do not call the attention "
+                         f"function of attn_implementation (num_hidden_layers "
+                         f"{config.num_layers})")
+    want = (config.num_kv_heads, config.head_dim, config.num_kv_heads, config.head_dim)
+    for layer, got in sorted(probe.calls.items()):
+        if got != want:
+            raise ValueError(f"{config.model_type}: layer {layer} K/V heads x dims {got} differ "
+                             f"from num_key_value_heads x head_dim {want}")
+
+
+class HFCausalLM(nn.Module):
+    """A transformers ``*ForCausalLM`` whose attention runs on kvstore's paged cache, in the
+    shape :class:`~kvstore.engine.engine.LLMEngine` runs.
+
+    Wrapping switches the model's ``attn_implementation`` to :data:`ATTENTION_NAME`.
+    ``forward(input_ids, positions, attention, logits_indices)`` runs a packed step (``[T]``
+    token ids and positions, the step's ``PagedAttention``) and returns the logits of the
+    rows in ``logits_indices`` (every row when None), computed by the model's own head
+    (final softcap and logit scaling included)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        hf_config = getattr(model, "config", None)
+        if hf_config is None:
+            raise ValueError("model has no config: expected a transformers PreTrainedModel")
+        dtype = next(model.parameters()).dtype
+        self.config = hf_model_config(hf_config, dtype)
+        _check_modules(model, self.config)
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)  # type: ignore[operator]
+        self.hf = model.eval()
+        _probe(model, self.config)
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """Window ``W`` of layer ``layer_idx`` (query ``q`` sees ``q-W < k <= q``), None if full."""
+        if not 0 <= layer_idx < self.config.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range [0, {self.config.num_layers})")
+        return self.config.windows[layer_idx]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attention: PagedAttention, logits_indices: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits ``[len(logits_indices), vocab]`` (or ``[T, vocab]``) of a packed step."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must be 1-D of equal length, got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        keep: int | torch.Tensor = 0 if logits_indices is None else logits_indices
+        out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                      logits_to_keep=keep, **{_BATCH_KWARG: attention})
+        return out.logits[0]
+
+
+def load_hf_model(source: Any, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu", seed: int | None = None) -> HFCausalLM:
+    """An :class:`HFCausalLM` from a transformers config (random weights, seeded by
+    ``seed`` when given), a local checkpoint directory (``config.json`` + safetensors), or
+    a local GGUF file (read by transformers' GGUF loader, dequantized). Nothing is
+    downloaded. ValueError naming the key for a config kvstore does not serve."""
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+
+    name = register_attention()
+    if isinstance(source, PretrainedConfig):
+        hf_model_config(source, dtype)  # refuse before building anything
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(source, attn_implementation=name, dtype=dtype)
+    elif isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        kwargs: dict[str, Any] = dict(attn_implementation=name, dtype=dtype,
+                                      local_files_only=True)
+        if path.is_file() and path.suffix == ".gguf":
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                         **kwargs)
+        elif path.is_dir() and (path / "config.json").is_file():
+            from transformers import AutoConfig
+
+            hf_model_config(AutoConfig.from_pretrained(str(path), local_files_only=True), dtype)
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        else:
+            raise ValueError(f"{source}: expected a directory with config.json or a .gguf file")
+    else:
+        raise ValueError(f"source must be a transformers config or a path, got "
+                         f"{type(source).__name__}")
+    return HFCausalLM(model.to(device=device, dtype=dtype))

@@ -1,0 +1,294 @@
+"""transformers' own decoders through kvstore's paged cache (kvstore.models.hf), CPU only.
+
+Each family is a tiny random config of transformers 5.24 (the config keys below are test
+data; kvstore has no per-family code), with weights re-drawn at a scale that gives peaked
+attention. Through LLMEngine, every output's logits must be within 1e-4 of transformers'
+eager forward over the final sequence and its greedy tokens HF's argmax wherever HF's
+top-2 gap exceeds 1e-3; one request per family is also compared with ``generate``. Each
+family runs prefix hits, a partial hit, a fork, chunked prefill, and a pool small enough
+to preempt and evict.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from kvstore.engine.engine import (  # noqa: E402
+    EngineConfig,
+    LLMEngine,
+    RequestOutput,
+    SamplingParams,
+)
+from kvstore.kv_cache_manager import CacheConfig  # noqa: E402
+from kvstore.models.hf import ATTENTION_NAME, HFCausalLM, layer_windows, load_hf_model  # noqa: E402
+
+ATOL = 1e-4
+TIE_GAP = 1e-3
+BLOCK = 4
+WINDOW = 8
+VOCAB = 256
+
+BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+SLIDING = dict(sliding_window=WINDOW)
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+
+# model_type -> config keys beyond BASE (sliding windows, experts, layer patterns).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": SLIDING,
+    "gemma": {},
+    "gemma2": SLIDING,
+    "gemma3_text": dict(SLIDING, sliding_window_pattern=2),
+    "qwen2": dict(SLIDING, use_sliding_window=True, max_window_layers=1),
+    "qwen3": dict(SLIDING, use_sliding_window=True, max_window_layers=1),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32),
+    "gpt_oss": dict(SLIDING, **MOE),
+    "phi3": SLIDING,
+    "olmo": {},
+    "olmo2": {},
+    "olmo3": SLIDING,
+    "granite": {},
+    "granitemoe": MOE,
+    "cohere": {},
+    "cohere2": SLIDING,
+    "starcoder2": SLIDING,
+    "glm": {},
+    "glm4": {},
+    "smollm3": {},
+    "exaone4": SLIDING,
+    "ministral": SLIDING,
+    "mixtral": dict(SLIDING, **MOE),
+    "hunyuan_v1_dense": {},
+    "seed_oss": {},
+    "arcee": {},
+    "helium": {},
+    "apertus": {},
+    "phi": {},
+    "ernie4_5": {},
+}
+FAST = ["llama", "gemma2", "gpt_oss"]
+
+
+def hf_config(model_type: str) -> Any:
+    return transformers.AutoConfig.for_model(model_type, **{**BASE, **FAMILIES[model_type]})
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Weights at a scale that gives peaked attention and varied tokens (transformers'
+    default init makes tiny models near-uniform); norms keep their offset (1 or Gemma's 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g).to(p.dtype)
+            if "norm" in name:
+                p.add_(0.2 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.1 * noise)
+            elif "embed" in name:
+                p.copy_(noise * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(noise * 2.0 / p.shape[-1] ** 0.5)
+
+
+def build(model_type: str) -> tuple[HFCausalLM, torch.nn.Module]:
+    """(kvstore's model, transformers' eager copy with the same weights)."""
+    model = load_hf_model(hf_config(model_type), seed=0)
+    randomize_(model.hf)
+    ref = copy.deepcopy(model.hf)
+    ref.set_attn_implementation("eager")
+    return model, ref.eval()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+
+def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, n=n, return_logits=True)
+
+
+def make_engine(model: HFCausalLM, num_blocks: int = 128, batched: int = 8) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK,
+                                         max_num_batched_tokens=batched,
+                                         cache=CacheConfig(enable_partial_hits=True)))
+
+
+@torch.no_grad()
+def check_against_hf(ref: torch.nn.Module, out: RequestOutput) -> None:
+    """Every sample's logits and greedy tokens agree with HF along the sample's sequence."""
+    p = len(out.prompt_token_ids)
+    for sample in out.outputs:
+        assert sample.logits is not None
+        gen = sample.token_ids
+        seq = torch.tensor(out.prompt_token_ids + gen)
+        want = ref(seq[None]).logits[0, p - 1: p - 1 + len(gen)]
+        torch.testing.assert_close(sample.logits, want, atol=ATOL, rtol=1e-4)
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > TIE_GAP
+        assert torch.equal(torch.tensor(gen)[clear], want.argmax(-1)[clear]), gen
+
+
+def run_family(model_type: str) -> None:
+    model, ref = build(model_type)
+    n, max_tokens = 18, 5
+    shared = tokens(n, seed=1)
+
+    # A request alone (chunked prefill: 8 tokens a step), equal to transformers' generate.
+    engine = make_engine(model)
+    (first,) = engine.generate([shared + tokens(3, seed=2)], greedy(max_tokens))
+    prompt = torch.tensor([first.prompt_token_ids])
+    with torch.no_grad():
+        hf_tokens = ref.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens)
+    assert first.outputs[0].token_ids == hf_tokens[0, prompt.shape[1]:].tolist()
+    check_against_hf(ref, first)
+
+    # Full-block hits, a partial hit (mid-block), a fork of 2 samples copying the partial
+    # block, and a request that shares nothing, batched.
+    cut = n - 1 if (n - 1) % BLOCK else n - 2
+    outs = engine.generate(
+        [shared + tokens(2, seed=3), shared[:cut] + [(shared[cut] + 1) % VOCAB], shared[:cut],
+         tokens(7, seed=4)],
+        [greedy(max_tokens), greedy(3), greedy(max_tokens, n=2), greedy(max_tokens)])
+    stats = engine.stats
+    assert stats.hit_tokens > 0 and stats.partial_hits > 0 and stats.fork_copies > 0
+    assert outs[1].num_cached_tokens == cut
+    for out in outs:
+        check_against_hf(ref, out)
+    assert engine.manager.usage == 0.0
+
+    # A pool with room for the longest request alone: preemption and eviction.
+    prompts = [tokens(n + k, seed=10 + k) for k in range(3)] + [tokens(5, seed=14)]
+    longest = n + 2 + max_tokens
+    groups = len(make_engine(model, num_blocks=64).config.groups)
+    small = make_engine(model, num_blocks=1 + groups * -(-longest // BLOCK), batched=16)
+    outs = small.generate(prompts, greedy(max_tokens))
+    assert small.stats.preemptions > 0 and small.stats.evictions > 0
+    for out in outs:
+        check_against_hf(ref, out)
+    assert small.manager.usage == 0.0
+
+
+@pytest.mark.parametrize("model_type", FAST)
+def test_family_matches_transformers(model_type: str) -> None:
+    run_family(model_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [m for m in FAMILIES if m not in FAST])
+def test_family_matches_transformers_grid(model_type: str) -> None:
+    run_family(model_type)
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(("model_type", "keys", "named"), [
+    ("llama", dict(attention_chunk_size=16), "attention_chunk_size"),
+    ("llama", dict(layer_types=["full_attention", "linear_attention", "full_attention"]),
+     "layer_types"),
+    ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("mistral", dict(sliding_window=0), "sliding_window"),
+])
+def test_unsupported_config_is_refused_naming_the_key(model_type: str, keys: dict, named: str
+                                                      ) -> None:
+    cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **keys})
+    with pytest.raises(ValueError, match=named):
+        load_hf_model(cfg)
+
+
+def test_model_whose_attention_drops_the_batch_is_refused() -> None:
+    """stablelm's attention does not pass keyword arguments through: refused at wrap time."""
+    cfg = transformers.AutoConfig.for_model("stablelm", **BASE)
+    with pytest.raises(ValueError, match="keyword arguments"):
+        load_hf_model(cfg)
+
+
+def test_kv_heads_that_differ_from_the_config_are_refused() -> None:
+    """gpt_neox ignores num_key_value_heads: the K/V it computes do not fit the pages."""
+    cfg = transformers.AutoConfig.for_model("gpt_neox", **BASE)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        load_hf_model(cfg)
+
+
+def test_windows_from_the_config() -> None:
+    assert layer_windows(hf_config("gemma2")) == (WINDOW, None, WINDOW)
+    assert layer_windows(hf_config("mistral")) == (WINDOW,) * 3
+    # A sliding_window key the config class does not declare is ignored by its model.
+    assert layer_windows(transformers.AutoConfig.for_model("llama", **BASE, **SLIDING)) == (None,) * 3
+
+
+def test_attention_outside_the_engine_raises() -> None:
+    model, _ = build("llama")
+    assert model.hf.config._attn_implementation == ATTENTION_NAME
+    with pytest.raises(RuntimeError, match="kvstore"):
+        model.hf(torch.tensor([[1, 2, 3]]))
+
+
+def test_checkpoint_dir_loads(tmp_path) -> None:
+    model, ref = build("qwen3")
+    ref.save_pretrained(tmp_path)
+    loaded = load_hf_model(tmp_path)
+    for (name, a), (_, b) in zip(sorted(ref.state_dict().items()),
+                                 sorted(loaded.hf.state_dict().items()), strict=True):
+        assert torch.equal(a, b), name
+    (out,) = make_engine(loaded).generate([tokens(21, seed=3)], greedy(4))
+    check_against_hf(ref, out)
+
+
+def test_missing_path_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="config.json"):
+        load_hf_model(tmp_path / "nothing")
+
+
+@pytest.mark.slow
+def test_triton_kernel_through_transformers_modules() -> None:
+    """The Triton kernel (interpreted on CPU) with a window, softcap and sinks' families."""
+    for model_type in ("gemma2", "gpt_oss"):
+        model, ref = build(model_type)
+        engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=BLOCK,
+                                               max_num_batched_tokens=8,
+                                               attention_backend="triton"))
+        shared = tokens(13, seed=1)
+        engine.generate([shared + [1]], greedy(2))
+        outs = engine.generate([shared + [2, 3], tokens(5, seed=2)], greedy(3))
+        assert engine.stats.hit_tokens > 0
+        for out in outs:
+            check_against_hf(ref, out)
+
+
+@pytest.mark.slow
+def test_gguf_through_transformers_loader() -> None:
+    """SmolLM2's GGUF read by transformers' loader runs through the paged cache."""
+    from kvstore.models.gguf import smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        pytest.skip(str(e))
+    model = load_hf_model(path)
+    ref = copy.deepcopy(model.hf)
+    ref.set_attn_implementation("eager")
+    engine = make_engine(model, num_blocks=64, batched=32)
+    prompt = tokens(40, seed=7)
+    engine.generate([prompt], greedy(2))
+    (out,) = engine.generate([prompt[:30] + [5, 6]], greedy(4))
+    assert out.num_cached_tokens >= 28
+    with torch.no_grad():
+        seq = torch.tensor(out.prompt_token_ids + out.outputs[0].token_ids)
+        want = ref(seq[None]).logits[0, 31:-1]
+    assert out.outputs[0].logits is not None
+    torch.testing.assert_close(out.outputs[0].logits, want, atol=2e-3, rtol=1e-3)
