@@ -738,6 +738,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a shared store below the device pool (and the host tier): a Valkey URL "
                         "(valkey://host:port/db, valkey+cluster://host:port), or mem / mem:SIZE "
                         "for an in-process one; each caching policy also runs as NAME+tiers")
+    p.add_argument("--window-offload", choices=("none", "ends", "all"), default="ends",
+                   help="with tiers, which pages a sliding-window group drops mid-request are "
+                        "offloaded: none (only those held at free), ends (those before a likely "
+                        "hit end), all")
 
 
 def _arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -799,7 +803,8 @@ def run_bench(args: argparse.Namespace) -> int:
         error(f"argument --pool-sizes: {e}")
     if not workload.requests:
         error(f"argument --workload: {args.workload} has no requests")
-    tiers = TierOptions(getattr(args, "host_tier_bytes", None), getattr(args, "store", None))
+    tiers = TierOptions(getattr(args, "host_tier_bytes", None), getattr(args, "store", None),
+                        getattr(args, "window_offload", "ends"))
     if tiers:
         flag = "--host-tier-bytes" if tiers.host_bytes else "--store"
         if not any(policy_named(p).enable_caching for p in policies):

@@ -47,6 +47,8 @@ class TierOptions:
             from kvstore.tiers.valkey_store import redact_url
 
             parts.append(f"store {redact_url(self.store)}")
+        if self.window_offload != "ends":
+            parts.append(f"window offload {self.window_offload}")
         return ", ".join(parts)
 
 
