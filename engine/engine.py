@@ -35,6 +35,7 @@ from kvstore.specs import (
 from kvstore.utils import hit_rate
 
 if TYPE_CHECKING:
+    from kvstore.models.hf import HFCausalLM
     from kvstore.tiers.connector import TierConnector, TierTransfers
 
 __all__ = [
@@ -182,7 +183,7 @@ class _Group:
     num_cached_tokens: int | None = None
 
 
-def kv_cache_specs(model: DecoderModel, block_size: int) -> list[KVCacheSpec]:
+def kv_cache_specs(model: DecoderModel | HFCausalLM, block_size: int) -> list[KVCacheSpec]:
     """Per layer, the KV cache spec of a model: full attention or its sliding window."""
     c = model.config
     specs: list[KVCacheSpec] = []
@@ -275,7 +276,7 @@ class LLMEngine:
     set up by an :class:`EngineConfig` (its defaults if None) on `device` (the model's
     if None)."""
 
-    def __init__(self, model: DecoderModel, config: EngineConfig | None = None,
+    def __init__(self, model: DecoderModel | HFCausalLM, config: EngineConfig | None = None,
                  device: torch.device | str | None = None) -> None:
         if config is None:
             config = EngineConfig()

@@ -9,12 +9,10 @@ import json
 import torch
 import xxhash
 
-from kvstore.models.model import DecoderModel
-
 __all__ = ["model_fingerprint"]
 
 
-def model_fingerprint(model: DecoderModel, block_size: int | None = None) -> str:
+def model_fingerprint(model: torch.nn.Module, block_size: int | None = None) -> str:
     """A name for what the K/V of a model's blocks depend on: its class, its whole
     configuration (RoPE base and scaling, norm epsilon and style, attention scaling and
     softcaps, windows, sinks, compute dtype, ...), ``block_size`` when given, and an

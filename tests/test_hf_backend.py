@@ -292,3 +292,40 @@ def test_gguf_through_transformers_loader() -> None:
         want = ref(seq[None]).logits[0, 31:-1]
     assert out.outputs[0].logits is not None
     torch.testing.assert_close(out.outputs[0].logits, want, atol=2e-3, rtol=1e-3)
+
+
+def test_host_tier_restores_a_prefix_the_device_pool_dropped() -> None:
+    """Tiers run on the new path: a prefix evicted from the device comes back from host
+    memory, and the outputs still match transformers."""
+    from kvstore.engine.engine import TierConfig
+
+    model, ref = build("gemma2")
+    prefix = tokens(24, seed=200)
+    prompts = [prefix + tokens(3, 201)] + [tokens(20, s) for s in range(202, 206)] \
+        + [prefix + tokens(5, 209)]
+    engine = LLMEngine(model, EngineConfig(num_blocks=30, block_size=BLOCK,
+                                           tiers=TierConfig(host_tier_bytes=1 << 22)))
+    try:
+        outs = [engine.generate([p], greedy(3))[0] for p in prompts]
+        stats = engine.stats
+        assert stats.evictions > 0 and stats.host_hit_tokens > 0
+        for out in outs:
+            check_against_hf(ref, out)
+    finally:
+        engine.close()
+
+
+def test_abort_leaves_the_others_exact() -> None:
+    model, ref = build("llama")
+    engine = make_engine(model)
+    keep = engine.add_request(tokens(15, seed=1), greedy(4))
+    gone = engine.add_request(tokens(15, seed=1)[:9] + [3], greedy(4, n=2))
+    engine.step()
+    engine.step()
+    assert engine.abort_request(gone)
+    done: list[RequestOutput] = []
+    while engine.has_unfinished_requests:
+        done += engine.step()
+    assert [o.request_id for o in done] == [keep]
+    check_against_hf(ref, done[0])
+    assert engine.manager.usage == 0.0
