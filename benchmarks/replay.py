@@ -234,19 +234,12 @@ def default_capacities(per_decade: int = 4, quick: bool = False) -> list[int]:
 def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None,
                 block_tokens: int = MOONCAKE_BLOCK_TOKENS, eviction: str = "lru") -> dict[str, Any]:
     """Replay Mooncake rows through a BlockPool of ``capacity_blocks`` usable blocks
-    (None: unbounded) under the named eviction policy and count hits as the paper does.
-
-    Returns the oracle's totals (``input_tokens``, ``hit_tokens``, ``total_blocks``,
-    ``hit_blocks``, ``evictions``, ``token_hit_rate``, ``block_hit_rate``,
-    ``per_request_hit_tokens``) plus ``pool_blocks`` (the pool actually built: a pool at
-    least as large as the number of distinct ids never evicts, so it is capped there
-    with identical results), ``link_breaks`` (a leading id present in the pool but not
-    linked to the block before it; 0 on a consistent trace), ``unlinked_present``
-    (ids present after the hit run ended; reused, not recomputed, as the oracle does) and
-    ``partial_tail_tokens`` / ``token_hit_rate_with_tails``: an estimate that also counts
-    a chat turn's reuse of the previous turn's partial last block while that block is
-    cached (a token-level cache with partial hits reuses it; the trace's ids cannot say
-    so, since the block gets a new id once it fills). The replay itself is unchanged."""
+    (None: unbounded) under the named eviction policy. Returns the LRU model's totals plus
+    ``pool_blocks`` (capped at the distinct ids: identical results), ``link_breaks`` (a
+    leading id cached but not linked to its parent; 0 on a consistent trace),
+    ``unlinked_present`` (ids cached after the hit run) and ``partial_tail_tokens`` /
+    ``token_hit_rate_with_tails`` (an estimate adding a chat turn's reuse of the previous
+    turn's cached partial last block)."""
     if capacity_blocks is not None and capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0 or None, got {capacity_blocks}")
     rows = _by_time(requests)
