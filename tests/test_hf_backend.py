@@ -329,3 +329,17 @@ def test_abort_leaves_the_others_exact() -> None:
     assert [o.request_id for o in done] == [keep]
     check_against_hf(ref, done[0])
     assert engine.manager.usage == 0.0
+
+
+def test_cli_generate_takes_a_checkpoint_path(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.cli import main as cli_main
+
+    _, ref = build("cohere2")
+    ref.save_pretrained(tmp_path / "tiny-cohere2")
+    assert cli_main(["generate", "--model", str(tmp_path / "tiny-cohere2"), "--max-tokens", "3",
+                     "--block-size", "4", "--num-blocks", "128", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-cohere2" in out and "hit_tokens" in out
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "--model", str(tmp_path / "nowhere")])
+    assert "neither a model name" in capsys.readouterr().err
