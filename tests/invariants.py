@@ -3,9 +3,30 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from kvstore.block_pool import BlockPool
+from kvstore.kv_cache_coordinator import KVCacheCoordinator
 from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+
+@dataclass(frozen=True)
+class Internals:
+    """A manager's parts, for tests that check an invariant beneath the public API: its
+    pool, its coordinator, the per-group managers and the copies queued for the worker."""
+
+    pool: BlockPool
+    coordinator: KVCacheCoordinator
+    groups: tuple[SingleTypeKVCacheManager, ...]
+    pending_copies: tuple[tuple[int, int], ...]
+
+
+def internals(manager: KVCacheManager) -> Internals:
+    """The one place the tests read a manager's private attributes."""
+    coordinator = manager._coordinator
+    return Internals(manager._pool, coordinator, coordinator.managers,
+                     tuple(manager._copies._copies))
 
 
 def check_pool(pool: BlockPool, table_refs: Counter[int] | None = None,
@@ -69,7 +90,7 @@ def check_manager(manager: KVCacheManager) -> None:
         tables = manager.block_table(rid)
         for g, ids in enumerate(tables):
             table_refs.update(i for i in ids if i != 0)
-            sub = manager._coordinator.managers[g]
+            sub = internals(manager).groups[g]
             bs = manager.block_size
             # Cached blocks of a live request hold exactly its content.
             for i in range(sub.num_cached_blocks(rid)):
@@ -79,4 +100,4 @@ def check_manager(manager: KVCacheManager) -> None:
                 assert block.block_hash == request.block_hashes[i]
                 assert block.token_ids == tuple(request.token_ids[i * bs:(i + 1) * bs])
     pin_refs = Counter(manager.pinned_blocks)
-    check_pool(manager._pool, table_refs, pin_refs)
+    check_pool(internals(manager).pool, table_refs, pin_refs)

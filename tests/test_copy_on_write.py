@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from invariants import check_manager
+from invariants import check_manager, internals
 
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.paged_kv_cache import PagedKVCache
@@ -136,7 +136,7 @@ class Harness:
         """Write K/V of positions [num_computed, num_computed + n) of every (request, n)."""
         if not batch:
             return
-        pool = self.manager._pool
+        pool = internals(self.manager).pool
         group_slots: list[list[int]] = []
         for g in range(len(self.config.groups)):
             slots: list[int] = []
@@ -363,7 +363,7 @@ class Sim:
             self.h.run_copies()
             self.h.run_copies()
             check_manager(self.h.manager)
-            pool = self.h.manager._pool
+            pool = internals(self.h.manager).pool
             assert pool.num_free_blocks == pool.num_usable_blocks
         except Exception as exc:
             tail = "\n".join(self.log[-25:])
@@ -556,7 +556,7 @@ def test_fork_then_divergence(first: str) -> None:
             assert mgr.allocate_slots(req, 1) is not None
         h.step([(parent, 1), (child, 1)])
         h.check()
-    assert mgr._pool.blocks[shared_tail].pin_cnt == 0
+    assert internals(mgr).pool.blocks[shared_tail].pin_cnt == 0
     assert mgr.stats.fork_copies == 1
     mgr.free(parent)
     mgr.free(child)
@@ -573,12 +573,12 @@ def test_pending_copy_source_is_not_evicted() -> None:
     a0, a1 = mgr.block_table("a")[0]
     mgr.free(a)
     # Free queue, head first: the two never-used blocks, then a's tail, then a's root.
-    assert [b.block_id for b in mgr._pool.free_queue][2:] == [a1, a0]
+    assert [b.block_id for b in internals(mgr).pool.free_queue][2:] == [a1, a0]
 
     b = h.new_request("b", [1, 2, 3, 4, 5, 6, 7])
     assert h.admit(b, 1)
     assert mgr.num_free_blocks == 1
-    src = mgr._pool.blocks[a1]
+    src = internals(mgr).pool.blocks[a1]
     assert src.pin_cnt == 1 and src.ref_cnt == 1
     # Another request of this step wants two pages: one is free, the other would be the
     # pinned copy source, so it must wait.
@@ -702,7 +702,7 @@ def test_partial_hit_on_a_block_whose_own_copy_is_pending() -> None:
     computed = mgr.get_computed_blocks(e)
     # b's destination and a's tail match equally well (two tokens); the lookup picks the
     # destination here, which only holds them once the batch has run.
-    assert computed.partial_sources[0] is mgr._pool.blocks[dst_b]
+    assert computed.partial_sources[0] is internals(mgr).pool.blocks[dst_b]
     assert computed.num_computed_tokens == 6
     assert mgr.allocate_slots(e, 2, computed) is not None
     copies = h.step([(e, 2)])

@@ -11,17 +11,18 @@ import test_kv_cache_manager as tm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
-from invariants import check_pool
+from invariants import check_pool, internals
 
-from kvstore.benchmarks.eviction_replay import (
+from kvstore.benchmarks.replay import (
     brute_force_best_hit_blocks,
     gap_closed,
+    hybrid_replay,
+    layer_specs,
     lirs_replay,
     min_replay,
+    pool_replay,
     reuse_oracle_replay,
 )
-from kvstore.benchmarks.hybrid_replay import hybrid_replay, layer_specs
-from kvstore.benchmarks.mooncake_replay import pool_replay
 from kvstore.benchmarks.traces import MooncakeRequest, mooncake_lru_replay
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
@@ -221,7 +222,7 @@ class HybridPolicyMachine(th.HybridCacheMachine):
         self.manager = KVCacheManager(config, CacheConfig(enable_partial_hits=partial, eviction=eviction))
         self.partial = partial
         for salt in (None, "tenant"):
-            self.manager._pool.root_serial(salt)
+            internals(self.manager).pool.root_serial(salt)
 
 
 TestHybridPolicies = HybridPolicyMachine.TestCase

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from invariants import check_manager
+from invariants import check_manager, internals
 
 from kvstore.block_pool import BlockPool
 from kvstore.hashing import hash_block, make_keyed_hash
@@ -65,7 +65,7 @@ def first_needed(window: int | None, num_computed: int) -> int:
 
 def snapshot(m: KVCacheManager) -> tuple[Any, ...]:
     """Everything a call could change."""
-    pool = m._pool
+    pool = internals(m).pool
     return (
         tuple((b.ref_cnt, b.pin_cnt, b.group_id, b.block_hash, b.token_ids, b.serial,
                b.parent_serial) for b in pool.blocks),
@@ -96,7 +96,7 @@ class Shadow:
 
     def forward(self, r: Request, n: int) -> None:
         """Write positions [computed, computed + n) of `r` in every group, then advance it."""
-        pool = self.m._pool
+        pool = internals(self.m).pool
         start = r.num_computed_tokens
         for g, ids in enumerate(self.m.block_table(r.request_id)):
             for p in range(start, start + n):
@@ -155,7 +155,7 @@ class Shadow:
 
 def evict(m: KVCacheManager, block_ids: Sequence[int]) -> None:
     """Evict exactly these free cached blocks (made least recently used, then reused)."""
-    pool = m._pool
+    pool = internals(m).pool
     queue = pool.free_queue
     for block_id in reversed(block_ids):
         block = pool.blocks[block_id]
@@ -446,7 +446,7 @@ def test_salted_requests_leave_no_memory_behind() -> None:
 
 def count_lookups(m: KVCacheManager) -> list[int]:
     """Count every index lookup of the pool (hash index probes and cached_blocks calls)."""
-    pool = m._pool
+    pool = internals(m).pool
     count = [0]
     probe, cached_blocks = pool.hash_index.probe, pool.cached_blocks
 
@@ -477,9 +477,9 @@ def test_disagreeing_windows_cost_linear_lookups(windows: list[int | None], num_
     shadow.run(Request("r1", prompt), chunk=num_blocks * BS + 1)
     m.free(m.requests["r1"])
     a, b = (g for g, w in enumerate(shadow.windows) if w is not None)
-    tables = {g: [blk.block_id for blk in m._pool.blocks if blk.group_id == g and blk.token_ids]
+    tables = {g: [blk.block_id for blk in internals(m).pool.blocks if blk.group_id == g and blk.token_ids]
               for g in (a, b)}
-    by_position = {g: {m._pool.blocks[i].token_ids[0] - 1000: i for i in ids}  # type: ignore[index]
+    by_position = {g: {internals(m).pool.blocks[i].token_ids[0] - 1000: i for i in ids}  # type: ignore[index]
                    for g, ids in tables.items()}
     evict(m, [by_position[a][p * BS] for p in range(num_blocks) if p % 2 == 1]
           + [by_position[b][p * BS] for p in range(num_blocks) if p % 2 == 0])
@@ -730,7 +730,7 @@ class CollisionMachine(RuleBasedStateMachine):
         # One serial names one prefix: indexed full blocks with one parent and one token
         # block share their serial, whatever their group.
         serials: dict[tuple[int, tuple[int, ...]], set[int]] = {}
-        for b in self.m._pool.blocks[1:]:
+        for b in internals(self.m).pool.blocks[1:]:
             if b.block_hash is not None and b.token_ids is not None:
                 serials.setdefault((b.parent_serial, b.token_ids), set()).add(b.serial)
         assert all(len(s) == 1 for s in serials.values()), serials

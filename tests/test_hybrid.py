@@ -36,7 +36,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from invariants import check_manager
+from invariants import check_manager, internals
 
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
@@ -118,7 +118,7 @@ def prefill(manager: KVCacheManager, req: Request, chunk: int | None = None,
 def evict_head(manager: KVCacheManager, num: int) -> None:
     """Pop `num` blocks from the head of the free queue (evicting what they cached) and give
     them back unwritten, as a request freed before computing anything would."""
-    pool = manager._pool
+    pool = internals(manager).pool
     blocks = pool.get_new_blocks(num, 0)
     pool.free_blocks(blocks)
     check_manager(manager)
@@ -126,13 +126,13 @@ def evict_head(manager: KVCacheManager, num: int) -> None:
 
 def evict_blocks(manager: KVCacheManager, block_ids: Sequence[int]) -> None:
     """Make these free blocks the least recently used, then evict exactly them."""
-    queue = manager._pool.free_queue
+    queue = internals(manager).pool.free_queue
     for block_id in reversed(block_ids):
-        block = manager._pool.blocks[block_id]
+        block = internals(manager).pool.blocks[block_id]
         queue.remove(block)
         queue.appendleft(block)
     evict_head(manager, len(block_ids))
-    assert all(manager._pool.blocks[b].block_hash is None for b in block_ids)
+    assert all(internals(manager).pool.blocks[b].block_hash is None for b in block_ids)
 
 
 def queue_ids(pool: BlockPool) -> list[int]:
@@ -176,7 +176,7 @@ def valid_for_group(pool: BlockPool, group: int, window: int | None, req: Reques
 
 def best_whole_block_hit(manager: KVCacheManager, req: Request, cap_tokens: int) -> int:
     """The longest whole-block length (in blocks, at most cap_tokens // BS) valid for all groups."""
-    pool = manager._pool
+    pool = internals(manager).pool
     windows = group_windows(manager)
     for k in range(cap_tokens // BS, -1, -1):
         if all(valid_for_group(pool, g, w, req, k) for g, w in enumerate(windows)):
@@ -187,7 +187,7 @@ def best_whole_block_hit(manager: KVCacheManager, req: Request, cap_tokens: int)
 def check_hit(manager: KVCacheManager, req: Request, computed: ComputedBlocks, cap_tokens: int,
               partial: bool) -> None:
     """The coordinator's hit is valid for every group, made of the right blocks, and maximal."""
-    pool = manager._pool
+    pool = internals(manager).pool
     windows = group_windows(manager)
     full = computed.num_full_hit_tokens
     assert full % BS == 0
@@ -245,7 +245,7 @@ def check_hit(manager: KVCacheManager, req: Request, computed: ComputedBlocks, c
 
 def held(manager: KVCacheManager, g: int, rid: str, i: int) -> bool:
     """Whether group g keeps table entry i of request rid past its window (held)."""
-    sub = manager._coordinator.managers[g]
+    sub = internals(manager).groups[g]
     return isinstance(sub, SlidingWindowManager) and sub._held(rid, i)
 
 
@@ -271,12 +271,12 @@ def check_tables_after_allocate(manager: KVCacheManager, req: Request, num_token
 
 def snapshot(manager: KVCacheManager) -> tuple[Any, ...]:
     """Everything an allocation could change."""
-    pool = manager._pool
+    pool = internals(manager).pool
     blocks = tuple((b.ref_cnt, b.pin_cnt, b.group_id, b.block_hash, b.token_ids, b.serial,
                     b.parent_serial) for b in pool.blocks)
     subs = tuple((dict(m._num_cached_blocks), dict(m._last_serial),
                   {rid: [b.block_id for b in t] for rid, t in m._req_to_blocks.items()})
-                 for m in manager._coordinator.managers)
+                 for m in internals(manager).groups)
     return (
         blocks,
         tuple(queue_ids(pool)),
@@ -296,7 +296,7 @@ def exact_fit(manager: KVCacheManager, req: Request, num_tokens: int,
     exactly: at admission every group takes its hit blocks (and copy source) first, then pops
     the copy destinations, then drops what falls out of the window (a dropped hit block that
     was free is free again), and only then pops new pages."""
-    pool = manager._pool
+    pool = internals(manager).pool
     windows = group_windows(manager)
     free = pool.num_free_blocks
     if computed is not None:  # admission
@@ -323,7 +323,7 @@ def exact_fit(manager: KVCacheManager, req: Request, num_tokens: int,
     # Held pages are let go only for a request running alone (then all of them).
     alone = len(manager.requests) == 1
     for g, (window, table) in enumerate(zip(windows, (m.table(req.request_id)
-                                        for m in manager._coordinator.managers), strict=True)):
+                                        for m in internals(manager).groups), strict=True)):
         dropped = first_needed(window, nc) // BS
         released += sum(1 for i, b in enumerate(table[:dropped]) if not b.is_null
                         and b.ref_cnt == 1 and (alone or not held(manager, g, req.request_id, i)))
@@ -411,7 +411,7 @@ def test_window_longer_than_the_request() -> None:
     assert 0 not in table
     m.free(req)
     # Freed deepest first: the partial tail block and block 3 are evicted before blocks 0..2.
-    assert queue_ids(m._pool)[-5:] == table[::-1]
+    assert queue_ids(internals(m).pool)[-5:] == table[::-1]
     evict_head(m, m.num_free_blocks - 3)
     again = Request("b", list(range(100, 117)) + [1, 2, 3])
     computed = prefill(m, again, chunk=2)
@@ -490,7 +490,7 @@ def test_hit_after_early_blocks_were_evicted() -> None:
     req = Request("a", prompt)
     ids = record_ids(m, req, chunk=4)
     m.free(req)
-    pool = m._pool
+    pool = internals(m).pool
     # The window drops freed the windowed group's blocks 0..3 while the request ran; its
     # free put every page of the request in one order, deepest position first, the window
     # page before the full page at each position (the root's full page last of all).
@@ -550,8 +550,8 @@ def test_a_branch_point_is_learned_and_its_window_shared_while_held(hold: bool) 
     assert computed.num_full_hit_tokens == 16 and computed.num_verified_tokens == 16
     assert m.allocate_slots(c, 8, computed) is not None
     full_c, window_c = tables(m, "c")
-    assert (m._pool.blocks[full_c[3]].hint == BRANCH_POINT) == hold
-    shared_pages = [m._pool.blocks[i] for i in window_c[2:4]]
+    assert (internals(m).pool.blocks[full_c[3]].hint == BRANCH_POINT) == hold
+    shared_pages = [internals(m).pool.blocks[i] for i in window_c[2:4]]
     assert 0 not in window_c[2:4] and [p.ref_cnt for p in shared_pages] == [1, 1]
     d = Request("d", b.token_ids + [9] * 6)
     computed = m.get_computed_blocks(d)
@@ -613,11 +613,11 @@ def test_hit_stops_before_a_gap_in_the_window() -> None:
         assert computed.num_full_hit_tokens == n - 1
         assert m.allocate_slots(r, 1, computed) is not None
         m.free(r)
-    queue = queue_ids(m._pool)
+    queue = queue_ids(internals(m).pool)
     assert queue.index(ids[2]) < min(queue.index(ids[i]) for i in (0, 1, 3, 4))
     evict_head(m, queue.index(ids[2]) + 1)
-    assert m._pool.blocks[ids[2]].block_hash is None
-    assert all(m._pool.blocks[ids[i]].block_hash is not None for i in (0, 1, 3, 4))
+    assert internals(m).pool.blocks[ids[2]].block_hash is None
+    assert all(internals(m).pool.blocks[ids[i]].block_hash is not None for i in (0, 1, 3, 4))
     # Cap 16: L = 16 needs blocks 2, 3 and L = 12 blocks 1, 2: both cross the gap. L = 8 fits.
     req = Request("b", prompt[:17])
     computed = m.get_computed_blocks(req)
@@ -709,7 +709,7 @@ def test_all_or_nothing_at_admission() -> None:
     # Hold the 4 pages never written, leaving the 10 cached ones free.
     holder = Request("holder", list(range(500, 508)))
     assert m.allocate_slots(holder, holder.num_tokens, m.get_computed_blocks(holder)) is not None
-    assert m.num_free_blocks == 10 and m._pool.num_cached_blocks() == 8
+    assert m.num_free_blocks == 10 and internals(m).pool.num_cached_blocks() == 8
     req = Request("b", prompt + list(range(300, 312)))  # 29 tokens
     computed = m.get_computed_blocks(req)
     assert computed.num_computed_tokens == 16
@@ -744,7 +744,7 @@ def test_windowed_hit_survives_a_stale_link_to_its_right() -> None:
     ids = record_ids(m, Request("r1", prompt), chunk=4)[0]
     m.free(m.requests["r1"])
     evict_blocks(m, [ids[0], ids[1], ids[2]])  # keep blocks 3 and 4
-    assert m._pool.blocks[ids[3]].block_hash is not None
+    assert internals(m).pool.blocks[ids[3]].block_hash is not None
     prefill(m, Request("r2", prompt[:13]))  # no hit: recomputes blocks 0..2
     m.free(m.requests["r2"])
     req = Request("r3", prompt[:17])
@@ -763,7 +763,7 @@ def test_windowed_hit_tries_every_cached_copy_of_its_last_block() -> None:
     ids = record_ids(m, Request("r1", prompt), chunk=4)[0]
     m.free(m.requests["r1"])
     evict_blocks(m, [ids[0], ids[1]])
-    assert m._pool.blocks[ids[2]].block_hash is not None
+    assert internals(m).pool.blocks[ids[2]].block_hash is not None
     prefill(m, Request("r2", prompt[:13]))  # no hit: recomputes blocks 0..2 under new serials
     m.free(m.requests["r2"])
     req = Request("r3", prompt[:13])
@@ -782,7 +782,7 @@ def test_window_one_group_needs_no_cached_block() -> None:
     ids = record_ids(m, Request("r1", prompt), chunk=4)
     m.free(m.requests["r1"])
     evict_blocks(m, [ids[1][i] for i in range(4)])
-    assert all(m._pool.blocks[ids[0][i]].block_hash is not None for i in range(4))
+    assert all(internals(m).pool.blocks[ids[0][i]].block_hash is not None for i in range(4))
     req = Request("r2", prompt)
     computed = m.get_computed_blocks(req)
     assert best_whole_block_hit(m, req, 16) == 4
@@ -840,7 +840,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.manager = make_manager(layers, num_blocks, partial, scheduled, hold)
         self.partial = partial
         for salt in (None, "tenant"):  # so that lookups create no serials later
-            self.manager._pool.root_serial(salt)
+            internals(self.manager).pool.root_serial(salt)
 
     @property
     def m(self) -> KVCacheManager:
@@ -855,7 +855,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
 
     def write(self, req: Request, start: int, end: int) -> None:
         """The forward pass writes K/V of positions [start, end) into every group's pages."""
-        pool = self.m._pool
+        pool = internals(self.m).pool
         for ids in tables(self.m, req.request_id):
             for p in range(start, end):
                 bid = ids[p // BS]
@@ -1021,7 +1021,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         req.update_block_hashes(BS, hash_block)
         cap = data.draw(st.integers(0, req.num_tokens - 1), label="cap")
         before = snapshot(self.m)
-        computed = self.m._coordinator.find_longest_hit(req, cap, self.partial)
+        computed = internals(self.m).coordinator.find_longest_hit(req, cap, self.partial)
         assert snapshot(self.m) == before
         check_hit(self.m, req, computed, cap, self.partial)
 
@@ -1046,7 +1046,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.m.take_pending_copies()
         self.m.take_pending_copies()
         check_manager(self.m)
-        pool = self.m._pool
+        pool = internals(self.m).pool
         assert pool.num_free_blocks == pool.num_usable_blocks
         assert all(u == 0 for u in self.m.group_usage())
         assert self.m.reset_prefix_cache()

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from invariants import check_manager
+from invariants import check_manager, internals
 
 from kvstore.block import KVCacheBlock
 from kvstore.errors import RequestTooLargeError
@@ -53,7 +53,7 @@ def parent_only_hash(parent: int, tokens: Sequence[int]) -> int:
 
 def snapshot(m: KVCacheManager) -> dict[str, Any]:
     """Everything observable about the manager and its pool."""
-    pool = m._pool
+    pool = internals(m).pool
     return {
         "blocks": [(b.ref_cnt, b.pin_cnt, b.group_id, b.block_hash, b.token_ids, b.serial,
                     b.parent_serial) for b in pool.blocks],
@@ -65,14 +65,14 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
         "requests": {rid: (id(r), r.num_computed_tokens, m.block_table(rid))
                      for rid, r in m.requests.items()},
         "cached": [(dict(s._num_cached_blocks), dict(s._last_serial))
-                   for s in m._coordinator.managers],
-        "pending": list(m._copies._copies),
+                   for s in internals(m).groups],
+        "pending": list(internals(m).pending_copies),
         "pins": list(m.pinned_blocks),
     }
 
 
 def tables(m: KVCacheManager, request: Request) -> list[list[KVCacheBlock]]:
-    return [s.table(request.request_id) for s in m._coordinator.managers]
+    return [s.table(request.request_id) for s in internals(m).groups]
 
 
 class Device:
@@ -114,7 +114,7 @@ class Device:
 
     def check_cached(self, m: KVCacheManager) -> None:
         """Every indexed block holds computed KV of its own tokens (after some prefix)."""
-        for block_id, group, _parent, tokens in m._pool.index_entries():
+        for block_id, group, _parent, tokens in internals(m).pool.index_entries():
             page = self.pages.get(block_id)
             assert page is not None and page[0] is not None, f"block {block_id} cached unwritten"
             base = page[0][1][:-1]
@@ -125,10 +125,10 @@ class Device:
 
 def brute_force_hit(m: KVCacheManager, r: Request) -> tuple[int, int]:
     """(full-block hit tokens, partial tokens) by scanning every block of the pool."""
-    pool, bs = m._pool, m.block_size
+    pool, bs = internals(m).pool, m.block_size
     max_tokens = r.num_tokens - 1
     root = pool.root_serial(r.cache_salt)
-    groups = range(len(m._coordinator.managers))
+    groups = range(len(internals(m).groups))
     chains: list[list[KVCacheBlock]] = []
     for g in groups:
         chain: list[KVCacheBlock] = []
@@ -161,7 +161,7 @@ def brute_force_hit(m: KVCacheManager, r: Request) -> tuple[int, int]:
 def check_hit_blocks(m: KVCacheManager, r: Request, computed: ComputedBlocks) -> None:
     """Hit blocks hold exactly r's tokens and link by serial to the salt's root; a copy
     source holds r's next tokens under the last hit block."""
-    pool, bs = m._pool, m.block_size
+    pool, bs = internals(m).pool, m.block_size
     root = pool.root_serial(r.cache_salt)
     full = computed.num_full_hit_tokens
     assert full % bs == 0
@@ -338,7 +338,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def finish(self, r: Request) -> None:
         m = self.m
-        old_queue = [b.block_id for b in m._pool.free_queue]
+        old_queue = [b.block_id for b in internals(m).pool.free_queue]
         held = [list(t) for t in tables(m, r)]
         shared_tail = [t[r.num_computed_tokens // BS].ref_cnt > 1
                        if r.num_computed_tokens % BS else True for t in held]
@@ -356,9 +356,9 @@ class ManagerMachine(RuleBasedStateMachine):
                     else:
                         expected.insert(0, b.block_id)
         if self.EVICTION == "lru":
-            assert [b.block_id for b in m._pool.free_queue] == expected, "free order"
+            assert [b.block_id for b in internals(m).pool.free_queue] == expected, "free order"
         else:
-            assert sorted(b.block_id for b in m._pool.free_queue) == sorted(expected), "freed"
+            assert sorted(b.block_id for b in internals(m).pool.free_queue) == sorted(expected), "freed"
         # Everything computed stays cached: full blocks, and an unshared partial tail (only
         # indexed when partial hits are on: nothing else would read it).
         n_full = r.num_computed_tokens // BS
@@ -405,7 +405,8 @@ class ManagerMachine(RuleBasedStateMachine):
         ok = self.m.reset_prefix_cache()
         assert ok == (not self.running and not self.m.pinned_blocks)
         if ok:
-            assert self.m._pool.num_cached_blocks() == 0 and not self.m._pool.index_entries()
+            pool = internals(self.m).pool
+            assert pool.num_cached_blocks() == 0 and not pool.index_entries()
         else:
             assert snapshot(self.m) == before
 
@@ -557,7 +558,7 @@ def test_fully_cached_prompt_hits_all_but_the_last_token_with_partial_hits() -> 
     d = Driver(KVCacheManager(config(10)))
     a = Request("a", list(range(8)))
     d.complete(a)
-    a_blocks = [b for b in d.m._pool.blocks if b.is_cached]
+    a_blocks = [b for b in internals(d.m).pool.blocks if b.is_cached]
     assert len(a_blocks) == 2
     b = Request("b", list(range(8)))
     computed = d.lookup(b)
@@ -583,7 +584,7 @@ def test_block_boundary_prompt_recomputes_last_block_without_partial_hits() -> N
     b = Request("b", list(range(8)))
     computed = d.lookup(b)
     assert computed.num_computed_tokens == 4 and computed.partial_sources == (None,)
-    old_second = [blk for blk in d.m._pool.blocks if blk.token_ids == (4, 5, 6, 7)]
+    old_second = [blk for blk in internals(d.m).pool.blocks if blk.token_ids == (4, 5, 6, 7)]
     assert d.admit(b, computed=computed) is not None
     table = tables(d.m, b)[0]
     assert table[0] is computed.blocks[0][0]
@@ -632,7 +633,7 @@ def test_salts_isolate_and_same_salt_shares() -> None:
     for salt, other in (("A", "B"), ("B", None), (None, "A")):
         probe = Request(f"p-{salt}-{other}", prompt[:3], cache_salt=other)
         computed = d.lookup(probe)
-        assert all(src is None or src.parent_serial == d.m._pool.root_serial(other)
+        assert all(src is None or src.parent_serial == internals(d.m).pool.root_serial(other)
                    for src in computed.partial_sources)
     c = Request("c", prompt[:6], cache_salt="C")
     assert d.lookup(c).num_computed_tokens == 0
@@ -884,7 +885,7 @@ def test_stale_partial_source_recached_under_another_salt() -> None:
     d.complete(Request("x", [1, 2, 3], cache_salt="tenant"))
     d.m.free(y)
     assert src.token_ids == (1, 2, 3)
-    assert src.parent_serial == d.m._pool.root_serial("tenant")
+    assert src.parent_serial == internals(d.m).pool.root_serial("tenant")
     # Same tokens, but now another tenant's block: salt isolation forbids using it.
     allocate_stale_or_reject(d, b, computed)
 
@@ -914,7 +915,7 @@ def test_request_chain_is_evicted_tail_first() -> None:
     chain = list(tables(d.m, a)[0])
     d.m.free(a)
     d.check()
-    assert [b.block_id for b in d.m._pool.free_queue] == ids(chain[::-1]), "not deepest first"
+    assert [b.block_id for b in internals(d.m).pool.free_queue] == ids(chain[::-1]), "not deepest first"
     assert all(b.is_cached for b in chain)
     # Two small requests evict the two deepest blocks; the root and its child remain.
     for k in range(2):
@@ -940,7 +941,7 @@ def test_freed_blocks_without_content_are_reused_first() -> None:
     d.m.free(b)  # b0 holds 2 computed tokens (indexed), b1 and b2 hold nothing
     d.check()
     assert b0.token_ids == (50, 50) and b1.token_ids is None and b2.token_ids is None
-    assert [blk.block_id for blk in d.m._pool.free_queue] == ids([b1, b2, a1, a0, b0])
+    assert [blk.block_id for blk in internals(d.m).pool.free_queue] == ids([b1, b2, a1, a0, b0])
     c = Request("c", [60] * 8)
     assert d.admit(c) is not None
     assert tables(d.m, c)[0] == [b1, b2]
@@ -1018,7 +1019,7 @@ def test_reset_prefix_cache_refuses_while_in_use_or_pinned() -> None:
     assert d.m.take_pending_copies() == []
     assert not d.m.pinned_blocks
     assert d.m.reset_prefix_cache() is True
-    assert d.m._pool.num_cached_blocks() == 0 and d.m._pool.index_entries() == []
+    assert internals(d.m).pool.num_cached_blocks() == 0 and internals(d.m).pool.index_entries() == []
     assert d.lookup(Request("c", [1, 2, 3, 4, 5, 6, 7])).num_computed_tokens == 0
     d.check()
 
@@ -1032,14 +1033,14 @@ def test_take_pending_copies_releases_the_previous_batch() -> None:
     src = computed.partial_sources[0]
     assert src is not None
     assert m.allocate_slots(b, 1, computed) is not None
-    assert src.pin_cnt == 1 and src.ref_cnt == 1 and src not in list(m._pool.free_queue)
+    assert src.pin_cnt == 1 and src.ref_cnt == 1 and src not in list(internals(m).pool.free_queue)
     copies = m.take_pending_copies()
     assert copies == [(src.block_id, tables(m, b)[0][0].block_id)]
     assert src.pin_cnt == 1, "released before the worker ran the copy"
     check_manager(m)
     assert m.take_pending_copies() == []
     assert src.pin_cnt == 0 and src.ref_cnt == 0 and src.is_cached
-    assert list(m._pool.free_queue)[-1] is src
+    assert list(internals(m).pool.free_queue)[-1] is src
     check_manager(m)
 
 

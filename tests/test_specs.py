@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from invariants import internals
 
 from kvstore.block_pool import BlockPool, PendingCopies
 from kvstore.kv_cache_manager import KVCacheManager
@@ -235,7 +236,7 @@ def test_typical_tokens_keeps_sliding_layers_whole_where_that_packs_them() -> No
 def test_manager_gets_one_sub_manager_per_group() -> None:
     config = make_kv_cache_config(gemma3_layers(26, window=64), num_blocks=50)
     manager = KVCacheManager(config)
-    managers = manager._coordinator.managers
+    managers = internals(manager).groups
     assert len(managers) == len(config.groups) == 7
     for g, (sub, group) in enumerate(zip(managers, config.groups, strict=True)):
         assert sub.group_id == g
