@@ -448,6 +448,7 @@ class KVCacheManager:
         self._check_request(child)
         if self._requests.get(parent.request_id) is not parent:
             raise ValueError(f"unknown parent request {parent.request_id!r}")
+        self._check_progress(parent)
         if child.request_id in self._requests:
             raise ValueError(f"duplicate request id {child.request_id!r}")
         if (child.token_ids != parent.token_ids
