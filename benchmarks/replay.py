@@ -11,7 +11,10 @@ What it replays, by ``--what``:
 - ``layouts``: a hybrid layout (10 full + 52 sliding-window layers) through the real
   ``KVCacheManager`` under each policy, next to all-full LRU and the bound where windowed
   pages cost nothing (``eviction_hybrid``);
-- ``tiers``: device-only LRU, a host tier below it, and instances sharing a store.
+- ``tiers``: device-only LRU, a host tier below it, and instances sharing a store;
+- ``memory`` (no trace): a Gemma-3-like hybrid layout against the same layers all full at
+  one byte budget, through the simulator: memory per request, concurrency, prefix hits
+  (``hybrid_memory``).
 """
 
 from __future__ import annotations
@@ -20,18 +23,24 @@ import argparse
 import heapq
 import itertools
 import json
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 from kvstore.benchmarks import traces as tr
 from kvstore.benchmarks.manager import new_manager
 from kvstore.benchmarks.output import pyplot, write_csv, write_json
+from kvstore.benchmarks.simulator import SimResult, simulate
+from kvstore.benchmarks.sweep import ModelShape
 from kvstore.benchmarks.traces import (
     MOONCAKE_BLOCK_TOKENS,
     MooncakeRequest,
@@ -41,12 +50,20 @@ from kvstore.benchmarks.traces import (
     mooncake_lru_replay,
     mooncake_paper_points,
 )
+from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, shared_system_prompts
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool, BlockRemoved, BlockStored
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.eviction import EVICTION_POLICIES, EvictionPolicy
 from kvstore.hashing import BlockHash
 from kvstore.request import Request
-from kvstore.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, make_kv_cache_config
+from kvstore.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    make_kv_cache_config,
+)
 from kvstore.utils import hit_rate
 
 
@@ -54,7 +71,7 @@ def _by_time(requests: Iterable[MooncakeRequest]) -> list[MooncakeRequest]:
     return sorted(requests, key=lambda r: r.timestamp_ms)
 
 
-WHAT = ("lru", "policies", "layouts", "tiers")
+WHAT = ("lru", "policies", "layouts", "tiers", "memory")
 # Built-in trace names -> trace file keys.
 TRACE_NAMES: dict[str, str] = {"conversation": "mooncake_conversation",
                                "synthetic": "mooncake_synthetic"}
@@ -113,7 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", type=_names(tuple(EVICTION_POLICIES)),
                    default=list(EVICTION_POLICIES), metavar="LIST",
                    help=f"eviction policies, comma list of {', '.join(EVICTION_POLICIES)}")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="first N rows of each trace")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="first N rows of each trace; memory: requests per phase (default 100, "
+                        "40 with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="the first 2000 rows, the paper's capacities for lru")
     p.add_argument("--jobs", type=int, default=1, help="processes for layouts")
@@ -126,8 +145,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the replays `args` ask for; write figures, JSON and CSV; print tables and a
     headline."""
-    if args.trace:
-        traces = dict(args.trace)
+    if args.trace or args.what == ["memory"]:
+        traces = dict(args.trace or [])
     else:
         traces = {name: _trace(name)[1] for name in TRACE_NAMES} if all(
             _exists(k) for k in TRACE_NAMES.values()) else args.usage_error(
@@ -168,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
     if "tiers" in args.what:
         for name, path in traces.items():
             headline.append(_tiers(name, path, args, limit))
+    if "memory" in args.what:
+        headline.append(run_memory(out, args.limit or (40 if args.quick else 100)))
     print("\n" + "\n".join(headline) + f"\n({time.perf_counter() - t0:.0f} s; files in {out}/)")
     return 0
 
@@ -1209,3 +1230,207 @@ def pooled_replay(requests: Iterable[MooncakeRequest], instances: int, device_bl
             "block_hit_rate": hit_rate(dev_hits + store_hits, total),
             "token_hit_rate": hit_rate(hit_tokens, input_tokens),
             "per_instance_block_hit_rate": [hit_rate(h, t) for h, t in zip(per_hits, per_total, strict=True)]}
+
+
+# ------------------------------------- memory: a Gemma-3-like hybrid against all-full layers
+
+
+MiB = 1 << 20
+MEMORY_SHAPE = ModelShape("gemma-3-1b-like", num_layers=26, num_kv_heads=1, head_dim=256,
+                          dtype="float16", sliding_per_full=5)
+MEMORY_BUDGET = 1024 * MiB
+MEMORY_RATE = 1.5
+
+
+@dataclass
+class LayoutRun:
+    """One layout's simulator replay at the memory budget and what each step saw."""
+
+    name: str
+    config: KVCacheConfig
+    sim: SimResult | None = None
+    running: list[int] = field(default_factory=list)
+    preempting: list[bool] = field(default_factory=list)
+    mib_per_running: list[float] = field(default_factory=list)
+    samples: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # (context, blocks)
+    wall_s: float = 0.0
+
+    @property
+    def max_running_no_preemption(self) -> int:
+        """Most requests running at a step that preempted nobody."""
+        return max((r for r, p in zip(self.running, self.preempting, strict=True) if not p),
+                   default=0)
+
+    @property
+    def mean_running(self) -> float:
+        """Mean running requests over steps."""
+        return float(np.mean(self.running)) if self.running else 0.0
+
+    def resident_blocks(self, num_tokens: int) -> int:
+        """Blocks a lone decoding request of `num_tokens` computed tokens holds."""
+        return sum(g.spec.num_resident_blocks(num_tokens, num_tokens + 1)
+                   for g in self.config.groups)
+
+
+def run_layout(name: str, layer_specs: Sequence[KVCacheSpec], specs: Sequence[RequestSpec],
+               sample_ids: Sequence[str]) -> LayoutRun:
+    """Replay the workload through the simulator on one layout at `MEMORY_BUDGET`."""
+    config = make_kv_cache_config(layer_specs, memory_bytes=MEMORY_BUDGET)
+    run = LayoutRun(name, config)
+    wanted = set(sample_ids)
+
+    def on_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
+        manager = scheduler.manager
+        run.running.append(len(scheduler.running))
+        run.preempting.append(bool(output.preempted))
+        used = sum(manager.blocks_in_use_by_group())
+        run.mib_per_running.append(used * config.bytes_per_block / MiB
+                                   / max(len(scheduler.running), 1))
+        for item in output.scheduled:
+            rid = item.request.request_id
+            if rid in wanted:
+                run.samples.setdefault(rid, []).append(
+                    (item.start + item.num_new_tokens, sum(manager.num_resident_blocks(rid))))
+
+    t0 = time.perf_counter()
+    run.sim = simulate(list(specs), config, on_step=on_step, scheduler_config=SchedulerConfig(
+        max_num_batched_tokens=2048, max_num_seqs=256))
+    run.wall_s = time.perf_counter() - t0
+    return run
+
+
+def memory_table(saturated: Sequence[LayoutRun], steady: Sequence[LayoutRun],
+                 specs: Sequence[RequestSpec], steady_specs: Sequence[RequestSpec],
+                 sample_ids: Sequence[str]) -> Table:
+    """Layouts side by side: memory per request, concurrency, prefix hits."""
+    t = Table(title=f"Gemma-3-like hybrid vs all-full attention, same budget "
+              f"({MEMORY_BUDGET / MiB:,.0f} MiB of pages)")
+    t.add_column("")
+    for r in saturated:
+        t.add_column(r.name, justify="right")
+    plens = [len(s.prompt_token_ids) for s in specs]
+    probe = int(np.median(plens)) + 128
+    by_id = {s.request_id: s for s in specs}
+
+    def row(label: str, runs: Sequence[LayoutRun], cell: Callable[[LayoutRun], str],
+            end_section: bool = False) -> None:
+        t.add_row(label, *(cell(r) for r in runs), end_section=end_section)
+
+    def sample(r: LayoutRun, rid: str) -> str:
+        pts = r.samples.get(rid)
+        if not pts:
+            return "-"
+        mib = r.config.bytes_per_block / MiB
+        return (f"{pts[-1][1]:,} blk = {pts[-1][1] * mib:,.1f} MiB "
+                f"(peak {max(p[1] for p in pts) * mib:,.1f})")
+
+    sat, st = saturated, steady
+    row("groups: layers (W = windowed, F = full)", sat, lambda r: " ".join(
+        f"{len(g.layer_ids)}{'W' if g.spec.sliding_window else 'F'}" for g in r.config.groups))
+    row("slots / padding layers", sat,
+        lambda r: f"{r.config.num_slots} / {r.config.num_padding_layers}")
+    row("KiB per block id", sat, lambda r: f"{r.config.bytes_per_block / 1024:,.0f}")
+    row("blocks in the pool", sat, lambda r: f"{r.config.num_blocks - 1:,}")
+    row(f"blocks (MiB) held by one {probe}-token request", sat, lambda r: (
+        f"{r.resident_blocks(probe):,} "
+        f"({r.resident_blocks(probe) * r.config.bytes_per_block / MiB:,.1f})"))
+    row("  such requests the pool holds", sat,
+        lambda r: f"{(r.config.num_blocks - 1) // r.resident_blocks(probe):,}", end_section=True)
+    row(f"[b]saturated[/]: {len(specs)} requests all waiting at t=0", sat, lambda r: "")
+    for rid in sample_ids:
+        spec = by_id[rid]
+        row(f"  {rid} ({len(spec.prompt_token_ids)}+{spec.max_tokens} tok) held at its end", sat,
+            lambda r, rid=rid: sample(r, rid))  # type: ignore[misc]
+    row("  mean MiB per running request", sat, lambda r: f"{np.mean(r.mib_per_running):,.1f}")
+    row("  max running without preemption", sat, lambda r: f"{r.max_running_no_preemption}")
+    row("  mean running", sat, lambda r: f"{r.mean_running:.1f}")
+    sim = (("preemptions", lambda s: f"{s.preemptions}"), ("steps to drain", lambda s: f"{s.steps:,}"),
+           ("prefix hit rate", lambda s: f"{s.hit_rate:.1%}"), ("evictions", lambda s: f"{s.evictions:,}"))
+    for k, (label, fmt) in enumerate(sim):
+        row(f"  {label}", sat, lambda r, fmt=fmt: fmt(r.sim) if r.sim else "-",  # type: ignore[misc]
+            end_section=k == len(sim) - 1)
+    row(f"[b]steady[/]: {len(steady_specs)} requests, Poisson {MEMORY_RATE:g}/s", st, lambda r: "")
+    row("  mean / max running", st, lambda r: f"{r.mean_running:.1f} / {max(r.running, default=0)}")
+    for label, fmt in sim:
+        if label != "steps to drain":
+            row(f"  {label}", st, lambda r, fmt=fmt: fmt(r.sim) if r.sim else "-",  # type: ignore[misc]
+                end_section=label == "evictions")
+    t.add_row("replay wall s, saturated + steady (this CPU)",
+              *(f"{a.wall_s:.1f} + {b.wall_s:.1f}" for a, b in zip(sat, st, strict=True)))
+    ideal, ideal_s = ideal_hit_tokens(specs), ideal_hit_tokens(steady_specs)
+    t.caption = (f"Prompts {min(plens)}..{max(plens)} tokens (median {int(np.median(plens))}), "
+                 "6 shared system prompts of 1.5k/3k/5k tokens. Ideal hit rate (infinite "
+                 f"cache): saturated {ideal.rate:.1%}, steady {ideal_s.rate:.1%} "
+                 f"(block-rounded {ideal_hit_tokens(specs, 16).rate:.1%} / "
+                 f"{ideal_hit_tokens(steady_specs, 16).rate:.1%}).")
+    return t
+
+
+def plot_memory(saturated: Sequence[LayoutRun], steady: Sequence[LayoutRun],
+                sample_ids: Sequence[str], path: Path) -> None:
+    """Four panels: sample requests' memory against their context, memory per running
+    request and running requests per step (saturated), concurrency and hit rates."""
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ax = axes[0, 0]
+    for k, r in enumerate(saturated):
+        for j, rid in enumerate(sample_ids):
+            pts = r.samples.get(rid, [])
+            ax.plot([p[0] for p in pts], [p[1] * r.config.bytes_per_block / MiB for p in pts],
+                    color=colors[k % len(colors)], linestyle=["-", "--", ":", "-."][j % 4],
+                    label=r.name if j == 0 else None)
+    ax.set(xlabel="tokens in the request's context", ylabel="MiB of pages the request holds",
+           title=f"{len(sample_ids)} sample requests (line style = request)")
+    ax.legend(fontsize=8)
+    for ax, key, ylabel, title in (
+            (axes[0, 1], "mib_per_running", "MiB in use / running requests",
+             "Mean memory per running request"),
+            (axes[1, 0], "running", "running requests", "Concurrency, same byte budget")):
+        for k, r in enumerate(saturated):
+            ax.plot(getattr(r, key), color=colors[k % len(colors)], label=r.name, lw=0.8)
+        ax.set(xlabel="engine step (saturated)", ylabel=ylabel, title=title)
+        ax.legend(fontsize=8)
+    ax = axes[1, 1]
+    x = np.arange(len(saturated))
+    ax.bar(x - 0.2, [r.mean_running for r in saturated], 0.4, label="mean running")
+    ax.bar(x + 0.2, [r.max_running_no_preemption for r in saturated], 0.4,
+           label="max running, no preemption")
+    ax.set_xticks(x, [r.name for r in saturated], fontsize=8)
+    ax.set(ylabel="requests (saturated)", title="Concurrency and prefix hits")
+    ax2 = ax.twinx()
+    for runs, style, label in ((saturated, "ko-", "saturated"), (steady, "ks--", "steady")):
+        ax2.plot(x, [100 * r.sim.hit_rate if r.sim else 0 for r in runs], style,
+                 label=f"hit rate %, {label}")
+    ax2.set(ylim=(0, 100), ylabel="prefix hit rate (%)")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
+    fig.suptitle("Gemma-3-like hybrid (every 6th layer full, block 16) vs all-full attention, "
+                 "same byte budget")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_memory(out: Path, num_requests: int) -> str:
+    """Gemma-3-like layouts (windows 512 and 1024) against all-full layers at one byte
+    budget, saturated and steady; prints the table, writes ``hybrid_memory.png``."""
+    def workload(rate: float, seed: int) -> list[RequestSpec]:
+        return shared_system_prompts(
+            num_requests, num_prompts=6, system_lens=(1500, 3000, 5000), user_len=(500, 3000),
+            output_median=128, output_max=512, rate=rate, seed=seed).requests
+
+    specs, steady_specs = workload(math.inf, 0), workload(MEMORY_RATE, 1)
+    sample_ids = [specs[i].request_id for i in (0, num_requests // 3, 2 * num_requests // 3)]
+    layouts = [(f"hybrid W={w}", replace(MEMORY_SHAPE, sliding_window=w).hybrid_specs(16))
+               for w in (512, 1024)] + [("all full", MEMORY_SHAPE.full_specs(16))]
+    saturated = [run_layout(name, ls, specs, sample_ids) for name, ls in layouts]
+    steady = [run_layout(name, ls, steady_specs, ()) for name, ls in layouts]
+    Console(width=160).print(memory_table(saturated, steady, specs, steady_specs, sample_ids))
+    plot_memory(saturated, steady, sample_ids, out / "hybrid_memory.png")
+    most = max(saturated[:-1], key=lambda r: r.max_running_no_preemption)
+    return (f"memory: {most.name} runs {most.max_running_no_preemption} requests without "
+            f"preemption where all-full runs {saturated[-1].max_running_no_preemption} "
+            f"({out}/hybrid_memory.png)")

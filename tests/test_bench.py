@@ -450,3 +450,12 @@ def test_store_password_never_printed_or_recorded(tmp_path, capsys):
     assert "secret" not in TierOptions(None, url).describe()
     args = build_parser().parse_args(["bench", "--store", url])
     assert "secret" not in json.dumps(_arguments(args), default=str)
+
+
+def test_replay_memory_runs_without_traces(tmp_path, capsys):
+    from kvstore.cli import main
+
+    assert main(["bench", "replay", "--what", "memory", "--limit", "6", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "hybrid W=512" in out and "all full" in out and "memory: hybrid" in out
+    assert (tmp_path / "hybrid_memory.png").stat().st_size > 0
