@@ -309,6 +309,7 @@ class LLMEngine:
                 self.tiers.close()
             raise
         self.cache = PagedKVCache(self.config, device=device)
+        self.cache.bind(self.manager)
         self.scheduler = Scheduler(self.manager, SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs))

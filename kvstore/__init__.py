@@ -19,7 +19,7 @@ from kvstore.block_pool import (
 from kvstore.errors import RequestTooLargeError
 from kvstore.hashing import BlockHash, HashFn, hash_block, make_keyed_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
-from kvstore.kv_cache_manager import BlockIds, CacheConfig, KVCacheManager
+from kvstore.kv_cache_manager import BlockIds, CacheConfig, CopyBatch, KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import (
     AttentionSpec,
@@ -52,6 +52,7 @@ __all__ = [
     "KVCacheEvent",
     "KVCacheGroup",
     "CacheConfig",
+    "CopyBatch",
     "KVCacheManager",
     "KVCacheSpec",
     "PagedKVCache",

@@ -63,6 +63,17 @@ class CacheConfig:
                             f"got {type(self.eviction).__name__}")
 
 
+class CopyBatch(list[tuple[int, int]]):
+    """The (src, dst) page copies one `take_pending_copies` call handed out; `issuer` is
+    the manager whose pages they name."""
+
+    __slots__ = ("issuer",)
+
+    def __init__(self, pairs: list[tuple[int, int]], issuer: object) -> None:
+        super().__init__(pairs)
+        self.issuer = issuer
+
+
 class KVCacheManager:
     """Block bookkeeping for a scheduler: prefix hits, allocation, frees, forks, copies.
 
@@ -461,10 +472,11 @@ class KVCacheManager:
         self._coordinator.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
         self._requests[child.request_id] = child
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
+    def take_pending_copies(self) -> CopyBatch:
         """(src, dst) block copies the worker must run, for every layer, before the next
-        forward; releases the pins of the previous batch."""
-        return self._copies.take()
+        forward; releases the pins of the previous batch. A device cache bound to another
+        manager (`PagedKVCache.bind`) refuses the batch."""
+        return CopyBatch(self._copies.take(), self)
 
     # ---- views -------------------------------------------------------------------------------
     def block_table(self, request_id: str) -> BlockIds:

@@ -30,6 +30,15 @@ class PagedKVCache:
                              for _ in range(config.num_slots)]
         self.layer_to_group_slot = config.layer_to_group_slot()
         self.copies_executed = 0
+        # The manager whose copy batches this cache runs (`bind`); None: any.
+        self.owner: object | None = None
+
+    def bind(self, manager: object) -> None:
+        """Run only the copy batches `manager` hands out (`take_pending_copies`) from now on;
+        ValueError if another manager is bound already."""
+        if self.owner is not None and self.owner is not manager:
+            raise ValueError("this device cache already runs another manager's copies")
+        self.owner = manager
 
     @property
     def num_bytes(self) -> int:
@@ -57,7 +66,12 @@ class PagedKVCache:
 
         Every id must be an int (not a bool or a float) naming a real page, 1 to
         num_blocks - 1 (block 0 is the null block); a destination may appear once and may not
-        also be a source. ValueError or TypeError otherwise, before anything is copied."""
+        also be a source; a batch another manager than the bound one (`bind`) handed out is
+        refused. ValueError or TypeError otherwise, before anything is copied."""
+        issuer = getattr(pairs, "issuer", None)
+        if issuer is not None and self.owner is not None and issuer is not self.owner:
+            raise ValueError("these copies were handed out by another manager than the one "
+                             "this device cache is bound to")
         checked = self._check_pairs(pairs)
         if not checked:
             return

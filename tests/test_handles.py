@@ -315,3 +315,29 @@ def test_the_manager_takes_a_cache_config_only() -> None:
         KVCacheManager(cfg, {"enable_caching": False})  # type: ignore[arg-type]
     m = KVCacheManager(cfg, CacheConfig(enable_caching=False))
     assert m.cache_config == CacheConfig(enable_caching=False) and not m.enable_caching
+
+
+def test_a_copy_batch_runs_only_on_the_cache_of_its_manager() -> None:
+    torch = pytest.importorskip("torch")
+    from kvstore.paged_kv_cache import PagedKVCache
+
+    cfg = make_kv_cache_config(layout([None]), num_blocks=20)
+    m1, m2 = KVCacheManager(cfg), KVCacheManager(cfg)
+    cache = PagedKVCache(cfg)
+    cache.bind(m1)
+    with pytest.raises(ValueError, match="already runs another manager"):
+        cache.bind(m2)
+    run(m2, Request("A", list(range(1, 11))))
+    b = Request("B", list(range(1, 10)) + [40])
+    computed = m2.get_computed_blocks(b)
+    assert m2.admit(b, 1, computed) is not None
+    batch = m2.take_pending_copies()
+    assert batch.issuer is m2 and len(batch) == 1  # the partial block's copy
+    before = [t.clone() for t in cache.key_caches]
+    with pytest.raises(ValueError, match="another manager"):
+        cache.copy_blocks(batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.key_caches, strict=True))
+    assert cache.copies_executed == 0
+    cache.copy_blocks(m1.take_pending_copies())  # its own (empty) batch
+    cache.copy_blocks([(1, 2)])  # hand-made pairs name no manager
+    assert cache.copies_executed == 1
