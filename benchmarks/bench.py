@@ -24,6 +24,7 @@ from typing import Any, Literal, NoReturn
 
 from kvstore.benchmarks.output import (
     RunInfo,
+    name_list,
     pyplot,
     run_folder,
     save_figure,
@@ -52,6 +53,7 @@ from kvstore.benchmarks.sweep import (
 from kvstore.benchmarks.traces import ENV_VAR, TRACE_FILES, TRACE_SOURCES
 from kvstore.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from kvstore.engine.scheduler import SchedulerConfig
+from kvstore.eviction import EVICTION_POLICIES
 
 __all__ = [
     "TRACE_WORKLOADS",
@@ -513,26 +515,8 @@ def _int_at_least(text: str, low: int) -> int:
     return value
 
 
-def _policy_list(text: str) -> list[str]:
-    policies = [p.strip() for p in text.split(",") if p.strip()]
-    if not policies:
-        raise argparse.ArgumentTypeError(f"give at least one of {', '.join(POLICIES)}")
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}; "
-                                         f"known: {', '.join(POLICIES)}")
-    return list(dict.fromkeys(policies))
-
-
-def _eviction_list(text: str) -> list[str]:
-    from kvstore.eviction import EVICTION_POLICIES
-
-    names = [e.strip() for e in text.split(",") if e.strip()]
-    unknown = [e for e in names if e not in EVICTION_POLICIES]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"give eviction policies among "
-                                         f"{', '.join(EVICTION_POLICIES)}")
-    return list(dict.fromkeys(names))
+_policy_list = name_list(tuple(POLICIES))
+_eviction_list = name_list(tuple(EVICTION_POLICIES))
 
 
 def _pool_sizes(text: str) -> str:

@@ -617,15 +617,6 @@ def _option(text: str) -> dict[str, Any]:
     return out
 
 
-def _scenarios(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in names if s not in SCENARIOS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; known: "
-                                         f"{', '.join(SCENARIOS)}")
-    return names
-
-
 def _count(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
@@ -634,12 +625,15 @@ def _count(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kvstore bench manager``."""
+    from kvstore.benchmarks.output import name_list
+
     p.add_argument("--quick", action="store_true", help="60 requests, one repeat")
     p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
     p.add_argument("--requests", type=_count, help="requests (default: 400, 60 with --quick)")
     p.add_argument("--repeats", type=_count, help="alternated replays, fastest kept "
                    "(default: 3, 1 with --quick)")
-    p.add_argument("--scenarios", type=_scenarios, default=list(SCENARIOS), metavar="LIST",
+    p.add_argument("--scenarios", type=name_list(tuple(SCENARIOS)), default=list(SCENARIOS),
+                   metavar="LIST",
                    help=f"comma list of {', '.join(SCENARIOS)}")
     p.add_argument("--vs", metavar="REV", help="also run this git revision's kvstore/ "
                    "(a temporary worktree)")

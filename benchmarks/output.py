@@ -3,17 +3,18 @@ record of the run that made them, and the folder each run writes into."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunInfo", "write_csv", "write_json", "write_text", "save_figure", "pyplot",
+__all__ = ["RunInfo", "name_list", "write_csv", "write_json", "write_text", "save_figure", "pyplot",
            "run_folder"]
 
 
@@ -100,3 +101,15 @@ def run_folder(out: Path, in_place: bool = False, when: datetime | None = None) 
             continue
         return path
     raise FileExistsError(f"no free run folder name under {out} for {stamp}")
+
+
+def name_list(known: Sequence[str]) -> Callable[[str], list[str]]:
+    """argparse type: a comma list of names among `known`, duplicates dropped."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; known: "
+                                             f"{', '.join(known)}")
+        return list(dict.fromkeys(names))
+    return parse

@@ -38,7 +38,7 @@ from rich.table import Table
 
 from kvstore.benchmarks import traces as tr
 from kvstore.benchmarks.manager import new_manager
-from kvstore.benchmarks.output import pyplot, write_csv, write_json
+from kvstore.benchmarks.output import name_list, pyplot, write_csv, write_json
 from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.sweep import ModelShape
 from kvstore.benchmarks.traces import (
@@ -91,17 +91,6 @@ def _trace(text: str) -> tuple[str, Path]:
     return path.stem, path
 
 
-def _names(known: tuple[str, ...] | list[str]) -> Any:
-    def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        bad = [n for n in names if n not in known]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; known: "
-                                             f"{', '.join(known)}")
-        return list(dict.fromkeys(names))
-    return parse
-
-
 def _tokens(text: str) -> list[int]:
     from kvstore.benchmarks.sweep import parse_size
 
@@ -122,12 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=_trace, action="append", metavar="NAME|PATH",
                    help=f"a trace file, or a built-in name ({', '.join(TRACE_NAMES)}); "
                         "repeatable (default: both built-in traces)")
-    p.add_argument("--what", type=_names(WHAT), default=["lru", "policies"], metavar="LIST",
+    p.add_argument("--what", type=name_list(WHAT), default=["lru", "policies"], metavar="LIST",
                    help=f"comma list of {', '.join(WHAT)}")
     p.add_argument("--capacities", type=_tokens, metavar="LIST",
                    help="comma list of capacities in tokens (default per replay: lru the paper's "
                         "and a log grid, policies 1M..5M, layouts 1M..10M)")
-    p.add_argument("--policies", type=_names(tuple(EVICTION_POLICIES)),
+    p.add_argument("--policies", type=name_list(tuple(EVICTION_POLICIES)),
                    default=list(EVICTION_POLICIES), metavar="LIST",
                    help=f"eviction policies, comma list of {', '.join(EVICTION_POLICIES)}")
     p.add_argument("--limit", type=int, default=None, metavar="N",
@@ -797,24 +786,23 @@ def policy_curves(rows: Sequence[MooncakeRequest], capacities: Sequence[int],
     return out
 
 
-def plot_policy_curves(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str],
-                       path: str | Path) -> None:
-    """Hit rate against capacity, one panel per trace, one line per policy plus MIN."""
+Line = tuple[str, str, dict[str, Any], str]  # row key, format, plot keywords, label
+
+
+def plot_panels(curves: dict[str, list[dict[str, Any]]], lines: Sequence[Line], xlabel: str,
+                title: str, path: str | Path) -> None:
+    """Hit rate against capacity (log x), one panel per trace ("{name}" in `title`), one
+    line per entry of `lines`."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
     for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
         xs = [r["capacity_tokens"] for r in rows]
-        for p in list(policies):
-            ax.plot(xs, [r[p] for r in rows], "-o", ms=3, label=p)
-        ax.plot(xs, [r["lirs"] for r in rows], "-.", color="tab:brown",
-                label="LIRS, block level (online, outside the pool)")
-        ax.plot(xs, [r["reuse_oracle"] for r in rows], ":", color="gray",
-                label="LRU knowing which blocks return (offline)")
-        ax.plot(xs, [r["min"] for r in rows], "--", color="black", label="MIN (offline)")
+        for key, fmt, kw, label in lines:
+            ax.plot(xs, [r[key] for r in rows], fmt, label=label, **kw)
         ax.set_xscale("log")
-        ax.set_xlabel("capacity (tokens, 512-token blocks)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("token hit rate (whole blocks)")
-        ax.set_title(f"Mooncake {name}: eviction policies")
+        ax.set_title(title.format(name=name))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -837,7 +825,13 @@ def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
         curves[name] = policy_curves(rows, capacities, policies)
         log(f"eviction {name}: {len(rows)} requests, {len(capacities)} capacities in "
             f"{time.perf_counter() - t0:.1f}s")
-    plot_policy_curves(curves, policies, out / "eviction_hit_rate.png")
+    plot_panels(curves, [
+        *((p, "-o", {"ms": 3}, p) for p in policies),
+        ("lirs", "-.", {"color": "tab:brown"}, "LIRS, block level (online, outside the pool)"),
+        ("reuse_oracle", ":", {"color": "gray"}, "LRU knowing which blocks return (offline)"),
+        ("min", "--", {"color": "black"}, "MIN (offline)")],
+        "capacity (tokens, 512-token blocks)", "Mooncake {name}: eviction policies",
+        out / "eviction_hit_rate.png")
     write_csv(out / "eviction_hit_rate.csv",
               [{"trace": name, **r} for name, rows in curves.items() for r in rows])
     result = {"capacities_tokens": list(capacities), "policies": list(policies), "limit": limit,
@@ -1029,30 +1023,6 @@ def _task(args: tuple[Path, int, tuple[str, ...], int | None]) -> dict[str, Any]
     return capacity_row(load_mooncake(path, limit), cap, policies)
 
 
-def plot_hybrid_curves(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str],
-                       path: str | Path) -> None:
-    """Hit rate against capacity, one panel per trace: each hybrid policy, all-full LRU and
-    the bound where windowed pages cost nothing."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
-    for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
-        xs = [r["capacity_tokens"] for r in rows]
-        for p in policies:
-            ax.plot(xs, [r[p] for r in rows], "-o", ms=3, label=f"hybrid {p}")
-        ax.plot(xs, [r["full_lru"] for r in rows], "-s", color="black", ms=3, label="all-full lru")
-        ax.plot(xs, [r["bound"] for r in rows], "--", color="gray",
-                label="bound: windowed pages free")
-        ax.set_xscale("log")
-        ax.set_xlabel("budget (tokens of an all-full cache, 512-token blocks)")
-        ax.set_ylabel("token hit rate (whole blocks)")
-        ax.set_title(f"Mooncake {name}: 10 full + 52 window (W=1024) layers")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def format_layouts(curves: dict[str, list[dict[str, Any]]], policies: Sequence[str]) -> list[str]:
     """A markdown table: per trace and capacity, all-full LRU, each hybrid policy, the bound."""
     lines = ["| trace | budget | all-full lru | " + " | ".join(f"hybrid {p}" for p in policies)
@@ -1108,7 +1078,12 @@ def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path],
         log(f"hybrid {name} {cap / 1e6:g}M: " + ", ".join(
             f"{k} {row[k]:.3f}" for k in ["full_lru", *policies, "bound"])
             + f" ({row['seconds']:.0f}s)")
-    plot_hybrid_curves(curves, policies, out / "eviction_hybrid.png")
+    plot_panels(curves, [
+        *((p, "-o", {"ms": 3}, f"hybrid {p}") for p in policies),
+        ("full_lru", "-s", {"color": "black", "ms": 3}, "all-full lru"),
+        ("bound", "--", {"color": "gray"}, "bound: windowed pages free")],
+        "budget (tokens of an all-full cache, 512-token blocks)",
+        "Mooncake {name}: 10 full + 52 window (W=1024) layers", out / "eviction_hybrid.png")
     write_csv(out / "eviction_hybrid.csv",
               [{"trace": name, **{k: v for k, v in r.items() if k != "groups"}}
                for name, rows in curves.items() for r in rows])
