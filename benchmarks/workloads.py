@@ -209,6 +209,18 @@ def _prefixed_requests(id_prefix: str, prefixes: Sequence[np.ndarray], which: np
     ]
 
 
+def _tails(rng: np.random.Generator, n: int, lens: tuple[int, int], what: str,
+           output_median: float, output_sigma: float, output_max: int, rate: float,
+           arrival_process: ArrivalProcess, vocab_size: int,
+           ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """`n` random token runs with lengths uniform in `lens`, their output lengths and
+    arrival times, drawn in that order."""
+    tl = _uniform_lengths(rng, n, lens, what)
+    parts = np.split(_random_tokens(rng, tl.sum(), vocab_size), np.cumsum(tl)[:-1])
+    outs = heavy_tailed_lengths(rng, n, median=output_median, sigma=output_sigma, high=output_max)
+    return parts, outs, arrival_times(rng, n, rate, arrival_process)
+
+
 def shared_system_prompts(
     num_requests: int = 200,
     *,
@@ -236,12 +248,8 @@ def shared_system_prompts(
     lens = [int(system_lens[i % len(system_lens)]) for i in range(num_prompts)]
     systems = [_random_tokens(rng, n, vocab_size) for n in lens]
     which = rng.integers(0, num_prompts, size=num_requests)
-    ulens = _uniform_lengths(rng, num_requests, user_len, "user_len")
-    users = np.split(_random_tokens(rng, ulens.sum(), vocab_size), np.cumsum(ulens)[:-1])
-    outs = heavy_tailed_lengths(
-        rng, num_requests, median=output_median, sigma=output_sigma, high=output_max
-    )
-    arrivals = arrival_times(rng, num_requests, rate, arrival_process)
+    users, outs, arrivals = _tails(rng, num_requests, user_len, "user_len", output_median,
+                                   output_sigma, output_max, rate, arrival_process, vocab_size)
     requests = _prefixed_requests("sys", systems, which, users, outs, arrivals, vocab_size)
     desc = (
         f"{num_requests} requests over {num_prompts} shared system prompts of lengths {lens} "
@@ -362,12 +370,8 @@ def few_shot(
         n += 1 - n % 2  # odd: a trailing separator token when the examples sum to even
         prefixes.append(_random_tokens(rng, n, vocab_size))
     task = rng.integers(0, num_tasks, size=num_requests)
-    qlens = _uniform_lengths(rng, num_requests, question_len, "question_len")
-    qs = np.split(_random_tokens(rng, qlens.sum(), vocab_size), np.cumsum(qlens)[:-1])
-    outs = heavy_tailed_lengths(
-        rng, num_requests, median=output_median, sigma=output_sigma, high=output_max
-    )
-    arrivals = arrival_times(rng, num_requests, rate, arrival_process)
+    qs, outs, arrivals = _tails(rng, num_requests, question_len, "question_len", output_median,
+                                output_sigma, output_max, rate, arrival_process, vocab_size)
     requests = _prefixed_requests("fewshot", prefixes, task, qs, outs, arrivals, vocab_size)
     desc = (
         f"{num_requests} requests over {num_tasks} few-shot prefixes of {num_examples} examples "
@@ -396,19 +400,11 @@ def unique_prompts(
     agree on their first token only by chance, about 1 in ``vocab_size``)."""
     _check_common(num_requests, vocab_size, "num_requests")
     rng = np.random.default_rng(seed)
-    plens = _uniform_lengths(rng, num_requests, prompt_len, "prompt_len")
-    ps = np.split(_random_tokens(rng, plens.sum(), vocab_size), np.cumsum(plens)[:-1])
-    outs = heavy_tailed_lengths(
-        rng, num_requests, median=output_median, sigma=output_sigma, high=output_max
-    )
-    arrivals = arrival_times(rng, num_requests, rate, arrival_process)
+    ps, outs, arrivals = _tails(rng, num_requests, prompt_len, "prompt_len", output_median,
+                                output_sigma, output_max, rate, arrival_process, vocab_size)
     requests = [
-        RequestSpec(
-            request_id=f"unique-{i:05d}",
-            arrival=float(arrivals[i]),
-            prompt_token_ids=tokens_to_tuple(ps[i], vocab_size),
-            max_tokens=int(outs[i]),
-        )
+        RequestSpec(request_id=f"unique-{i:05d}", arrival=float(arrivals[i]),
+                    prompt_token_ids=tokens_to_tuple(ps[i], vocab_size), max_tokens=int(outs[i]))
         for i in range(num_requests)
     ]
     desc = (
