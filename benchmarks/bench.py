@@ -55,22 +55,6 @@ from kvstore.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from kvstore.engine.scheduler import SchedulerConfig
 from kvstore.eviction import EVICTION_POLICIES
 
-__all__ = [
-    "TRACE_WORKLOADS",
-    "DEFAULT_TRACE_LIMIT",
-    "EXIT_INTERRUPTED",
-    "EXIT_NOTHING_FITS",
-    "load_bench_workload",
-    "add_bench_parser",
-    "run_bench",
-    "print_table",
-    "write_results",
-    "write_figures",
-    "markdown_tables",
-    "positive_int",
-    "non_negative_int",
-]
-
 # CLI name -> trace_file key.
 TRACE_WORKLOADS: dict[str, str] = {
     "mooncake-synthetic": "mooncake_synthetic",

@@ -792,5 +792,3 @@ if __name__ == "__main__":
         raise SystemExit(run(ns))
 
 
-__all__ = ["SCENARIOS", "ManagerResult", "Spec", "Worker", "add_arguments", "cache_layer_tree",
-           "drive", "ideal_hit_rate", "make_specs", "new_manager", "run"]

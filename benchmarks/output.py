@@ -14,9 +14,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunInfo", "name_list", "write_csv", "write_json", "write_text", "save_figure", "pyplot",
-           "run_folder"]
-
 
 @dataclass(frozen=True)
 class RunInfo:

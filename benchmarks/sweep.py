@@ -35,29 +35,6 @@ from kvstore.specs import (
 )
 from kvstore.utils import cdiv
 
-__all__ = [
-    "ModelShape",
-    "MODEL_SHAPES",
-    "Policy",
-    "POLICIES",
-    "DEFAULT_POLICIES",
-    "ReplayMetrics",
-    "SweepRow",
-    "SweepMeta",
-    "SweepResult",
-    "SweepInterrupted",
-    "SweepTask",
-    "sigint_ignored",
-    "parse_size",
-    "parse_pool_sizes",
-    "format_bytes",
-    "default_budgets",
-    "run_point",
-    "run_sweep",
-    "find_tension",
-]
-
-
 # ----------------------------------------------------------------------------- shapes
 
 

@@ -19,8 +19,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "prompts_for", "serve"]
-
 
 def prompts_for(role: str, num_prefixes: int, prefix_len: int, suffix_len: int,
                 vocab: int) -> list[list[int]]:

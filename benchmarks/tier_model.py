@@ -33,15 +33,6 @@ from kvstore.tiers.connector import PendingLoad, PendingOffload, TierConnector, 
 if TYPE_CHECKING:
     from kvstore.paged_kv_cache import PagedKVCache
 
-__all__ = [
-    "PLACEHOLDER_MAGIC",
-    "ModelTier",
-    "PlaceholderConnector",
-    "decode_placeholder",
-    "encode_placeholder",
-    "placeholder_nbytes",
-]
-
 PLACEHOLDER_MAGIC = b"KVP1"
 # magic, layout digest, key, bytes of the real value, token count
 _HEAD = struct.Struct("<4s16s32sQI")

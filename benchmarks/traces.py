@@ -31,25 +31,6 @@ from kvstore.benchmarks.workloads import (
 )
 from kvstore.utils import cdiv, hit_rate
 
-__all__ = [
-    "MOONCAKE_BLOCK_TOKENS",
-    "TRACE_FILES",
-    "MooncakeRequest",
-    "default_trace_dir",
-    "TRACE_SOURCES",
-    "trace_file",
-    "trace_source",
-    "locate_trace",
-    "load_mooncake",
-    "mooncake_block_tokens",
-    "mooncake_prompt_tokens",
-    "iter_mooncake_specs",
-    "mooncake_to_workload",
-    "load_azure",
-    "mooncake_paper_points",
-    "mooncake_lru_replay",
-]
-
 MOONCAKE_BLOCK_TOKENS = 512
 
 TRACE_FILES: dict[str, str] = {

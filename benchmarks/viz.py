@@ -32,9 +32,6 @@ from kvstore.benchmarks.workloads import RequestSpec
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.specs import FullAttentionSpec, make_kv_cache_config
 
-__all__ = ["LEGEND", "PoolSnapshot", "PoolRecorder", "demo_scenario", "run_viz", "render_row",
-           "plot_layout", "add_viz_parser"]
-
 LEGEND = ("A-Z in use by one request | * shared | + copy destination (CoW) | = pinned copy "
           "source | a-z free, cached full block (writer) | . free, cached partial block | "
           "blank free")

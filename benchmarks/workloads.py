@@ -22,23 +22,6 @@ import numpy as np
 
 from kvstore.utils import common_prefix_len, hit_rate
 
-__all__ = [
-    "RequestSpec",
-    "Workload",
-    "IdealHits",
-    "WORKLOADS",
-    "arrival_times",
-    "heavy_tailed_lengths",
-    "tokens_to_tuple",
-    "shared_system_prompts",
-    "multi_turn_chat",
-    "few_shot",
-    "unique_prompts",
-    "mixed_default",
-    "make_workload",
-    "ideal_hit_tokens",
-]
-
 DEFAULT_VOCAB_SIZE = 32000
 
 ArrivalProcess = Literal["poisson", "fixed"]
