@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 
@@ -12,11 +12,38 @@ from kvstore.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, EvictionPolicy
 from kvstore.hashing import HashFn, hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks, KVCacheCoordinator
 from kvstore.request import Request, as_count
+from kvstore.single_type_kv_cache_manager import SlidingWindowManager
 from kvstore.specs import FullAttentionSpec, KVCacheConfig
 from kvstore.utils import cdiv
 
 # Per group, block ids (0 = the null block).
 BlockIds = tuple[tuple[int, ...], ...]
+
+#: `ReleasedPages.cause` values.
+RELEASE_CAUSES = ("free", "window", "held")
+
+
+@dataclass(frozen=True)
+class ReleasedPages:
+    """Pages of one group that a request let go of, reported to the manager's release
+    listener before they can be reused:
+
+    - `free`: every page the request held when freed (finished, preempted or aborted);
+    - `window`: pages its sliding window moved past in one `grow`;
+    - `held`: the same, in a `grow` in which the request, running alone, let go of the
+      pages it held past its window (see `KVCacheManager`).
+
+    `pages` are (table index, page id) pairs by table index; for window drops, `near_end[i]`
+    says whether page i lies in the window before one of the request's likely hit ends."""
+
+    request: Request
+    group_id: int
+    cause: str
+    pages: tuple[tuple[int, int], ...]
+    near_end: tuple[bool, ...] = ()
+
+
+ReleaseListener = Callable[[ReleasedPages], None]
 
 
 @dataclass(frozen=True)
@@ -111,7 +138,7 @@ class KVCacheManager:
     __slots__ = ("config", "cache_config", "block_size", "enable_caching", "enable_partial_hits",
                  "index_scheduled_blocks", "_hash_fn",
                  "_pool", "_copies", "_coordinator", "_requests", "_no_new_blocks", "_quiet",
-                 "_num_groups", "_lookups", "_num_lookups")
+                 "_num_groups", "_lookups", "_num_lookups", "_listener", "_drops")
 
     def __init__(self, config: KVCacheConfig, cache_config: CacheConfig | None = None) -> None:
         if cache_config is None:
@@ -150,6 +177,9 @@ class KVCacheManager:
         # that lookup: `admit` takes only that lookup, for that object.
         self._lookups: dict[str, tuple[Request, int]] = {}
         self._num_lookups = 0
+        # Who hears of released pages, and the window drops of the call under way.
+        self._listener: ReleaseListener | None = None
+        self._drops: list[tuple[str, int, int, int, bool, bool]] = []
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -259,7 +289,7 @@ class KVCacheManager:
         return self._grow(request, num_new_tokens, num_lookahead_tokens)
 
     def admit(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None,
-              num_lookahead_tokens: int = 0) -> BlockIds | None:
+              num_lookahead_tokens: int = 0, num_external_tokens: int = 0) -> BlockIds | None:
         """Admit a new request on its prefix hit (`get_computed_blocks`; None for no hit) with
         pages for `num_new_tokens` more tokens (plus lookahead), per group.
 
@@ -267,9 +297,18 @@ class KVCacheManager:
         alone when the partial block's copy is what would not fit; the new tokens then start
         there). Returns the ids of the pages appended to each group's table (copy
         destinations are in `block_table` only), or None when the pool cannot hold them;
-        then nothing has changed."""
+        then nothing has changed.
+
+        `num_external_tokens` (whole blocks) are supplied by a source outside the pool (a
+        connector's tiers) right after the hit's full blocks: they get fresh pages that the
+        caller fills before the next forward, the hit's partial block is not taken, and
+        they count as computed. A sliding-window group keeps only the window before the
+        hit's end: its entries below it are null (those the tokens would have filled take
+        no page), as for a device hit that long. `RequestTooLargeError` when those pages
+        and the new tokens' exceed the whole pool; then nothing has changed."""
         self._check_request(request)
-        return self._admit(request, num_new_tokens, computed, num_lookahead_tokens)
+        return self._admit(request, num_new_tokens, computed, num_lookahead_tokens,
+                           num_external_tokens)
 
     def grow(self, request: Request, num_new_tokens: int,
              num_lookahead_tokens: int = 0) -> BlockIds | None:
@@ -283,7 +322,7 @@ class KVCacheManager:
         return self._grow(request, num_new_tokens, num_lookahead_tokens)
 
     def _admit(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None,
-               num_lookahead_tokens: int) -> BlockIds | None:
+               num_lookahead_tokens: int, num_external_tokens: int = 0) -> BlockIds | None:
         num_new_tokens, num_lookahead_tokens = self._check_counts(num_new_tokens,
                                                                   num_lookahead_tokens)
         rid = request.request_id
@@ -294,6 +333,9 @@ class KVCacheManager:
             computed = self._no_hit(request, 0)
         else:
             self._check_computed(request, computed)
+        if num_external_tokens:
+            return self._admit_external(request, num_new_tokens, computed, num_lookahead_tokens,
+                                        num_external_tokens)
         self._check_length(request, computed.num_computed_tokens, num_new_tokens)
         fitting = self._fit_admission(request, computed, num_new_tokens + num_lookahead_tokens)
         if fitting is None:
@@ -314,7 +356,48 @@ class KVCacheManager:
             request, fitting.num_computed_tokens + num_new_tokens + num_lookahead_tokens)
         if self.index_scheduled_blocks:
             self._coordinator.cache_scheduled(request, fitting.num_computed_tokens + num_new_tokens)
+        if self._drops:
+            self._report_drops()
         return ids
+
+    def _admit_external(self, request: Request, num_new_tokens: int, computed: ComputedBlocks,
+                        num_lookahead_tokens: int, num_external_tokens: int) -> BlockIds | None:
+        """`admit` with tokens from outside the pool (see there)."""
+        n = as_count(num_external_tokens)
+        bs = self.block_size
+        if n is None or n < 0 or n % bs:
+            raise ValueError(f"num_external_tokens must be a whole number of blocks (an int >= 0, "
+                             f"a multiple of {bs}), got {num_external_tokens!r}")
+        if self.index_scheduled_blocks:
+            # The pages below a sliding group's window are nulled after the allocation,
+            # which would index them when scheduled with nothing ever written.
+            raise ValueError("external tokens are not supported with index_scheduled_blocks")
+        start = computed.num_full_hit_tokens
+        end = start + n
+        self._check_length(request, end, num_new_tokens)
+        # A sliding-window group keeps only the window before the hit's end: its device hit
+        # blocks below it are null, like those of a device hit that long.
+        specs = [group.spec for group in self.config.groups]
+        window = [min(end // bs, spec.first_needed_block(end)) for spec in specs]
+        null = self._pool.null_block
+        blocks = tuple(b if not window[g] else [null] * min(len(b), window[g]) + b[window[g]:]
+                       for g, b in enumerate(computed.blocks))
+        device = replace(computed, blocks=blocks, partial_sources=(None,) * len(blocks),
+                         num_partial_tokens=0)
+        # The external blocks are pages allocated like new tokens.
+        ids = self._admit(request, num_new_tokens + n, device, num_lookahead_tokens)
+        if ids is None:
+            return None
+        out = []
+        first = start // bs
+        for g, group_ids in enumerate(ids):
+            k = max(0, window[g] - first)  # below the window: null entries, pages back
+            if k:
+                self._coordinator.managers[g].null_fresh_entries(request.request_id, first,
+                                                                 first + k)
+            out.append(group_ids[k:])
+        request.num_computed_tokens = end
+        return tuple(out)
 
     def _grow(self, request: Request, num_new_tokens: int,
               num_lookahead_tokens: int) -> BlockIds | None:
@@ -369,12 +452,29 @@ class KVCacheManager:
                     return None
                 self._release_held(request)
         ids = coordinator.allocate(request, num_tokens)
+        if self._drops:
+            self._report_drops()
         if self.index_scheduled_blocks:
             coordinator.cache_scheduled(request, num_computed + num_new_tokens)
         # The tables now hold everything growing to num_tokens needs at this computed count
         # (each group's `is_noop` holds), so the next quiet range starts here.
         self._note_quiet(request)
         return ids
+
+    def _report_drops(self) -> None:
+        """Hand the window drops of this call to the listener: one record per request and
+        group (`held` where that request let go of its held pages), by table index."""
+        drops, self._drops[:] = sorted(self._drops), []
+        by_request: dict[tuple[str, int], list[tuple[str, int, int, int, bool, bool]]] = {}
+        for drop in drops:
+            by_request.setdefault((drop[0], drop[1]), []).append(drop)
+        listener = self._listener
+        assert listener is not None
+        for (rid, g), rows in by_request.items():
+            cause = "held" if any(row[5] for row in rows) else "window"
+            listener(ReleasedPages(self._requests[rid], g, cause,
+                                   tuple((row[2], row[3]) for row in rows),
+                                   tuple(row[4] for row in rows)))
 
     def _release_held(self, request: Request) -> None:
         """Let go of the pages held past the windows (`request` runs alone and cannot grow
@@ -436,14 +536,19 @@ class KVCacheManager:
             self._coordinator.settle_scheduled(request)
             self._coordinator.uncache_uncomputed(request)
         self._quiet.pop(request.request_id, None)
+        listener = self._listener
+        if listener is not None:
+            for g, table in enumerate(self._coordinator.block_ids(request.request_id)):
+                listener(ReleasedPages(request, g, "free",
+                                       tuple((i, b) for i, b in enumerate(table) if b)))
         self._coordinator.free(request)
         del self._requests[request.request_id]
 
     def drop_lookup(self, request: Request) -> bool:
         """Forget what looking up a request that leaves the waiting queue without being
         admitted (aborted) holds; returns whether it held anything. A device lookup holds
-        no page (see `TieredKVCacheManager`); its result can no longer be admitted. An
-        admitted request is released by `free`."""
+        no page (a connector's lookup may hold what it found: drop it there too); its result
+        can no longer be admitted. An admitted request is released by `free`."""
         self._check_request(request)
         rid = request.request_id
         if rid in self._requests:
@@ -471,6 +576,17 @@ class KVCacheManager:
         self._quiet.pop(parent.request_id, None)  # its pages become shared
         self._coordinator.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
         self._requests[child.request_id] = child
+
+    def set_release_listener(self, listener: ReleaseListener | None) -> None:
+        """Call `listener` with a `ReleasedPages` record whenever a request lets go of pages
+        (freed, or dropped from a sliding window), before they can be reused; None stops
+        it. One listener at a time."""
+        if listener is not None and not callable(listener):
+            raise TypeError(f"listener must be callable or None, got {type(listener).__name__}")
+        self._listener = listener
+        for manager in self._coordinator.managers:
+            if isinstance(manager, SlidingWindowManager):
+                manager.drop_log = self._drops if listener is not None else None
 
     def take_pending_copies(self) -> CopyBatch:
         """(src, dst) block copies the worker must run, for every layer, before the next

@@ -397,7 +397,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     pool reuses, which leaves the full-attention chain of a shared prefix unusable while
     the request that computed it still runs."""
 
-    __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_holding", "holds_ends")
+    __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_holding", "holds_ends",
+                 "drop_log")
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1, hold: bool = True) -> None:
@@ -415,6 +416,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # likely hit end (prompt end, lookup's hit and branch point): held (see above), or
         # without `hold` freed pages there are tagged worth keeping (KVCacheBlock.hint).
         self._ends: dict[str, list[tuple[int, int]]] = {}
+        # Where dropped pages are reported, when someone listens: (request id, group, table
+        # index, page id, before a likely hit end, let go of as held).
+        self.drop_log: list[tuple[str, int, int, int, bool, bool]] | None = None
 
     def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
               partial_src: KVCacheBlock | None, parent_serial: int) -> None:
@@ -513,7 +517,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             table = self._req_to_blocks[rid]
             out = [i for i in range(self._cursor[rid] - 1, -1, -1) if table[i].block_id != 0]
             if out:
-                self._drop(rid, out)
+                self._drop(rid, out, held=True)
         return released
 
     def release_computed(self, request: Request, serials: dict[int, int] | None = None) -> None:
@@ -583,9 +587,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if out:
             self._drop(request_id, out)
 
-    def _drop(self, request_id: str, indexes: list[int]) -> None:
+    def _drop(self, request_id: str, indexes: list[int], held: bool = False) -> None:
         """Null these table entries (deepest first) and free their pages, each tagged by
-        whether it sits before a likely hit end."""
+        whether it sits before a likely hit end (`held`: pages let go of by `release_held`);
+        reported to `drop_log` when set."""
         table = self._req_to_blocks[request_id]
         removed = []
         ends = self._ends[request_id]
@@ -599,6 +604,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                     break
             removed.append(block)
             table[i] = null
+        log = self.drop_log
+        if log is not None:
+            g = self.group_id
+            log.extend((request_id, g, i, b.block_id, b.hint == 1, held)
+                       for i, b in zip(indexes, removed, strict=True))
         self.pool.free_blocks(removed, self.group_id)
         # Kept shallowest first (appending, no per-step shifting); freed deepest first.
         self._dropped[request_id].extend(
