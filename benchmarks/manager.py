@@ -128,7 +128,7 @@ class ManagerResult:
 
 def new_manager(config: KVCacheConfig, tiers: PlaceholderConnector | None = None,
                 **options: Any) -> KVCacheManager:
-    """A KVCacheManager of `config` (with `tiers`: the TieredKVCacheManager over them);
+    """A KVCacheManager of `config` (with `tiers`: the connector attached beside it);
     `options` are `CacheConfig` fields (constructor keyword arguments in revisions before
     `CacheConfig`), refused (TypeError) when this revision lacks one. Every benchmark builds
     its managers here."""
@@ -143,11 +143,10 @@ def new_manager(config: KVCacheConfig, tiers: PlaceholderConnector | None = None
         raise TypeError(f"this revision's KVCacheManager has no {', '.join(missing)}")
     args = (cache_config(**options),) if cache_config is not None else ()
     kwargs = {} if cache_config is not None else options
-    if tiers is None:
-        return KVCacheManager(config, *args, **kwargs)
-    from kvstore.tiers.connector import TieredKVCacheManager
-
-    return TieredKVCacheManager(config, *args, tiers=tiers, **kwargs)
+    manager = KVCacheManager(config, *args, **kwargs)
+    if tiers is not None:
+        tiers.attach(manager)
+    return manager
 
 
 class KvstoreSide:

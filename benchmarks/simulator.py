@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -19,7 +19,6 @@ from kvstore.utils import hit_rate
 if TYPE_CHECKING:
     from kvstore.benchmarks.tier_model import PlaceholderConnector
     from kvstore.tiers.base import Tier
-    from kvstore.tiers.connector import TieredKVCacheManager
 
 
 @dataclass(frozen=True)
@@ -309,12 +308,7 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
     manager = new_manager(config, tiers=connector, enable_caching=enable_caching,
                           enable_partial_hits=enable_partial_hits, eviction=eviction,
                           hold_window_pages=hold_window_pages)
-    if connector is not None:
-        tiered = cast("TieredKVCacheManager", manager)
-
-        def run_transfers() -> None:
-            tiered.take_pending_transfers().run(None)
-    scheduler = Scheduler(manager, scheduler_config)
+    scheduler = Scheduler(manager, scheduler_config, connector)
     scripted = {s.request_id: s.output_token_ids for s in specs if s.output_token_ids}
     # pop() yields the earliest arrival; ties in the given order.
     pending = list(reversed(sorted(specs, key=lambda s: s.arrival)))
@@ -340,15 +334,15 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
             expected_tokens += len(spec.prompt_token_ids) + spec.max_tokens - 1
         output = scheduler.schedule()
         if connector is not None:  # the worker's part: offloads, then loads
-            run_transfers()
+            connector.take_transfers().run(None)
         for item in output.scheduled:
             rid = item.request.request_id
             if rid not in first_hit:  # admitted this step: progress is the hit length
                 first_hit[rid] = item.request.num_computed_tokens
-                if connector is not None and rid in connector.admitted:
-                    first_tiers[rid] = connector.admitted[rid]
+                if connector is not None and rid in connector.admitted_tokens:
+                    first_tiers[rid] = connector.admitted_tokens[rid]
             if connector is not None:
-                connector.admitted.pop(rid, None)
+                connector.admitted_tokens.pop(rid, None)
         if on_step is not None:
             on_step(scheduler, output)
         sampled = {}
@@ -375,7 +369,7 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
     # The worker has run the last batch of copies: release the pins on their sources.
     manager.take_pending_copies()
     if connector is not None:
-        run_transfers()  # the last requests' offloads
+        connector.take_transfers().run(None)  # the last requests' offloads
     stats, sstats = manager.stats, scheduler.stats
     if manager.num_free_blocks != manager.num_usable_blocks:
         raise RuntimeError("blocks leaked: the pool is not empty after every request finished")

@@ -181,7 +181,7 @@ class PlaceholderConnector(TierConnector):
     window of each sliding group, verification) and the same offload decisions, with
     nothing to gather or scatter (``cache`` may be None). Keys written to the store are
     listed in ``stored_keys``, and each admitted hit's tokens per tier by request id in
-    ``admitted``, for the replay to read."""
+    ``admitted_tokens``, for the replay to read."""
 
     def __init__(self, config: KVCacheConfig, model_name: str, *, host: Tier | None = None,
                  store: Tier | None = None, extra: str = "", recent_keys: int = 1 << 16,
@@ -189,7 +189,7 @@ class PlaceholderConnector(TierConnector):
         super().__init__(config, model_name, host=host, store=store, extra=extra,
                          recent_keys=recent_keys, window_offload=window_offload)
         self.stored_keys: list[bytes] = []
-        self.admitted: dict[str, tuple[int, int]] = {}  # request id -> (host, store) tokens
+        self.admitted_tokens: dict[str, tuple[int, int]] = {}  # request id -> (host, store)
 
     def decode_value(self, layout: BlockLayout, key: bytes, token_ids: Sequence[int],
                      value: Buffer | None, counters: dict[str, int] | None) -> memoryview | None:
@@ -218,4 +218,4 @@ class PlaceholderConnector(TierConnector):
                 host += n * self.block_size
             else:
                 store += n * self.block_size
-        self.admitted[hit.request_id] = (host, store)
+        self.admitted_tokens[hit.request_id] = (host, store)

@@ -8,10 +8,9 @@ forks for ``n > 1``, frees of finished requests). See ``docs/engine.md``.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -290,29 +289,27 @@ class LLMEngine:
             kv_cache_specs(model, config.block_size), memory_bytes=config.memory_bytes,
             num_blocks=config.num_blocks, typical_tokens=config.typical_tokens)
         self.tiers: TierConnector | None = None
-        manager_cls: Callable[..., KVCacheManager] = KVCacheManager
         tiers = config.tiers
+        self.manager = KVCacheManager(self.config, config.cache)
         if tiers is not None:
             from kvstore.engine.fingerprint import model_fingerprint
-            from kvstore.tiers.connector import TierConnector, TieredKVCacheManager
+            from kvstore.tiers.connector import TierConnector
 
             self.tiers = TierConnector.create(
                 self.config, tiers.model_name or model_fingerprint(model, config.block_size),
                 host_tier_bytes=tiers.host_tier_bytes, store_url=tiers.store_url,
                 store_timeout_s=tiers.store_timeout_s, window_offload=tiers.window_offload,
                 store_key=tiers.store_key)
-            manager_cls = functools.partial(TieredKVCacheManager, tiers=self.tiers)
         try:
-            self.manager = manager_cls(self.config, config.cache)
+            self.scheduler = Scheduler(self.manager, SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs), self.tiers)
         except BaseException:
             if self.tiers is not None:  # a cache setting the tiers refuse: stop their threads
                 self.tiers.close()
             raise
         self.cache = PagedKVCache(self.config, device=device)
         self.cache.bind(self.manager)
-        self.scheduler = Scheduler(self.manager, SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs))
         self.runner = ModelRunner(model, self.cache, config.attention_backend)
         self._groups: dict[str, _Group] = {}
         self._samples: dict[str, _Sample] = {}  # running sequence id -> its state
@@ -522,10 +519,7 @@ class LLMEngine:
         """This step's tier offloads and loads (None without tiers)."""
         if self.tiers is None:
             return None
-        from kvstore.tiers.connector import TieredKVCacheManager
-
-        assert isinstance(self.manager, TieredKVCacheManager)
-        return self.manager.take_pending_transfers()
+        return self.tiers.take_transfers()
 
     def _run_transfers(self) -> None:
         """Run pending tier transfers now (the offloads of requests that just finished)."""

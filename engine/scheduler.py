@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstore.errors import RequestTooLargeError
-from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.kv_cache_coordinator import ComputedBlocks
+from kvstore.kv_cache_manager import BlockIds, KVCacheManager
 from kvstore.request import Request
 from kvstore.utils import cdiv
+
+if TYPE_CHECKING:
+    from kvstore.tiers.connector import TierConnector
 
 
 @dataclass(frozen=True)
@@ -99,10 +104,19 @@ FORK_SEP = "#"
 
 class Scheduler:
     """Waiting queue by arrival, running list by admission; the newest running request is
-    preempted first when the pool is full."""
+    preempted first when the pool is full.
 
-    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None) -> None:
+    With a `connector` (tiers below the device pool, attached to `manager` here), a waiting
+    request's device hit is extended by what the connector holds: the manager admits it
+    with those tokens as external ones, and the connector queues their loads (its
+    `take_transfers` hands them to the worker)."""
+
+    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None,
+                 connector: TierConnector | None = None) -> None:
+        if connector is not None:
+            connector.attach(manager)
         self.manager = manager
+        self.connector = connector
         self.config = config or SchedulerConfig()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -183,9 +197,12 @@ class Scheduler:
                 if seats + n > self.config.max_num_seqs:
                     break
                 computed = manager.get_computed_blocks(request)
-                num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
-                lookahead = self._lookahead(request, computed.num_computed_tokens + num_new)
-                if manager.admit(request, num_new, computed, lookahead) is None:
+                external = 0 if self.connector is None else self.connector.lookup(request, computed)
+                num_hit = (computed.num_full_hit_tokens + external if external
+                           else computed.num_computed_tokens)
+                num_new = min(request.num_tokens - num_hit, budget)
+                lookahead = self._lookahead(request, num_hit + num_new)
+                if self._admit(request, num_new, computed, lookahead, external) is None:
                     break
                 self.waiting.popleft()
                 self.running.append(request)
@@ -200,6 +217,25 @@ class Scheduler:
                                             manager.num_usable_blocks
                                             - manager.num_free_blocks)
         return SchedulerOutput(scheduled, copies, preempted)
+
+    def _admit(self, request: Request, num_new: int, computed: ComputedBlocks, lookahead: int,
+               external: int) -> BlockIds | None:
+        """Admit on the device hit plus `external` tokens from the connector, which is told
+        what was allocated; a hit whose pages exceed the whole pool at once falls back to
+        the device hit."""
+        connector = self.connector
+        try:
+            ids = self.manager.admit(request, num_new, computed, lookahead, external)
+        except RequestTooLargeError:
+            if not external:
+                raise
+            assert connector is not None
+            connector.drop_oversized(request)
+            external = 0
+            ids = self.manager.admit(request, num_new, computed, lookahead)
+        if ids is not None and connector is not None:
+            connector.admitted(request, computed, external)
+        return ids
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> UpdateResult:
         """Advance progress after the step ran; `sampled[rid]` holds the tokens sampled for
@@ -255,6 +291,8 @@ class Scheduler:
                    if r.request_id == request_id or r.request_id.startswith(prefix)]
         for request in waiting:
             self.manager.drop_lookup(request)
+            if self.connector is not None:
+                self.connector.drop_lookup(request)
             self.waiting.remove(request)
         for request in running:
             self.running.remove(request)

@@ -115,12 +115,11 @@ def test_abort_removes_waiting_and_running_requests_and_their_forks() -> None:
 def test_abort_releases_the_host_slots_a_waiting_lookup_holds() -> None:
     from kvstore.benchmarks.tier_model import PlaceholderConnector
     from kvstore.tiers import HostTier
-    from kvstore.tiers.connector import TieredKVCacheManager
 
     config = make_kv_cache_config([FullAttentionSpec(BS, 1, 8, torch.float32)], num_blocks=7)
     host = HostTier(8 * 128, slot_nbytes=128, pin=False)
     tiers = PlaceholderConnector(config, "m", host=host)
-    s = Scheduler(TieredKVCacheManager(config, tiers=tiers), SchedulerConfig())
+    s = Scheduler(KVCacheManager(config), SchedulerConfig(), tiers)
     prefix = list(range(100, 108))
     s.add_request(Request("a", prefix + [1], max_tokens=1))
     run_step(s)

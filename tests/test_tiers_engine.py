@@ -22,7 +22,7 @@ from kvstore.benchmarks.valkey_server import ValkeyCluster, ValkeyServer, find_s
 from kvstore.engine.engine import LLMEngine, SamplingParams  # noqa: E402
 from kvstore.models.model import DecoderModel, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
 from kvstore.tiers.codec import request_keys  # noqa: E402
-from kvstore.tiers.connector import TieredKVCacheManager  # noqa: E402
+from kvstore.tiers.connector import TierConnector  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def test_second_engine_hits_the_first_engines_prefix_in_the_store(model, shared_
     a = engine(model, store_url=shared_url)
     b = engine(model, store_url=shared_url)
     try:
-        assert isinstance(a.manager, TieredKVCacheManager)
+        assert isinstance(a.tiers, TierConnector)
         got_a = run(a, [first])
         assert a.flush_tiers(5.0)
         got_b = run(b, [second])

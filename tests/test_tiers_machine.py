@@ -1,4 +1,5 @@
-"""A state machine over a hybrid TieredKVCacheManager and a real host tier: lookups that are
+"""A state machine over a hybrid KVCacheManager with a TierConnector over a real host tier beside
+it: lookups that are
 admitted, looked up again or dropped, requests that grow (alone, letting go of held
 windows), are preempted or finish, and device caches reset so hits come from the host tier.
 Invariants: the pool's (every page and reference accounted for) and the host tier's holds,
@@ -13,12 +14,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from invariants import check_manager
 
 from kvstore.benchmarks.tier_model import PlaceholderConnector
+from kvstore.errors import RequestTooLargeError
 from kvstore.kv_cache_coordinator import ComputedBlocks
-from kvstore.kv_cache_manager import CacheConfig
+from kvstore.kv_cache_manager import BlockIds, CacheConfig, KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import FullAttentionSpec, SlidingWindowSpec, make_kv_cache_config
 from kvstore.tiers import HostTier
-from kvstore.tiers.connector import TieredKVCacheManager
 
 BS = 4
 PREFIXES = [list(range(100, 112)), list(range(200, 209)), list(range(100, 106)) + [7, 7, 7]]
@@ -34,15 +35,17 @@ class TieredManagerMachine(RuleBasedStateMachine):
         config = make_kv_cache_config(specs, num_blocks=16)  # 15 pages
         self.host = HostTier(12 * 256, slot_nbytes=256, pin=False)  # 12 values
         self.tiers = PlaceholderConnector(config, "m", host=self.host)
-        self.manager = TieredKVCacheManager(config, CacheConfig(eviction=self.eviction), tiers=self.tiers)
-        self.waiting: dict[str, tuple[Request, ComputedBlocks]] = {}
+        self.manager = KVCacheManager(config, CacheConfig(eviction=self.eviction))
+        self.tiers.attach(self.manager)
+        # request id -> (request, its device hit, the tokens the tiers add to it)
+        self.waiting: dict[str, tuple[Request, ComputedBlocks, int]] = {}
         self.running: dict[str, Request] = {}
         self.n = 0
 
     def _worker(self) -> None:
         """The worker's part of a step: offloads, loads, then the loads' holds released;
         the copies (taking them releases the previous batch's source pins)."""
-        self.manager.take_pending_transfers().run(None)
+        self.tiers.take_transfers().run(None)
         self.manager.take_pending_copies()
 
     # ---- rules ---------------------------------------------------------------------------
@@ -52,34 +55,57 @@ class TieredManagerMachine(RuleBasedStateMachine):
         rid = f"r{self.n}"
         self.n += 1
         request = Request(rid, PREFIXES[prefix] + suffix, max_tokens=max_tokens)
-        computed = self.manager.get_computed_blocks(request)
-        assert computed.num_computed_tokens <= request.num_tokens - 1
-        if rid in self.manager._tier_hits:
+        computed, external = self._look_up(request)
+        assert self._hit(computed, external) <= request.num_tokens - 1
+        if rid in self.tiers.hits:
             event("a hit from the host tier")
-        self.waiting[rid] = (request, computed)
+        self.waiting[rid] = (request, computed, external)
+
+    def _look_up(self, request: Request) -> tuple[ComputedBlocks, int]:
+        computed = self.manager.get_computed_blocks(request)
+        return computed, self.tiers.lookup(request, computed)
+
+    @staticmethod
+    def _hit(computed: ComputedBlocks, external: int) -> int:
+        return computed.num_full_hit_tokens + external if external else computed.num_computed_tokens
+
+    def _admit(self, request: Request, computed: ComputedBlocks, external: int) -> BlockIds | None:
+        """As the scheduler admits: a hit larger than the pool at once falls back to the
+        device hit; the connector is told what was admitted."""
+        num_new = request.num_tokens - self._hit(computed, external)
+        try:
+            ids = self.manager.admit(request, num_new, computed, num_external_tokens=external)
+        except RequestTooLargeError:
+            if not external:
+                raise
+            event("a tier hit too large for the pool at once")
+            self.tiers.drop_oversized(request)
+            external = 0
+            ids = self.manager.admit(request, num_new, computed)
+        if ids is not None:
+            self.tiers.admitted(request, computed, external)
+        return ids
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
     def look_up_again(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.waiting)))
-        request, _ = self.waiting[rid]
-        self.waiting[rid] = (request, self.manager.get_computed_blocks(request))
+        request = self.waiting[rid][0]
+        self.waiting[rid] = (request, *self._look_up(request))
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.waiting)))
-        request, computed = self.waiting[rid]
+        request, computed, external = self.waiting[rid]
         try:
-            ids = self.manager.admit(request, request.num_tokens - computed.num_computed_tokens,
-                                     computed)
+            ids = self._admit(request, computed, external)
         except ValueError as e:  # evicted or reset since the lookup: refused, nothing changed
             assert "stale" in str(e)
             check_manager(self.manager)
-            computed = self.manager.get_computed_blocks(request)
-            self.waiting[rid] = (request, computed)
-            ids = self.manager.admit(request, request.num_tokens - computed.num_computed_tokens,
-                                     computed)
+            computed, external = self._look_up(request)
+            self.waiting[rid] = (request, computed, external)
+            ids = self._admit(request, computed, external)
         if ids is None:
             return  # stays waiting, its hit (and holds) recorded for a retry
         del self.waiting[rid]
@@ -91,8 +117,9 @@ class TieredManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def drop(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.waiting)))
-        request, _ = self.waiting.pop(rid)
-        if self.manager.drop_lookup(request):
+        request = self.waiting.pop(rid)[0]
+        assert self.manager.drop_lookup(request) is False
+        if self.tiers.drop_lookup(request):
             event("a lookup holding host slots dropped")
         with pytest.raises(ValueError, match="never admitted"):
             self.manager.free(request)
@@ -112,11 +139,7 @@ class TieredManagerMachine(RuleBasedStateMachine):
             self.finish(rid)
             return
         request.append_token_ids(token)
-        holding = self.manager._coordinator.managers[0]._holding  # the window group's
-        held = holding[rid]
         ids = self.manager.grow(request, 1)
-        if held and rid in holding and not holding[rid]:
-            event("a lone request let go of its held windows")
         if ids is None:
             self.finish(rid)  # preempted: its computed content stays cached, then offloaded
             return
@@ -144,15 +167,16 @@ class TieredManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def host_holds_are_the_outstanding_hits(self) -> None:
-        outstanding = sum(len(hit.held) for _, hit, _ in self.manager._tier_hits.values())
+        outstanding = sum(len(hit.held) for hit in self.tiers.hits.values())
         assert sum(self.host._held.values()) == outstanding
-        assert set(self.manager._tier_hits) <= set(self.waiting)
+        assert set(self.tiers.hits) <= set(self.waiting)
 
     def teardown(self) -> None:
         for rid in sorted(self.running):
             self.finish(rid)
-        for request, _ in self.waiting.values():
+        for request, _, _ in self.waiting.values():
             self.manager.drop_lookup(request)
+            self.tiers.drop_lookup(request)
         self.manager.take_pending_copies()  # the last batch ran: its pins go
         assert not self.host._held
         assert self.manager.num_free_blocks == self.manager.num_usable_blocks

@@ -20,13 +20,35 @@ from kvstore.benchmarks.tier_model import (
 )
 from kvstore.benchmarks.workloads import make_workload
 from kvstore.cli import main
-from kvstore.kv_cache_manager import CacheConfig
-from kvstore.specs import FullAttentionSpec, make_kv_cache_config
+from kvstore.kv_cache_manager import BlockIds, CacheConfig, KVCacheManager
+from kvstore.request import Request
+from kvstore.specs import FullAttentionSpec, KVCacheConfig, make_kv_cache_config
 from kvstore.tiers import BlockLayout, load_verified, request_keys
+from kvstore.tiers.connector import TierConnector
 
 BS = 4
 LAYOUT = BlockLayout("m", FullAttentionSpec(BS, 2, 8, "bfloat16"), (0, 1))
 TOKENS = [tuple(range(i * BS, (i + 1) * BS)) for i in range(3)]
+
+
+def attached(config: KVCacheConfig, tiers: TierConnector,
+             cache_config: CacheConfig | None = None) -> KVCacheManager:
+    """A manager with the connector beside it, as the scheduler sets them up."""
+    manager = KVCacheManager(config, cache_config)
+    tiers.attach(manager)
+    return manager
+
+
+def admit(manager: KVCacheManager, tiers: TierConnector, request: Request,
+          num_new_tokens: int) -> BlockIds | None:
+    """The scheduler's admission: the device hit, what the tiers add, the manager's admit
+    with those tokens, then the connector told."""
+    computed = manager.get_computed_blocks(request)
+    external = tiers.lookup(request, computed)
+    ids = manager.admit(request, num_new_tokens, computed, num_external_tokens=external)
+    if ids is not None:
+        tiers.admitted(request, computed, external)
+    return ids
 
 
 def keys(salt: str | None = None) -> list[bytes]:
@@ -254,17 +276,15 @@ def test_pages_dropped_before_the_prompt_end_are_queued_as_they_drop(grow, hold)
     (hold_window_pages) the head (blocks 0 and 1) and the pages before the likely hit ends
     stay in the table and are offloaded with the rest of the request when it ends."""
     from kvstore.benchmarks.tier_model import PlaceholderConnector
-    from kvstore.request import Request
     from kvstore.specs import SlidingWindowSpec
-    from kvstore.tiers.connector import TieredKVCacheManager
 
     specs = [SlidingWindowSpec(4, 1, 8, "float16", window=8), FullAttentionSpec(4, 1, 8, "float16")]
     config = make_kv_cache_config(specs, num_blocks=64)
     tiers = PlaceholderConnector(config, "m", host=ModelTier(None))
-    manager = TieredKVCacheManager(config, CacheConfig(hold_window_pages=hold), tiers=tiers)
+    manager = attached(config, tiers, CacheConfig(hold_window_pages=hold))
     window_group = next(g for g, grp in enumerate(config.groups) if grp.spec.sliding_window)
     request = Request("r", list(range(100, 116)), max_tokens=40)
-    assert manager.admit(request, 16, manager.get_computed_blocks(request)) is not None
+    assert admit(manager, tiers, request, 16) is not None
     table = manager.block_table("r")[window_group]
     dropped: list[int] = []
     for step in range(30):
@@ -278,7 +298,7 @@ def test_pages_dropped_before_the_prompt_end_are_queued_as_they_drop(grow, hold)
         assert all((b in dropped) == (now[i] == 0) for i, b in enumerate(table) if i in (1, 2, 3))
     if hold:  # nothing dropped mid-way: every page is offloaded when the request ends
         assert manager.block_table("r")[window_group][:4] == tuple(table[:4])
-        assert dropped == [] and "r" not in manager._watch
+        assert dropped == [] and not tiers.watching("r")
         manager.free(request)
         freed = [b for off in tiers.take_offloads() if off.group_id == window_group
                  for b in off.block_ids]
@@ -294,18 +314,20 @@ def test_drop_lookup_releases_the_host_slots_of_a_hit_never_admitted():
     leaves the waiting queue unadmitted gives them back with ``drop_lookup``; held, a full
     host tier would drop every new value instead of evicting those."""
     from kvstore.benchmarks.tier_model import PlaceholderConnector
-    from kvstore.request import Request
     from kvstore.tiers import HostTier
-    from kvstore.tiers.connector import TieredKVCacheManager
 
     config = make_kv_cache_config([FullAttentionSpec(4, 1, 8, "float16")], num_blocks=64)
     host = HostTier(4 * 128, slot_nbytes=128, pin=False)  # 4 slots of placeholder values
     tiers = PlaceholderConnector(config, "m", host=host)
-    manager = TieredKVCacheManager(config, tiers=tiers)
+    manager = attached(config, tiers)
+
+    def hit(r: Request) -> int:
+        computed = manager.get_computed_blocks(r)
+        return computed.num_full_hit_tokens + tiers.lookup(r, computed)
 
     def run(rid: str, prompt: list[int]) -> None:
         r = Request(rid, prompt, max_tokens=1)
-        assert manager.admit(r, len(prompt), manager.get_computed_blocks(r)) is not None
+        assert admit(manager, tiers, r, len(prompt)) is not None
         r.num_computed_tokens = len(prompt)
         manager.free(r)
         tiers.run_offloads(None, tiers.take_offloads())
@@ -315,19 +337,19 @@ def test_drop_lookup_releases_the_host_slots_of_a_hit_never_admitted():
     run("a", first)
     assert len(host) == 4
     b = Request("b", first + [1, 2], max_tokens=1)
-    assert manager.get_computed_blocks(b).num_computed_tokens == 16  # the host tier's
+    assert hit(b) == 16  # the host tier's
     assert sum(host._held.values()) == 4
     with pytest.raises(ValueError, match="never admitted"):
         manager.free(b)
-    assert manager.drop_lookup(b) is True
-    assert not host._held and manager.drop_lookup(b) is False
+    assert manager.drop_lookup(b) is False and tiers.drop_lookup(b) is True
+    assert not host._held and tiers.drop_lookup(b) is False
     # New content now evicts the old slots rather than being dropped.
     second = list(range(300, 317))
     run("c", second)
     assert host.stats["dropped_stores"] == 0 and host.stats["evictions"] == 4
     d = Request("d", second + [5], max_tokens=1)
-    assert manager.get_computed_blocks(d).num_computed_tokens == 16
-    assert manager.admit(d, 2, manager.get_computed_blocks(d)) is not None
+    assert hit(d) == 16
+    assert admit(manager, tiers, d, 2) is not None
     held = dict(host._held)
     with pytest.raises(ValueError, match="admitted: free it"):
         manager.drop_lookup(d)  # an admitted request is freed instead; nothing changes
@@ -341,17 +363,15 @@ def test_held_window_pages_a_lone_request_lets_go_of_reach_the_tiers(mode):
     too small to keep them, the request lets them go; they are queued for offload as they
     drop (with "ends", those before the prompt's end: blocks 1 to 3), not lost."""
     from kvstore.benchmarks.tier_model import PlaceholderConnector
-    from kvstore.request import Request
     from kvstore.specs import SlidingWindowSpec
-    from kvstore.tiers.connector import TieredKVCacheManager
 
     specs = [SlidingWindowSpec(4, 1, 8, "float16", window=8), FullAttentionSpec(4, 1, 8, "float16")]
     config = make_kv_cache_config(specs, num_blocks=20)
     tiers = PlaceholderConnector(config, "m", host=ModelTier(None), window_offload=mode)
-    manager = TieredKVCacheManager(config, tiers=tiers)
+    manager = attached(config, tiers)
     w = next(g for g, grp in enumerate(config.groups) if grp.spec.sliding_window)
     request = Request("r", list(range(100, 116)), max_tokens=44)
-    assert manager.admit(request, 16, manager.get_computed_blocks(request)) is not None
+    assert admit(manager, tiers, request, 16) is not None
     table = manager.block_table("r")[w]
     offloaded: list[int] = []
     released_at = None

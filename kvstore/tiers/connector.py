@@ -1,18 +1,22 @@
-"""The tiers wired into the cache layer: a manager whose lookup extends the device hit with
-host-tier and store hits, and the transfers (offloads, loads) the worker runs before a
-forward.
+"""The tiers beside the cache layer: a connector that the scheduler asks how many tokens
+beyond a request's device hit the tiers hold, tells what was allocated for them, and that
+hears from the manager what requests let go of; and the transfers (offloads, loads) the
+worker runs before a forward.
 
-- Lookup: after the device hit of ``d`` blocks, each tier in order (host, then store) adds
-  the longest run of consecutive blocks that load and verify in every group.
-- Admission: the blocks found below the device get fresh device pages; a ``PendingLoad``
-  per group queues their payloads, and the request's ``num_computed_tokens`` covers them.
-  The worker writes the payloads into the pages before the step's forward; the pages are
+- Lookup (``TierConnector.lookup``): after the device hit of ``d`` blocks, each tier in
+  order (host, then store) adds the longest run of consecutive blocks that load and verify
+  in every group. The hit is kept (its host slots held) until the request is admitted or
+  ``drop_lookup``.
+- Admission: the manager admits the request with those tokens as external ones
+  (``KVCacheManager.admit(..., num_external_tokens=)``): fresh device pages, counted as
+  computed. ``TierConnector.admitted`` queues a ``PendingLoad`` per group for them. The
+  worker writes the payloads into the pages before the step's forward; the pages are
   indexed in the device pool at the request's next step, like computed blocks.
 - Offload: when a request is freed (finished or preempted), its full computed blocks that
-  the tiers do not hold yet are queued as a ``PendingOffload``; the worker gathers them
-  before anything else of the next step can overwrite the pages, into the host tier's
-  slots (synchronous) and as values for the store (a background writer: the engine never
-  waits for a store write).
+  the tiers do not hold yet are queued as a ``PendingOffload`` (the manager's release
+  listener, ``TierConnector.released``); the worker gathers them before anything else of
+  the next step can overwrite the pages, into the host tier's slots (synchronous) and as
+  values for the store (a background writer: the engine never waits for a store write).
 
 Hybrid layouts: sliding-window groups load only their window before the hit's end (null
 entries below) and offload the pages they hold at free, and the pages they drop
@@ -29,15 +33,16 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-from kvstore.errors import RequestTooLargeError
 from kvstore.hashing import root_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
-from kvstore.kv_cache_manager import BlockIds, KVCacheManager
+from kvstore.kv_cache_manager import BlockIds, KVCacheManager, ReleasedPages
 from kvstore.request import Request
-from kvstore.single_type_kv_cache_manager import SlidingWindowManager, longest_window_hit
+from kvstore.single_type_kv_cache_manager import longest_window_hit
 from kvstore.specs import FullAttentionSpec, KVCacheConfig
 from kvstore.tiers.base import StoreItem, Tier, load_verified
 from kvstore.tiers.codec import REJECT_REASONS, BlockLayout, Buffer, decode_block, request_keys
@@ -53,7 +58,6 @@ __all__ = [
     "TierHit",
     "TierHitStats",
     "TierTransfers",
-    "TieredKVCacheManager",
 ]
 
 
@@ -132,6 +136,13 @@ class TierConnector:
     ``window_offload`` (one of ``WINDOW_OFFLOADS``) picks the sliding-window pages dropped
     mid-request that are offloaded.
 
+    It sits beside one ``KVCacheManager`` (``attach``) and is driven by the scheduler: per
+    waiting request, ``lookup`` (tokens the tiers add to the device hit), then the manager's
+    ``admit`` with that many external tokens, then ``admitted`` (queues the loads), or
+    ``drop_lookup`` when the request leaves the queue unadmitted; ``take_transfers`` hands a
+    step's loads and offloads to the worker. The manager reports what requests let go of
+    (``released``): freed requests and dropped window pages are queued for offload.
+
     The store is not written again for a key it holds as far as the connector knows: one
     the store accepted (a store with an ``on_written`` hook reports that; for another, one
     handed to it) or loaded from it, among the last ``recent_keys``, for at most
@@ -189,6 +200,15 @@ class TierConnector:
         self._offloads: list[PendingOffload] = []
         self._host_pending: set[bytes] = set()  # keys queued for the host tier, not yet taken
         self._host_keys: list[bytes] = []  # host keys verified by the lookup under way
+        self._manager: KVCacheManager | None = None
+        self._holds_windows = False  # the manager holds window pages before likely hit ends
+        self._hits: dict[str, TierHit] = {}  # by request id: looked up, not yet admitted
+        self._loads: list[PendingLoad] = []
+        self._holds: list[tuple[int, ...]] = []  # of the hits admitted since the last take
+        # Per request, the sliding-window (group, table index) entries to offload when
+        # dropped (window pages are not held), and the requests that let go of held pages.
+        self._watch: dict[str, set[tuple[int, int]]] = {}
+        self._let_go: set[str] = set()
 
     @classmethod
     def create(cls, config: KVCacheConfig, model_name: str, *, host_tier_bytes: int | None = None,
@@ -222,8 +242,161 @@ class TierConnector:
         """``host`` or ``store`` for tier i."""
         return "host" if self.tiers[i] is self.host else "store"
 
+    # ---- beside the manager ------------------------------------------------------------------
+    def attach(self, manager: KVCacheManager) -> None:
+        """Serve ``manager``: hear what its requests let go of. ValueError for a manager of
+        another KV cache config, or one that indexes blocks when scheduled (an admission
+        nulls fresh pages below a sliding group's window after allocating them, which would
+        leave them indexed with nothing written)."""
+        if manager.index_scheduled_blocks:
+            raise ValueError("index_scheduled_blocks is not supported with tiers")
+        if manager.config is not self.config and manager.config != self.config:
+            raise ValueError("the TierConnector was built for another KV cache config")
+        if self._manager is not None and self._manager is not manager:
+            self._manager.set_release_listener(None)
+        self._manager = manager
+        self._holds_windows = manager.cache_config.hold_window_pages
+        manager.set_release_listener(self.released if manager.enable_caching else None)
+
+    def _attached(self) -> KVCacheManager:
+        if self._manager is None:
+            raise ValueError("attach the TierConnector to a KVCacheManager first")
+        return self._manager
+
+    @property
+    def hits(self) -> Mapping[str, TierHit]:
+        """The hits looked up and neither admitted nor dropped, by request id (read-only)."""
+        return MappingProxyType(self._hits)
+
+    def watching(self, request_id: str) -> bool:
+        """Whether dropped window pages of this live request are watched for offload."""
+        return request_id in self._watch
+
+    def lookup(self, request: Request, computed: ComputedBlocks) -> int:
+        """Tokens beyond the device hit ``computed`` (the manager's ``get_computed_blocks``)
+        that the tiers hold for ``request``: whole blocks after its full-block part, 0 for
+        none. What it found is kept for ``admitted`` (a request looked up again at the same
+        hit and length reuses it), until ``drop_lookup``."""
+        manager = self._attached()
+        rid = request.request_id
+        previous = self._hits.pop(rid, None)
+        bs = self.block_size
+        start = computed.num_full_hit_tokens // bs
+        if previous is not None and previous.start == start and \
+                previous.num_tokens == request.num_tokens:
+            hit: TierHit | None = previous  # an admission that did not fit: reuse the payloads
+        else:
+            if previous is not None:
+                self.release(previous.held)
+            if not manager.enable_caching:
+                return 0
+            hit = self.find(request, start, (request.num_tokens - 1) // bs)
+        if hit is None:
+            return 0
+        self._hits[rid] = hit
+        return hit.num_blocks * bs
+
+    def admitted(self, request: Request, computed: ComputedBlocks | None,
+                 num_external_tokens: int = 0) -> None:
+        """``request`` was admitted on ``computed`` with ``num_external_tokens`` from its
+        lookup (0: on the device hit alone): queue the loads into the pages allocated for
+        them, and note which of its window pages to offload when they drop."""
+        manager = self._attached()
+        rid = request.request_id
+        hit = self._hits.pop(rid, None)
+        bs = self.block_size
+        hit_end = computed.num_full_hit_tokens if computed is not None else 0
+        if num_external_tokens:
+            if hit is None or hit.num_blocks * bs != num_external_tokens:
+                raise ValueError(f"request {rid!r} was admitted with {num_external_tokens} "
+                                 "external tokens its lookup did not find")
+            tables = manager.block_table(rid)
+            stop = hit.start + hit.num_blocks
+            for g, table in enumerate(tables):
+                first = hit.start + (hit.first_loaded[g] if hit.first_loaded else 0)
+                self._loads.append(PendingLoad(g, tuple(table[first:stop]), hit.payloads[g]))
+            hit_end = stop * bs
+            self.record_admission(hit)
+            if hit.held:
+                self._holds.append(hit.held)
+        elif hit is not None:
+            self.release(hit.held)
+        self._watch_window_ends(request, computed, hit_end)
+
+    def drop_lookup(self, request: Request) -> bool:
+        """Release what the request's lookup holds (host tier slots) when it leaves the
+        waiting queue unadmitted; returns whether it held a hit."""
+        hit = self._hits.pop(request.request_id, None)
+        if hit is None:
+            return False
+        self.release(hit.held)
+        return True
+
+    def drop_oversized(self, request: Request) -> None:
+        """Drop the request's hit: admitting it at once takes more pages than the whole pool
+        (counted as ``oversized_hits``); the request is admitted on its device hit."""
+        if self.drop_lookup(request):
+            self.stats.oversized_hits += 1
+
+    def released(self, record: ReleasedPages) -> None:
+        """The manager's release listener: queue for offload a freed request's full computed
+        blocks, and the window pages it dropped that ``window_offload`` wants."""
+        request = record.request
+        rid = request.request_id
+        g = record.group_id
+        if record.cause == "free":
+            if g == 0:
+                hit = self._hits.pop(rid, None)
+                if hit is not None:
+                    self.release(hit.held)
+                self._watch.pop(rid, None)
+                self._let_go.discard(rid)
+            n = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+            self.queue_offload_blocks(request, g, [(i, b) for i, b in record.pages if i < n])
+            return
+        mode = self.window_offload
+        if mode == "none":
+            return
+        pages: Sequence[tuple[int, int]] = record.pages
+        if self._holds_windows:
+            # Held pages reach the tiers at free; those a lone request let go of, as they drop.
+            if record.cause == "held":
+                self._let_go.add(rid)
+            if rid not in self._let_go:
+                return
+            if mode == "ends":
+                pages = [p for p, near in zip(pages, record.near_end, strict=True) if near]
+        elif mode == "ends":
+            watch = self._watch.get(rid, ())
+            pages = [(i, b) for i, b in pages if (g, i) in watch]
+        if pages:
+            self.queue_offload_blocks(request, g, pages)
+
+    def _watch_window_ends(self, request: Request, computed: ComputedBlocks | None,
+                           hit_end: int) -> None:
+        """Note which sliding-window pages of an admitted request to offload when dropped
+        (``window_offload="ends"``, window pages not held): those in the window before the
+        prompt's end and, for a hit, before its end and the lookup's branch point."""
+        if not self._window_groups or self.window_offload != "ends" or self._holds_windows:
+            return
+        bs = self.block_size
+        p = request.num_prompt_tokens
+        ends = {(p - 1) // bs, p // bs}
+        if computed is not None:
+            ends |= {hit_end // bs, computed.num_verified_tokens // bs}
+        watch = {(g, i) for g in self._window_groups for e in ends if e > 0
+                 for i in range(*self.config.groups[g].spec.hit_end_range(e * bs))}
+        if watch:
+            self._watch[request.request_id] = watch
+
+    def take_transfers(self) -> TierTransfers:
+        """This step's offloads and loads, for the worker to run before the copies."""
+        holds, self._holds = self._holds, []
+        loads, self._loads = self._loads, []
+        return TierTransfers(self, self.take_offloads(), loads, holds)
+
     # ---- lookup ------------------------------------------------------------------------------
-    def lookup(self, request: Request, start: int, max_blocks: int) -> TierHit | None:
+    def find(self, request: Request, start: int, max_blocks: int) -> TierHit | None:
         """The run of blocks ``[start, ...)`` (at most up to ``max_blocks``) that the tiers
         hold and that verify in every group, or None for none. A sliding-window group needs
         only the blocks of its window before the run's end (the others stay null in its
@@ -577,278 +750,3 @@ class TierTransfers:
         for held in self.holds:
             self.connector.release(held)
         self.holds = []
-
-
-class TieredKVCacheManager(KVCacheManager):
-    """A ``KVCacheManager`` whose prefix hits reach into the tiers of ``tiers``.
-
-    ``get_computed_blocks`` extends the device hit with the blocks the tiers hold (the
-    returned hit counts them; it has no partial block then); admitting on it allocates
-    fresh pages for them and queues their loads. ``free`` queues the request's full
-    blocks for offload. ``take_pending_transfers()`` hands both to the worker, which runs
-    them before the step's copies and forward."""
-
-    __slots__ = ("_tiers", "_tier_hits", "_loads", "_holds", "_watch", "_released")
-
-    def __init__(self, config: KVCacheConfig, *args: Any, tiers: TierConnector, **kwargs: Any) -> None:
-        super().__init__(config, *args, **kwargs)
-        if self.index_scheduled_blocks:
-            # An admission nulls the fresh pages below a sliding group's window after the
-            # allocation, which would index them when scheduled with nothing ever written.
-            raise ValueError("index_scheduled_blocks is not supported with tiers")
-        if tiers.config is not config and tiers.config != config:
-            raise ValueError("the TierConnector was built for another KV cache config")
-        self._tiers = tiers
-        # request id -> (the extended hit handed out, what the tiers add, the device hit)
-        self._tier_hits: dict[str, tuple[ComputedBlocks, TierHit, ComputedBlocks]] = {}
-        self._loads: list[PendingLoad] = []
-        self._holds: list[tuple[int, ...]] = []  # of the hits admitted since the last take
-        # request id -> sliding-window pages to offload when dropped, as (computed count at
-        # which the page leaves the window, group, block index), soonest first.
-        self._watch: dict[str, list[tuple[int, int, int]]] = {}
-        # The tables of the growing request that let go of its held pages, before it did.
-        self._released: BlockIds | None = None
-
-    @property
-    def tiers(self) -> TierConnector:
-        """The tiers below this manager's device pool."""
-        return self._tiers
-
-    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """The longest cached prefix: the device hit, then what the host tier and the store
-        add to it (see the class). Loads from the tiers; changes nothing in the pool."""
-        computed = super().get_computed_blocks(request)
-        rid = request.request_id
-        previous = self._tier_hits.pop(rid, None)
-        if not self.enable_caching:
-            return computed
-        bs = self.block_size
-        start = computed.num_full_hit_tokens // bs
-        max_blocks = (request.num_tokens - 1) // bs
-        hit: TierHit | None
-        if previous is not None and previous[1].start == start and \
-                previous[1].num_tokens == request.num_tokens:
-            hit = previous[1]  # looked up at an admission that did not fit: reuse the payloads
-        else:
-            if previous is not None:
-                self._tiers.release(previous[1].held)
-            hit = self._tiers.lookup(request, start, max_blocks)
-        if hit is None:
-            return computed
-        n = len(computed.partial_sources)
-        extended = replace(computed, num_full_hit_tokens=(start + hit.num_blocks) * bs,
-                           partial_sources=(None,) * n, num_partial_tokens=0)
-        self._tier_hits[rid] = (extended, hit, computed)
-        return extended
-
-    def _admit(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None,
-               num_lookahead_tokens: int) -> BlockIds | None:
-        rid = request.request_id
-        pending = self._tier_hits.get(rid)
-        if pending is None or computed is not pending[0]:
-            ids = super()._admit(request, num_new_tokens, computed, num_lookahead_tokens)
-            if ids is not None:
-                self._watch_window_ends(request, computed)
-            return ids
-        extended, hit, on_device = pending
-        bs = self.block_size
-        n = hit.num_blocks
-        first = hit.first_loaded or (0,) * len(extended.blocks)
-        # Admit on the device part; the tier blocks are pages allocated like new tokens. A
-        # sliding-window group keeps only the window before the hit's end: its device hit
-        # blocks below it are null, like those of a device hit that long.
-        null = self._pool.null_block
-        window = [self._tiers._first_needed(g, 0, hit.start + n) for g in range(len(first))]
-        blocks = tuple(b if not window[g] else [null] * min(len(b), window[g]) + b[window[g]:]
-                       for g, b in enumerate(extended.blocks))
-        device = replace(extended, num_full_hit_tokens=hit.start * bs, blocks=blocks)
-        try:
-            ids = super()._admit(request, num_new_tokens + n * bs, device, num_lookahead_tokens)
-        except RequestTooLargeError:
-            # Every group allocates a page per loaded block before the sliding groups return
-            # those below their window: more than the whole pool here. Admit on the device
-            # hit alone (the request computes what the tiers held).
-            del self._tier_hits[rid]
-            self._tiers.release(hit.held)
-            self._tiers.stats.oversized_hits += 1
-            ids = super()._admit(request, num_new_tokens, on_device, num_lookahead_tokens)
-            if ids is not None:
-                self._watch_window_ends(request, on_device)
-            return ids
-        if ids is None:
-            return None  # the hit stays recorded: a retry reuses its payloads
-        del self._tier_hits[rid]
-        out = []
-        for g, group_ids in enumerate(ids):
-            if len(group_ids) < n:  # cannot happen: a table grows in order
-                raise RuntimeError(f"group {g}: {len(group_ids)} new pages for {n} loaded blocks")
-            k = first[g]
-            if k:  # below the window: null entries, the pages back to the pool
-                self._coordinator.managers[g].null_fresh_entries(rid, hit.start, hit.start + k)
-            self._loads.append(PendingLoad(g, tuple(group_ids[k:n]), hit.payloads[g]))
-            out.append(tuple(group_ids[k:]))
-        request.num_computed_tokens = extended.num_full_hit_tokens
-        self._watch_window_ends(request, extended)
-        self._tiers.record_admission(hit)
-        if hit.held:
-            self._holds.append(hit.held)
-        return tuple(out)
-
-    def drop_lookup(self, request: Request) -> bool:
-        """See the base class: the host tier slots the request's looked-up hit held can be
-        reused again."""
-        super().drop_lookup(request)
-        dropped = self._tier_hits.pop(request.request_id, None)
-        if dropped is None:
-            return False
-        self._tiers.release(dropped[1].held)
-        return True
-
-    def free(self, request: Request) -> None:
-        """Queue the request's full computed blocks for offload, then release it."""
-        self._check_admitted(request)
-        rid = request.request_id
-        dropped = self._tier_hits.pop(rid, None)
-        if dropped is not None:
-            self._tiers.release(dropped[1].held)
-        self._watch.pop(rid, None)
-        if self.enable_caching:
-            request.update_block_hashes(self.block_size, self.hash_fn)
-            tables = self.block_table(rid)
-            longest = max(len(t) for t in tables)
-            num_full = min(request.num_computed_tokens // self.block_size, longest,
-                           len(request.block_hashes))
-            self._tiers.queue_offload(request, tables, num_full)
-        super().free(request)
-
-    def grow(self, request: Request, num_new_tokens: int,
-             num_lookahead_tokens: int = 0) -> BlockIds | None:
-        """``KVCacheManager.grow``; sliding-window pages that leave the window within the
-        window before a likely hit end (the prompt's end, the lookup's hit end and branch
-        point) are queued for offload as they are dropped."""
-        watch = self._watch.get(request.request_id)
-        if watch is None or request.num_computed_tokens < watch[0][0]:
-            return super().grow(request, num_new_tokens, num_lookahead_tokens)
-        return self._grow_watched(request, num_new_tokens, num_lookahead_tokens, watch)
-
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed: ComputedBlocks | None = None,
-                       num_lookahead_tokens: int = 0) -> BlockIds | None:
-        """``KVCacheManager.allocate_slots``; a live request with dropped windows to watch
-        grows through ``grow``."""
-        if computed is None and request.request_id in self._watch \
-                and self.requests.get(request.request_id) is request:
-            return self.grow(request, num_new_tokens, num_lookahead_tokens)
-        return super().allocate_slots(request, num_new_tokens, computed, num_lookahead_tokens)
-
-    def _grow_watched(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int,
-                      watch: list[tuple[int, int, int]]) -> BlockIds | None:
-        rid = request.request_id
-        due = [(g, i) for at, g, i in watch if at <= request.num_computed_tokens]
-        before = self.block_table(rid)
-        ids = super().grow(request, num_new_tokens, num_lookahead_tokens)
-        if ids is None:
-            return None
-        gone = self._offload_dropped(request, before, self.block_table(rid), due)
-        rest = [w for w in watch if (w[1], w[2]) not in gone]
-        if rest:
-            self._watch[rid] = rest
-        else:
-            del self._watch[rid]
-        return ids
-
-    def _release_held(self, request: Request) -> None:
-        """See the base class; the pages let go are offloaded as they drop (see
-        `_offload_released`)."""
-        tiers = self._tiers
-        if tiers._window_groups and self.enable_caching and tiers.window_offload != "none":
-            self._released = self.block_table(request.request_id)
-        super()._release_held(request)
-
-    def _grow(self, request: Request, num_new_tokens: int,
-              num_lookahead_tokens: int) -> BlockIds | None:
-        ids = super()._grow(request, num_new_tokens, num_lookahead_tokens)
-        if self._released is not None:
-            self._offload_released(request)
-        return ids
-
-    def _offload_released(self, request: Request) -> None:
-        """Held sliding-window pages a lone request let go of (to grow) would otherwise leave
-        without reaching the tiers, as held pages reach them at ``free``: those near a likely
-        hit end (every one with ``window_offload="all"``) that dropped in this step are queued
-        for offload, and those still in the window are watched until they drop."""
-        before, self._released = self._released, None
-        assert before is not None
-        rid = request.request_id
-        after = self.block_table(rid)
-        tiers = self._tiers
-        wanted = []
-        for g in tiers._window_groups:
-            manager = self._coordinator.managers[g]
-            assert isinstance(manager, SlidingWindowManager)
-            wanted += [(g, i) for i in (manager.end_blocks(rid) if tiers.window_offload == "ends"
-                                        else range(len(before[g])))]
-        gone = self._offload_dropped(request, before, after, wanted)
-        watch = self._watch.get(rid, []) + [
-            (at, g, i) for g, i in wanted if i < len(after[g]) and (g, i) not in gone
-            and (at := self._leaves_window_at(g, i)) > request.num_computed_tokens]
-        if watch:
-            self._watch[rid] = sorted(watch)
-
-    def _offload_dropped(self, request: Request, before: BlockIds, after: BlockIds,
-                         entries: Iterable[tuple[int, int]]) -> set[tuple[int, int]]:
-        """Queue for offload the pages of these (group, table index) entries that are null in
-        `after` and were not in `before` (dropped in between); returns every entry null in
-        `after`."""
-        gone = {(g, i) for g, i in entries if i < len(after[g]) and after[g][i] == 0}
-        offload: dict[int, list[tuple[int, int]]] = {}
-        for g, i in sorted(gone):
-            if i < len(before[g]) and before[g][i] != 0:
-                offload.setdefault(g, []).append((i, before[g][i]))
-        for g, blocks in offload.items():
-            self._tiers.queue_offload_blocks(request, g, blocks)
-        return gone
-
-    def _leaves_window_at(self, g: int, i: int) -> int:
-        """The computed count from which window group g's table entry i is out of the window
-        (the next query is past the entry's last token by the window)."""
-        return self.config.groups[g].spec.leaves_window_at(i)
-
-    def _watch_window_ends(self, request: Request, computed: ComputedBlocks | None) -> None:
-        """Note which sliding-window pages of an admitted request to offload when dropped:
-        those in the window before the prompt's end and, for a hit, before its end and the
-        lookup's branch point (every page with ``window_offload="all"``)."""
-        tiers = self._tiers
-        if not tiers._window_groups or not self.enable_caching or tiers.window_offload == "none":
-            return
-        bs = self.block_size
-        p = request.num_prompt_tokens
-        ends = {(p - 1) // bs, p // bs}
-        if computed is not None:
-            ends |= {computed.num_full_hit_tokens // bs, computed.num_verified_tokens // bs}
-        first_kept = request.num_computed_tokens
-        watch = []
-        for g in tiers._window_groups:
-            spec = self.config.groups[g].spec
-            if tiers.window_offload == "all":
-                pages = set(range((p + request.max_tokens) // bs))
-            else:
-                pages = {i for e in ends if e > 0
-                         for i in range(*spec.hit_end_range(e * bs))}
-            if self._coordinator.managers[g].holds_ends:
-                continue  # held until the request ends, then offloaded by `free`
-            # Those already out of the window at admission are null.
-            watch += [(at, g, i) for i in pages if (at := self._leaves_window_at(g, i)) > first_kept]
-        if watch:
-            self._watch[request.request_id] = sorted(watch)
-
-    def take_pending_loads(self) -> list[PendingLoad]:
-        """Loads queued by admissions since the last call."""
-        out, self._loads = self._loads, []
-        return out
-
-    def take_pending_transfers(self) -> TierTransfers:
-        """This step's offloads and loads, for the worker to run before the copies."""
-        holds, self._holds = self._holds, []
-        return TierTransfers(self._tiers, self._tiers.take_offloads(), self.take_pending_loads(), holds)
-
