@@ -19,7 +19,13 @@ from kvstore.block_pool import (
 from kvstore.errors import RequestTooLargeError
 from kvstore.hashing import BlockHash, HashFn, hash_block, make_keyed_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
-from kvstore.kv_cache_manager import BlockIds, CacheConfig, CopyBatch, KVCacheManager
+from kvstore.kv_cache_manager import (
+    BlockIds,
+    CacheConfig,
+    CopyBatch,
+    KVCacheManager,
+    ReleasedPages,
+)
 from kvstore.request import Request
 from kvstore.specs import (
     AttentionSpec,
@@ -56,6 +62,7 @@ __all__ = [
     "KVCacheManager",
     "KVCacheSpec",
     "PagedKVCache",
+    "ReleasedPages",
     "Request",
     "RequestTooLargeError",
     "SlidingWindowSpec",

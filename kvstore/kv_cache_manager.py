@@ -133,6 +133,10 @@ class KVCacheManager:
     on its hit's chain, sharing the pages another request holds there). They are let go
     when a request that runs alone cannot grow otherwise. Off, windows drop every page as
     they pass it, as vLLM does.
+
+    Beside it, a connector (tiers below the device pool, as vLLM's KV connectors) supplies
+    tokens past a device hit (`admit(..., num_external_tokens=)`) and hears of the pages
+    requests let go of (`set_release_listener`).
     """
 
     __slots__ = ("config", "cache_config", "block_size", "enable_caching", "enable_partial_hits",

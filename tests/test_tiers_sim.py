@@ -388,3 +388,36 @@ def test_held_window_pages_a_lone_request_lets_go_of_reach_the_tiers(mode):
     assert want <= set(offloaded)
     if mode == "ends":
         assert table[0] not in offloaded  # the head lies before no likely hit end
+
+
+def test_external_tokens_take_fresh_pages_with_the_window_below_the_hit_end_null():
+    """The manager's seam for a connector: whole blocks supplied from outside the pool get
+    fresh pages and count as computed; a sliding group keeps only the window before their
+    end. The release listener hears of a request's pages when it is freed."""
+    from kvstore.kv_cache_manager import ReleasedPages
+    from kvstore.specs import SlidingWindowSpec
+
+    specs = [SlidingWindowSpec(4, 1, 8, "float16", window=8), FullAttentionSpec(4, 1, 8, "float16")]
+    config = make_kv_cache_config(specs, num_blocks=32)
+    w = next(g for g, grp in enumerate(config.groups) if grp.spec.sliding_window)
+    manager = KVCacheManager(config)
+    records: list[ReleasedPages] = []
+    manager.set_release_listener(records.append)
+    request = Request("r", list(range(100, 122)), max_tokens=4)
+    computed = manager.get_computed_blocks(request)
+    for bad in (3, -4, 24, "4"):
+        with pytest.raises(ValueError):
+            manager.admit(request, 4, computed, num_external_tokens=bad)  # type: ignore[arg-type]
+    ids = manager.admit(request, 6, computed, num_external_tokens=16)
+    assert ids is not None and request.num_computed_tokens == 16
+    table = manager.block_table("r")
+    # Window 8 at 16 tokens: the next query attends positions 9.., blocks 2 on.
+    assert table[w][:2] == (0, 0) and all(table[w][2:]) and len(table[w]) == 6
+    assert all(table[1 - w]) and len(table[1 - w]) == 6
+    assert ids[w] == table[w][2:] and ids[1 - w] == table[1 - w]
+    request.num_computed_tokens = 22
+    manager.free(request)
+    assert [(r.group_id, r.cause) for r in records] == [(0, "free"), (1, "free")]
+    assert records[w].pages == tuple((i, b) for i, b in enumerate(table[w]) if b)
+    manager.set_release_listener(None)
+    assert manager.num_free_blocks == manager.num_usable_blocks
