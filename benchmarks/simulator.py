@@ -13,7 +13,7 @@ from kvstore.benchmarks.manager import new_manager
 from kvstore.benchmarks.workloads import RequestSpec, Workload
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.request import Request
-from kvstore.specs import KVCacheConfig, KVCacheSpec
+from kvstore.specs import KVCacheConfig, LayerSpec, RecurrentStateSpec
 from kvstore.utils import hit_rate
 
 if TYPE_CHECKING:
@@ -244,8 +244,10 @@ class SimResult:
         return out
 
 
-def group_kind(spec: KVCacheSpec) -> str:
-    """"full", or "window W" for a sliding-window group."""
+def group_kind(spec: LayerSpec) -> str:
+    """"full", "window W" for a sliding-window group, or "recurrent"."""
+    if isinstance(spec, RecurrentStateSpec):
+        return "recurrent"
     return "full" if spec.sliding_window is None else f"window {spec.sliding_window}"
 
 

@@ -26,7 +26,7 @@ from kvstore.engine.scheduler import SchedulerOutput
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.models.model import DecoderModel
 from kvstore.paged_kv_cache import PagedKVCache
-from kvstore.specs import dtype_name
+from kvstore.specs import AttentionSpec, dtype_name
 
 if TYPE_CHECKING:
     from kvstore.models.hf import HFCausalLM
@@ -246,6 +246,9 @@ def check_cache_matches_model(model: DecoderModel | HFCausalLM, cache: PagedKVCa
     for i in range(c.num_layers):
         group = cache.config.groups[layer_to_group[i][0]]
         spec = group.spec
+        if not isinstance(spec, AttentionSpec):
+            problems.append(f"layer {i}: recurrent layers are not run by this runner")
+            continue
         window = spec.sliding_window
         if window is None and i in group.kept_whole:
             window = model.layer_window(i)  # its window is read from pages kept whole

@@ -18,7 +18,7 @@ class PagedKVCache:
     ids from the one pool, so they never touch each other's pages."""
 
     def __init__(self, config: KVCacheConfig, device: torch.device | str = "cpu") -> None:
-        spec = config.groups[0].spec
+        spec = config.attention_spec
         self.config = config
         self.dtype = getattr(torch, spec.dtype)
         self.device = torch.device(device)

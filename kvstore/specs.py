@@ -149,7 +149,74 @@ class SlidingWindowSpec(AttentionSpec):
         return min(num_tokens, self.window + max_step_tokens + self.block_size)
 
 
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """A recurrent layer (linear attention, state-space, short convolution): no K/V per
+    token, one fixed-size state per sequence, overwritten in place at every token.
+
+    `shapes` are the layer's state tensors (e.g. a convolution state and a matrix state) and
+    `dtypes` their dtypes (one per shape, or one for all); `block_size` is the token grid of
+    the cache, on which checkpoints (copies of the state at a block boundary) are taken. A
+    page of a recurrent group holds one state of every layer of the group."""
+
+    block_size: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...] = ("float16",)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.block_size) or self.block_size <= 0:
+            raise ValueError(f"RecurrentStateSpec.block_size must be a positive int, got "
+                             f"{self.block_size!r}")
+        if isinstance(self.shapes, (str, bytes)) or not self.shapes:
+            raise ValueError(f"RecurrentStateSpec.shapes needs at least one state shape, got "
+                             f"{self.shapes!r}")
+        shapes = tuple(tuple(shape) for shape in self.shapes)
+        for shape in shapes:
+            if not shape or not all(_is_int(d) and d > 0 for d in shape):
+                raise ValueError(f"RecurrentStateSpec: state shape {shape!r} must be a non-empty "
+                                 "tuple of positive ints")
+        dtypes = (self.dtypes,) if isinstance(self.dtypes, str) else tuple(self.dtypes)
+        if len(dtypes) == 1:
+            dtypes = dtypes * len(shapes)
+        if len(dtypes) != len(shapes):
+            raise ValueError(f"RecurrentStateSpec: {len(dtypes)} dtypes for {len(shapes)} state "
+                             "shapes (give one, or one per shape)")
+        object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in shapes))
+        object.__setattr__(self, "dtypes", tuple(dtype_name(d) for d in dtypes))
+
+    @property
+    def sliding_window(self) -> int | None:
+        """0: a recurrent layer sees no past token's K/V, only its state."""
+        return 0
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one state of one layer (every state tensor)."""
+        total = 0
+        for shape, dtype in zip(self.shapes, self.dtypes, strict=True):
+            n = DTYPE_ITEMSIZE[dtype]
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """Past every block: the state carries everything before the next query."""
+        return NEVER
+
+    def resident_span(self, num_tokens: int, max_step_tokens: int) -> int:
+        """0: no page per token position."""
+        return 0
+
+    def num_resident_blocks(self, num_computed_tokens: int, num_tokens: int) -> int:
+        """0 small pages (the working state is one large page, counted apart)."""
+        return 0
+
+
+#: The specs of layers that keep K/V pages per token.
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+#: The spec of any layer a cache holds.
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | RecurrentStateSpec
 
 
 @dataclass(frozen=True)
@@ -158,21 +225,38 @@ class KVCacheGroup:
     `kept_whole`: sliding-window layers of a full-attention group, whose pages are kept like
     full attention so the layers pack into groups without padding (see `group_layers`)."""
 
-    spec: KVCacheSpec
+    spec: LayerSpec
     layer_ids: tuple[int, ...]
     kept_whole: tuple[int, ...] = ()
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether the group's layers keep a recurrent state (large pages), not K/V pages."""
+        return isinstance(self.spec, RecurrentStateSpec)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one state of every layer of a recurrent group (one large page's content);
+        0 for an attention group."""
+        spec = self.spec
+        return spec.state_bytes * len(self.layer_ids) if isinstance(spec, RecurrentStateSpec) else 0
 
 
 @dataclass(frozen=True)
 class KVCacheConfig:
     """The whole cache: groups over one pool of `num_blocks` blocks, `num_slots` pages each.
 
-    Every group's pages have one shape and dtype (they share the slot tensors); ValueError
-    for a config that breaks this or holds a layer twice."""
+    Every attention group's pages have one shape and dtype (they share the slot tensors);
+    ValueError for a config that breaks this or holds a layer twice. Recurrent groups hold
+    one state per page in large pages of `large_page_blocks` consecutive blocks (0: derived,
+    the fewest blocks holding the largest recurrent group's state); `num_blocks` is then a
+    multiple of it, with room for at least one large page beside the one holding the null
+    block. ValueError for a state larger than the pool or than `large_page_blocks` blocks."""
 
     num_blocks: int
     groups: tuple[KVCacheGroup, ...]
     num_slots: int
+    large_page_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_blocks) or self.num_blocks < 2:
@@ -187,17 +271,70 @@ class KVCacheConfig:
         layers = [layer for g in groups for layer in g.layer_ids]
         if len(set(layers)) != len(layers):
             raise ValueError(f"a layer is in two groups: {sorted(layers)}")
+        attention = [g for g, group in enumerate(groups) if not group.is_recurrent]
+        if not attention:
+            raise ValueError("a cache config needs at least one attention group (recurrent "
+                             "groups share its block size and its pool)")
+        first = groups[attention[0]].spec
+        assert isinstance(first, AttentionSpec)
         for g, group in enumerate(groups):
-            if not isinstance(group.spec, AttentionSpec):
-                raise ValueError(f"group {g} has no attention spec: {group.spec!r:.60}")
             if not all(_is_int(layer) and layer >= 0 for layer in group.layer_ids):
                 raise ValueError(f"group {g} layer ids must be ints >= 0, got {group.layer_ids!r}")
+            if isinstance(group.spec, RecurrentStateSpec):
+                if not group.layer_ids:
+                    raise ValueError(f"group {g} has no layers")
+                if group.spec.block_size != first.block_size:
+                    raise ValueError(f"group {g} has block_size {group.spec.block_size}, group "
+                                     f"{attention[0]} has {first.block_size}: all groups of one "
+                                     "pool must use one block size")
+                continue
+            if not isinstance(group.spec, AttentionSpec):
+                raise ValueError(f"group {g} has no attention spec: {group.spec!r:.60}")
             if not 1 <= len(group.layer_ids) <= self.num_slots:
                 raise ValueError(f"group {g} has {len(group.layer_ids)} layers for "
                                  f"{self.num_slots} slots")
-            problem = _page_mismatch(group.spec, groups[0].spec, f"group {g}", "group 0")
+            problem = _page_mismatch(group.spec, first, f"group {g}", f"group {attention[0]}")
             if problem:
                 raise ValueError(problem)
+        self._check_large_pages(first.page_size_bytes * self.num_slots)
+
+    def _check_large_pages(self, bytes_per_block: int) -> None:
+        """Derive or check `large_page_blocks` against the recurrent groups and the pool."""
+        k = self.large_page_blocks
+        state = max((g.state_bytes for g in self.groups), default=0)
+        if not state:
+            if k not in (0, 1) or not _is_int(k):
+                raise ValueError(f"large_page_blocks={k!r} without a recurrent group")
+            return
+        needed = -(-state // bytes_per_block)
+        if k == 0:
+            k = needed
+            object.__setattr__(self, "large_page_blocks", k)
+        elif not _is_int(k) or k < 1:
+            raise ValueError(f"large_page_blocks must be a positive int, got {k!r}")
+        elif k < needed:
+            raise ValueError(f"a recurrent state of {state} bytes cannot be carved from "
+                             f"{k} blocks of {bytes_per_block} bytes: it needs {needed}")
+        if self.num_blocks < 2 * k:
+            raise ValueError(f"a recurrent state of {state} bytes needs {k} blocks of "
+                             f"{bytes_per_block} bytes; a pool of {self.num_blocks} blocks holds "
+                             "no large page beside the null block's")
+        if self.num_blocks % k:
+            raise ValueError(f"num_blocks={self.num_blocks} is not a multiple of the large page "
+                             f"({k} blocks)")
+
+    @property
+    def has_recurrent(self) -> bool:
+        """Whether some group is recurrent (the pool then has pages of two sizes)."""
+        return any(g.is_recurrent for g in self.groups)
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        """The page layout of the attention groups (the first one's spec)."""
+        for group in self.groups:
+            if isinstance(group.spec, AttentionSpec):
+                return group.spec
+        raise AssertionError("checked when made")
 
     @property
     def block_size(self) -> int:
@@ -207,7 +344,7 @@ class KVCacheConfig:
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one block of one layer slot."""
-        return self.groups[0].spec.page_size_bytes
+        return self.attention_spec.page_size_bytes
 
     @property
     def bytes_per_block(self) -> int:
@@ -216,8 +353,8 @@ class KVCacheConfig:
 
     @property
     def num_padding_layers(self) -> int:
-        """Slots left unused by groups smaller than `num_slots`."""
-        return sum(self.num_slots - len(g.layer_ids) for g in self.groups)
+        """Slots left unused by attention groups smaller than `num_slots`."""
+        return sum(self.num_slots - len(g.layer_ids) for g in self.groups if not g.is_recurrent)
 
     @property
     def num_kept_whole_layers(self) -> int:
@@ -225,7 +362,7 @@ class KVCacheConfig:
         return sum(len(g.kept_whole) for g in self.groups)
 
     def layer_to_group_slot(self) -> dict[int, tuple[int, int]]:
-        """layer id -> (group id, slot)."""
+        """layer id -> (group id, slot); a recurrent layer's slot is its index in its group."""
         return {layer: (g, j) for g, group in enumerate(self.groups)
                 for j, layer in enumerate(group.layer_ids)}
 
@@ -251,7 +388,7 @@ def _page_mismatch(spec: AttentionSpec, first: AttentionSpec, what: str, first_w
     return ""
 
 
-def group_layers(layer_specs: Sequence[KVCacheSpec], typical_tokens: int | None = None
+def group_layers(layer_specs: Sequence[LayerSpec], typical_tokens: int | None = None
                  ) -> tuple[tuple[KVCacheGroup, ...], int]:
     """Group layers by spec into groups of equal size; returns the groups and the slot count.
     ValueError unless every layer has the first layer's block size, page shape and dtype.
@@ -264,18 +401,38 @@ def group_layers(layer_specs: Sequence[KVCacheSpec], typical_tokens: int | None 
     default (fewer layers kept whole breaks ties)."""
     if not layer_specs:
         raise ValueError("a cache needs at least one layer spec")
-    first = layer_specs[0]
+    recurrent: dict[RecurrentStateSpec, list[int]] = {}
     for i, spec in enumerate(layer_specs):
-        if not isinstance(spec, AttentionSpec):
-            raise TypeError(f"layer {i}: expected a FullAttentionSpec or SlidingWindowSpec, got "
-                            f"{type(spec).__name__}")
+        if isinstance(spec, RecurrentStateSpec):
+            recurrent.setdefault(spec, []).append(i)
+        elif not isinstance(spec, AttentionSpec):
+            raise TypeError(f"layer {i}: expected a FullAttentionSpec, SlidingWindowSpec or "
+                            f"RecurrentStateSpec, got {type(spec).__name__}")
+    if recurrent:
+        # Recurrent layers keep no K/V pages: one group per state spec, after the
+        # attention groups, which are grouped as without them.
+        attention = [(i, s) for i, s in enumerate(layer_specs)
+                     if not isinstance(s, RecurrentStateSpec)]
+        if not attention:
+            raise ValueError("a cache needs at least one attention layer beside its recurrent "
+                             "layers")
+        inner, num_slots = group_layers([s for _, s in attention], typical_tokens)
+        ids = [i for i, _ in attention]
+        out: list[KVCacheGroup] = [KVCacheGroup(g.spec, tuple(ids[j] for j in g.layer_ids),
+                                                tuple(ids[j] for j in g.kept_whole))
+                                   for g in inner]
+        out += [KVCacheGroup(spec, tuple(layers)) for spec, layers in recurrent.items()]
+        return tuple(out), num_slots
+    specs = [s for s in layer_specs if isinstance(s, (FullAttentionSpec, SlidingWindowSpec))]
+    first = specs[0]
+    for i, spec in enumerate(specs):
         problem = _page_mismatch(spec, first, f"layer {i}", "layer 0")
         if problem:
             raise ValueError(problem)
     if typical_tokens is not None and (not _is_int(typical_tokens) or typical_tokens < 1):
         raise ValueError(f"typical_tokens must be a positive int, got {typical_tokens!r}")
     by_spec: dict[KVCacheSpec, list[int]] = {}
-    for i, spec in enumerate(layer_specs):
+    for i, spec in enumerate(specs):
         by_spec.setdefault(spec, []).append(i)
     # Every group gets as many layers as the smallest type has, so each block id's
     # page in every slot is used; the largest types are split into several groups.
@@ -324,14 +481,18 @@ def _packing(num_full: int, num_window: int, window: int, typical_tokens: int,
     return best[1], best[2]
 
 
-def make_kv_cache_config(layer_specs: Sequence[KVCacheSpec], memory_bytes: int | None = None,
-                         num_blocks: int | None = None, typical_tokens: int | None = None
-                         ) -> KVCacheConfig:
+def make_kv_cache_config(layer_specs: Sequence[LayerSpec], memory_bytes: int | None = None,
+                         num_blocks: int | None = None, typical_tokens: int | None = None,
+                         large_page_blocks: int = 0) -> KVCacheConfig:
     """Group the layers (`typical_tokens`: see `group_layers`) and size the pool from a
     byte budget (or an explicit block count); both are ints (a float budget is refused
-    rather than rounded)."""
+    rather than rounded). With recurrent layers the pool is rounded down to whole large
+    pages (`large_page_blocks`: see `KVCacheConfig`)."""
     groups, num_slots = group_layers(layer_specs, typical_tokens)
-    bytes_per_block = groups[0].spec.page_size_bytes * num_slots
+    first = next(g.spec for g in groups if isinstance(g.spec, AttentionSpec))
+    bytes_per_block = first.page_size_bytes * num_slots
+    state = max((g.state_bytes for g in groups), default=0)
+    k = large_page_blocks or (-(-state // bytes_per_block) if state else 1)
     if (memory_bytes is None) == (num_blocks is None):
         raise ValueError("give exactly one of memory_bytes and num_blocks")
     if num_blocks is None:
@@ -340,10 +501,13 @@ def make_kv_cache_config(layer_specs: Sequence[KVCacheSpec], memory_bytes: int |
             raise ValueError(f"memory_bytes must be an int number of bytes, got "
                              f"{type(memory_bytes).__name__} {memory_bytes!r}")
         num_blocks = int(memory_bytes) // bytes_per_block
+        if state and _is_int(k) and k > 0:
+            num_blocks -= num_blocks % k
         if num_blocks < 2:
             raise ValueError(
                 f"memory_bytes={memory_bytes} holds {num_blocks} blocks of {bytes_per_block} bytes; "
                 "need at least 2 (one is the null block)")
     elif not _is_int(num_blocks) or num_blocks < 2:
         raise ValueError(f"num_blocks must be an int >= 2 (one is the null block), got {num_blocks!r}")
-    return KVCacheConfig(num_blocks=int(num_blocks), groups=groups, num_slots=num_slots)
+    return KVCacheConfig(num_blocks=int(num_blocks), groups=groups, num_slots=num_slots,
+                         large_page_blocks=large_page_blocks)

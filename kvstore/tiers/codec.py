@@ -93,7 +93,10 @@ class BlockLayout:
         if not isinstance(group_id, int) or not 0 <= group_id < len(config.groups):
             raise ValueError(f"group_id must be in [0, {len(config.groups)}), got {group_id!r}")
         group = config.groups[group_id]
-        return cls(model, group.spec, group.layer_ids, extra)
+        spec = group.spec
+        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+            raise ValueError(f"group {group_id} is recurrent: tiers do not hold checkpoints")
+        return cls(model, spec, group.layer_ids, extra)
 
     @property
     def block_size(self) -> int:

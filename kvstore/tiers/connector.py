@@ -42,7 +42,7 @@ from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import BlockIds, KVCacheManager, ReleasedPages
 from kvstore.request import Request
 from kvstore.single_type_kv_cache_manager import longest_window_hit
-from kvstore.specs import FullAttentionSpec, KVCacheConfig
+from kvstore.specs import AttentionSpec, FullAttentionSpec, KVCacheConfig
 from kvstore.tiers.base import StoreItem, Tier, load_verified
 from kvstore.tiers.codec import REJECT_REASONS, BlockLayout, Buffer, decode_block, request_keys
 
@@ -153,6 +153,12 @@ class TierConnector:
     for the request's tenant (see :mod:`kvstore.tiers.seal`); a value that does not open
     is a miss, counted ``bad_seal``."""
 
+    def _spec(self, g: int) -> AttentionSpec:
+        """The attention spec of group g (a connector serves no recurrent group)."""
+        spec = self.config.groups[g].spec
+        assert isinstance(spec, AttentionSpec)
+        return spec
+
     def __init__(self, config: KVCacheConfig, model_name: str, *, host: Tier | None = None,
                  store: Tier | None = None, extra: str = "",
                  recent_keys: int = 1 << 16, window_offload: str = "ends",
@@ -162,6 +168,9 @@ class TierConnector:
         if window_offload not in WINDOW_OFFLOADS:
             raise ValueError(f"window_offload must be one of {WINDOW_OFFLOADS}, got {window_offload!r}")
         self.window_offload = window_offload
+        if config.has_recurrent:
+            raise ValueError("tiers do not serve layouts with recurrent groups yet; run this "
+                             "model without host_tier_bytes / store_url")
         full = tuple(g for g, group in enumerate(config.groups)
                      if isinstance(group.spec, FullAttentionSpec))
         if not full:
@@ -384,7 +393,7 @@ class TierConnector:
         if computed is not None:
             ends |= {hit_end // bs, computed.num_verified_tokens // bs}
         watch = {(g, i) for g in self._window_groups for e in ends if e > 0
-                 for i in range(*self.config.groups[g].spec.hit_end_range(e * bs))}
+                 for i in range(*self._spec(g).hit_end_range(e * bs))}
         if watch:
             self._watch[request.request_id] = watch
 
@@ -489,7 +498,7 @@ class TierConnector:
     def _first_needed(self, g: int, start: int, end: int) -> int:
         """The first block (counted from ``start``) group g needs for a hit of ``start + end``
         blocks: 0 for full attention, the window's first block for a sliding window."""
-        first = self.config.groups[g].spec.first_needed_block((start + end) * self.block_size)
+        first = self._spec(g).first_needed_block((start + end) * self.block_size)
         return min(end, max(0, first - start))
 
     def _load(self, tier: Tier, g: int, keys: Sequence[bytes], tokens: Sequence[tuple[int, ...]],
