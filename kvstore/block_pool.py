@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
-from kvstore.block import KVCacheBlock
+from kvstore.block import FreeBlockQueue, KVCacheBlock
 from kvstore.eviction import DEFAULT_EVICTION, EvictionPolicy, make_policy
 from kvstore.hashing import BlockHash, root_serial
 from kvstore.utils import common_prefix_len, hit_rate
@@ -620,3 +620,332 @@ class PendingCopies:
     def pinned_block_ids(self) -> tuple[int, ...]:
         """Ids of the pinned blocks, queued batch then handed-out batch (one entry per pin)."""
         return tuple(b.block_id for b in self._pins) + tuple(b.block_id for b in self._pins_handed_out)
+
+
+class TwoSizeBlockPool(BlockPool):
+    """A pool with pages of two sizes over one memory budget: blocks (small pages, one per
+    attention block) and large pages of `large_page_blocks` (k) consecutive blocks each,
+    which hold one recurrent state (a request's working state or a checkpoint).
+
+    Large page j spans blocks [j * k, (j + 1) * k); its id is `num_blocks + j`. A large page
+    is whole (free and empty, a free cached checkpoint, or in use) or split: its blocks are
+    then pages of their own, in the eviction policy's free queue while free. Small pages
+    come from split large pages: free empty blocks of split pages first, then a whole empty
+    large page is split, then cached blocks are evicted (the policy's order), then cached
+    checkpoints (least recently freed first). A split page returns whole as soon as its
+    last block is freed empty, and is reclaimed (its cached blocks evicted) when a large
+    page is needed and none is free whole. Large page 0 holds the null block and stays
+    split. `recurrent_groups` are the groups whose pages are large. Free lists are O(1);
+    `num_free_blocks` counts free capacity in blocks (a free whole page counts k)."""
+
+    def __init__(self, num_blocks: int, large_page_blocks: int,
+                 recurrent_groups: frozenset[int], enable_caching: bool = True,
+                 enable_events: bool = False, index_partial_blocks: bool = True,
+                 eviction: str | EvictionPolicy = DEFAULT_EVICTION,
+                 chained_groups: frozenset[int] | None = None, num_groups: int = 1,
+                 bytes_per_block: int = 1) -> None:
+        k = large_page_blocks
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"large_page_blocks must be a positive int, got {k!r}")
+        if num_blocks < 2 * k or num_blocks % k:
+            raise ValueError(f"a two-size pool needs a multiple of {k} blocks, at least {2 * k} "
+                             f"(one large page beside the null block's), got {num_blocks}")
+        super().__init__(num_blocks, enable_caching, enable_events, index_partial_blocks,
+                         eviction, chained_groups, num_groups)
+        self.large_page_blocks = k
+        self.bytes_per_block = bytes_per_block
+        self.recurrent_groups = recurrent_groups
+        # Unit-tracking policies orphan twins in attention groups only (small pages).
+        self._unit_groups = tuple(g for g in self._unit_groups if g not in recurrent_groups)
+        self.num_large = num_blocks // k
+        self.large_blocks = [KVCacheBlock(num_blocks + j) for j in range(self.num_large)]
+        # Per large page: whether it is split, and how many of its blocks are in use (the
+        # null block counts as in use).
+        self._split = [False] * self.num_large
+        self._used = [0] * self.num_large
+        self._split[0] = True
+        self._used[0] = 1
+        queue = self.free_queue
+        for block in self.blocks[k:]:
+            queue.remove(block)
+        # Whole free large pages: empty ones (a stack) and cached checkpoints (LRU).
+        self._large_empty: list[KVCacheBlock] = self.large_blocks[:0:-1]
+        self._large_cached = FreeBlockQueue()
+        # Split pages none of whose blocks is in use, in the order they became so.
+        self._empty_split: dict[int, None] = {}
+        # Free blocks of split pages that hold cached content.
+        self._free_cached = 0
+        self.large_in_use_by_group: Counter[int] = Counter()
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Free capacity in blocks: free blocks of split pages plus k per free whole page."""
+        return len(self.free_queue) + self.large_page_blocks * (
+            len(self._large_empty) + len(self._large_cached))
+
+    @property
+    def num_free_large_pages(self) -> int:
+        """Large pages a large allocation can take now: whole free ones (empty or a cached
+        checkpoint) and split ones with no block in use."""
+        return len(self._large_empty) + len(self._large_cached) + len(self._empty_split)
+
+    def large_pages_available(self, hit_blocks: Iterable[KVCacheBlock]) -> int:
+        """`num_free_large_pages` once the free blocks among `hit_blocks` are referenced."""
+        k = self.large_page_blocks
+        taken = {b.block_id // k for b in hit_blocks
+                 if b.ref_cnt == 0 and b.block_id != 0 and b.block_id < self.num_blocks}
+        return self.num_free_large_pages - sum(1 for j in taken if j in self._empty_split)
+
+    @property
+    def num_split_pages(self) -> int:
+        """Large pages split into blocks (page 0, with the null block, included)."""
+        return sum(self._split)
+
+    @property
+    def num_fragmented_blocks(self) -> int:
+        """Free blocks inside large pages that have some block in use: capacity no large
+        allocation can take until those blocks are freed."""
+        k = self.large_page_blocks
+        return sum(k - used for split, used in zip(self._split, self._used, strict=True)
+                   if split and used)
+
+    @property
+    def fragmented_bytes(self) -> int:
+        """`num_fragmented_blocks` in bytes."""
+        return self.num_fragmented_blocks * self.bytes_per_block
+
+    def is_large(self, block: KVCacheBlock) -> bool:
+        """Whether `block` is a large page of this pool."""
+        return block.block_id >= self.num_blocks
+
+    def large_page_of(self, block_id: int) -> int:
+        """The index of the large page a block lies in."""
+        return block_id // self.large_page_blocks
+
+    # ---- small pages -------------------------------------------------------------------------
+    def get_new_blocks(self, n: int, group_id: int) -> list[KVCacheBlock]:
+        """Take n blocks: free empty blocks of split pages, then blocks of newly split empty
+        pages, then (evicting) cached blocks, then blocks of split cached checkpoints."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} blocks with {self.num_free_blocks} free")
+        queue = self.free_queue
+        while n > len(queue) - self._free_cached and self._large_empty:
+            self._split_page(self._large_empty.pop())
+        while n > len(queue):
+            page = self._large_cached.popleft()
+            self._evict_large(page)
+            self._split_page(page)
+        blocks = queue.take(n, self._evict_free)
+        k = self.large_page_blocks
+        used, empty_split = self._used, self._empty_split
+        for block in blocks:
+            block.ref_cnt = 1
+            block.uses = 0
+            block.hint = -1
+            block.group_id = group_id
+            j = block.block_id // k
+            if used[j] == 0:
+                del empty_split[j]
+            used[j] += 1
+        if n:
+            self.in_use_by_group[group_id] += n
+        return blocks
+
+    def _evict_free(self, block: KVCacheBlock) -> None:
+        """Evict a free cached block the policy is handing out."""
+        self._free_cached -= 1
+        self._evict(block)
+
+    def _split_page(self, page: KVCacheBlock) -> None:
+        """Hand a whole free empty large page's blocks to the free queue."""
+        j = page.block_id - self.num_blocks
+        k = self.large_page_blocks
+        self._split[j] = True
+        self._used[j] = 0
+        self._empty_split[j] = None
+        self.free_queue.freed_all(self.blocks[j * k:(j + 1) * k])
+
+    def _merge_page(self, j: int) -> KVCacheBlock:
+        """Take a split page none of whose blocks is in use out of the free queue, whole and
+        empty (its cached blocks evicted)."""
+        k = self.large_page_blocks
+        queue = self.free_queue
+        del self._empty_split[j]
+        for block in self.blocks[j * k:(j + 1) * k]:
+            queue.remove(block)
+            if block.token_ids is not None:
+                self._free_cached -= 1
+                self._evict(block)
+        self._split[j] = False
+        return self.large_blocks[j]
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each page (either size); free ones leave their list."""
+        k = self.large_page_blocks
+        for block in blocks:
+            if block.ref_cnt == 0:
+                if block.block_id == 0:
+                    raise ValueError("the null block cannot be referenced")
+                if block.block_id >= self.num_blocks:
+                    self._large_cached.remove(block)
+                    self.large_in_use_by_group[block.group_id] += 1
+                    self.in_use_by_group[block.group_id] += k
+                    block.ref_cnt += 1
+                    block.uses += 1
+                    continue
+                    self.free_queue.remove(block)
+                    if block.token_ids is not None:
+                        self._free_cached -= 1
+                    j = block.block_id // k
+                    if self._used[j] == 0:
+                        del self._empty_split[j]
+                    self._used[j] += 1
+                self.in_use_by_group[block.group_id] += 1
+            block.ref_cnt += 1
+            block.uses += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock], group_id: int = -1) -> None:
+        """Drop one reference per page (either size), in the order given; a split page whose
+        blocks are all free and empty returns whole."""
+        if type(blocks) is not list:
+            blocks = list(blocks)
+        now_free: list[KVCacheBlock] = []
+        large_free: list[KVCacheBlock] = []
+        for i, block in enumerate(blocks):
+            n = block.ref_cnt - 1
+            if n < 0:
+                for b in blocks[:i]:  # a bad free leaves the pool as it was
+                    b.ref_cnt += 1
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt = n
+            if n == 0:
+                (large_free if block.block_id >= self.num_blocks else now_free).append(block)
+        in_use = self.in_use_by_group
+        for page in large_free:
+            in_use[page.group_id] -= self.large_page_blocks
+            self.large_in_use_by_group[page.group_id] -= 1
+            if page.token_ids is None:
+                self._large_empty.append(page)
+            else:
+                self._large_cached.append(page)
+        if not now_free:
+            return
+        k = self.large_page_blocks
+        used = self._used
+        emptied = []
+        for block in now_free:
+            in_use[block.group_id] -= 1
+            if block.token_ids is not None:
+                self._free_cached += 1
+            j = block.block_id // k
+            used[j] -= 1
+            if used[j] == 0:
+                emptied.append(j)
+        self.free_queue.freed_all(now_free)
+        blocks_ = self.blocks
+        for j in emptied:
+            self._empty_split[j] = None
+            if all(b.token_ids is None for b in blocks_[j * k:(j + 1) * k]):
+                # Nothing cached in it: the page returns whole.
+                self._large_empty.append(self._merge_page(j))
+
+    # ---- large pages -------------------------------------------------------------------------
+    def get_large_pages(self, n: int, group_id: int) -> list[KVCacheBlock]:
+        """Take n large pages: whole empty ones, then split pages with no block in use (their
+        cached blocks evicted, the page emptied longest ago first), then cached checkpoints
+        (least recently freed first). RuntimeError, changing nothing, if fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of large pages ({n})")
+        if n > self.num_free_large_pages:
+            raise RuntimeError(f"asked for {n} large pages with {self.num_free_large_pages} free")
+        pages = []
+        for _ in range(n):
+            if self._large_empty:
+                page = self._large_empty.pop()
+            elif self._empty_split:
+                page = self._merge_page(next(iter(self._empty_split)))
+            else:
+                page = self._large_cached.popleft()
+                self._evict_large(page)
+            page.ref_cnt = 1
+            page.uses = 0
+            page.group_id = group_id
+            pages.append(page)
+        if n:
+            self.in_use_by_group[group_id] += n * self.large_page_blocks
+            self.large_in_use_by_group[group_id] += n
+        return pages
+
+    def cache_checkpoint(self, page: KVCacheBlock, block_hash: BlockHash,
+                         token_ids: tuple[int, ...], parent_serial: int, serial: int,
+                         parent_hash: BlockHash | None = None) -> None:
+        """Index a large page in use as the checkpoint of the prefix that ends with a block of
+        this hash and these tokens under `parent_serial` (`serial`: that prefix's serial)."""
+        if page.block_id < self.num_blocks:
+            raise RuntimeError(f"block {page.block_id} is not a large page")
+        if page.token_ids is not None:
+            raise RuntimeError(f"large page {page.block_id} is already cached")
+        page.block_hash = block_hash
+        page.token_ids = token_ids
+        page.serial = serial
+        page.parent_serial = parent_serial
+        self.hash_index.add(page.group_id, block_hash, page)
+        self.cached_by_group[page.group_id] += 1
+        if self.enable_events:
+            self._events.append(BlockStored(block_hash, parent_hash, token_ids, page.group_id))
+
+    def _evict_large(self, page: KVCacheBlock) -> None:
+        """Drop a checkpoint's index entry."""
+        block_hash = page.block_hash
+        assert block_hash is not None
+        self.hash_index.remove(page.group_id, block_hash, page)
+        if self.enable_events:
+            self._events.append(BlockRemoved(block_hash, page.group_id))
+        page.block_hash = page.token_ids = None
+        page.serial = page.parent_serial = 0
+        self.cached_by_group[page.group_id] -= 1
+        self.evicted_by_group[page.group_id] += 1
+        self.stats.evictions += 1
+        self.cache_epoch += 1
+
+    def uncache(self, block: KVCacheBlock) -> None:
+        """See BlockPool.uncache (a large page in use: its checkpoint entry)."""
+        if block.block_id < self.num_blocks:
+            super().uncache(block)
+            return
+        if block.ref_cnt <= 0 or block.token_ids is None:
+            raise RuntimeError(f"large page {block.block_id} is not a checkpoint in use")
+        self._evict_large(block)
+        self.stats.evictions -= 1
+        self.evicted_by_group[block.group_id] -= 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached content of either size; every page returns whole."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        for page in self.large_blocks:
+            page.block_hash = page.token_ids = None
+            page.serial = page.parent_serial = 0
+        if not super().reset_prefix_cache():
+            return False
+        self._free_cached = 0
+        for j in list(self._empty_split):
+            self._large_empty.append(self._merge_page(j))
+        while len(self._large_cached):
+            self._large_empty.append(self._large_cached.popleft())
+        return True
+
+    # ---- introspection -----------------------------------------------------------------------
+    def large_page_states(self) -> tuple[tuple[int, bool, int, int, bool], ...]:
+        """Per large page: (id, split, blocks in use when split, ref count, cached)."""
+        return tuple((p.block_id, self._split[j], self._used[j], p.ref_cnt,
+                      p.token_ids is not None) for j, p in enumerate(self.large_blocks))
+
+    def free_list_sizes(self) -> tuple[int, int, int, int]:
+        """(free blocks in the queue, whole empty pages, cached checkpoints free, split
+        pages with no block in use)."""
+        return (len(self.free_queue), len(self._large_empty), len(self._large_cached),
+                len(self._empty_split))
