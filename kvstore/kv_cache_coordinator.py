@@ -11,10 +11,11 @@ from kvstore.request import Request
 from kvstore.single_type_kv_cache_manager import (
     ChainSearch,
     HitSearch,
+    RecurrentManager,
     SingleTypeKVCacheManager,
     make_manager,
 )
-from kvstore.specs import KVCacheConfig
+from kvstore.specs import FullAttentionSpec, KVCacheConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,7 @@ class AllocationPlan(NamedTuple):
     num_free_needed: int  # free blocks consumed: new pages, hits and pins taken off the queue
     num_released: int  # blocks that window drops return to the free queue first
     num_resident: int  # pages the request holds afterwards
+    num_large: int = 0  # large pages (recurrent states) among the free blocks consumed
 
 
 class PendingWrite(NamedTuple):
@@ -72,22 +74,29 @@ class KVCacheCoordinator:
 
     __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_free_order",
                  "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "_pending",
-                 "_writes")
+                 "_writes", "recurrent")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
-                 hold_window_pages: bool = True) -> None:
+                 hold_window_pages: bool = True, checkpoint_every: int = 0) -> None:
         self.config = config
         self.pool = pool
         self.block_size = config.block_size
         n = len(config.groups)
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            make_manager(pool, group.spec, g, copies, n, hold_window_pages)
+            make_manager(pool, group.spec, g, copies, n, hold_window_pages, checkpoint_every)
             for g, group in enumerate(config.groups))
+        # Recurrent groups (their pages are large; they index no per-token page).
+        self.recurrent: tuple[RecurrentManager, ...] = tuple(
+            m for m in self.managers if isinstance(m, RecurrentManager))
+        for recurrent in self.recurrent:
+            recurrent.chain_block_at = self._chain_block_at
         # Where the lookup verifies the prompt's prefix block by block: the first
-        # full-attention group (which needs every block anyway), else every group.
-        full = [g for g, group in enumerate(config.groups) if group.spec.sliding_window is None]
+        # full-attention group (which needs every block anyway), else every attention group.
+        full = [g for g, group in enumerate(config.groups)
+                if isinstance(group.spec, FullAttentionSpec)]
         self._full_group = full[0] if full else -1
-        self._spine_groups: tuple[int, ...] = (full[0],) if full else tuple(range(n))
+        self._spine_groups: tuple[int, ...] = (full[0],) if full else tuple(
+            g for g, group in enumerate(config.groups) if not group.is_recurrent)
         # The other groups, in sets sharing one spec: each set is searched as one.
         sets: dict[object, list[SingleTypeKVCacheManager]] = {}
         for g, manager in enumerate(self.managers):
@@ -180,7 +189,8 @@ class KVCacheCoordinator:
         parent = parents[num_blocks]
         sources: list[KVCacheBlock | None] = [None] * len(self.managers)
         num_partial = 0
-        if partial and max_tokens > full:
+        if partial and max_tokens > full and not self.recurrent:
+            # (A recurrent group has no state inside a block: no partial hit with one.)
             query = tuple(request.token_ids[full:min(full + bs - 1, max_tokens)])
             num_partial = len(query)
             written = self._written if self._writes else None
@@ -254,8 +264,11 @@ class KVCacheCoordinator:
     def num_blocks_needed(self, request: Request, num_computed_tokens: int, num_tokens: int,
                           computed: ComputedBlocks | None) -> AllocationPlan:
         """What growing the tables to `num_tokens` costs; `computed` at admission, else None."""
-        need = released = 0
+        need = released = large = 0
         rid = request.request_id
+        for recurrent in self.recurrent:
+            large += recurrent.num_large_to_allocate(
+                None if computed is None else computed.blocks[recurrent.group_id])
         for g, manager in enumerate(self.managers):
             if computed is None:
                 need += manager.num_blocks_to_allocate(rid, num_computed_tokens, num_tokens,
@@ -266,7 +279,7 @@ class KVCacheCoordinator:
                                                        computed.blocks[g],
                                                        computed.partial_sources[g])
         return AllocationPlan(need, released,
-                              self.num_resident_blocks(num_computed_tokens, num_tokens))
+                              self.num_resident_blocks(num_computed_tokens, num_tokens), large)
 
     def num_resident_blocks(self, num_computed_tokens: int, num_tokens: int) -> int:
         """Pages a request of `num_tokens` tokens holds in all groups once its next query is
@@ -327,7 +340,36 @@ class KVCacheCoordinator:
         serials: dict[int, int] | None = {} if len(self.managers) > 1 else None
         for manager in self._cache_order:
             manager.release_computed(request, serials)
-        return tuple([manager.allocate(request, num_tokens) for manager in self.managers])
+        ids = tuple([manager.allocate(request, num_tokens) for manager in self.managers])
+        for manager in self.recurrent:
+            manager.take_checkpoint(request)
+        return ids
+
+    def _chain_block_at(self, request: Request, i: int) -> KVCacheBlock | None:
+        """The cached attention block at table index `i` of a live request holding its
+        block i (None if no attention group holds it cached)."""
+        if i < 0 or i >= len(request.block_hashes):
+            return None
+        rid = request.request_id
+        block_hash = request.block_hashes[i]
+        for manager in self._cache_order:
+            if isinstance(manager, RecurrentManager):
+                continue
+            table = manager.table(rid)
+            if i < len(table):
+                block = table[i]
+                if block.block_id != 0 and block.block_hash == block_hash and i < \
+                        manager.num_cached_blocks(rid):
+                    return block
+        return None
+
+    def next_checkpoints(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Positions of the next `num_new_tokens` where a recurrent group takes a checkpoint
+        if a step ends there."""
+        out: set[int] = set()
+        for manager in self.recurrent:
+            out.update(manager.next_checkpoints(request, num_new_tokens))
+        return sorted(out)
 
     def cache_scheduled(self, request: Request, num_scheduled_tokens: int) -> None:
         """Index the request's blocks that the tokens scheduled up to `num_scheduled_tokens`
@@ -397,8 +439,16 @@ class KVCacheCoordinator:
 
     def free(self, request: Request) -> None:
         """Release the request's pages in every group (full attention's blocks indexed first,
-        see `allocate`)."""
-        if len(self._cache_order) > 1 and self._cache_order[0] is not self.managers[0]:
+        see `allocate`; a recurrent group's end checkpoint after them)."""
+        if self.recurrent:
+            known: dict[int, int] = {}
+            for manager in self._cache_order:
+                manager.cache_blocks(request, min(request.num_computed_tokens,
+                                                  len(manager.table(request.request_id))
+                                                  * self.block_size), known)
+            for manager in self.recurrent:
+                manager.checkpoint_at_end(request)
+        elif len(self._cache_order) > 1 and self._cache_order[0] is not self.managers[0]:
             serials: dict[int, int] = {}
             for manager in self._cache_order:
                 manager.cache_blocks(request, min(request.num_computed_tokens,
@@ -454,7 +504,15 @@ class KVCacheCoordinator:
 
     def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:
         """Share every page of the parent with the child, in every group (see
-        SingleTypeKVCacheManager.fork)."""
+        SingleTypeKVCacheManager.fork); a recurrent group gives the child a copy of the
+        parent's working state. RuntimeError, changing nothing, if no large page is free
+        for it."""
+        if self.recurrent:
+            pool = self.pool
+            free = getattr(pool, "num_free_large_pages", 0)
+            if free < len(self.recurrent):
+                raise RuntimeError(f"forking {parent_id!r} needs {len(self.recurrent)} free "
+                                   f"large pages for the child's working states; {free} free")
         for manager in self.managers:
             manager.fork(parent_id, child_id, num_computed_tokens)
 

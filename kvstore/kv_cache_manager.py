@@ -6,11 +6,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 
-from kvstore.block_pool import BlockPool, BlockState, CacheStats, KVCacheEvent, PendingCopies
+from kvstore.block_pool import (
+    BlockPool,
+    BlockState,
+    CacheStats,
+    KVCacheEvent,
+    PendingCopies,
+    TwoSizeBlockPool,
+)
 from kvstore.errors import RequestTooLargeError
 from kvstore.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, EvictionPolicy
 from kvstore.hashing import HashFn, hash_block
-from kvstore.kv_cache_coordinator import ComputedBlocks, KVCacheCoordinator
+from kvstore.kv_cache_coordinator import AllocationPlan, ComputedBlocks, KVCacheCoordinator
 from kvstore.request import Request, as_count
 from kvstore.single_type_kv_cache_manager import SlidingWindowManager
 from kvstore.specs import FullAttentionSpec, KVCacheConfig
@@ -63,6 +70,9 @@ class CacheConfig:
     - `hold_window_pages`: sliding-window groups keep the pages past the window that likely
       hits need until the request ends (see `KVCacheManager`); off, windows drop every page
       as they pass it, as vLLM does.
+    - `checkpoint_every_blocks`: recurrent groups also take a checkpoint every that many
+      blocks (0: only at prompt ends, output ends and branch points; 1: at every block
+      boundary a step ends on).
     """
 
     enable_caching: bool = True
@@ -72,6 +82,7 @@ class CacheConfig:
     eviction: str | EvictionPolicy = DEFAULT_EVICTION
     index_scheduled_blocks: bool = False
     hold_window_pages: bool = True
+    checkpoint_every_blocks: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -79,6 +90,10 @@ class CacheConfig:
             if f.type == "bool" and type(value) is not bool:
                 raise TypeError(f"CacheConfig.{f.name} must be a bool, got "
                                 f"{type(value).__name__} {value!r:.60}")
+        every = self.checkpoint_every_blocks
+        if type(every) is not int or every < 0:
+            raise ValueError(f"CacheConfig.checkpoint_every_blocks must be an int >= 0, got "
+                             f"{every!r:.60}")
         if not callable(self.hash_fn):
             raise TypeError(f"CacheConfig.hash_fn must be callable, got {self.hash_fn!r:.60}")
         if isinstance(self.eviction, str):
@@ -157,17 +172,27 @@ class KVCacheManager:
         self.enable_partial_hits = enable_caching and cache_config.enable_partial_hits
         self.index_scheduled_blocks = enable_caching and cache_config.index_scheduled_blocks
         self._hash_fn = cache_config.hash_fn
-        self._pool = BlockPool(config.num_blocks, enable_caching, cache_config.enable_events,
-                               index_partial_blocks=self.enable_partial_hits,
-                               eviction=cache_config.eviction,
-                               chained_groups=frozenset(
-                                   g for g, group in enumerate(config.groups)
-                                   if isinstance(group.spec, FullAttentionSpec)),
-                               num_groups=len(config.groups))
+        chained = frozenset(g for g, group in enumerate(config.groups)
+                            if isinstance(group.spec, FullAttentionSpec))
+        if config.has_recurrent:
+            # A recurrent state never sits inside a block: no partial hits.
+            self.enable_partial_hits = False
+            self._pool: BlockPool = TwoSizeBlockPool(
+                config.num_blocks, config.large_page_blocks,
+                frozenset(g for g, group in enumerate(config.groups) if group.is_recurrent),
+                enable_caching, cache_config.enable_events, index_partial_blocks=False,
+                eviction=cache_config.eviction, chained_groups=chained,
+                num_groups=len(config.groups), bytes_per_block=config.bytes_per_block)
+        else:
+            self._pool = BlockPool(config.num_blocks, enable_caching, cache_config.enable_events,
+                                   index_partial_blocks=self.enable_partial_hits,
+                                   eviction=cache_config.eviction, chained_groups=chained,
+                                   num_groups=len(config.groups))
         # Copies queued for the worker and the pins that keep their pages alive.
         self._copies = PendingCopies(self._pool)
         self._coordinator = KVCacheCoordinator(config, self._pool, self._copies,
-                                               cache_config.hold_window_pages)
+                                               cache_config.hold_window_pages,
+                                               cache_config.checkpoint_every_blocks)
         self._requests: dict[str, Request] = {}
         self._no_new_blocks: BlockIds = ((),) * len(config.groups)
         self._num_groups = len(config.groups)
@@ -516,7 +541,7 @@ class KVCacheManager:
                                                    num_tokens, computed)
         self._check_pool_holds(request.request_id, plan.num_resident, num_tokens)
         if plan.num_free_needed <= num_free + plan.num_released:
-            return computed
+            return computed if self._large_fit(plan, computed) else None
         if not computed.num_partial_tokens:
             return None
         # A partial hit costs a pinned source page on top of the request's own pages;
@@ -530,6 +555,34 @@ class KVCacheManager:
         if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
             return None
         return computed
+
+    def _large_fit(self, plan: AllocationPlan, computed: ComputedBlocks) -> bool:
+        """Whether the large pages an admission takes are free once its hit blocks are
+        referenced (always, without a recurrent group)."""
+        if not plan.num_large:
+            return True
+        pool = self._pool
+        assert isinstance(pool, TwoSizeBlockPool)
+        return plan.num_large <= pool.large_pages_available(
+            b for blocks in computed.blocks for b in blocks)
+
+    def next_checkpoints(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Positions among the request's next `num_new_tokens` (from its computed count)
+        where a recurrent group takes a checkpoint if a step ends there, ascending: a
+        scheduler stops a chunk at the first so the model writes the state out. Empty
+        without a recurrent group."""
+        if not self._coordinator.recurrent:
+            return []
+        self._check_request(request)
+        return self._coordinator.next_checkpoints(request, num_new_tokens)
+
+    @property
+    def fragmented_bytes(self) -> int:
+        """Bytes of free blocks inside large pages that also hold blocks in use (memory no
+        recurrent state can take until those blocks are freed); 0 without a recurrent
+        group."""
+        pool = self._pool
+        return pool.fragmented_bytes if isinstance(pool, TwoSizeBlockPool) else 0
 
     def free(self, request: Request) -> None:
         """Release a finished or preempted request; its computed content stays cached."""

@@ -6,9 +6,15 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvstore.block import KVCacheBlock
-from kvstore.block_pool import BlockPool, PendingCopies
+from kvstore.block_pool import BlockPool, PendingCopies, TwoSizeBlockPool
 from kvstore.request import Request
-from kvstore.specs import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvstore.specs import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    LayerSpec,
+    RecurrentStateSpec,
+    SlidingWindowSpec,
+)
 from kvstore.utils import cdiv
 
 
@@ -53,10 +59,10 @@ class SingleTypeKVCacheManager:
     #: it ends (see SlidingWindowManager).
     holds_ends: bool = False
 
-    def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
+    def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1) -> None:
         self.pool = pool
-        self.spec = spec
+        self.spec: LayerSpec = spec
         self.group_id = group_id
         self.block_size = spec.block_size
         self._copies = copies
@@ -399,6 +405,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_holding", "holds_ends",
                  "drop_log")
+    spec: SlidingWindowSpec
 
     def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1, hold: bool = True) -> None:
@@ -775,19 +782,335 @@ class WindowSearch(HitSearch):
 
 
 # The manager class of each spec type.
-MANAGER_TYPES: dict[type[AttentionSpec], type[SingleTypeKVCacheManager]] = {
+class CheckpointSearch(HitSearch):
+    """Recurrent layers: a hit of n blocks needs a checkpoint of exactly the prefix of n
+    blocks (keyed by the hash of block n - 1, verified by its tokens and parent serial);
+    0 blocks needs none. The hit is the null block n - 1 times, then the checkpoint."""
+
+    __slots__ = ("answer", "row")
+
+    def __init__(self, managers: Sequence[SingleTypeKVCacheManager], request: Request,
+                 parents: Sequence[int]) -> None:
+        super().__init__(managers, request, parents)
+        self.answer = -1
+        self.row: list[KVCacheBlock] = []
+
+    def longest(self, cap: int) -> int:
+        """The largest n <= `cap` with a checkpoint of the first n blocks in every group."""
+        if 0 <= self.answer <= cap:
+            return self.answer
+        probe_row, groups = self.pool.hash_index.probe_row, self.group_ids
+        hashes, tokens, parents = self.hashes, self.tokens, self.parents
+        for n in range(cap, 0, -1):
+            row = probe_row(groups, hashes[n - 1], tokens[n - 1], parents[n - 1])
+            if row is not None:
+                self.answer, self.row = n, row
+                return n
+        self.answer, self.row = 0, []
+        return 0
+
+    def blocks(self, num_blocks: int) -> list[list[KVCacheBlock]]:
+        """Per group: null entries, then the checkpoint of the first `num_blocks` blocks."""
+        if num_blocks == 0:
+            return [[] for _ in self.group_ids]
+        assert num_blocks == self.answer
+        null = self.pool.null_block
+        return [[null] * (num_blocks - 1) + [page] for page in self.row]
+
+
+#: Where a recurrent group finds the cached attention block at a table index of a request
+#: (None if no attention group holds it cached): a checkpoint takes its identity.
+ChainBlockAt = Callable[[Request, int], KVCacheBlock | None]
+
+
+class RecurrentManager(SingleTypeKVCacheManager):
+    """A recurrent group (linear attention, state-space, short convolution): no page per
+    token; each running request owns one working state (a large page, never cached or
+    shared while it runs), and checkpoints (large pages holding the state at a block
+    boundary) serve hits.
+
+    A hit at n blocks copies the checkpoint of that exact prefix into the working state
+    (a pending copy). Checkpoints are taken where the request's computed count lands on a
+    planned position: its prompt's end, the branch point its lookup learned (where the
+    cached chain it verified ended past its hit), every `checkpoint_every` blocks if set,
+    and at its end (preempted or finished) when that is a block boundary, else at the last
+    block boundary its output reached (kept in a second large page while it decodes).
+    Taking one queues a copy of the working state into a fresh large page, when one is
+    free: checkpoints never make an allocation fail. The pool must be a TwoSizeBlockPool."""
+
+    __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching")
+
+    def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
+                 copies: PendingCopies, num_groups: int = 1, checkpoint_every: int = 0) -> None:
+        if not isinstance(pool, TwoSizeBlockPool):
+            raise TypeError("a recurrent group needs a TwoSizeBlockPool (pages of two sizes)")
+        super().__init__(pool, spec, group_id, copies, num_groups)
+        self._every = checkpoint_every * self.block_size
+        self._caching = pool.enable_caching
+        # Per request: planned checkpoint positions past its computed count (sorted).
+        self._plan: dict[str, list[int]] = {}
+        # Per decoding request: a large page with the state at its last block boundary past
+        # its prompt, and that position.
+        self._rolling: dict[str, tuple[KVCacheBlock, int]] = {}
+        self.chain_block_at: ChainBlockAt = lambda request, i: None
+
+    @property
+    def two_size_pool(self) -> TwoSizeBlockPool:
+        """The pool, as the two-size pool it is."""
+        pool = self.pool
+        assert isinstance(pool, TwoSizeBlockPool)
+        return pool
+
+    @staticmethod
+    def hit_search(managers: Sequence[SingleTypeKVCacheManager], request: Request,
+                   parents: Sequence[int]) -> HitSearch:
+        """Checkpoints of exactly the prefix (see CheckpointSearch)."""
+        return CheckpointSearch(managers, request, parents)
+
+    # ---- planning (pure) ---------------------------------------------------------------------
+    def num_blocks_to_allocate(self, request_id: str, num_computed_tokens: int, num_tokens: int,
+                               hit_blocks: Sequence[KVCacheBlock] | None,
+                               partial_src: KVCacheBlock | None) -> int:
+        """Blocks taken off the free lists, counting k per large page (see
+        `num_large_to_allocate`)."""
+        return self.num_large_to_allocate(hit_blocks) * self.two_size_pool.large_page_blocks
+
+    def num_large_to_allocate(self, hit_blocks: Sequence[KVCacheBlock] | None) -> int:
+        """Large pages an admission takes (None: growing, which takes none): the working
+        state, and the hit's checkpoint when it is free."""
+        if hit_blocks is None:
+            return 0
+        return 1 + (bool(hit_blocks) and hit_blocks[-1].ref_cnt == 0)
+
+    def _due(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int) -> bool:
+        """Whether a checkpoint is due at this computed count."""
+        if not self._caching or num_computed_tokens == 0:
+            return False
+        plan = self._plan[request_id]
+        while plan and plan[0] < num_computed_tokens:
+            plan.pop(0)
+        if plan and plan[0] == num_computed_tokens:
+            return True
+        if self._every and num_computed_tokens % self._every == 0:
+            return True
+        return (num_computed_tokens > num_prompt_tokens
+                and num_computed_tokens % self.block_size == 0)
+
+    def next_checkpoints(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Positions in (computed, computed + `num_new_tokens`] where this group takes a
+        checkpoint if a step ends there: the scheduler stops a chunk at the first one."""
+        if not self._caching:
+            return []
+        nc = request.num_computed_tokens
+        end = nc + num_new_tokens
+        plan = self._plan.get(request.request_id)
+        out = {p for p in (plan if plan is not None else self._positions(request, nc, nc))
+               if nc < p <= end}
+        if self._every:
+            first = (nc // self._every + 1) * self._every
+            out.update(range(first, end + 1, self._every))
+        bs = self.block_size
+        prompt = request.num_prompt_tokens
+        first = max(nc // bs + 1, prompt // bs + 1) * bs
+        out.update(range(first, end + 1, bs))
+        return sorted(out)
+
+    def _positions(self, request: Request, num_computed_tokens: int,
+                   num_verified_tokens: int) -> list[int]:
+        """Planned checkpoint positions past the computed count: the prompt's end (the last
+        block boundary before it and at it) and a branch point."""
+        bs = self.block_size
+        n = request.num_prompt_tokens
+        ends = {(n - 1) // bs * bs, n // bs * bs}
+        if num_verified_tokens % bs == 0:
+            ends.add(num_verified_tokens)
+        return sorted(p for p in ends if p > num_computed_tokens)
+
+    def is_noop(self, request: Request, num_tokens: int) -> bool:
+        """Whether growing needs nothing here: no checkpoint due at the computed count."""
+        return not self._due(request.request_id, request.num_computed_tokens,
+                             request.num_prompt_tokens)
+
+    def quiet_range(self, request_id: str, num_computed_tokens: int) -> tuple[int, int] | None:
+        """(hi, max_tokens): quiet until the next block boundary where a checkpoint may be
+        due."""
+        if not self._caching:
+            return _UNBOUNDED, _UNBOUNDED
+        return (num_computed_tokens // self.block_size + 1) * self.block_size, _UNBOUNDED
+
+    # ---- mutation ----------------------------------------------------------------------------
+    def take_hit(self, hit_blocks: list[KVCacheBlock], partial_src: KVCacheBlock | None,
+                 num_computed_tokens: int) -> None:
+        """Reference and pin the hit's checkpoint (the source of the working state's copy)."""
+        if hit_blocks:
+            checkpoint = hit_blocks[-1]
+            self.pool.touch((checkpoint,))
+            self._copies.pin(checkpoint)
+
+    def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
+              partial_src: KVCacheBlock | None, parent_serial: int) -> None:
+        """Give the request its working state: a copy of the hit's checkpoint, or a fresh
+        state (the model starts it from zero)."""
+        rid = request.request_id
+        pool = self.two_size_pool
+        working = pool.get_large_pages(1, self.group_id)[0]
+        if hit_blocks:
+            pool.touch((working,))
+            self._copies.pin(working)
+            self._copies.queue(hit_blocks[-1], working)
+        self._req_to_blocks[rid] = [working]
+        self._num_cached_blocks[rid] = 0
+        self._last_serial[rid] = parent_serial
+        self._plan[rid] = self._positions(request, request.num_computed_tokens, 0)
+
+    def note_hit_ends(self, request: Request, ends: Sequence[int]) -> None:
+        """Plan a checkpoint at the lookup's branch point (the verified chain's end) when it
+        lies past the hit."""
+        self._plan[request.request_id] = self._positions(
+            request, request.num_computed_tokens, max(ends))
+
+    def release_computed(self, request: Request, serials: dict[int, int] | None = None) -> None:
+        """Nothing to cache before allocating (checkpoints are taken after, see
+        `take_checkpoint`)."""
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int,
+                     serials: dict[int, int] | None = None) -> None:
+        """Nothing: a recurrent group has no per-token pages to index."""
+
+    def allocate(self, request: Request, num_tokens: int) -> tuple[int, ...]:
+        """Nothing to append: the working state covers every position."""
+        return ()
+
+    def uncomputed_cached_blocks(self, request_id: str,
+                                 num_computed_tokens: int) -> list[KVCacheBlock]:
+        """None: checkpoints are indexed only once their state is computed."""
+        return []
+
+    def take_checkpoint(self, request: Request) -> None:
+        """Queue a copy of the working state into a checkpoint if one is due at the computed
+        count (after every group allocated, so it only takes a large page left free)."""
+        rid = request.request_id
+        nc = request.num_computed_tokens
+        if not self._due(rid, nc, request.num_prompt_tokens):
+            return
+        pool = self.two_size_pool
+        working = self._req_to_blocks[rid][0]
+        planned = bool(self._plan[rid]) and self._plan[rid][0] == nc
+        if planned or (self._every and nc % self._every == 0):
+            if planned:
+                self._plan[rid].pop(0)
+            chain = self.chain_block_at(request, nc // self.block_size - 1)
+            if chain is None or self._has_checkpoint(chain) or not pool.num_free_large_pages:
+                return
+            page = pool.get_large_pages(1, self.group_id)[0]
+            self._copy(working, page)
+            pool.free_blocks((page,))  # no table holds a checkpoint: its pin is all
+            self._index(page, request, chain)
+            return
+        # Past the prompt: keep the state at the last block boundary for the output's end.
+        rolling = self._rolling.get(rid)
+        if rolling is None:
+            if not pool.num_free_large_pages:
+                return
+            page = pool.get_large_pages(1, self.group_id)[0]
+        else:
+            page = rolling[0]
+            if page.ref_cnt - page.pin_cnt > 1:  # a copy into it is still pending
+                return
+        self._copy(working, page)
+        self._rolling[rid] = (page, nc)
+
+    def _copy(self, src: KVCacheBlock, dst: KVCacheBlock) -> None:
+        """Queue a copy between two large pages the request holds, pinning both."""
+        self.pool.touch((src, dst))
+        self._copies.pin(src)
+        self._copies.pin(dst)
+        self._copies.queue(src, dst)
+
+    def _has_checkpoint(self, chain: KVCacheBlock) -> bool:
+        """Whether a checkpoint of the prefix ending with cached block `chain` exists."""
+        assert chain.block_hash is not None and chain.token_ids is not None
+        return self.pool.hash_index.probe(self.group_id, chain.block_hash, chain.token_ids,
+                                          chain.parent_serial) is not None
+
+    def _index(self, page: KVCacheBlock, request: Request, chain: KVCacheBlock) -> None:
+        """Index a large page as the checkpoint of the prefix ending with block `chain`."""
+        assert chain.block_hash is not None and chain.token_ids is not None
+        self.two_size_pool.cache_checkpoint(page, chain.block_hash, chain.token_ids,
+                                            chain.parent_serial, chain.serial)
+
+    def checkpoint_at_end(self, request: Request) -> None:
+        """At the request's end (finished or preempted), while the attention groups still
+        hold its cached blocks: index the working state as the checkpoint of its computed
+        prefix when that ends on a block boundary, else the state kept at its output's last
+        block boundary."""
+        if not self._caching:
+            return
+        rid = request.request_id
+        working = self._req_to_blocks[rid][0]
+        nc = request.num_computed_tokens
+        bs = self.block_size
+        rolling = self._rolling.get(rid)
+        if nc and nc % bs == 0:
+            page, position = working, nc
+        elif rolling is not None:
+            page, position = rolling
+        else:
+            return
+        chain = self.chain_block_at(request, position // bs - 1)
+        if chain is not None and page.token_ids is None and not self._has_checkpoint(chain):
+            self._index(page, request, chain)
+
+    def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
+        """Forget the request; returns its large pages (working state, and the state kept
+        for its output's end) for the caller to free."""
+        rid = request.request_id
+        table = self._req_to_blocks.pop(rid)
+        rolling = self._rolling.pop(rid, None)
+        if rolling is not None:
+            table = [rolling[0], *table]
+        del self._num_cached_blocks[rid]
+        del self._last_serial[rid]
+        del self._plan[rid]
+        return table, []
+
+    def num_resident_blocks(self, request_id: str) -> int:
+        """Large pages the request holds (working state, and its output's end state)."""
+        return len(self._req_to_blocks[request_id]) + (request_id in self._rolling)
+
+    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:
+        """The child gets its own working state, a copy of the parent's (the caller checked
+        a large page is free)."""
+        parent = self._req_to_blocks[parent_id][0]
+        working = self.two_size_pool.get_large_pages(1, self.group_id)[0]
+        self._copy(parent, working)
+        self._req_to_blocks[child_id] = [working]
+        self._num_cached_blocks[child_id] = 0
+        self._last_serial[child_id] = self._last_serial[parent_id]
+        self._plan[child_id] = list(self._plan[parent_id])
+
+    def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
+        """Refused: tiers do not serve recurrent groups."""
+        raise NotImplementedError("tiers do not serve recurrent groups")
+
+
+MANAGER_TYPES: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
+    RecurrentStateSpec: RecurrentManager,
 }
 
 
-def make_manager(pool: BlockPool, spec: KVCacheSpec, group_id: int, copies: PendingCopies,
-                 num_groups: int = 1, hold: bool = True) -> SingleTypeKVCacheManager:
-    """The manager for a spec's attention type, one of `num_groups` groups over `pool`
-    (`hold`: see SlidingWindowManager)."""
+def make_manager(pool: BlockPool, spec: LayerSpec, group_id: int, copies: PendingCopies,
+                 num_groups: int = 1, hold: bool = True, checkpoint_every: int = 0
+                 ) -> SingleTypeKVCacheManager:
+    """The manager for a spec's layer type, one of `num_groups` groups over `pool`
+    (`hold`: see SlidingWindowManager; `checkpoint_every`: see RecurrentManager)."""
     cls = MANAGER_TYPES.get(type(spec))
     if cls is None:
         raise TypeError(f"no KV cache manager for {type(spec).__name__}")
-    if cls is SlidingWindowManager:
+    if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager(pool, spec, group_id, copies, num_groups, hold)
+    if cls is RecurrentManager:
+        return RecurrentManager(pool, spec, group_id, copies, num_groups, checkpoint_every)
     return cls(pool, spec, group_id, copies, num_groups)
