@@ -796,13 +796,13 @@ class TwoSizeBlockPool(BlockPool):
                     block.ref_cnt += 1
                     block.uses += 1
                     continue
-                    self.free_queue.remove(block)
-                    if block.token_ids is not None:
-                        self._free_cached -= 1
-                    j = block.block_id // k
-                    if self._used[j] == 0:
-                        del self._empty_split[j]
-                    self._used[j] += 1
+                self.free_queue.remove(block)
+                if block.token_ids is not None:
+                    self._free_cached -= 1
+                j = block.block_id // k
+                if self._used[j] == 0:
+                    del self._empty_split[j]
+                self._used[j] += 1
                 self.in_use_by_group[block.group_id] += 1
             block.ref_cnt += 1
             block.uses += 1

@@ -1,0 +1,345 @@
+"""The two-size pool (TwoSizeBlockPool): blocks carved from large pages of k blocks. The
+checks read the pool's pages from outside and rebuild what each list must hold."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstore.block import KVCacheBlock
+from kvstore.block_pool import TwoSizeBlockPool
+from kvstore.eviction import EVICTION_POLICIES
+from kvstore.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    RecurrentStateSpec,
+    make_kv_cache_config,
+)
+
+RECURRENT = 1  # the recurrent group's id in these pools
+
+
+def check_two_size_pool(pool: TwoSizeBlockPool, small_refs: Counter[int] | None = None,
+                        large_refs: Counter[int] | None = None) -> None:
+    """Every page of either size in exactly one state, the free counts per size, the split
+    pages' use counts, the fragmentation and (given) the ref counts."""
+    k = pool.large_page_blocks
+    queued = [b.block_id for b in pool.free_queue]
+    assert len(queued) == len(set(queued)) == len(pool.free_queue), "a block queued twice"
+    queued_set = set(queued)
+    empty_large = {p.block_id for p in pool._large_empty}
+    cached_large = [p.block_id for p in pool._large_cached]
+    assert len(cached_large) == len(set(cached_large))
+    assert not empty_large & set(cached_large), "a large page in two free lists"
+    assert len(empty_large) == len(pool._large_empty), "a large page on the empty stack twice"
+    fragmented = 0
+    free_small = 0
+    for j, page in enumerate(pool.large_blocks):
+        blocks = pool.blocks[j * k:(j + 1) * k]
+        in_use = sum(1 for b in blocks if b.ref_cnt > 0 or b.block_id == 0)
+        if pool._split[j]:
+            assert page.ref_cnt == 0 and page.token_ids is None, f"split page {j} in use whole"
+            assert page.block_id not in empty_large and page.block_id not in cached_large
+            assert pool._used[j] == in_use, f"page {j}: {pool._used[j]} used, {in_use} counted"
+            for b in blocks:
+                if b.block_id == 0:
+                    assert b.block_id not in queued_set
+                elif b.ref_cnt > 0:
+                    assert b.block_id not in queued_set, f"block {b.block_id} in use and free"
+                else:
+                    assert b.block_id in queued_set, f"free block {b.block_id} not queued"
+                    free_small += 1
+            assert (j in pool._empty_split) == (in_use == 0)
+            if in_use == 0:
+                # Returned whole unless some block holds cached content.
+                assert any(b.token_ids is not None for b in blocks), \
+                    f"page {j}: every block free and empty but the page is still split"
+            else:
+                fragmented += k - in_use
+        else:
+            assert j not in pool._empty_split
+            for b in blocks:
+                assert b.ref_cnt == 0 and b.block_id not in queued_set and b.token_ids is None, \
+                    f"block {b.block_id} of whole page {j} is in use, queued or cached"
+            if page.ref_cnt > 0:
+                assert page.block_id not in empty_large and page.block_id not in cached_large
+            elif page.token_ids is None:
+                assert page.block_id in empty_large, f"free empty large page {j} not listed"
+            else:
+                assert page.block_id in cached_large, f"free checkpoint {j} not listed"
+    assert free_small == len(pool.free_queue)
+    assert pool.num_free_blocks == len(pool.free_queue) + k * (len(empty_large) + len(cached_large))
+    assert pool.num_fragmented_blocks == fragmented
+    assert pool._free_cached == sum(1 for b in pool.free_queue if b.token_ids is not None)
+    assert pool.num_free_large_pages == (len(empty_large) + len(cached_large)
+                                         + len(pool._empty_split))
+    # Index agreement, both sizes.
+    for block_id, group, h in pool.hash_entries():
+        page = (pool.blocks[block_id] if block_id < pool.num_blocks
+                else pool.large_blocks[block_id - pool.num_blocks])
+        assert page.block_hash == h and page.group_id == group
+    indexed = {bid for bid, _, _ in pool.hash_entries()}
+    for page in pool.blocks[1:] + pool.large_blocks:
+        assert (page.block_hash is not None) == (page.block_id in indexed)
+    in_use_units: Counter[int] = Counter()
+    for b in pool.blocks[1:]:
+        if b.ref_cnt:
+            in_use_units[b.group_id] += 1
+    for page in pool.large_blocks:
+        if page.ref_cnt:
+            in_use_units[page.group_id] += k
+    assert {g: n for g, n in pool.in_use_by_group.items() if n} == dict(in_use_units)
+    if small_refs is not None:
+        for b in pool.blocks[1:]:
+            assert b.ref_cnt == small_refs.get(b.block_id, 0), f"block {b.block_id} refs"
+    if large_refs is not None:
+        for page in pool.large_blocks:
+            assert page.ref_cnt == large_refs.get(page.block_id, 0), f"page {page.block_id} refs"
+
+
+class TwoSizePoolMachine(RuleBasedStateMachine):
+    """Allocations, hits, frees and caching of pages of both sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: TwoSizeBlockPool | None = None
+        self.small: list[KVCacheBlock] = []  # one entry per reference held
+        self.large: list[KVCacheBlock] = []
+        self.next_hash = 1
+
+    @initialize(k=st.integers(1, 4), num_large=st.integers(2, 6),
+                eviction=st.sampled_from(sorted(EVICTION_POLICIES)))
+    def setup(self, k: int, num_large: int, eviction: str) -> None:
+        self.pool = TwoSizeBlockPool(k * num_large, k, frozenset({RECURRENT}),
+                                     eviction=eviction, chained_groups=frozenset({0}),
+                                     num_groups=2, bytes_per_block=10)
+
+    @property
+    def p(self) -> TwoSizeBlockPool:
+        assert self.pool is not None
+        return self.pool
+
+    def snapshot(self) -> tuple[object, ...]:
+        p = self.p
+        return (p.block_states(), p.large_page_states(), p.free_list_sizes(),
+                tuple(b.block_id for b in p.free_queue), p.stats.evictions)
+
+    @rule(n=st.integers(0, 9))
+    def alloc_small(self, n: int) -> None:
+        before = self.snapshot()
+        if n > self.p.num_free_blocks:
+            with pytest.raises(RuntimeError):
+                self.p.get_new_blocks(n, 0)
+            assert self.snapshot() == before
+            return
+        uncached_free = len(self.p.free_queue) - self.p._free_cached
+        split_before = self.p.num_split_pages
+        blocks = self.p.get_new_blocks(n, 0)
+        assert len({b.block_id for b in blocks}) == n
+        if n <= uncached_free:  # free blocks of split pages are used before splitting more
+            assert self.p.num_split_pages == split_before
+        self.small += blocks
+
+    @rule(n=st.integers(0, 3))
+    def alloc_large(self, n: int) -> None:
+        before = self.snapshot()
+        if n > self.p.num_free_large_pages:
+            with pytest.raises(RuntimeError):
+                self.p.get_large_pages(n, RECURRENT)
+            assert self.snapshot() == before
+            return
+        pages = self.p.get_large_pages(n, RECURRENT)
+        assert len({p.block_id for p in pages}) == n
+        self.large += pages
+
+    @precondition(lambda self: bool(self.small))
+    @rule(data=st.data())
+    def free_small(self, data: st.DataObject) -> None:
+        i = data.draw(st.integers(0, len(self.small) - 1))
+        self.p.free_blocks([self.small.pop(i)])
+
+    @precondition(lambda self: bool(self.large))
+    @rule(data=st.data())
+    def free_large(self, data: st.DataObject) -> None:
+        i = data.draw(st.integers(0, len(self.large) - 1))
+        self.p.free_blocks([self.large.pop(i)])
+
+    @precondition(lambda self: bool(self.small) or bool(self.large))
+    @rule(data=st.data())
+    def free_mixed(self, data: st.DataObject) -> None:
+        """One call frees pages of both sizes."""
+        pages = self.small[-2:] + self.large[-1:]
+        del self.small[-2:]
+        del self.large[-1:]
+        self.p.free_blocks(pages)
+
+    @precondition(lambda self: any(b.token_ids is None for b in self.small))
+    @rule(data=st.data())
+    def cache_small(self, data: st.DataObject) -> None:
+        block = data.draw(st.sampled_from([b for b in self.small if b.token_ids is None]))
+        self.p.cache_full_block(block, self.next_hash, (self.next_hash,), 7)
+        self.next_hash += 1
+
+    @precondition(lambda self: any(p.token_ids is None for p in self.large))
+    @rule(data=st.data())
+    def cache_checkpoint(self, data: st.DataObject) -> None:
+        page = data.draw(st.sampled_from([p for p in self.large if p.token_ids is None]))
+        self.p.cache_checkpoint(page, self.next_hash, (self.next_hash,), 7, self.next_hash)
+        self.next_hash += 1
+
+    @rule(data=st.data())
+    def hit(self, data: st.DataObject) -> None:
+        """A hit on a cached page of either size, free or not."""
+        cached = [b for b in self.p.blocks[1:] + self.p.large_blocks if b.block_hash is not None]
+        if not cached:
+            return
+        page = data.draw(st.sampled_from(cached))
+        found = self.p.find_cached(page.group_id, page.block_hash, page.token_ids,
+                                   page.parent_serial)
+        assert found is not None
+        self.p.touch([found])
+        (self.large if self.p.is_large(found) else self.small).append(found)
+
+    @rule()
+    def double_free_is_refused(self) -> None:
+        free = [b for b in self.p.blocks[1:] if b.ref_cnt == 0]
+        if not free:
+            return
+        before = self.snapshot()
+        with pytest.raises(RuntimeError, match="double free"):
+            self.p.free_blocks(self.small[:1] + free[:1])
+        assert self.snapshot() == before
+
+    @invariant()
+    def consistent(self) -> None:
+        if self.pool is None:
+            return
+        small_refs = Counter(b.block_id for b in self.small)
+        large_refs = Counter(p.block_id for p in self.large)
+        check_two_size_pool(self.p, small_refs, large_refs)
+        # No memory owned twice across sizes: a block held on its own lies in a split page,
+        # a large page held whole is not split.
+        k = self.p.large_page_blocks
+        for b in self.small:
+            assert self.p._split[b.block_id // k]
+        for page in self.large:
+            assert not self.p._split[page.block_id - self.p.num_blocks]
+        assert self.p.fragmented_bytes == 10 * self.p.num_fragmented_blocks
+
+    def teardown(self) -> None:
+        if self.pool is None:
+            return
+        self.p.free_blocks(self.small + self.large)
+        check_two_size_pool(self.p, Counter(), Counter())
+        assert self.p.num_free_blocks == self.p.num_usable_blocks
+        assert self.p.reset_prefix_cache()
+        # Every page returns whole once nothing is cached.
+        assert self.p.num_split_pages == 1 and self.p.num_fragmented_blocks == \
+            self.p.large_page_blocks - 1
+        check_two_size_pool(self.p, Counter(), Counter())
+
+
+TwoSizePoolMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestTwoSizePool = TwoSizePoolMachine.TestCase
+
+
+# ---- fixed cases ---------------------------------------------------------------------------------
+def make_pool(k: int = 4, num_large: int = 4) -> TwoSizeBlockPool:
+    return TwoSizeBlockPool(k * num_large, k, frozenset({RECURRENT}),
+                            chained_groups=frozenset({0}), num_groups=2)
+
+
+def test_small_pages_prefer_split_pages_and_a_page_returns_whole_only_when_all_free() -> None:
+    pool = make_pool()
+    a = pool.get_new_blocks(5, 0)  # blocks 1-3 (page 0, with the null block), two of page 1
+    assert pool.num_split_pages == 2
+    b = pool.get_new_blocks(2, 0)  # page 1's other two: no page split for them
+    assert pool.num_split_pages == 2
+    page1 = [x for x in a + b if x.block_id // 4 == 1]
+    assert len(page1) == 4
+    pool.free_blocks(page1[:3])
+    assert pool.num_split_pages == 2  # one block of page 1 is still in use
+    pool.free_blocks(page1[3:])
+    assert pool.num_split_pages == 1  # all free and empty: whole again
+    check_two_size_pool(pool, Counter(x.block_id for x in a + b if x.block_id < 4), Counter())
+
+
+def test_a_large_page_is_reclaimed_from_an_emptied_split_page_only_when_needed() -> None:
+    pool = make_pool(k=2, num_large=3)
+    blocks = pool.get_new_blocks(3, 0)  # block 1, then page 1 split
+    pool.cache_full_block(blocks[1], 11, (1,), 7)
+    pool.free_blocks(blocks)
+    assert pool.num_split_pages == 2  # page 1 keeps its cached block
+    pages = pool.get_large_pages(2, RECURRENT)  # page 2 whole, then page 1 reclaimed
+    assert pool.num_split_pages == 1 and pool.stats.evictions == 1
+    check_two_size_pool(pool, Counter(), Counter(p.block_id for p in pages))
+    with pytest.raises(RuntimeError, match="large pages"):
+        pool.get_large_pages(1, RECURRENT)
+
+
+def test_fragmentation_is_the_free_room_in_partly_used_large_pages() -> None:
+    pool = make_pool(k=4, num_large=3)
+    assert pool.num_fragmented_blocks == 3  # page 0: the null block and three free blocks
+    blocks = pool.get_new_blocks(4, 0)  # block 1..3, then one of page 1
+    assert pool.num_fragmented_blocks == 3
+    pool.free_blocks(blocks[:3])
+    assert pool.num_fragmented_blocks == 6
+
+
+@pytest.mark.parametrize("shapes", [((0,),), ((-1, 4),), (), ((4, 0),)])
+def test_bad_state_shapes_are_refused(shapes: tuple[tuple[int, ...], ...]) -> None:
+    with pytest.raises(ValueError, match="shape"):
+        RecurrentStateSpec(16, shapes)
+
+
+def test_a_state_larger_than_the_pool_is_refused() -> None:
+    full = FullAttentionSpec(16, 1, 8)  # 512 bytes a block
+    big = RecurrentStateSpec(16, ((4096,),), "float32")  # 16 KiB: 32 blocks
+    with pytest.raises(ValueError, match="holds no large page"):
+        make_kv_cache_config([full, big], num_blocks=40)
+    config = make_kv_cache_config([full, big], num_blocks=64)
+    assert config.large_page_blocks == 32
+
+
+def test_a_state_that_cannot_be_carved_from_the_given_large_page_is_refused() -> None:
+    full = FullAttentionSpec(16, 1, 8)
+    state = RecurrentStateSpec(16, ((300,),), "float32")  # 1200 bytes: 3 blocks of 512
+    groups = (KVCacheGroup(full, (0,)), KVCacheGroup(state, (1,)))
+    with pytest.raises(ValueError, match="cannot be carved"):
+        KVCacheConfig(num_blocks=32, groups=groups, num_slots=1, large_page_blocks=2)
+    with pytest.raises(ValueError, match="multiple"):
+        KVCacheConfig(num_blocks=32, groups=groups, num_slots=1, large_page_blocks=3)
+    assert KVCacheConfig(num_blocks=33, groups=groups, num_slots=1).large_page_blocks == 3
+    with pytest.raises(ValueError, match="block_size"):
+        KVCacheConfig(num_blocks=32, groups=(KVCacheGroup(full, (0,)),
+                                             KVCacheGroup(RecurrentStateSpec(8, ((4,),)), (1,))),
+                      num_slots=1)
+
+
+def test_layout_groups_full_sliding_and_recurrent_layers() -> None:
+    from kvstore.specs import SlidingWindowSpec
+    full = FullAttentionSpec(16, 2, 64)
+    window = SlidingWindowSpec(16, 2, 64, window=128)
+    state = RecurrentStateSpec(16, ((4, 64), (2, 64, 64)), ("float32", "bfloat16"))
+    layers = [state, state, window, full] * 3
+    config = make_kv_cache_config(layers, memory_bytes=64 << 20)
+    kinds = [(type(g.spec).__name__, g.layer_ids) for g in config.groups]
+    assert kinds == [("SlidingWindowSpec", (2, 6, 10)), ("FullAttentionSpec", (3, 7, 11)),
+                     ("RecurrentStateSpec", (0, 1, 4, 5, 8, 9))] or \
+        sorted(kinds) == sorted([("SlidingWindowSpec", (2, 6, 10)),
+                                 ("FullAttentionSpec", (3, 7, 11)),
+                                 ("RecurrentStateSpec", (0, 1, 4, 5, 8, 9))])
+    assert config.num_slots == 3 and config.num_padding_layers == 0
+    state_bytes = 6 * (4 * 64 * 4 + 2 * 64 * 64 * 2)
+    assert config.groups[-1].state_bytes == state_bytes
+    k = config.large_page_blocks
+    assert (k - 1) * config.bytes_per_block < state_bytes <= k * config.bytes_per_block
+    assert config.num_blocks % k == 0
+    assert config.num_blocks * config.bytes_per_block <= 64 << 20
