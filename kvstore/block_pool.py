@@ -852,6 +852,18 @@ class TwoSizeBlockPool(BlockPool):
                 # Nothing cached in it: the page returns whole.
                 self._large_empty.append(self._merge_page(j))
 
+    def refresh(self, blocks: Iterable[tuple[KVCacheBlock, int]]) -> None:
+        """See BlockPool.refresh; free checkpoints move to the tail of their own list."""
+        small = []
+        for block, serial in blocks:
+            if block.ref_cnt or block.block_hash is None or block.serial != serial:
+                continue
+            if block.block_id >= self.num_blocks:
+                self._large_cached.move_to_tail((block,))
+            else:
+                small.append(block)
+        self.free_queue.refresh_all(small)
+
     # ---- large pages -------------------------------------------------------------------------
     def get_large_pages(self, n: int, group_id: int) -> list[KVCacheBlock]:
         """Take n large pages: whole empty ones, then split pages with no block in use (their

@@ -1,0 +1,405 @@
+"""Recurrent groups beside full and sliding-window groups: hits only where a checkpoint of
+exactly the prefix exists, and a simulated device that checks every hit restores the state
+a from-scratch run has at that position (a state is modelled as the salt and the prefix)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstore.block_pool import TwoSizeBlockPool
+from kvstore.eviction import EVICTION_POLICIES
+from kvstore.kv_cache_coordinator import ComputedBlocks
+from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
+from kvstore.request import Request
+from kvstore.specs import FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec, make_kv_cache_config
+from test_recurrent_pool import check_two_size_pool
+
+BS = 4
+FULL = FullAttentionSpec(BS, 1, 8, "float32")  # 256 bytes a block (K and V)
+WINDOW = SlidingWindowSpec(BS, 1, 8, "float32", window=6)
+STATE = RecurrentStateSpec(BS, ((2, 40),), "float32")  # 320 bytes: 2 blocks of 256 (1 slot)
+FAMILIES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18],
+            [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23, 24, 25, 26, 27],
+            [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]]
+
+
+def make(layers: list, num_blocks: int, **cache: object) -> KVCacheManager:
+    config = make_kv_cache_config(layers, num_blocks=num_blocks)
+    return KVCacheManager(config, CacheConfig(**cache))  # type: ignore[arg-type]
+
+
+def state_of(req: Request, n: int) -> tuple[object, ...]:
+    """What a from-scratch run of the request holds in its state after n tokens."""
+    return (req.cache_salt, tuple(req.token_ids[:n]))
+
+
+class RecurrentMachine(RuleBasedStateMachine):
+    """A scheduler's calls on a cache with a recurrent group, and a simulated device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager: KVCacheManager | None = None
+        self.running: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.pages: dict[int, list[object]] = {}  # block id -> token per slot
+        self.states: dict[int, object] = {}  # large page id -> state
+        self.next_id = 0
+
+    @initialize(layout=st.sampled_from(["full", "full+window", "window"]),
+                num_large=st.integers(4, 14), every=st.sampled_from([0, 0, 1, 2]),
+                eviction=st.sampled_from(sorted(EVICTION_POLICIES)),
+                hold=st.booleans())
+    def setup(self, layout: str, num_large: int, every: int, eviction: str, hold: bool) -> None:
+        layers: list[object] = {"full": [FULL, STATE], "full+window": [FULL, WINDOW, STATE],
+                                "window": [WINDOW, STATE]}[layout]
+        self.manager = make(layers, 2 * num_large, checkpoint_every_blocks=every, eviction=eviction,
+                            hold_window_pages=hold)
+        for salt in (None, "tenant"):
+            self.m._pool.root_serial(salt)
+
+    @property
+    def m(self) -> KVCacheManager:
+        assert self.manager is not None
+        return self.manager
+
+    @property
+    def pool(self) -> TwoSizeBlockPool:
+        pool = self.m._pool
+        assert isinstance(pool, TwoSizeBlockPool)
+        return pool
+
+    def recurrent_group(self) -> int:
+        return next(g for g, group in enumerate(self.m.config.groups) if group.is_recurrent)
+
+    def working(self, req: Request) -> int:
+        return self.m.block_table(req.request_id)[self.recurrent_group()][0]
+
+    # ---- device ------------------------------------------------------------------------------
+    def run_copies(self) -> None:
+        n = self.pool.num_blocks
+        for src, dst in self.m.take_pending_copies():
+            if src >= n:
+                assert dst >= n, "a state copied into a block"
+                assert src in self.states, f"copy from large page {src}, never written"
+                self.states[dst] = self.states[src]
+            else:
+                assert dst < n
+                self.pages[dst] = list(self.pages[src])
+
+    def forward(self, req: Request, start: int, end: int) -> None:
+        """The model reads the working state (which must be the state at `start`), then
+        writes K/V of [start, end) and leaves the state at `end`."""
+        g_rec = self.recurrent_group()
+        ids = self.m.block_table(req.request_id)
+        working = ids[g_rec][0]
+        if start:
+            assert self.states.get(working) == state_of(req, start), (
+                f"{req.request_id}: working state at {start} is {self.states.get(working)!r:.80}")
+        self.states[working] = state_of(req, end)
+        for g, table in enumerate(ids):
+            if g == g_rec:
+                continue
+            for p in range(start, end):
+                bid = table[p // BS]
+                assert bid != 0
+                self.pages.setdefault(bid, [None] * BS)[p % BS] = req.token_ids[p]
+
+    def check_content(self) -> None:
+        g_rec = self.recurrent_group()
+        for req in self.running.values():
+            nc = req.num_computed_tokens
+            for g, (group, table) in enumerate(zip(self.m.config.groups,
+                                                   self.m.block_table(req.request_id),
+                                                   strict=True)):
+                if g == g_rec:
+                    continue
+                window = group.spec.sliding_window
+                first = 0 if window is None else max(0, nc - window + 1)
+                for p in range(first, nc):
+                    page = self.pages.get(table[p // BS])
+                    assert page is not None and page[p % BS] == req.token_ids[p]
+
+    def snapshot(self) -> tuple[object, ...]:
+        pool = self.pool
+        return (pool.block_states(), pool.large_page_states(), pool.free_list_sizes(),
+                pool.stats.evictions, tuple(self.m.pinned_blocks))
+
+    # ---- a step ------------------------------------------------------------------------------
+    def step(self, req: Request, num_new: int, computed: ComputedBlocks | None,
+             data: st.DataObject) -> bool:
+        m = self.m
+        nc = computed.num_computed_tokens if computed is not None else req.num_computed_tokens
+        stops = m.next_checkpoints(req, num_new) if computed is None else []
+        assert all(nc < p <= nc + num_new for p in stops)
+        if stops and data.draw(st.booleans(), label="stop at a checkpoint"):
+            num_new = stops[0] - nc
+        before = self.snapshot()
+        try:
+            out = m.allocate_slots(req, num_new, computed)
+        except ValueError as e:
+            assert "whole pool" in str(e)
+            assert self.snapshot() == before
+            return False
+        if out is None:
+            assert self.snapshot() == before, "a refused allocation changed the pool"
+            return False
+        if computed is not None:
+            self.running[req.request_id] = req
+            nc = req.num_computed_tokens
+        self.run_copies()
+        self.forward(req, nc, nc + num_new)
+        req.num_computed_tokens = nc + num_new
+        if req.num_computed_tokens == req.num_tokens and req.num_tokens < 30:
+            req.append_token_ids(99)
+        return True
+
+    def draw_request(self, data: st.DataObject) -> Request:
+        family = data.draw(st.sampled_from(FAMILIES), label="family")
+        n = data.draw(st.integers(0, len(family)), label="prefix")
+        suffix = data.draw(st.lists(st.integers(50, 52), min_size=0 if n else 1, max_size=6))
+        salt = data.draw(st.sampled_from([None, None, "tenant"]), label="salt")
+        req = Request(f"r{self.next_id}", family[:n] + suffix, cache_salt=salt)
+        self.next_id += 1
+        return req
+
+    def admit(self, req: Request, data: st.DataObject) -> bool:
+        m = self.m
+        before = self.snapshot()
+        computed = m.get_computed_blocks(req)
+        assert self.snapshot() == before
+        hit = computed.num_computed_tokens
+        assert computed.num_partial_tokens == 0
+        g_rec = self.recurrent_group()
+        rec = computed.blocks[g_rec]
+        if hit:
+            # Hits only at a checkpoint of exactly this prefix.
+            page = rec[-1]
+            assert self.pool.is_large(page) and all(b.block_id == 0 for b in rec[:-1])
+            assert page.block_hash == req.block_hashes[hit // BS - 1]
+            assert page.token_ids == tuple(req.token_ids[hit - BS:hit])
+        event(f"recurrent hit {bool(hit)}")
+        num_new = data.draw(st.integers(1, req.num_tokens - hit), label="num_new")
+        admitted = self.step(req, num_new, computed, data)
+        if admitted and hit:
+            event("a hit restored a checkpoint")
+        return admitted
+
+    # ---- rules -------------------------------------------------------------------------------
+    @rule(data=st.data())
+    def serve(self, data: st.DataObject) -> None:
+        req = self.draw_request(data)
+        if not self.admit(req, data):
+            return
+        decode = data.draw(st.integers(0, 6), label="decode")
+        while req.num_computed_tokens < min(req.num_tokens, req.num_prompt_tokens + decode):
+            left = req.num_tokens - req.num_computed_tokens
+            if not self.step(req, data.draw(st.integers(1, left)), None, data):
+                return
+        self.m.free(self.running.pop(req.request_id))
+
+    @rule(data=st.data())
+    def admit_new(self, data: st.DataObject) -> None:
+        self.admit(self.draw_request(data), data)
+
+    @precondition(lambda self: bool(self.waiting))
+    @rule(data=st.data())
+    def readmit(self, data: st.DataObject) -> None:
+        req = data.draw(st.sampled_from(self.waiting))
+        if self.admit(req, data):
+            self.waiting.remove(req)
+
+    @precondition(lambda self: any(r.num_computed_tokens < r.num_tokens
+                                   for r in self.running.values()))
+    @rule(data=st.data())
+    def advance(self, data: st.DataObject) -> None:
+        live = [r for r in self.running.values() if r.num_computed_tokens < r.num_tokens]
+        req = data.draw(st.sampled_from(live))
+        self.step(req, data.draw(st.integers(1, req.num_tokens - req.num_computed_tokens)),
+                  None, data)
+
+    @precondition(lambda self: bool(self.running))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        self.m.free(self.running.pop(rid))
+
+    @precondition(lambda self: bool(self.running))
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        req = self.running.pop(rid)
+        self.m.free(req)
+        req.num_computed_tokens = 0
+        self.waiting.append(req)
+
+    @precondition(lambda self: bool(self.running))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        parent = self.running[rid]
+        child = parent.fork(f"r{self.next_id}")
+        self.next_id += 1
+        before = self.snapshot()
+        if self.pool.num_free_large_pages == 0:
+            with pytest.raises(RuntimeError, match="large pages"):
+                self.m.fork(parent, child)
+            assert self.snapshot() == before
+            return
+        self.m.fork(parent, child)
+        self.running[child.request_id] = child
+        assert self.working(child) != self.working(parent)
+
+    @rule()
+    def worker_copies(self) -> None:
+        self.run_copies()
+
+    @invariant()
+    def consistent(self) -> None:
+        if self.manager is None:
+            return
+        small: Counter[int] = Counter()
+        large: Counter[int] = Counter()
+        n = self.pool.num_blocks
+        for rid in self.m.requests:
+            for ids in self.m.block_table(rid):
+                for i in ids:
+                    if i >= n:
+                        large[i] += 1
+                    elif i:
+                        small[i] += 1
+        rec = self.m._coordinator.recurrent[0]
+        for rid in self.m.requests:
+            rolling = rec._rolling.get(rid)
+            if rolling is not None:
+                large[rolling[0].block_id] += 1
+        for i in self.m.pinned_blocks:
+            (large if i >= n else small)[i] += 1
+        check_two_size_pool(self.pool, small, large)
+        # A working state is never cached nor shared.
+        for rid in self.m.requests:
+            page = self.pool.large_blocks[self.working(self.m.requests[rid]) - n]
+            assert page.token_ids is None and large[page.block_id] - page.pin_cnt == 1
+        self.check_content()
+
+    def teardown(self) -> None:
+        if self.manager is None:
+            return
+        for req in list(self.running.values()):
+            self.m.free(req)
+        self.run_copies()
+        self.run_copies()
+        check_two_size_pool(self.pool, Counter(), Counter())
+        assert self.pool.num_free_blocks == self.pool.num_usable_blocks
+        assert self.m.reset_prefix_cache()
+
+
+RecurrentMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=40, deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestRecurrentCache = RecurrentMachine.TestCase
+
+
+# ---- fixed cases ---------------------------------------------------------------------------------
+def run(m: KVCacheManager, req: Request, chunks: list[int]) -> ComputedBlocks:
+    computed = m.get_computed_blocks(req)
+    first = True
+    for n in chunks:
+        assert m.allocate_slots(req, n, computed if first else None) is not None
+        m.take_pending_copies()
+        req.num_computed_tokens = (computed.num_computed_tokens if first
+                                   else req.num_computed_tokens) + n
+        first = False
+    return computed
+
+
+def test_hit_at_a_checkpoint_only_and_at_attention_block_granularity() -> None:
+    m = make([FULL, STATE], num_blocks=60)
+    a = Request("a", list(range(10)))
+    run(m, a, [10])
+    m.free(a)
+    # One step from 0 to 10 passes the prompt-end checkpoint (8) and ends off a block boundary:
+    # no checkpoint, no hit, though the attention blocks are cached.
+    b = Request("b", list(range(10)) + [77])
+    assert m.get_computed_blocks(b).num_computed_tokens == 0
+    c = Request("c", list(range(10)))
+    assert m.next_checkpoints(c, 10) == [8]
+    run(m, c, [8, 2])  # the scheduler stops the chunk at the checkpoint
+    m.free(c)
+    d = Request("d", list(range(10)) + [77])
+    computed = m.get_computed_blocks(d)
+    assert computed.num_computed_tokens == 8  # 2 blocks of 4: no inflated block
+    assert m.allocate_slots(d, 3, computed) is not None
+    copies = m.take_pending_copies()
+    assert copies and all(src >= 60 and dst >= 60 for src, dst in copies)
+
+
+def test_checkpoint_at_the_output_end_serves_the_next_turn() -> None:
+    m = make([FULL, WINDOW, STATE], num_blocks=60)
+    turn = Request("t1", [5, 6, 7])
+    run(m, turn, [3])
+    for _ in range(6):  # decode to 10 tokens: boundary 8 is kept for the output's end
+        turn.append_token_ids(1)
+        run_grow = m.allocate_slots(turn, 1)
+        assert run_grow is not None
+        m.take_pending_copies()
+        turn.num_computed_tokens += 1
+    m.free(turn)
+    m.take_pending_copies()
+    nxt = Request("t2", turn.token_ids[:9] + [3, 3, 3])
+    assert m.get_computed_blocks(nxt).num_computed_tokens == 8
+
+
+def test_salted_requests_do_not_hit_each_others_checkpoints() -> None:
+    m = make([FULL, STATE], num_blocks=60)
+    a = Request("a", list(range(12)), cache_salt="x")
+    run(m, a, [8, 4])
+    m.free(a)
+    assert m.get_computed_blocks(Request("b", list(range(12)))).num_computed_tokens == 0
+    assert m.get_computed_blocks(Request("c", list(range(12)),
+                                         cache_salt="x")).num_computed_tokens == 8
+
+
+def test_every_n_blocks_and_a_branch_point() -> None:
+    m = make([FULL, STATE], num_blocks=90, checkpoint_every_blocks=1)
+    a = Request("a", list(range(16)))
+    assert m.next_checkpoints(a, 16) == [4, 8, 12, 16]
+    run(m, a, [4, 4, 4, 4])
+    m.free(a)
+    for n in (4, 8, 12):
+        assert m.get_computed_blocks(Request(f"q{n}", list(range(n)) + [99])
+                                     ).num_computed_tokens == n
+    # Without every-N: a lookup whose verified chain ends past its hit plans a checkpoint there.
+    m = make([FULL, STATE], num_blocks=90)
+    a = Request("a", list(range(16)))
+    run(m, a, [16])  # attention blocks cached, no checkpoint inside the prompt
+    m.free(a)
+    b = Request("b", list(range(8)) + [50, 51, 52, 53, 54])
+    assert m.next_checkpoints(b, 13) == [12]  # its prompt's end only, before the lookup
+    computed = m.get_computed_blocks(b)
+    assert computed.num_computed_tokens == 0 and computed.num_verified_tokens == 8
+    assert m.allocate_slots(b, 8, computed) is not None
+    b.num_computed_tokens = 8
+    assert m.allocate_slots(b, 5) is not None  # the checkpoint at the branch point is taken
+    m.take_pending_copies()
+    b.num_computed_tokens = 13
+    m.free(b)
+    c = Request("c", list(range(8)) + [70, 71])
+    assert m.get_computed_blocks(c).num_computed_tokens == 8
+
+
+def test_without_a_recurrent_group_nothing_changes() -> None:
+    m = make([FULL, WINDOW], num_blocks=20)
+    assert not isinstance(m._pool, TwoSizeBlockPool)
+    r = Request("a", list(range(9)))
+    assert m.next_checkpoints(r, 9) == [] and m.fragmented_bytes == 0
+
+
+def test_bad_checkpoint_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match="checkpoint_every_blocks"):
+        CacheConfig(checkpoint_every_blocks=-1)
