@@ -303,6 +303,7 @@ RecurrentMachine.TestCase.settings = settings(
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestRecurrentCache = RecurrentMachine.TestCase
+TestRecurrentCache.pytestmark = [pytest.mark.slow]  # about a minute: CI runs it
 
 
 # ---- fixed cases ---------------------------------------------------------------------------------
