@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_recurrent_pool import check_two_size_pool
 
 from kvstore.block_pool import TwoSizeBlockPool
 from kvstore.eviction import EVICTION_POLICIES
@@ -17,7 +18,6 @@ from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.request import Request
 from kvstore.specs import FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec, make_kv_cache_config
-from test_recurrent_pool import check_two_size_pool
 
 BS = 4
 FULL = FullAttentionSpec(BS, 1, 8, "float32")  # 256 bytes a block (K and V)
