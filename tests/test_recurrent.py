@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from invariants import internals
 from test_recurrent_pool import check_two_size_pool
 
 from kvstore.block_pool import TwoSizeBlockPool
@@ -60,7 +61,7 @@ class RecurrentMachine(RuleBasedStateMachine):
         self.manager = make(layers, 2 * num_large, checkpoint_every_blocks=every, eviction=eviction,
                             hold_window_pages=hold)
         for salt in (None, "tenant"):
-            self.m._pool.root_serial(salt)
+            internals(self.m).pool.root_serial(salt)
 
     @property
     def m(self) -> KVCacheManager:
@@ -69,7 +70,7 @@ class RecurrentMachine(RuleBasedStateMachine):
 
     @property
     def pool(self) -> TwoSizeBlockPool:
-        pool = self.m._pool
+        pool = internals(self.m).pool
         assert isinstance(pool, TwoSizeBlockPool)
         return pool
 
@@ -272,7 +273,7 @@ class RecurrentMachine(RuleBasedStateMachine):
                         large[i] += 1
                     elif i:
                         small[i] += 1
-        rec = self.m._coordinator.recurrent[0]
+        rec = internals(self.m).coordinator.recurrent[0]
         for rid in self.m.requests:
             rolling = rec._rolling.get(rid)
             if rolling is not None:
@@ -396,7 +397,7 @@ def test_every_n_blocks_and_a_branch_point() -> None:
 
 def test_without_a_recurrent_group_nothing_changes() -> None:
     m = make([FULL, WINDOW], num_blocks=20)
-    assert not isinstance(m._pool, TwoSizeBlockPool)
+    assert not isinstance(internals(m).pool, TwoSizeBlockPool)
     r = Request("a", list(range(9)))
     assert m.next_checkpoints(r, 9) == [] and m.fragmented_bytes == 0
 
