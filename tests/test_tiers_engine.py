@@ -243,10 +243,10 @@ def test_another_salt_never_loads_a_block(model, shared_url):
             e.close()
 
 
-def test_another_model_never_loads_a_block(model, shared_url):
-    torch.manual_seed(1)
-    other = DecoderModel(tiny_llama())
-    prompt = tokens(40, seed=600) + tokens(5, 601)
+def check_never_loads_a_block(model: DecoderModel, other: DecoderModel, shared_url: str,
+                              prompt: list[int]) -> None:
+    """`other`, sharing the store with `model` after it ran `prompt`, loads none of its
+    blocks and outputs what it outputs alone."""
     a = engine(model, store_url=shared_url)
     b = engine(other, store_url=shared_url)
     try:
@@ -257,6 +257,12 @@ def test_another_model_never_loads_a_block(model, shared_url):
     finally:
         a.close()
         b.close()
+
+
+def test_another_model_never_loads_a_block(model, shared_url):
+    torch.manual_seed(1)
+    other = DecoderModel(tiny_llama())
+    check_never_loads_a_block(model, other, shared_url, tokens(40, seed=600) + tokens(5, 601))
 
 
 def test_window_only_models_are_refused():
@@ -584,17 +590,7 @@ def test_same_weights_with_other_kv_settings_never_load_a_block(model, shared_ur
 
     other = DecoderModel(dataclasses.replace(model.config, **changes))
     other.load_state_dict(model.state_dict())
-    prompt = tokens(40, seed=1400) + tokens(5, 1401)
-    a = engine(model, store_url=shared_url)
-    b = engine(other, store_url=shared_url)
-    try:
-        run(a, [prompt], salt=RUN)
-        assert a.flush_tiers(5.0)
-        assert run(b, [prompt], salt=RUN) == reference(other, [prompt])
-        assert b.stats.store_hit_tokens == 0
-    finally:
-        a.close()
-        b.close()
+    check_never_loads_a_block(model, other, shared_url, tokens(40, seed=1400) + tokens(5, 1401))
 
 
 STORE_KEY = b"operator secret " + os.urandom(8).hex().encode()
