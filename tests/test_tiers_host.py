@@ -7,6 +7,7 @@ import sys
 import threading
 from array import array
 
+import numpy as np
 import pytest
 import torch
 
@@ -348,6 +349,27 @@ def test_offload_and_restore_through_the_host_tier():
     for j in range(2):
         assert torch.equal(dst.key_caches[j][[8, 9, 11]], src.key_caches[j][[2, 6, 7]])
         assert torch.equal(dst.value_caches[j][[8, 9, 11]], src.value_caches[j][[2, 6, 7]])
+
+
+def test_restore_reads_payloads_wherever_they_lie():
+    """Payloads at equal distances (neighbouring arena slots), in reverse order, repeated,
+    and in separate buffers all land in their own pages."""
+    src, dst = filled_cache(seed=4), PagedKVCache(hybrid_config())
+    g = 1
+    P = block_payload_nbytes(src, g)
+    packed = gather_blocks(src, g, [1, 2, 3, 4, 5]).numpy()
+    arena = np.zeros((6, P + 64), dtype=np.uint8)  # rows spaced wider than a payload
+    arena[:5, :P] = packed
+    rows = [arena[i, :P] for i in range(5)]
+    payloads = [rows[0], rows[1], rows[2], packed[4].tobytes(), rows[3], rows[1], rows[0]]
+    sources = [1, 2, 3, 5, 4, 2, 1]
+    targets = [11, 9, 7, 3, 6, 10, 8]
+    restore_payloads(dst, g, targets, payloads)
+    for j in range(len(src.config.groups[g].layer_ids)):
+        assert torch.equal(dst.key_caches[j][targets], src.key_caches[j][sources])
+        assert torch.equal(dst.value_caches[j][targets], src.value_caches[j][sources])
+    untouched = [b for b in range(1, 12) if b not in targets]
+    assert not dst.key_caches[0][untouched].view(torch.uint8).any()
 
 
 def test_transfer_bad_input():

@@ -109,11 +109,14 @@ def leading_run(present: Sequence[bool]) -> int:
 
 
 def load_verified(tier: Tier, layout: BlockLayout, keys: Sequence[bytes],
-                  token_ids: Sequence[Sequence[int]], decode: DecodeFn = decode_block) -> list[memoryview]:
+                  token_ids: Sequence[Sequence[int]], decode: DecodeFn = decode_block, *,
+                  hashes: bool = True) -> list[memoryview]:
     """Payloads of the leading run of ``keys`` that load and verify (size, layout digest, key,
     tokens, checksum): the first block that fails ends the run. Counts ``hits``, ``misses``
     and each rejected value's reason in ``tier.stats``. ``decode`` verifies one value
-    (``decode_block``, or ``kvstore.tiers.model.decode_placeholder`` for payload-free values)."""
+    (``decode_block``, or ``kvstore.benchmarks.tier_model.decode_placeholder`` for
+    payload-free values). ``hashes``: ``decode`` hashes each value, so a large batch is
+    verified on several threads; a decode that only compares headers runs on the caller's."""
     if len(keys) != len(token_ids):
         raise ValueError(f"{len(keys)} keys but {len(token_ids)} token id lists")
     if not keys:
@@ -125,7 +128,7 @@ def load_verified(tier: Tier, layout: BlockLayout, keys: Sequence[bytes],
         why: dict[str, int] = {}
         return decode(layout, item[0], item[1], item[2], why), why
 
-    nbytes = sum(memoryview(v).nbytes for v in values if v is not None)
+    nbytes = sum(memoryview(v).nbytes for v in values if v is not None) if hashes else 0
     out: list[memoryview] = []
     reasons: dict[str, int] = {}
     for payload, why in map_values(verify, zip(keys, token_ids, values, strict=True), nbytes):

@@ -509,8 +509,9 @@ class TierConnector:
             return []
         before = _rejections(tier)
         decode = self.decode_value
+        checksums = True
         if getattr(tier, "in_process", False) and type(self).decode_value is TierConnector.decode_value:
-            decode = _decode_in_process  # values that never left this process: no checksum pass
+            decode, checksums = _decode_in_process, False  # values that never left this process
         sealer = self.sealer
         if sealer is not None and tier is self.store:
             def decode(layout: BlockLayout, key: bytes, token_ids: Sequence[int],
@@ -522,7 +523,7 @@ class TierConnector:
                     return None
                 return self.decode_value(layout, key, token_ids, opened, counters)
 
-        verified = load_verified(tier, self.layouts[g], keys, tokens, decode)
+        verified = load_verified(tier, self.layouts[g], keys, tokens, decode, hashes=checksums)
         self.stats.rejected_values += _rejections(tier) - before
         if tier is self.host and verified:
             self._host_keys.extend(keys[:len(verified)])

@@ -569,18 +569,40 @@ def restore_payloads(cache: PagedKVCache, group_id: int, block_ids: Sequence[int
     ids = _block_index(cache, block_ids, unique=True)
     L = _group_slots(cache, group_id)
     nb = cache.config.num_blocks
-    pages = [[c[j].view(nb, -1).view(torch.uint8).numpy() for c in (cache.key_caches, cache.value_caches)]
-             for j in range(L)]
+    pages = [c[j].view(nb, -1).view(torch.uint8).numpy()  # the row order of a payload: layer, K/V
+             for j in range(L) for c in (cache.key_caches, cache.value_caches)]
     rows = []
     for i, p in enumerate(payloads):
         view = memoryview(p).cast("B")
         if view.nbytes != P:
             raise ValueError(f"payload {i} is {view.nbytes} bytes, expected {P}")
-        rows.append(np.frombuffer(view, dtype=np.uint8).reshape(L, 2, -1))
-    for b, row in zip(ids, rows, strict=True):  # straight from the values: no staging copy
-        for j in range(L):
-            pages[j][0][b] = row[j, 0]
-            pages[j][1][b] = row[j, 1]
+        rows.append(np.frombuffer(view, dtype=np.uint8))
+    where = np.asarray(ids)
+    for start, stop, stride in _equal_strides(rows):  # straight from the values: no staging copy
+        src = np.lib.stride_tricks.as_strided(rows[start], (stop - start, len(pages), P // len(pages)),
+                                              (stride, P // len(pages), 1), writeable=False)
+        for piece, page in enumerate(pages):
+            page[where[start:stop]] = src[:, piece]
+
+
+def _equal_strides(rows: Sequence[Any]) -> list[tuple[int, int, int]]:
+    """Runs ``(start, stop, stride)`` of the numpy byte arrays ``rows`` (all of one size)
+    that lie at equal distances in memory, as neighbouring slots of the host arena do: rows
+    ``start..stop-1`` are one array of ``stride``-spaced rows, read with one copy per page
+    instead of one per row and page."""
+    addresses = [r.__array_interface__["data"][0] for r in rows]
+    size = rows[0].nbytes if rows else 0
+    runs = []
+    start = 0
+    while start < len(rows):
+        stop, stride = start + 1, size
+        if stop < len(rows) and addresses[stop] - addresses[start] >= size:
+            stride = addresses[stop] - addresses[start]
+            while stop < len(rows) and addresses[stop] - addresses[stop - 1] == stride:
+                stop += 1
+        runs.append((start, stop, stride))
+        start = stop
+    return runs
 
 
 def _restore_on_device(cache: PagedKVCache, group_id: int, block_ids: Sequence[int],
