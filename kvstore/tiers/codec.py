@@ -108,18 +108,18 @@ class BlockLayout:
         """Layers packed in one value."""
         return len(self.layer_ids)
 
-    @property
+    @cached_property
     def page_nbytes(self) -> int:
         """Bytes of one K (or one V) page of one layer."""
         s = self.spec
         return s.block_size * s.num_kv_heads * s.head_dim * DTYPE_ITEMSIZE[s.dtype]
 
-    @property
+    @cached_property
     def payload_nbytes(self) -> int:
         """Bytes of the packed K and V pages of every layer of one block."""
         return 2 * self.num_layers * self.page_nbytes
 
-    @property
+    @cached_property
     def value_nbytes(self) -> int:
         """Bytes of one encoded value: header, token ids, payload."""
         return HEADER_NBYTES + 8 * self.block_size + self.payload_nbytes
