@@ -236,8 +236,7 @@ class EngineConfig:
     request usually reaches, lets a hybrid model's cache keep a few sliding layers whole
     where that packs the layers without padding (see :func:`kvstore.specs.group_layers`);
     `cache` says how the manager caches (:class:`~kvstore.CacheConfig`: its hash function,
-    eviction policy, blocks indexed when scheduled, which this engine's runner and
-    scheduler support); `tiers` adds a host tier and a shared store."""
+    eviction policy, ...); `tiers` adds a host tier and a shared store."""
 
     num_blocks: int | None = None
     memory_bytes: int | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -420,38 +420,24 @@ class BlockPool:
         else:
             insort(siblings, (token_ids, block_id))
 
-    def longest_partial_match(self, group_id: int, parent_serial: int, query: tuple[int, ...],
-                              written: Callable[[KVCacheBlock], bool] | None = None
+    def longest_partial_match(self, group_id: int, parent_serial: int, query: tuple[int, ...]
                               ) -> PartialMatch:
-        """The indexed child of `parent_serial` sharing the longest token prefix with `query`,
-        among those `written` accepts (those holding their content already; None: all)."""
+        """The indexed child of `parent_serial` sharing the longest token prefix with `query`."""
         siblings = self._children.get((group_id, parent_serial))
         if not siblings or not query:
             return PartialMatch(None, 0)
         # In sorted order the longest common prefix with `query` sits next to its insertion
-        # point, and shrinks moving away from it: the nearest entry on each side that can be
-        # copied from (written) is the best there.
+        # point, and shrinks moving away from it: the nearest entry on each side is the best
+        # there.
         i = bisect_left(siblings, (query,))
         best, best_len = None, 0
-        for j, step in ((i - 1, -1), (i, 1)):
-            if written is not None:
-                while 0 <= j < len(siblings) and not written(self.blocks[siblings[j][1]]):
-                    j += step
+        for j in (i - 1, i):
             if 0 <= j < len(siblings):
                 tokens, block_id = siblings[j]
                 n = common_prefix_len(tokens, query)
                 if n > best_len:
                     best, best_len = self.blocks[block_id], n
         return PartialMatch(best, best_len)
-
-    def uncache(self, block: KVCacheBlock) -> None:
-        """Drop an in-use block's index entry: its content was indexed when scheduled and will
-        never be written (not counted as an eviction)."""
-        if block.ref_cnt <= 0 or block.token_ids is None:
-            raise RuntimeError(f"block {block.block_id} is not an indexed block in use")
-        self._evict(block)
-        self.stats.evictions -= 1
-        self.evicted_by_group[block.group_id] -= 1
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a block's content from every index (telling a content-tracking policy, and
@@ -922,17 +908,6 @@ class TwoSizeBlockPool(BlockPool):
         self.evicted_by_group[page.group_id] += 1
         self.stats.evictions += 1
         self.cache_epoch += 1
-
-    def uncache(self, block: KVCacheBlock) -> None:
-        """See BlockPool.uncache (a large page in use: its checkpoint entry)."""
-        if block.block_id < self.num_blocks:
-            super().uncache(block)
-            return
-        if block.ref_cnt <= 0 or block.token_ids is None:
-            raise RuntimeError(f"large page {block.block_id} is not a checkpoint in use")
-        self._evict_large(block)
-        self.stats.evictions -= 1
-        self.evicted_by_group[block.group_id] -= 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content of either size; every page returns whole."""

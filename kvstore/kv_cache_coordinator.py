@@ -58,23 +58,11 @@ class AllocationPlan(NamedTuple):
     num_large: int = 0  # large pages (recurrent states) among the free blocks consumed
 
 
-class PendingWrite(NamedTuple):
-    """A page indexed when scheduled (KVCacheManager's `index_scheduled_blocks`): it holds
-    its content once `request` has computed `num_tokens` tokens; until then a hit may share
-    it (the same forward writes it first) but nothing may copy from it. `serial` is the
-    content serial it was indexed under (another serial: the page was reused since)."""
-
-    request: Request
-    num_tokens: int
-    serial: int
-
-
 class KVCacheCoordinator:
     """All KV cache groups of one cache over one shared pool."""
 
     __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_free_order",
-                 "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "_pending",
-                 "_writes", "recurrent")
+                 "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "recurrent")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
                  hold_window_pages: bool = True, checkpoint_every: int = 0) -> None:
@@ -103,11 +91,6 @@ class KVCacheCoordinator:
             if g != self._full_group:
                 sets.setdefault(manager.spec, []).append(manager)
         self._search_sets = tuple(tuple(ms) for ms in sets.values())
-        # Per request, (table index, block) of the blocks it indexed when scheduled that its
-        # computed tokens do not fill yet (KVCacheManager's `index_scheduled_blocks`).
-        self._pending: dict[str, list[tuple[int, KVCacheBlock]]] = {}
-        # Those blocks' pending writes, by block.
-        self._writes: dict[KVCacheBlock, PendingWrite] = {}
         # Full-attention groups cache their blocks first: a sliding group's null entries
         # below a tier hit's window take their serials from them.
         self._cache_order = tuple(self.managers[g] for g in full) + tuple(
@@ -193,9 +176,8 @@ class KVCacheCoordinator:
             # (A recurrent group has no state inside a block: no partial hit with one.)
             query = tuple(request.token_ids[full:min(full + bs - 1, max_tokens)])
             num_partial = len(query)
-            written = self._written if self._writes else None
             for g in range(len(self.managers)):
-                sources[g], n = self.pool.longest_partial_match(g, parent, query, written)
+                sources[g], n = self.pool.longest_partial_match(g, parent, query)
                 num_partial = min(num_partial, n)
                 if num_partial == 0:
                     break
@@ -370,72 +352,6 @@ class KVCacheCoordinator:
         for manager in self.recurrent:
             out.update(manager.next_checkpoints(request, num_new_tokens))
         return sorted(out)
-
-    def cache_scheduled(self, request: Request, num_scheduled_tokens: int) -> None:
-        """Index the request's blocks that the tokens scheduled up to `num_scheduled_tokens`
-        fill (KVCacheManager's `index_scheduled_blocks`), marked pending until computed."""
-        rid = request.request_id
-        bs = self.block_size
-        first = request.num_computed_tokens // bs
-        serials: dict[int, int] | None = {} if len(self.managers) > 1 else None
-        pending = self._pending.setdefault(rid, [])
-        writes = self._writes
-        for manager in self._cache_order:
-            table = manager.table(rid)
-            last = min(num_scheduled_tokens // bs, len(table))
-            manager.cache_blocks(request, last * bs, serials)
-            for i in range(first, last):
-                block = table[i]
-                if block.block_hash is not None and block not in writes:
-                    writes[block] = PendingWrite(request, (i + 1) * bs, block.serial)
-                    pending.append((i, block))
-        if not pending:
-            del self._pending[rid]
-
-    def settle_scheduled(self, request: Request) -> None:
-        """Clear the pending mark of the request's blocks its computed tokens now fill."""
-        pending = self._pending.get(request.request_id)
-        if pending is None:
-            return
-        done = request.num_computed_tokens // self.block_size
-        rest = []
-        for i, block in pending:
-            if i < done:
-                self._writes.pop(block, None)
-            else:
-                rest.append((i, block))
-        if rest:
-            self._pending[request.request_id] = rest
-        else:
-            del self._pending[request.request_id]
-
-    def uncache_uncomputed(self, request: Request) -> None:
-        """Drop the index entries of the request's blocks indexed when scheduled but not
-        computed; RuntimeError, changing nothing, if another request holds one of them."""
-        rid = request.request_id
-        pending = [m.uncomputed_cached_blocks(rid, request.num_computed_tokens)
-                   for m in self.managers]
-        for blocks in pending:
-            for block in blocks:
-                if block.ref_cnt - block.pin_cnt > 1:
-                    raise RuntimeError(
-                        f"request {rid!r} is freed before its scheduled tokens were computed, "
-                        f"and another request already holds block {block.block_id} they fill")
-        for manager, blocks in zip(self.managers, pending, strict=True):
-            if blocks:
-                manager.uncache(rid, request.num_computed_tokens, blocks)
-        for _, block in self._pending.pop(rid, ()):
-            self._writes.pop(block, None)
-
-    def _written(self, block: KVCacheBlock) -> bool:
-        """Whether a cached page holds its content (no write of it is pending)."""
-        write = self._writes.get(block)
-        if write is None:
-            return True
-        if write.serial != block.serial or write.request.num_computed_tokens >= write.num_tokens:
-            del self._writes[block]
-            return True
-        return False
 
     def free(self, request: Request) -> None:
         """Release the request's pages in every group (full attention's blocks indexed first,

@@ -65,8 +65,6 @@ class CacheConfig:
       where prompts come from untrusted users. Every request a manager sees is hashed with it.
     - `eviction`: the policy ordering free cached pages for reuse, by name (see
       `kvstore.eviction.EVICTION_POLICIES`) or a policy object used by one manager only.
-    - `index_scheduled_blocks`: a block becomes findable when the tokens that fill it are
-      scheduled, not once computed (see `KVCacheManager` for the promises it needs).
     - `hold_window_pages`: sliding-window groups keep the pages past the window that likely
       hits need until the request ends (see `KVCacheManager`); off, windows drop every page
       as they pass it, as vLLM does.
@@ -80,7 +78,6 @@ class CacheConfig:
     enable_events: bool = False
     hash_fn: HashFn = hash_block
     eviction: str | EvictionPolicy = DEFAULT_EVICTION
-    index_scheduled_blocks: bool = False
     hold_window_pages: bool = True
     checkpoint_every_blocks: int = 0
 
@@ -131,16 +128,6 @@ class KVCacheManager:
     sees must be hashed with it; its `eviction` policy orders free cached pages for reuse
     (see kvstore.eviction; LRU by default).
 
-    With `index_scheduled_blocks`, a block becomes findable when the tokens that fill it
-    are scheduled (admitted or grown for), not once they are computed, so a request
-    admitted later in the same step hits what that step's forward writes. Two promises
-    make that exact, and the caller must keep both: the worker writes every scheduled
-    token's K/V of a layer before any attention of that layer reads (the engine's runner
-    does), and a request is not freed between being scheduled and its step running
-    (victims of preemption are requests not yet scheduled in the step, as in the engine's
-    scheduler). `free` drops the index entries of blocks scheduled but not computed, and
-    raises, changing nothing, when another request already holds one of them.
-
     With `hold_window_pages` (default), a sliding-window group keeps, until the request
     ends, the pages past its window that likely hits need: those of its first W tokens (any
     hit that ends within them needs them all) and those in the window before its likely hit
@@ -155,7 +142,7 @@ class KVCacheManager:
     """
 
     __slots__ = ("config", "cache_config", "block_size", "enable_caching", "enable_partial_hits",
-                 "index_scheduled_blocks", "_hash_fn",
+                 "_hash_fn",
                  "_pool", "_copies", "_coordinator", "_requests", "_no_new_blocks", "_quiet",
                  "_num_groups", "_lookups", "_num_lookups", "_listener", "_drops")
 
@@ -170,7 +157,6 @@ class KVCacheManager:
         enable_caching = cache_config.enable_caching
         self.enable_caching = enable_caching
         self.enable_partial_hits = enable_caching and cache_config.enable_partial_hits
-        self.index_scheduled_blocks = enable_caching and cache_config.index_scheduled_blocks
         self._hash_fn = cache_config.hash_fn
         chained = frozenset(g for g, group in enumerate(config.groups)
                             if isinstance(group.spec, FullAttentionSpec))
@@ -383,8 +369,6 @@ class KVCacheManager:
             stats.partial_hit_tokens += fitting.num_partial_tokens
         ids = self._coordinator.allocate(
             request, fitting.num_computed_tokens + num_new_tokens + num_lookahead_tokens)
-        if self.index_scheduled_blocks:
-            self._coordinator.cache_scheduled(request, fitting.num_computed_tokens + num_new_tokens)
         if self._drops:
             self._report_drops()
         return ids
@@ -397,10 +381,6 @@ class KVCacheManager:
         if n is None or n < 0 or n % bs:
             raise ValueError(f"num_external_tokens must be a whole number of blocks (an int >= 0, "
                              f"a multiple of {bs}), got {num_external_tokens!r}")
-        if self.index_scheduled_blocks:
-            # The pages below a sliding group's window are nulled after the allocation,
-            # which would index them when scheduled with nothing ever written.
-            raise ValueError("external tokens are not supported with index_scheduled_blocks")
         start = computed.num_full_hit_tokens
         end = start + n
         self._check_length(request, end, num_new_tokens)
@@ -449,8 +429,6 @@ class KVCacheManager:
         request.update_block_hashes(self.block_size, self._hash_fn)
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         coordinator = self._coordinator
-        if self.index_scheduled_blocks:
-            coordinator.settle_scheduled(request)
         quiet = self._quiet.pop(rid, None)
         if quiet is not None:
             if quiet[0] <= num_computed < quiet[1] and num_tokens <= quiet[2]:
@@ -460,8 +438,6 @@ class KVCacheManager:
             # A range ends where some group has work (a block to cache or to add, a page
             # leaving the window): no need to ask every group whether it has any.
         elif all(m.is_noop(request, num_tokens) for m in coordinator.managers):
-            if self.index_scheduled_blocks:
-                coordinator.cache_scheduled(request, num_computed + num_new_tokens)
             self._note_quiet(request)
             return self._no_new_blocks
         # Each table position written from the computed count on costs a group at most one
@@ -483,8 +459,6 @@ class KVCacheManager:
         ids = coordinator.allocate(request, num_tokens)
         if self._drops:
             self._report_drops()
-        if self.index_scheduled_blocks:
-            coordinator.cache_scheduled(request, num_computed + num_new_tokens)
         # The tables now hold everything growing to num_tokens needs at this computed count
         # (each group's `is_noop` holds), so the next quiet range starts here.
         self._note_quiet(request)
@@ -515,11 +489,7 @@ class KVCacheManager:
         """Record the live request's quiet range (its tables give what growing needs)."""
         quiet = self._coordinator.quiet_range(request)
         if quiet is not None:
-            lo, hi, max_tokens = quiet
-            if self.index_scheduled_blocks:
-                # Scheduling tokens up to hi already fills a block to index.
-                max_tokens = min(max_tokens, hi - 1)
-            self._quiet[request.request_id] = (lo, hi, max_tokens, request)
+            self._quiet[request.request_id] = (*quiet, request)
 
     def _fit_admission(self, request: Request, computed: ComputedBlocks,
                        num_more_tokens: int) -> ComputedBlocks | None:
@@ -589,9 +559,6 @@ class KVCacheManager:
         self._check_admitted(request)
         self._check_progress(request)
         request.update_block_hashes(self.block_size, self._hash_fn)
-        if self.index_scheduled_blocks:
-            self._coordinator.settle_scheduled(request)
-            self._coordinator.uncache_uncomputed(request)
         self._quiet.pop(request.request_id, None)
         listener = self._listener
         if listener is not None:

@@ -299,27 +299,6 @@ class SingleTypeKVCacheManager:
         self._num_cached_blocks[rid] = last
         self._last_serial[rid] = parent_serial
 
-    def uncomputed_cached_blocks(self, request_id: str,
-                                 num_computed_tokens: int) -> list[KVCacheBlock]:
-        """Indexed blocks of the request that its computed tokens do not fill (indexed when
-        scheduled)."""
-        table = self._req_to_blocks[request_id]
-        first = num_computed_tokens // self.block_size
-        return [b for b in table[first:self._num_cached_blocks[request_id]]
-                if b.block_id != 0 and b.block_hash is not None]
-
-    def uncache(self, request_id: str, num_computed_tokens: int,
-                blocks: list[KVCacheBlock]) -> None:
-        """Drop the index entries of `blocks` (from `uncomputed_cached_blocks`, held by this
-        request alone) and count only the computed blocks as cached."""
-        first = num_computed_tokens // self.block_size
-        if first < self._num_cached_blocks[request_id]:
-            # The first uncomputed block hangs under the last computed one's serial.
-            self._last_serial[request_id] = self._req_to_blocks[request_id][first].parent_serial
-            self._num_cached_blocks[request_id] = first
-        for block in blocks:
-            self.pool.uncache(block)
-
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block (sliding window)."""
 
@@ -980,11 +959,6 @@ class RecurrentManager(SingleTypeKVCacheManager):
     def allocate(self, request: Request, num_tokens: int) -> tuple[int, ...]:
         """Nothing to append: the working state covers every position."""
         return ()
-
-    def uncomputed_cached_blocks(self, request_id: str,
-                                 num_computed_tokens: int) -> list[KVCacheBlock]:
-        """None: checkpoints are indexed only once their state is computed."""
-        return []
 
     def take_checkpoint(self, request: Request) -> None:
         """Queue a copy of the working state into a checkpoint if one is due at the computed

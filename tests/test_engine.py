@@ -273,38 +273,6 @@ def test_preemption_and_eviction_match_hf(style: str, pairs: dict) -> None:
     assert small.manager.usage == 0.0
 
 
-@pytest.mark.parametrize("style", STYLES)
-def test_blocks_indexed_when_scheduled_match_hf(style: str, pairs: dict) -> None:
-    """Blocks findable when scheduled: prompts sharing a prefix admitted in one step hit the
-    pages that step's forward writes, and every token equals the engine's without it and
-    HF's, in a roomy pool and in one that preempts and evicts."""
-    hf, model = pairs[style]
-    w = window_of(model)
-    prefix = tokens(w + 3, seed=60)
-    prompts = [prefix + tokens(k + 2, seed=61 + k) for k in range(4)] + [tokens(5, seed=66)]
-    hits, outputs = {}, {}
-    for flag in (False, True):
-        engine = make_engine(model, index_scheduled_blocks=flag, max_num_batched_tokens=256)
-        outputs[flag] = sample_tokens(engine.generate(prompts, greedy(4)))
-        hits[flag] = engine.stats.hit_tokens
-        assert engine.manager.usage == 0.0
-    assert outputs[True] == outputs[False]
-    for out in make_engine(model, index_scheduled_blocks=True,
-                           max_num_batched_tokens=256).generate(prompts, greedy(4)):
-        check_against_hf(hf, out)
-    # All five are admitted in the first step: only then do the later ones hit the first.
-    assert hits[False] == 0
-    assert hits[True] >= 3 * (len(prefix) // BLOCK) * BLOCK
-    groups = len(make_engine(model).config.groups)
-    longest = len(prefix) + 5 + 4
-    small = make_engine(model, index_scheduled_blocks=True, max_num_batched_tokens=32,
-                        num_blocks=1 + groups * -(-longest // BLOCK))
-    outs = small.generate(prompts, greedy(4))
-    assert small.stats.preemptions > 0
-    assert sample_tokens(outs) == outputs[False]
-    assert small.manager.usage == 0.0
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("style", STYLES)
 def test_triton_kernel_matches_hf(style: str, pairs: dict) -> None:

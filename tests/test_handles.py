@@ -126,7 +126,7 @@ def test_one_policy_object_orders_one_pool(name: str) -> None:
 
 @pytest.mark.parametrize("free_parent_first", [False, True])
 def test_a_fork_between_scheduling_and_step_frees_in_any_order(free_parent_first: bool) -> None:
-    m = make(num_blocks=10, index_scheduled_blocks=True)
+    m = make(num_blocks=10)
     p = Request("P", list(range(1, 11)))
     assert m.admit(p, 10, m.get_computed_blocks(p)) is not None
     c = p.fork("C")
@@ -141,7 +141,7 @@ def test_a_fork_between_scheduling_and_step_frees_in_any_order(free_parent_first
 
 
 def test_a_fork_does_not_write_the_pages_its_parent_cached() -> None:
-    m = make(num_blocks=10, index_scheduled_blocks=True)
+    m = make(num_blocks=10)
     p = Request("P", list(range(1, 11)))
     assert m.admit(p, 10, m.get_computed_blocks(p)) is not None
     c = p.fork("C")
@@ -171,10 +171,9 @@ class ForkAtEveryPoint(RuleBasedStateMachine):
         self.pages: dict[tuple[int, int], dict[int, int]] = {}  # (group, page) -> slot -> token
         self.n = 0
 
-    @initialize(windows=st.sampled_from([(None,), (None, 8)]), scheduled=st.booleans(),
-                num_blocks=st.integers(12, 30))
-    def setup(self, windows: tuple[int | None, ...], scheduled: bool, num_blocks: int) -> None:
-        self.m = make(num_blocks=num_blocks, windows=windows, index_scheduled_blocks=scheduled)
+    @initialize(windows=st.sampled_from([(None,), (None, 8)]), num_blocks=st.integers(12, 30))
+    def setup(self, windows: tuple[int | None, ...], num_blocks: int) -> None:
+        self.m = make(num_blocks=num_blocks, windows=windows)
 
     @property
     def manager(self) -> KVCacheManager:

@@ -65,12 +65,12 @@ def spec(window: int | None) -> KVCacheSpec:
 
 
 def make_manager(windows: Sequence[int | None], num_blocks: int, partial: bool = True,
-                 scheduled: bool = False, hold: bool = False) -> KVCacheManager:
+                 hold: bool = False) -> KVCacheManager:
     """One layer per entry (None = full attention); groups come out in first-appearance order.
     Windows drop every page that leaves them unless `hold` (hold_window_pages)."""
     config = make_kv_cache_config([spec(w) for w in windows], num_blocks=num_blocks)
     return KVCacheManager(config,
-        CacheConfig(enable_partial_hits=partial, index_scheduled_blocks=scheduled, hold_window_pages=hold))
+        CacheConfig(enable_partial_hits=partial, hold_window_pages=hold))
 
 
 def group_windows(manager: KVCacheManager) -> list[int | None]:
@@ -832,12 +832,12 @@ class HybridCacheMachine(RuleBasedStateMachine):
 
     @initialize(windows=st.lists(st.sampled_from(WINDOWS), min_size=1, max_size=2, unique=True),
                 full_position=st.integers(0, 2), num_blocks=st.integers(8, 24),
-                partial=st.booleans(), scheduled=st.booleans(), hold=st.booleans())
+                partial=st.booleans(), hold=st.booleans())
     def setup(self, windows: list[int], full_position: int, num_blocks: int, partial: bool,
-              scheduled: bool, hold: bool) -> None:
+              hold: bool) -> None:
         layers: list[int | None] = list(windows)
         layers.insert(min(full_position, len(layers)), None)
-        self.manager = make_manager(layers, num_blocks, partial, scheduled, hold)
+        self.manager = make_manager(layers, num_blocks, partial, hold)
         self.partial = partial
         for salt in (None, "tenant"):  # so that lookups create no serials later
             internals(self.manager).pool.root_serial(salt)
@@ -861,9 +861,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
                 bid = ids[p // BS]
                 block = pool.blocks[bid]
                 assert bid != 0, f"writing position {p} into the null block"
-                # Indexed when scheduled: the page fills in this forward, none read it before.
-                assert block.token_ids is None or self.m.index_scheduled_blocks, \
-                    f"writing into cached block {block}"
+                assert block.token_ids is None, f"writing into cached block {block}"
                 assert block.ref_cnt - block.pin_cnt == 1, f"writing into shared block {block}"
                 self.content.setdefault(bid, [None] * BS)[p % BS] = req.token_ids[p]
 

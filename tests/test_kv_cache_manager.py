@@ -95,8 +95,7 @@ class Device:
             for p in range(start, start + n):
                 block = table[p // BS]
                 assert block.block_id != 0
-                # Indexed when scheduled: the page fills in this forward, none read it before.
-                assert block.block_hash is None or m.index_scheduled_blocks, \
+                assert block.block_hash is None, \
                     f"cached full block {block.block_id} written"
                 assert block.ref_cnt - block.pin_cnt == 1, f"shared block {block.block_id} written"
                 page = self.pages.setdefault(block.block_id, [None] * BS)
@@ -214,13 +213,12 @@ class ManagerMachine(RuleBasedStateMachine):
     HASH: Callable[[int, Sequence[int]], int] | None = None
     EARLY_LOOKUPS = False  # allocate with lookups made steps earlier (possibly stale)
     EVICTION = "lru"  # the pool's eviction policy (only LRU's free order is checked exactly)
-    SCHEDULED = False  # index blocks when scheduled (the forward follows each allocation)
 
     def __init__(self) -> None:
         super().__init__()
         self.m = KVCacheManager(config(self.NUM_BLOCKS, self.GROUPS),
             CacheConfig(enable_partial_hits=self.PARTIAL, hash_fn=type(self).HASH or hash_block,
-                        eviction=self.EVICTION, index_scheduled_blocks=self.SCHEDULED))
+                        eviction=self.EVICTION))
         self.device = Device()
         self.waiting: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
@@ -458,16 +456,6 @@ class StaleLookupMachine(ManagerMachine):
     EARLY_LOOKUPS = True
 
 
-class ScheduledIndexMachine(ManagerMachine):
-    SCHEDULED = True
-
-
-class ScheduledIndexTwoGroupMachine(ManagerMachine):
-    SCHEDULED = True
-    GROUPS = 2
-    NUM_BLOCKS = 12
-
-
 TestOneGroup = OneGroupMachine.TestCase
 TestOneGroup.settings = STATEFUL
 TestTwoGroups = TwoGroupMachine.TestCase
@@ -482,11 +470,6 @@ TestCollidingHash.pytestmark = [pytest.mark.slow]
 TestStaleLookups = StaleLookupMachine.TestCase
 TestStaleLookups.settings = STATEFUL
 TestStaleLookups.pytestmark = [pytest.mark.slow]
-TestScheduledIndex = ScheduledIndexMachine.TestCase
-TestScheduledIndex.settings = STATEFUL
-TestScheduledIndexTwoGroups = ScheduledIndexTwoGroupMachine.TestCase
-TestScheduledIndexTwoGroups.settings = STATEFUL
-TestScheduledIndexTwoGroups.pytestmark = [pytest.mark.slow]
 
 
 # =============================================================================================
@@ -1174,106 +1157,3 @@ def test_a_request_larger_than_the_pool_raises_request_too_large() -> None:
     with pytest.raises(RequestTooLargeError) as info:
         m.allocate_slots(r, r.num_tokens, m.get_computed_blocks(r))
     assert info.value.blocks_needed == 4 and info.value.blocks_available == 3
-
-
-# ---- index_scheduled_blocks ------------------------------------------------------------------
-def scheduled_manager(num_blocks: int = 20, groups: int = 1) -> KVCacheManager:
-    return KVCacheManager(config(num_blocks, groups),
-        CacheConfig(enable_partial_hits=False, index_scheduled_blocks=True))
-
-
-@pytest.mark.parametrize("flag", [False, True])
-def test_scheduled_blocks_are_hit_in_the_same_step(flag: bool) -> None:
-    m = KVCacheManager(config(20, 2), CacheConfig(enable_partial_hits=False, index_scheduled_blocks=flag))
-    prompt = list(range(100, 100 + 3 * BS + 2))
-    a = Request("a", prompt)
-    assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
-    b = Request("b", prompt[:3 * BS] + [7, 8, 9])
-    hit = m.get_computed_blocks(b)
-    # A's three full blocks are filled by this step's forward: findable only with the flag.
-    assert hit.num_computed_tokens == (3 * BS if flag else 0)
-    assert m.admit(b, b.num_tokens - hit.num_computed_tokens, hit) is not None
-    assert m.block_table("b")[0][:3] == (m.block_table("a")[0][:3] if flag else m.block_table("b")[0][:3])
-    if flag:
-        assert all(x == y for x, y in zip(m.block_table("a")[1][:3], m.block_table("b")[1][:3],
-                                          strict=True))
-    check_manager(m)
-
-
-def test_scheduled_decode_indexes_the_block_its_token_fills() -> None:
-    m = scheduled_manager()
-    a = Request("a", list(range(BS - 1)))
-    assert m.admit(a, a.num_tokens) is not None
-    a.num_computed_tokens = a.num_tokens
-    a.append_token_ids(5)  # the block's last token, scheduled next
-    probe = Request("p", list(range(BS - 1)) + [5, 6])
-    assert m.get_computed_blocks(probe).num_computed_tokens == 0
-    assert m.grow(a, 1) is not None
-    assert m.get_computed_blocks(probe).num_computed_tokens == BS  # before the forward ran
-    a.num_computed_tokens += 1
-    for t in range(BS + 3):  # quiet decodes go on without indexing anything else
-        a.append_token_ids(t)
-        assert m.grow(a, 1) is not None
-        a.num_computed_tokens += 1
-        assert m.get_computed_blocks(probe).num_computed_tokens == BS
-    check_manager(m)
-
-
-def test_free_before_compute_drops_the_scheduled_entries() -> None:
-    m = scheduled_manager(groups=2)
-    prompt = list(range(40, 40 + 2 * BS + 3))
-    a = Request("a", prompt)
-    assert m.admit(a, a.num_tokens) is not None  # scheduled, never computed
-    assert m.get_computed_blocks(Request("p", prompt)).num_computed_tokens == 2 * BS
-    m.free(a)  # e.g. a step that never ran
-    assert m.get_computed_blocks(Request("q", prompt)).num_computed_tokens == 0
-    assert m.stats.evictions == 0
-    check_manager(m)
-    # Partly computed: the computed block stays findable, the rest is dropped.
-    b = Request("b", prompt)
-    assert m.admit(b, b.num_tokens) is not None
-    b.num_computed_tokens = BS + 1
-    m.free(b)
-    assert m.get_computed_blocks(Request("r", prompt)).num_computed_tokens == BS
-    check_manager(m)
-    # The computed part is cached under the right prefix: a longer computation extends it.
-    c = Request("c", prompt)
-    hit = m.get_computed_blocks(c)
-    assert m.admit(c, c.num_tokens - hit.num_computed_tokens, hit) is not None
-    c.num_computed_tokens = c.num_tokens
-    m.free(c)
-    assert m.get_computed_blocks(Request("s", prompt)).num_computed_tokens == 2 * BS
-    check_manager(m)
-
-
-def test_free_before_compute_refused_while_another_request_holds_a_scheduled_block() -> None:
-    m = scheduled_manager()
-    prompt = list(range(70, 70 + 2 * BS + 1))
-    a = Request("a", prompt)
-    assert m.admit(a, a.num_tokens) is not None
-    b = Request("b", prompt)
-    hit = m.get_computed_blocks(b)
-    assert hit.num_computed_tokens == 2 * BS
-    assert m.admit(b, b.num_tokens - hit.num_computed_tokens, hit) is not None
-    before = snapshot(m)
-    with pytest.raises(RuntimeError, match="freed before its scheduled tokens"):
-        m.free(a)
-    assert snapshot(m) == before
-    a.num_computed_tokens = a.num_tokens  # the step ran: now a may go
-    m.free(a)
-    check_manager(m)
-
-
-def test_a_block_indexed_when_scheduled_is_no_copy_source_until_computed() -> None:
-    """Copies run before the forward: a partial hit must not copy a page its forward has
-    not written yet, though a full-block hit may share it."""
-    m = KVCacheManager(config(20), CacheConfig(index_scheduled_blocks=True))
-    a = Request("a", list(range(10, 10 + 2 * BS + 1)))
-    assert m.admit(a, a.num_tokens) is not None
-    partial = Request("p", list(range(10, 10 + BS + 2)) + [99])  # shares block 1's first 2 tokens
-    hit = m.get_computed_blocks(partial)
-    assert (hit.num_full_hit_tokens, hit.num_partial_tokens) == (BS, 0)
-    a.num_computed_tokens = a.num_tokens  # the step ran
-    hit = m.get_computed_blocks(partial)
-    assert (hit.num_full_hit_tokens, hit.num_partial_tokens) == (BS, 2)
-    check_manager(m)

@@ -272,10 +272,6 @@ def test_window_only_models_are_refused():
         engine(windowed, num_blocks=32, host_tier_bytes=1 << 20)
 
 
-def test_tiers_refuse_blocks_indexed_when_scheduled(model):
-    with pytest.raises(ValueError, match="index_scheduled_blocks is not supported with tiers"):
-        engine(model, num_blocks=32, host_tier_bytes=1 << 20, index_scheduled_blocks=True)
-
 
 def test_engine_passes_its_window_offload_to_the_connector(model):
     with pytest.raises(ValueError, match="window_offload must be one of"):

@@ -256,8 +256,6 @@ class TierConnector:
         another KV cache config, or one that indexes blocks when scheduled (an admission
         nulls fresh pages below a sliding group's window after allocating them, which would
         leave them indexed with nothing written)."""
-        if manager.index_scheduled_blocks:
-            raise ValueError("index_scheduled_blocks is not supported with tiers")
         if manager.config is not self.config and manager.config != self.config:
             raise ValueError("the TierConnector was built for another KV cache config")
         if self._manager is not None and self._manager is not manager:
