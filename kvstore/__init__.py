@@ -29,6 +29,7 @@ from kvstore.kv_cache_manager import (
 from kvstore.request import Request
 from kvstore.specs import (
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroup,
@@ -51,6 +52,7 @@ __all__ = [
     "BlockState",
     "BlockStored",
     "CacheStats",
+    "ChunkedLocalAttentionSpec",
     "ComputedBlocks",
     "FullAttentionSpec",
     "HashFn",

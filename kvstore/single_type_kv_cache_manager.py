@@ -9,9 +9,10 @@ from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool, PendingCopies, TwoSizeBlockPool
 from kvstore.request import Request
 from kvstore.specs import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
-    KVCacheSpec,
     LayerSpec,
+    LocalAttentionSpec,
     RecurrentStateSpec,
     SlidingWindowSpec,
 )
@@ -371,11 +372,13 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
-    """Only the last W positions are kept; older pages return to the pool (still cached).
+    """Only the positions the next query can attend are kept (the last W for a sliding
+    window, the current chunk for chunked local attention: the spec's window methods say
+    which); older pages return to the pool (still cached).
 
     Except, with `hold` (the default), the pages a likely hit needs: those of a request's
-    first W tokens (every hit that ends within them, a system prompt or a shared template,
-    needs them all) and those in the window before its likely hit ends (its prompt's end,
+    first W (or C) tokens (every hit that ends within them, a system prompt or a shared
+    template, needs them all) and those in the window before its likely hit ends (its prompt's end,
     its lookup's hit end and branch point, and branch points earlier lookups marked on its
     hit's chain). They stay in its table until it ends, or until a request running alone
     cannot grow otherwise (`release_held`). Once dropped they are the first pages a busy
@@ -384,14 +387,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_holding", "holds_ends",
                  "drop_log")
-    spec: SlidingWindowSpec
+    spec: LocalAttentionSpec
 
-    def __init__(self, pool: BlockPool, spec: KVCacheSpec, group_id: int,
+    def __init__(self, pool: BlockPool, spec: LocalAttentionSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1, hold: bool = True) -> None:
         super().__init__(pool, spec, group_id, copies, num_groups)
-        assert spec.sliding_window is not None
+        span = spec.local_span
+        assert span is not None
         self.holds_ends = hold
-        self._head_blocks = spec.sliding_window // self.block_size  # the first W tokens
+        self._head_blocks = span // self.block_size  # the first W (or C) tokens
         # Per request: whether it still holds its head and end ranges, and the table index
         # from which entries have not been dropped or kept yet.
         self._holding: dict[str, bool] = {}
@@ -1071,6 +1075,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
 MANAGER_TYPES: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: SlidingWindowManager,
     RecurrentStateSpec: RecurrentManager,
 }
 
@@ -1083,7 +1088,7 @@ def make_manager(pool: BlockPool, spec: LayerSpec, group_id: int, copies: Pendin
     cls = MANAGER_TYPES.get(type(spec))
     if cls is None:
         raise TypeError(f"no KV cache manager for {type(spec).__name__}")
-    if isinstance(spec, SlidingWindowSpec):
+    if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
         return SlidingWindowManager(pool, spec, group_id, copies, num_groups, hold)
     if cls is RecurrentManager:
         return RecurrentManager(pool, spec, group_id, copies, num_groups, checkpoint_every)

@@ -39,7 +39,8 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         if type(self) is AttentionSpec:
-            raise TypeError("AttentionSpec is a base: use FullAttentionSpec or SlidingWindowSpec")
+            raise TypeError("AttentionSpec is a base: use FullAttentionSpec, SlidingWindowSpec "
+                            "or ChunkedLocalAttentionSpec")
         for name in ("block_size", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -50,6 +51,17 @@ class AttentionSpec:
     def sliding_window(self) -> int | None:
         """The window W, or None for a layer that attends to the whole context."""
         raise NotImplementedError
+
+    @property
+    def attention_chunk(self) -> int | None:
+        """The chunk C of a chunked local layer, None for any other layer."""
+        return None
+
+    @property
+    def local_span(self) -> int | None:
+        """Most positions before and at a query that it attends (the window W or the chunk
+        C), None for a layer that attends to the whole context."""
+        return self.sliding_window
 
     @property
     def page_size_bytes(self) -> int:
@@ -150,6 +162,52 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """A layer whose query at q attends keys floor(q / C) * C <= k <= q: the positions are
+    cut into chunks of C and a query sees its own chunk up to itself (Llama 4). C need not
+    be a multiple of the block size."""
+
+    chunk: int = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not _is_int(self.chunk) or self.chunk <= 0:
+            raise ValueError(f"ChunkedLocalAttentionSpec.chunk must be a positive int, got "
+                             f"{self.chunk!r}")
+
+    @property
+    def sliding_window(self) -> int | None:
+        """None: the key range starts at the query's chunk, not a fixed distance back."""
+        return None
+
+    @property
+    def attention_chunk(self) -> int | None:
+        """The chunk C."""
+        return self.chunk
+
+    @property
+    def local_span(self) -> int | None:
+        """The chunk C."""
+        return self.chunk
+
+    def first_needed_position(self, num_computed_tokens: int) -> int:
+        """The start of the next query's chunk."""
+        return num_computed_tokens // self.chunk * self.chunk
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """The block holding the start of the next query's chunk."""
+        return num_computed_tokens // self.chunk * self.chunk // self.block_size
+
+    def leaves_window_at(self, block_index: int) -> int:
+        """The first chunk start past the block's last position."""
+        return -(-(block_index + 1) * self.block_size // self.chunk) * self.chunk
+
+    def resident_span(self, num_tokens: int, max_step_tokens: int) -> int:
+        """A chunk, one step and one partly filled block, at most `num_tokens`."""
+        return min(num_tokens, self.chunk + max_step_tokens + self.block_size)
+
+
+@dataclass(frozen=True)
 class RecurrentStateSpec:
     """A recurrent layer (linear attention, state-space, short convolution): no K/V per
     token, one fixed-size state per sequence, overwritten in place at every token.
@@ -214,9 +272,11 @@ class RecurrentStateSpec:
 
 
 #: The specs of layers that keep K/V pages per token.
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec
+#: The specs of layers whose key range starts at a function of the query position.
+LocalAttentionSpec = SlidingWindowSpec | ChunkedLocalAttentionSpec
 #: The spec of any layer a cache holds.
-LayerSpec = FullAttentionSpec | SlidingWindowSpec | RecurrentStateSpec
+LayerSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | RecurrentStateSpec
 
 
 @dataclass(frozen=True)
@@ -406,8 +466,9 @@ def group_layers(layer_specs: Sequence[LayerSpec], typical_tokens: int | None = 
         if isinstance(spec, RecurrentStateSpec):
             recurrent.setdefault(spec, []).append(i)
         elif not isinstance(spec, AttentionSpec):
-            raise TypeError(f"layer {i}: expected a FullAttentionSpec, SlidingWindowSpec or "
-                            f"RecurrentStateSpec, got {type(spec).__name__}")
+            raise TypeError(f"layer {i}: expected a FullAttentionSpec, SlidingWindowSpec, "
+                            f"ChunkedLocalAttentionSpec or RecurrentStateSpec, got "
+                            f"{type(spec).__name__}")
     if recurrent:
         # Recurrent layers keep no K/V pages: one group per state spec, after the
         # attention groups, which are grouped as without them.
@@ -423,7 +484,8 @@ def group_layers(layer_specs: Sequence[LayerSpec], typical_tokens: int | None = 
                                    for g in inner]
         out += [KVCacheGroup(spec, tuple(layers)) for spec, layers in recurrent.items()]
         return tuple(out), num_slots
-    specs = [s for s in layer_specs if isinstance(s, (FullAttentionSpec, SlidingWindowSpec))]
+    specs = [s for s in layer_specs
+             if isinstance(s, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec))]
     first = specs[0]
     for i, spec in enumerate(specs):
         problem = _page_mismatch(spec, first, f"layer {i}", "layer 0")

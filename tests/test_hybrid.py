@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -45,7 +46,13 @@ from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.request import Request
 from kvstore.single_type_kv_cache_manager import SlidingWindowManager
-from kvstore.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, make_kv_cache_config
+from kvstore.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    make_kv_cache_config,
+)
 
 BS = 4
 HEADS, DIM = 1, 8
@@ -58,31 +65,49 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def spec(window: int | None) -> KVCacheSpec:
+@dataclass(frozen=True)
+class Chunk:
+    """A chunked local layer of chunk `size` (the query at q attends q // C * C <= k <= q),
+    where the helpers take a window."""
+
+    size: int
+
+
+#: A layer as the helpers take it: None (full attention), a window W, or a Chunk.
+Layer = int | Chunk | None
+
+
+def spec(window: Layer) -> KVCacheSpec:
     if window is None:
         return FullAttentionSpec(BS, HEADS, DIM)
+    if isinstance(window, Chunk):
+        return ChunkedLocalAttentionSpec(BS, HEADS, DIM, chunk=window.size)
     return SlidingWindowSpec(BS, HEADS, DIM, window=window)
 
 
-def make_manager(windows: Sequence[int | None], num_blocks: int, partial: bool = True,
-                 hold: bool = False) -> KVCacheManager:
+def make_manager(windows: Sequence[Layer], num_blocks: int, partial: bool = True,
+                 hold: bool = False, eviction: str = "lru") -> KVCacheManager:
     """One layer per entry (None = full attention); groups come out in first-appearance order.
     Windows drop every page that leaves them unless `hold` (hold_window_pages)."""
     config = make_kv_cache_config([spec(w) for w in windows], num_blocks=num_blocks)
     return KVCacheManager(config,
-        CacheConfig(enable_partial_hits=partial, hold_window_pages=hold))
+        CacheConfig(enable_partial_hits=partial, hold_window_pages=hold, eviction=eviction))
 
 
-def group_windows(manager: KVCacheManager) -> list[int | None]:
-    return [g.spec.sliding_window for g in manager.config.groups]
+def group_windows(manager: KVCacheManager) -> list[Layer]:
+    return [Chunk(g.spec.attention_chunk) if g.spec.attention_chunk is not None
+            else g.spec.sliding_window for g in manager.config.groups]
 
 
-def first_needed(window: int | None, num_computed: int) -> int:
-    """Earliest position the query at `num_computed` attends: q - W < k <= q."""
+def first_needed(window: Layer, num_computed: int) -> int:
+    """Earliest position the query at `num_computed` attends: q - W < k <= q, or the start
+    of its chunk."""
+    if isinstance(window, Chunk):
+        return num_computed // window.size * window.size
     return 0 if window is None else max(0, num_computed - window + 1)
 
 
-def hit_start_block(window: int | None, num_blocks: int) -> int:
+def hit_start_block(window: Layer, num_blocks: int) -> int:
     """First block a hit of `num_blocks` blocks must hold: it covers [L - W + 1, L - 1]."""
     return first_needed(window, num_blocks * BS) // BS
 
@@ -164,7 +189,7 @@ def verified_parents(pool: BlockPool, req: Request, max_blocks: int) -> list[int
     return parents
 
 
-def valid_for_group(pool: BlockPool, group: int, window: int | None, req: Request,
+def valid_for_group(pool: BlockPool, group: int, window: Layer, req: Request,
                     num_blocks: int) -> bool:
     """Whether the group holds every block a hit of `num_blocks` needs, under its prefix."""
     parents = verified_parents(pool, req, num_blocks)
