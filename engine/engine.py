@@ -24,6 +24,7 @@ from kvstore.models.model import DecoderModel
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.request import Request, as_token_list
 from kvstore.specs import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
@@ -183,13 +184,17 @@ class _Group:
 
 
 def kv_cache_specs(model: DecoderModel | HFCausalLM, block_size: int) -> list[KVCacheSpec]:
-    """Per layer, the KV cache spec of a model: full attention or its sliding window."""
+    """Per layer, the KV cache spec of a model: full attention, its sliding window or its
+    attention chunk."""
     c = model.config
     specs: list[KVCacheSpec] = []
     dtype = dtype_name(c.dtype)
     for i in range(c.num_layers):
-        window = model.layer_window(i)
-        if window is None:
+        window, chunk = model.layer_window(i), model.layer_chunk(i)
+        if chunk is not None:
+            specs.append(ChunkedLocalAttentionSpec(block_size, c.num_kv_heads, c.head_dim, dtype,
+                                                   chunk=chunk))
+        elif window is None:
             specs.append(FullAttentionSpec(block_size, c.num_kv_heads, c.head_dim, dtype))
         else:
             specs.append(SlidingWindowSpec(block_size, c.num_kv_heads, c.head_dim, dtype,

@@ -164,6 +164,7 @@ class ModelRunner:
         check_cache_matches_model(model, cache)
         self._group_of = [cache.group_of(i) for i in range(model.config.num_layers)]
         self._windows = [model.layer_window(i) for i in range(model.config.num_layers)]
+        self._chunks = [model.layer_chunk(i) for i in range(model.config.num_layers)]
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, manager: KVCacheManager,
@@ -211,6 +212,11 @@ class PagedAttention:
         """The window the cache serves for ``layer`` (None: full attention)."""
         return self.runner._windows[layer]
 
+    @property
+    def positions(self) -> torch.Tensor:
+        """The absolute position of each of the batch's tokens (``[T]``)."""
+        return self.batch.positions
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> torch.Tensor:
         model = self.runner.model
@@ -231,12 +237,12 @@ class PagedAttention:
         return kernels.attention(
             q, key_cache, value_cache, batch.attn_metadata[g], scale,
             window=runner._windows[layer], softcap=softcap, sinks=sinks,
-            backend=runner.attention_backend)
+            chunk=runner._chunks[layer], backend=runner.attention_backend)
 
 
 def check_cache_matches_model(model: DecoderModel | HFCausalLM, cache: PagedKVCache) -> None:
-    """Raise ValueError unless every layer's cache group fits the layer (window, heads,
-    head dim, dtype)."""
+    """Raise ValueError unless every layer's cache group fits the layer (window, chunk,
+    heads, head dim, dtype)."""
     c = model.config
     layer_to_group = cache.config.layer_to_group_slot()
     if sorted(layer_to_group) != list(range(c.num_layers)):
@@ -254,6 +260,7 @@ def check_cache_matches_model(model: DecoderModel | HFCausalLM, cache: PagedKVCa
             window = model.layer_window(i)  # its window is read from pages kept whole
         want: Sequence[tuple[str, object, object]] = (
             ("window", window, model.layer_window(i)),
+            ("chunk", spec.attention_chunk, model.layer_chunk(i)),
             ("num_kv_heads", spec.num_kv_heads, c.num_kv_heads),
             ("head_dim", spec.head_dim, c.head_dim),
             ("dtype", spec.dtype, dtype_name(c.dtype)),

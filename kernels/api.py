@@ -24,6 +24,7 @@ def attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
     backend: str = "auto",
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -40,6 +41,7 @@ def attention(
         backend = "triton" if q.device.type == "cuda" and HAS_TRITON else "reference"
     if backend == "reference":
         return paged_attention_reference(q, key_cache, value_cache, metadata, scale,
-                                         window=window, softcap=softcap, sinks=sinks)
+                                         window=window, softcap=softcap, sinks=sinks,
+                                         chunk=chunk)
     return paged_attention(q, key_cache, value_cache, metadata, scale, window=window,
-                           softcap=softcap, sinks=sinks, num_splits=num_splits)
+                           softcap=softcap, sinks=sinks, chunk=chunk, num_splits=num_splits)

@@ -2,7 +2,7 @@
 
 A batch's :class:`AttentionMetadata` (block table, query boundaries, sequence lengths,
 query bound) is built once and shared by every layer that reads the same block table;
-per-layer values (scale, window, softcap, sinks) are arguments of the attention call. Every
+per-layer values (scale, window, chunk, softcap, sinks) are arguments of the attention call. Every
 check the reference and the kernel have in common lives here: per-batch checks run when
 the metadata is built, per-call checks in :func:`check_attention_inputs`.
 """
@@ -122,9 +122,10 @@ def check_attention_inputs(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> None:
     """Raise ``ValueError`` unless ``q`` and one layer's caches fit ``metadata`` and
-    ``window``/``softcap``/``sinks`` are valid: the checks shared by the reference and the
+    ``window``/``softcap``/``sinks``/``chunk`` are valid: the checks shared by the reference and the
     kernel. ``sinks`` must be None or a float32/float16/bfloat16 tensor ``[num_heads]`` on
     ``q``'s device (``TypeError`` for a non-tensor or another dtype).
 
@@ -151,6 +152,8 @@ def check_attention_inputs(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if window is not None and window < 1:
         raise ValueError(f"window must be None or >= 1, got {window}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be None or an int >= 1, got {chunk!r}")
     if softcap is not None and softcap < 0:
         raise ValueError(f"softcap must be None, 0 (off) or > 0, got {softcap}")
     if sinks is not None:

@@ -2,7 +2,7 @@
 
 Everything here is written for clarity, not speed: a Python loop over sequences, math in
 fp32. The reference reads only *legitimate* cache positions -- for sequence ``i`` the keys
-``max(0, first_query - W + 1) .. seq_len - 1`` -- so garbage (even NaN) anywhere else in
+``key_start(first_query) .. seq_len - 1`` -- so garbage (even NaN) anywhere else in
 the pages, in the null block or in table entries for dropped pages cannot reach its output.
 """
 
@@ -19,18 +19,33 @@ __all__ = [
     "write_kv_reference",
     "copy_blocks_reference",
     "visible_key_range",
+    "key_start",
 ]
 
 
-def visible_key_range(seq_len: int, q_len: int, window: int | None) -> tuple[int, int]:
+def key_start(q: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
+    """The first key position the query at position ``q`` (elementwise) attends: ``q - W +
+    1`` with a window ``W``, the start of its chunk ``q // C * C`` with a chunk ``C``, the
+    larger of the two with both, never below 0. Every query attends keys ``key_start(q) <=
+    k <= q``."""
+    lo = torch.zeros_like(q)
+    if window is not None:
+        lo = torch.maximum(lo, q - window + 1)
+    if chunk is not None:
+        lo = torch.maximum(lo, q // chunk * chunk)
+    return lo
+
+
+def visible_key_range(seq_len: int, q_len: int, window: int | None, chunk: int | None = None
+                      ) -> tuple[int, int]:
     """Half-open range ``[lo, hi)`` of key positions some query of the sequence may see.
 
-    The queries are the last ``q_len`` positions of a sequence of ``seq_len`` tokens; with a
-    window ``W`` the query at ``q`` sees keys ``q - W < k <= q``.
+    The queries are the last ``q_len`` positions of a sequence of ``seq_len`` tokens; the
+    query at ``q`` sees keys ``key_start(q) <= k <= q`` (see :func:`key_start`), a start
+    that does not decrease with ``q``.
     """
-    first_q = seq_len - q_len
-    lo = 0 if window is None else max(0, first_q - window + 1)
-    return lo, seq_len
+    first_q = torch.tensor(seq_len - q_len)
+    return int(key_start(first_q, window, chunk)), seq_len
 
 
 def _softcap(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -58,9 +73,10 @@ def paged_attention_reference(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """Causal, optionally windowed and soft-capped paged attention with optional attention
-    sinks, computed in fp32.
+    """Causal, optionally windowed or chunked and soft-capped paged attention with optional
+    attention sinks, computed in fp32.
 
     ``q`` is ``[total_q, num_heads, head_dim]``; the queries of sequence ``i`` are the rows
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of ``metadata`` and sit at the last ``q_len_i``
@@ -68,14 +84,15 @@ def paged_attention_reference(
     are ``[num_blocks, block_size, num_kv_heads, head_dim]``; position ``p`` of sequence
     ``i`` lives in block ``block_table[i, p // block_size]`` at slot ``p % block_size``.
     Query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``. ``window`` None
-    means full attention; ``softcap`` None or 0 disables the logit cap. ``sinks`` (None or
-    ``[num_heads]``) is one learned logit per query head that joins every row's softmax
-    denominator as gpt-oss defines it: the row's scores (scaled, then soft-capped) and the
-    head's sink are softmaxed together and the sink's probability is dropped, so the
-    weights of the keys sum to less than 1. The sink is neither scaled nor capped. Returns
-    a tensor shaped and typed like ``q``.
+    means full attention; ``chunk`` ``C`` (None: off) limits the query at ``q`` to keys of
+    its own chunk, ``q // C * C <= k <= q`` (chunked local attention); ``softcap`` None or
+    0 disables the logit cap. ``sinks`` (None or ``[num_heads]``) is one learned logit per
+    query head that joins every row's softmax denominator as gpt-oss defines it: the row's
+    scores (scaled, then soft-capped) and the head's sink are softmaxed together and the
+    sink's probability is dropped, so the weights of the keys sum to less than 1. The sink
+    is neither scaled nor capped. Returns a tensor shaped and typed like ``q``.
     """
-    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap, sinks)
+    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap, sinks, chunk)
     block_table = metadata.block_table
     num_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -89,7 +106,7 @@ def paged_attention_reference(
         q_len = q1 - q0
         if q_len == 0:
             continue
-        lo, hi = visible_key_range(seq_len, q_len, window)
+        lo, hi = visible_key_range(seq_len, q_len, window, chunk)
         kpos = torch.arange(lo, hi, device=q.device)
         blocks = block_table[i, kpos // block_size].long()
         slots = kpos % block_size
@@ -101,9 +118,8 @@ def paged_attention_reference(
         s = torch.einsum("qhd,khd->hqk", qs, k) * scale
         s = _softcap(s, softcap)
         qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = kpos[None, :] <= qpos[:, None]
-        if window is not None:
-            mask &= kpos[None, :] > qpos[:, None] - window
+        mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] >= key_start(qpos, window,
+                                                                              chunk)[:, None])
         s = torch.where(mask[None], s, torch.tensor(float("-inf"), device=q.device))
         if sinks is None:
             p = torch.softmax(s, dim=-1)

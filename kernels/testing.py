@@ -30,14 +30,17 @@ class Case:
     window: int | None
     softcap: float | None
     sinks: torch.Tensor | None = None
+    chunk: int | None = None
 
     def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float]:
         """The positional arguments of the attention functions: q, caches, metadata, scale."""
         return (self.q, self.key_cache, self.value_cache, self.metadata, self.scale)
 
     def kwargs(self) -> dict[str, Any]:
-        """The per-layer keyword arguments of the attention functions: window, softcap, sinks."""
-        return {"window": self.window, "softcap": self.softcap, "sinks": self.sinks}
+        """The per-layer keyword arguments of the attention functions: window, softcap, sinks
+        and chunk."""
+        return {"window": self.window, "softcap": self.softcap, "sinks": self.sinks,
+                "chunk": self.chunk}
 
 
 def make_case(
@@ -56,11 +59,14 @@ def make_case(
     q_scale: float = 1.0,
     with_sinks: bool = False,
     sink_scale: float = 3.0,
+    chunk: int | None = None,
 ) -> Case:
     """Build a poisoned paged batch. With ``poison_in_table`` the pages wholly before the
     window point at real NaN-filled blocks instead of the null block. With ``with_sinks``
     the case carries per-head sink logits ``sink_scale * N(0, 1)`` in ``dtype`` (drawn after
-    everything else, so the rest of the case is the same as without)."""
+    everything else, so the rest of the case is the same as without). ``chunk`` limits each
+    query to its chunk, as the window does (pages wholly before the first query's chunk
+    are dropped)."""
     assert len(q_lens) == len(seq_lens)
     g = torch.Generator().manual_seed(seed)
     pages = [math.ceil(s / block_size) for s in seq_lens]
@@ -74,7 +80,7 @@ def make_case(
     unused = perm[sum(pages):]
     nxt = 0
     for i, (ql, sl) in enumerate(zip(q_lens, seq_lens, strict=True)):
-        lo, hi = visible_key_range(sl, ql, window)
+        lo, hi = visible_key_range(sl, ql, window, chunk)
         for p in range(pages[i]):
             blk = perm[nxt]
             nxt += 1
@@ -109,6 +115,7 @@ def make_case(
         window=window,
         softcap=softcap,
         sinks=sinks,
+        chunk=chunk,
     )
 
 
@@ -155,3 +162,9 @@ def tolerance(dtype: torch.dtype, device: torch.device | str) -> tuple[float, fl
     """(atol, rtol) for comparing a kernel output of ``dtype`` with the reference."""
     kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
     return TOL[kind][dtype]
+
+# The grid's windowed cases with the window's size as a chunk instead (chunks 1, below, at
+# and past the block size, and longer than every sequence): CHUNK_GRID has GRID's columns,
+# the seventh being the chunk.
+CHUNK_GRID = [(name.replace("-w", "-c", 1), *rest[:5], window, *rest[6:])
+              for name, *rest in GRID if (window := rest[5]) is not None]

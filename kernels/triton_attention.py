@@ -1,10 +1,12 @@
-"""Triton paged attention for full and sliding-window layers: decode and chunked prefill.
+"""Triton paged attention for full, sliding-window and chunked local layers: decode and
+chunked prefill.
 
 One kernel serves both: every program owns a *query tile* (up to ``BLOCK_M // GROUP``
 consecutive query tokens of one sequence, times the ``GROUP`` query heads sharing one KV
 head) and walks the key tiles of ``BLOCK_N`` positions that some query of its tile may see.
-With a window the walk starts at the tile holding ``first_query - W + 1``; keys before it
-are neither visited nor loaded. Optional per-head attention sinks (gpt-oss) join each row's
+With a window the walk starts at the tile holding ``first_query - W + 1``, with a chunk
+``C`` at the tile holding ``first_query // C * C``; keys before it are neither visited nor
+loaded. Optional per-head attention sinks (gpt-oss) join each row's
 softmax denominator once: at the end of the walk, or in the merge when the walk is split.
 See ``docs/kernels.md`` for the layout, grid and formulas.
 """
@@ -43,7 +45,7 @@ if HAS_TRITON:
     def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, tiles_ptr, sinks_ptr,
         block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-        scale, softcap, window, num_splits,
+        scale, softcap, window, chunk, num_splits,
         stride_qt, stride_qh, stride_qd,
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
@@ -57,6 +59,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr,
         USE_WINDOW: tl.constexpr,
+        USE_CHUNK: tl.constexpr,
         USE_SOFTCAP: tl.constexpr,
         USE_SINKS: tl.constexpr,
         SPLIT: tl.constexpr,
@@ -101,6 +104,8 @@ if HAS_TRITON:
         k_lo = 0
         if USE_WINDOW:
             k_lo = tl.maximum(ctx + tok0 - window + 1, 0)
+        if USE_CHUNK:
+            k_lo = tl.maximum(k_lo, (ctx + tok0) // chunk * chunk)
         t_lo = k_lo // BLOCK_N
         t_hi = (k_hi + BLOCK_N - 1) // BLOCK_N
         if SPLIT:
@@ -148,6 +153,8 @@ if HAS_TRITON:
             vis = kv_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
             if USE_WINDOW:
                 vis = vis & (k_pos[None, :] > q_pos[:, None] - window)
+            if USE_CHUNK:
+                vis = vis & (k_pos[None, :] >= q_pos[:, None] // chunk * chunk)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -317,6 +324,7 @@ def launch_plan(
     window: int | None,
     device: torch.device,
     *,
+    chunk: int | None = None,
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -325,8 +333,8 @@ def launch_plan(
     """Tile sizes, grid and split-KV factor for one :func:`paged_attention` call.
 
     Decided on the host from shapes alone (no device sync): the longest key range a
-    program may walk is bounded by ``max_blocks * block_size`` and, with a window, by
-    ``W + tokens_per_tile - 1``.
+    program may walk is bounded by ``max_blocks * block_size`` and, with a window or a
+    chunk, by ``W + tokens_per_tile - 1`` (``C + tokens_per_tile - 1``).
     """
     group = num_heads // num_kv_heads
     max_seqlen_q = max(int(max_seqlen_q), 1)
@@ -336,8 +344,9 @@ def launch_plan(
     q_tiles = cdiv(max_seqlen_q, tok_per_tile)
     if num_splits is None:
         max_kv = max_blocks * block_size
-        if window is not None:
-            max_kv = min(max_kv, window + tok_per_tile - 1)
+        for span in (window, chunk):
+            if span is not None:
+                max_kv = min(max_kv, span + tok_per_tile - 1)
         max_tiles = cdiv(max_kv, bn) + 1
         num_splits = choose_num_splits(batch * num_kv_heads * q_tiles, max_tiles, device,
                                        interpreted)
@@ -356,6 +365,7 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
@@ -368,6 +378,7 @@ def paged_attention(
     layout is ``metadata`` (see :class:`kvstore.kernels.AttentionMetadata`); caches are
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides; ``q``, caches and
     ``out`` share one dtype of fp32/fp16/bf16. ``window`` None means full attention;
+    ``chunk`` ``C`` limits the query at ``q`` to keys ``q // C * C <= k <= q``;
     ``softcap`` None or 0 disables the logit cap; ``sinks`` (None or ``[num_heads]``, any of
     the three float dtypes) adds one learned logit per query head to each row's softmax
     denominator (gpt-oss attention sinks). Returns ``out`` (allocated like ``q`` when None).
@@ -378,7 +389,7 @@ def paged_attention(
     tiles each program visited, for tests that prove the loop is window-bounded.
     """
     require_triton()
-    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap, sinks)
+    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap, sinks, chunk)
     block_table = metadata.block_table
     check_device(_paged_attn_kernel, q, key_cache, value_cache, block_table,
                  metadata.cu_seqlens_q, metadata.seq_lens)
@@ -402,7 +413,8 @@ def paged_attention(
     if batch == 0 or total_q == 0:
         return out
     plan = launch_plan(num_heads, num_kv_heads, head_dim, block_size, block_table.shape[1],
-                       batch, metadata.max_seqlen_q, window, q.device, num_splits=num_splits,
+                       batch, metadata.max_seqlen_q, window, q.device, chunk=chunk,
+                       num_splits=num_splits,
                        block_m=block_m, block_n=block_n,
                        interpreted=is_interpreted(_paged_attn_kernel))
     bm, bn, num_warps, num_stages = plan.block_m, plan.block_n, plan.num_warps, plan.num_stages
@@ -432,7 +444,7 @@ def paged_attention(
     _paged_attn_kernel[grid](
         q, key_cache, value_cache, o_dst, lse, tile_counts if count else seq_lens, sinks_arg,
         block_table, cu_seqlens_q, seq_lens,
-        float(scale), float(softcap or 0.0), int(window or 0), num_splits,
+        float(scale), float(softcap or 0.0), int(window or 0), int(chunk or 0), num_splits,
         *q.stride(),
         *key_cache.stride(),
         *value_cache.stride(),
@@ -446,6 +458,7 @@ def paged_attention(
         BLOCK_N=bn,
         PAGE=block_size,
         USE_WINDOW=window is not None,
+        USE_CHUNK=chunk is not None,
         USE_SOFTCAP=bool(softcap),
         USE_SINKS=use_sinks and not split,  # split: the merge adds the sink
         SPLIT=split,

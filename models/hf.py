@@ -5,7 +5,7 @@ attention function registered under :data:`ATTENTION_NAME` (in transformers'
 ``AttentionInterface``, and absent from its mask registry, so no mask is ever built) takes
 the step's :class:`~kvstore.engine.runner.PagedAttention` from its keyword arguments,
 writes the layer's K/V into kvstore's pages and runs kvstore's paged attention with the
-module's scaling, window, softcap and sinks. :class:`HFCausalLM` wraps an
+module's scaling, window or attention chunk, softcap and sinks. :class:`HFCausalLM` wraps an
 ``AutoModelForCausalLM`` for :class:`~kvstore.engine.engine.LLMEngine`: the packed batch is
 one row of ``input_ids`` with per-token ``position_ids``.
 
@@ -30,6 +30,7 @@ __all__ = [
     "ATTENTION_NAME",
     "HFCausalLM",
     "HFModelConfig",
+    "layer_chunks",
     "layer_windows",
     "load_hf_model",
     "paged_attention_forward",
@@ -40,14 +41,15 @@ ATTENTION_NAME = "kvstore_paged"
 """The ``attn_implementation`` under which kvstore's attention is registered."""
 
 _BATCH_KWARG = "kvstore_attention"  # the keyword that carries a step's PagedAttention
-_FULL, _SLIDING = "full_attention", "sliding_attention"
+_FULL, _SLIDING, _CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
 
 @dataclass(frozen=True)
 class HFModelConfig:
     """What the engine and the cache need to know of a transformers model: its vocabulary,
-    layers, K/V heads and head size, dtype, and each layer's window (None: full attention).
-    ``hf_config`` is transformers' config as JSON (part of the model's fingerprint)."""
+    layers, K/V heads and head size, dtype, each layer's window (None: full attention) and
+    attention chunk (None: not chunked; empty: none is). ``hf_config`` is transformers'
+    config as JSON (part of the model's fingerprint)."""
 
     model_type: str
     vocab_size: int
@@ -58,6 +60,7 @@ class HFModelConfig:
     dtype: torch.dtype
     windows: tuple[int | None, ...]
     hf_config: str
+    chunks: tuple[int | None, ...] = ()
 
 
 def _get(hf_config: Any, key: str, default: Any = None) -> Any:
@@ -74,14 +77,16 @@ def layer_windows(hf_config: Any) -> tuple[int | None, ...]:
     """Each layer's window from a transformers config: ``sliding_window`` for the layers
     that ``layer_types`` calls ``sliding_attention``, None for ``full_attention``; without
     ``layer_types``, every layer slides when ``sliding_window`` is set and the config's class
-    declares it (as the models of Mistral's style build their mask). ValueError naming the
-    key for what kvstore does not serve: ``attention_chunk_size``, any other layer type,
-    bidirectional attention."""
+    declares it (as the models of Mistral's style build their mask); None for
+    ``chunked_attention`` layers (see :func:`layer_chunks`). ValueError naming the key for
+    what kvstore does not serve: any other layer type, bidirectional attention, an
+    ``attention_chunk_size`` without ``layer_types`` naming the chunked layers."""
     model_type = _get(hf_config, "model_type", "?")
     num_layers = _positive_int(hf_config, "num_hidden_layers", _get(hf_config, "num_hidden_layers"))
-    if _get(hf_config, "attention_chunk_size") is not None:
-        raise ValueError(f"{model_type}: attention_chunk_size "
-                         f"{hf_config.attention_chunk_size!r}: chunked attention is not served")
+    chunk = _get(hf_config, "attention_chunk_size")
+    if chunk is not None and _CHUNKED not in (_get(hf_config, "layer_types") or ()):
+        raise ValueError(f"{model_type}: attention_chunk_size {chunk!r} but no layer_types "
+                         f"entry {_CHUNKED!r}: which layers are chunked is not known")
     for key in ("use_bidirectional_attention", "is_encoder_decoder"):
         if _get(hf_config, key):
             raise ValueError(f"{model_type}: {key} is set: only causal decoders are served")
@@ -102,10 +107,27 @@ def layer_windows(hf_config: Any) -> tuple[int | None, ...]:
             windows.append(None)
         elif kind == _SLIDING:
             windows.append(_positive_int(hf_config, "sliding_window", sliding))
+        elif kind == _CHUNKED:
+            windows.append(None)
         else:
             raise ValueError(f"{model_type}: layer_types[{i}] is {kind!r}: kvstore serves "
-                             f"{_FULL!r} and {_SLIDING!r} layers")
+                             f"{_FULL!r}, {_SLIDING!r} and {_CHUNKED!r} layers")
     return tuple(windows)
+
+
+def layer_chunks(hf_config: Any) -> tuple[int | None, ...]:
+    """Each layer's attention chunk from a transformers config: ``attention_chunk_size``
+    for the layers that ``layer_types`` calls ``chunked_attention`` (the query at ``q``
+    attends keys ``q // C * C <= k <= q``, as transformers' chunked mask does), None for
+    the others. ValueError naming the key for a chunked layer without a positive
+    ``attention_chunk_size``."""
+    num_layers = len(layer_windows(hf_config))
+    layer_types = _get(hf_config, "layer_types")
+    if layer_types is None:
+        return (None,) * num_layers
+    size = _get(hf_config, "attention_chunk_size")
+    return tuple(_positive_int(hf_config, "attention_chunk_size", size) if kind == _CHUNKED
+                 else None for kind in layer_types)
 
 
 def hf_model_config(hf_config: Any, dtype: torch.dtype) -> HFModelConfig:
@@ -124,7 +146,8 @@ def hf_model_config(hf_config: Any, dtype: torch.dtype) -> HFModelConfig:
         num_layers=len(windows), num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=_positive_int(hf_config, "head_dim", head_dim), dtype=dtype, windows=windows,
         hf_config=hf_config.to_json_string(use_diff=False) if hasattr(hf_config, "to_json_string")
-        else json.dumps(dict(hf_config), sort_keys=True, default=str))
+        else json.dumps(dict(hf_config), sort_keys=True, default=str),
+        chunks=layer_chunks(hf_config))
 
 
 class _MissingBatch(RuntimeError):
@@ -162,9 +185,32 @@ def paged_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1).contiguous()
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        q = _retune_temperature(module, q, paged.positions)
     out = paged.attend(layer, q, key[0].transpose(0, 1), value[0].transpose(0, 1),
                        scale=float(scaling), softcap=softcap, sinks=sinks)
     return out.unsqueeze(0), None
+
+
+def _temperature(module: Any, positions: torch.Tensor) -> torch.Tensor:
+    """Llama 4's query scale at each position (attention temperature tuning of its NoPE
+    layers), ``[T, 1, 1]``."""
+    floor_scale, attn_scale = float(module.floor_scale), float(module.attn_scale)
+    floor = torch.floor((positions.float() + 1.0) / floor_scale)
+    return (torch.log1p(floor) * attn_scale + 1.0).view(-1, 1, 1)
+
+
+def _retune_temperature(module: nn.Module, q: torch.Tensor, positions: torch.Tensor
+                        ) -> torch.Tensor:
+    """``q`` ``[T, heads, head_dim]`` with Llama 4's temperature at the tokens' positions.
+
+    transformers' Llama 4 scales a NoPE layer's queries by the temperature of the token's
+    row index plus the cache's length, not of ``position_ids``; in kvstore's packed row (no
+    transformers cache) the row index is not the position, so the scale of the row index
+    is divided out and that of the position applied (exact up to one rounding)."""
+    rows = torch.arange(q.shape[0], device=q.device)
+    ratio = _temperature(module, positions.to(q.device)) / _temperature(module, rows)
+    return (q * ratio).to(q.dtype)
 
 
 def register_attention() -> str:
@@ -203,6 +249,7 @@ class _Probe:
     def __init__(self, config: HFModelConfig) -> None:
         self.config = config
         self.calls: dict[int, tuple[int, int, int, int]] = {}
+        self.positions = torch.zeros(1, dtype=torch.long)
 
     def window(self, layer: int) -> int | None:
         return self.config.windows[layer] if 0 <= layer < self.config.num_layers else None
@@ -267,6 +314,12 @@ class HFCausalLM(nn.Module):
         if not 0 <= layer_idx < self.config.num_layers:
             raise IndexError(f"layer {layer_idx} out of range [0, {self.config.num_layers})")
         return self.config.windows[layer_idx]
+
+    def layer_chunk(self, layer_idx: int) -> int | None:
+        """Chunk ``C`` of layer ``layer_idx`` (query ``q`` sees ``q // C * C <= k <= q``),
+        None if not chunked."""
+        self.layer_window(layer_idx)  # IndexError out of range
+        return self.config.chunks[layer_idx] if self.config.chunks else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention: PagedAttention, logits_indices: torch.Tensor | None = None

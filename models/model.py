@@ -1029,6 +1029,12 @@ class DecoderModel(nn.Module):
             return self.config.sliding_window
         return None
 
+    def layer_chunk(self, layer_idx: int) -> int | None:
+        """Chunk ``C`` of layer ``layer_idx`` (query ``q`` sees ``q // C * C <= k <= q``):
+        None, these models have no chunked local layers."""
+        self.layer_window(layer_idx)  # IndexError out of range
+        return None
+
     def layer_sinks(self, layer_idx: int) -> torch.Tensor | None:
         """Sink logits ``[num_heads]`` of layer ``layer_idx`` (one per query head, joining each
         softmax denominator unscaled), or None when the model has no attention sinks."""
