@@ -34,6 +34,7 @@ from kvstore.specs import (
     KVCacheConfig,
     KVCacheGroup,
     KVCacheSpec,
+    MLASpec,
     SlidingWindowSpec,
     make_kv_cache_config,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "CopyBatch",
     "KVCacheManager",
     "KVCacheSpec",
+    "MLASpec",
     "PagedKVCache",
     "ReleasedPages",
     "Request",

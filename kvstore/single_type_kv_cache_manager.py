@@ -13,6 +13,7 @@ from kvstore.specs import (
     FullAttentionSpec,
     LayerSpec,
     LocalAttentionSpec,
+    MLASpec,
     RecurrentStateSpec,
     SlidingWindowSpec,
 )
@@ -1074,6 +1075,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
 
 MANAGER_TYPES: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    MLASpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: SlidingWindowManager,
     RecurrentStateSpec: RecurrentManager,

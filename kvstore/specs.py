@@ -129,6 +129,45 @@ class FullAttentionSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class MLASpec(FullAttentionSpec):
+    """A multi-head latent attention layer (DeepSeek-V2/V3): every token keeps one
+    compressed latent of `kv_lora_rank + rope_dim` elements, shared by all query heads,
+    instead of K and V per head. The full-attention manager serves it.
+
+    The latent fills one slot's K and V pages as one head of half its size: elements
+    [0, latent / 2) in the K page, the rest in the V page, so a page holds exactly
+    `block_size` latents and groups with other layers by the pool's rules (one page shape).
+    `num_kv_heads` is 1 and `head_dim` half the latent; both are derived (given, they must
+    agree). ValueError for an odd latent (it does not fill the two halves)."""
+
+    num_kv_heads: int = 1
+    head_dim: int = 0
+    kv_lora_rank: int = field(kw_only=True)
+    rope_dim: int = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "rope_dim"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"MLASpec.{name} must be a positive int, got {value!r}")
+        latent = self.kv_lora_rank + self.rope_dim
+        if latent % 2:
+            raise ValueError(f"MLASpec: a latent of {latent} elements (kv_lora_rank "
+                             f"{self.kv_lora_rank} + rope_dim {self.rope_dim}) does not fit the "
+                             "page: it is stored as two halves and must be even")
+        if self.num_kv_heads != 1 or self.head_dim not in (0, latent // 2):
+            raise ValueError(f"MLASpec: num_kv_heads {self.num_kv_heads!r} and head_dim "
+                             f"{self.head_dim!r} must be 1 and half the latent ({latent // 2})")
+        object.__setattr__(self, "head_dim", latent // 2)
+        super().__post_init__()
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements of one token's latent: `kv_lora_rank + rope_dim`."""
+        return self.kv_lora_rank + self.rope_dim
+
+
+@dataclass(frozen=True)
 class SlidingWindowSpec(AttentionSpec):
     """A layer whose query at q attends keys q - W < k <= q."""
 
@@ -272,7 +311,7 @@ class RecurrentStateSpec:
 
 
 #: The specs of layers that keep K/V pages per token.
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | MLASpec
 #: The specs of layers whose key range starts at a function of the query position.
 LocalAttentionSpec = SlidingWindowSpec | ChunkedLocalAttentionSpec
 #: The spec of any layer a cache holds.

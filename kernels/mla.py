@@ -1,0 +1,256 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over paged latents: the page layout, the
+PyTorch references (absorbed form, and decompressing the cached latents) and a Triton
+decode kernel.
+
+Every cached token holds one latent ``[kv_lora_rank + rope_dim]`` (the normalized
+compressed K/V, then the RoPE'd shared key part), stored in one layer slot's K and V
+pages as a single head of half its size: elements ``[0, L/2)`` in the K page, ``[L/2, L)``
+in the V page (``kvstore.MLASpec``). With ``W_UK [H, nope, r]`` and ``W_UV [H, v, r]`` the
+per-head up-projections of the latent ``c``, head ``h``'s score with a key is
+``scale * (q_nope·W_UK c + q_rope·k_rope) = scale * ((W_UK^T q_nope)·c + q_rope·k_rope)``
+and its output ``W_UV (sum_k p_k c_k)``: in the *absorbed* form the query is projected into
+the latent space once (``q_latent = W_UK^T q_nope``), attention runs over the latents as
+one K/V head shared by every query head, and the caller applies ``W_UV`` to the result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAS_TRITON, check_device, is_interpreted, next_pow2, require_triton
+from .metadata import AttentionMetadata, check_attention_inputs
+
+__all__ = ["mla_attention_reference", "mla_decode", "mla_decompressed_reference",
+           "page_latents", "split_latent"]
+
+
+def split_latent(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K-page and V-page halves ``[T, 1, L/2]`` of latents ``[T, L]``, as
+    :func:`kvstore.kernels.write_kv` takes them."""
+    half = latent.shape[-1] // 2
+    if latent.dim() != 2 or 2 * half != latent.shape[-1]:
+        raise ValueError(f"latents must be [T, L] with L even, got {tuple(latent.shape)}")
+    return latent[:, None, :half], latent[:, None, half:]
+
+
+def page_latents(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torch.Tensor,
+                 slots: torch.Tensor) -> torch.Tensor:
+    """The latents ``[n, L]`` at these (block, slot) pairs of one layer's pages."""
+    return torch.cat([key_cache[blocks, slots, 0], value_cache[blocks, slots, 0]], dim=-1)
+
+
+def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, key_cache: torch.Tensor,
+           value_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+    """ValueError unless the queries and pages fit each other and ``metadata``."""
+    if q_latent.dim() != 3 or q_rope.shape[:2] != q_latent.shape[:2] or q_rope.dim() != 3:
+        raise ValueError(f"expected q_latent [T, H, r] and q_rope [T, H, rope], got "
+                         f"{tuple(q_latent.shape)} and {tuple(q_rope.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape[2] != 1:
+        raise ValueError(f"latent pages must be [num_blocks, block_size, 1, L/2], got "
+                         f"{tuple(key_cache.shape)}")
+    latent = 2 * key_cache.shape[3]
+    if q_latent.shape[2] + q_rope.shape[2] != latent:
+        raise ValueError(f"q_latent and q_rope have {q_latent.shape[2]} + {q_rope.shape[2]} "
+                         f"elements, the pages hold latents of {latent}")
+    # The shared checks (table, boundaries, page shapes) with the latent as one KV head.
+    check_attention_inputs(q_latent[..., :1].expand(-1, -1, key_cache.shape[3]), key_cache,
+                           value_cache, metadata, None, None)
+
+
+def mla_attention_reference(q_latent: torch.Tensor, q_rope: torch.Tensor,
+                            key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal MLA in the absorbed form over paged latents, in fp32: ``q_latent [T, H, r]``
+    (queries projected into the latent space) and ``q_rope [T, H, rope]`` score against each
+    visible token's latent ``c`` and RoPE key, and the output ``[T, H, r]`` is the softmax
+    weighted sum of the ``c`` (the caller applies ``W_UV``). The batch layout is that of
+    :func:`kvstore.kernels.paged_attention_reference`; decode and prefill over a cached
+    prefix alike. Returns a tensor typed like ``q_latent``."""
+    _check(q_latent, q_rope, key_cache, value_cache, metadata)
+    r = q_latent.shape[2]
+    block_size = key_cache.shape[1]
+    cu = metadata.cu_seqlens_q.tolist()
+    out = torch.zeros(q_latent.shape, dtype=torch.float32, device=q_latent.device)
+    for i, seq_len in enumerate(metadata.seq_lens.tolist()):
+        q0, q1 = cu[i], cu[i + 1]
+        if q1 == q0:
+            continue
+        kpos = torch.arange(seq_len, device=q_latent.device)
+        lat = page_latents(key_cache, value_cache,
+                           metadata.block_table[i, kpos // block_size].long(),
+                           kpos % block_size).float()
+        c, k_rope = lat[:, :r], lat[:, r:]
+        s = (torch.einsum("qhr,kr->hqk", q_latent[q0:q1].float(), c)
+             + torch.einsum("qhd,kd->hqk", q_rope[q0:q1].float(), k_rope)) * scale
+        qpos = torch.arange(seq_len - (q1 - q0), seq_len, device=q_latent.device)
+        s = s.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,kr->qhr", torch.softmax(s, dim=-1), c)
+    return out.to(q_latent.dtype)
+
+
+def mla_decompressed_reference(q_nope: torch.Tensor, q_rope: torch.Tensor,
+                               key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               metadata: AttentionMetadata, scale: float,
+                               kv_b_weight: torch.Tensor) -> torch.Tensor:
+    """Causal MLA the way a prefill over a cached prefix runs it: each sequence's cached
+    latents are read back and decompressed into per-head K and V with ``kv_b_weight``
+    ``[H * (nope + v), r]`` (transformers' ``kv_b_proj.weight``), then ordinary attention.
+    ``q_nope [T, H, nope]``, ``q_rope [T, H, rope]``; returns ``[T, H, v]`` in fp32 typed like
+    ``q_nope``."""
+    num_heads, nope = q_nope.shape[1], q_nope.shape[2]
+    r = 2 * key_cache.shape[3] - q_rope.shape[2]
+    w = kv_b_weight.float().view(num_heads, -1, r)
+    v_dim = w.shape[1] - nope
+    block_size = key_cache.shape[1]
+    cu = metadata.cu_seqlens_q.tolist()
+    out = torch.zeros(q_nope.shape[0], num_heads, v_dim, device=q_nope.device)
+    for i, seq_len in enumerate(metadata.seq_lens.tolist()):
+        q0, q1 = cu[i], cu[i + 1]
+        if q1 == q0:
+            continue
+        kpos = torch.arange(seq_len, device=q_nope.device)
+        lat = page_latents(key_cache, value_cache,
+                           metadata.block_table[i, kpos // block_size].long(),
+                           kpos % block_size).float()
+        kv = torch.einsum("kr,hdr->khd", lat[:, :r], w)  # [n, H, nope + v]
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        s = (torch.einsum("qhd,khd->hqk", q_nope[q0:q1].float(), k_nope)
+             + torch.einsum("qhd,kd->hqk", q_rope[q0:q1].float(), lat[:, r:])) * scale
+        qpos = torch.arange(seq_len - (q1 - q0), seq_len, device=q_nope.device)
+        s = s.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
+    return out.to(q_nope.dtype)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _mla_decode_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr,
+        block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+        scale, num_heads,
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kd,
+        stride_vb, stride_vs, stride_vd,
+        stride_ot, stride_oh, stride_od,
+        stride_btb, stride_btp,
+        HALF: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PAGE: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        # One program per (BLOCK_H query heads, sequence); the sequence's one query attends
+        # every cached latent. A latent is two halves: K page [0, HALF), V page [HALF, L).
+        h_tile = tl.program_id(0)
+        seq = tl.program_id(1)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        if tl.load(cu_seqlens_q_ptr + seq + 1) == q_start:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        h = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = h < num_heads
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HALF
+        hd_mask = h_mask[:, None] & d_mask[None, :]
+        q_row = q_ptr + q_start.to(tl.int64) * stride_qt + h[:, None] * stride_qh
+        qa = tl.load(q_row + d[None, :] * stride_qd, mask=hd_mask, other=0.0)
+        qb = tl.load(q_row + (HALF + d[None, :]) * stride_qd, mask=hd_mask, other=0.0)
+        if UPCAST:
+            qa = qa.to(tl.float32)
+            qb = qb.to(tl.float32)
+        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc_a = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        bt_row = block_table_ptr + seq.to(tl.int64) * stride_btb
+        n = tl.arange(0, BLOCK_N)
+        qk_scale = scale * 1.4426950408889634  # softmax in base 2
+        for t in range(0, tl.cdiv(seq_len, BLOCK_N)):
+            k_pos = t * BLOCK_N + n
+            valid = k_pos < seq_len
+            blk = tl.load(bt_row + (k_pos // PAGE) * stride_btp, mask=valid, other=0)
+            slot = k_pos % PAGE
+            kv_mask = valid[:, None] & d_mask[None, :]
+            a = tl.load(k_ptr + blk.to(tl.int64)[:, None] * stride_kb
+                        + slot.to(tl.int64)[:, None] * stride_ks + d[None, :] * stride_kd,
+                        mask=kv_mask, other=0.0)
+            b = tl.load(v_ptr + blk.to(tl.int64)[:, None] * stride_vb
+                        + slot.to(tl.int64)[:, None] * stride_vs + d[None, :] * stride_vd,
+                        mask=kv_mask, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+                s = tl.dot(qa, tl.trans(a), input_precision="ieee")
+                s += tl.dot(qb, tl.trans(b), input_precision="ieee")
+            else:
+                s = tl.dot(qa, tl.trans(a)) + tl.dot(qb, tl.trans(b))
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if UPCAST:
+                acc_a = acc_a * alpha[:, None] + tl.dot(p, a, input_precision="ieee")
+                acc_b = acc_b * alpha[:, None] + tl.dot(p, b, input_precision="ieee")
+            else:
+                acc_a = acc_a * alpha[:, None] + tl.dot(p.to(a.dtype), a)
+                acc_b = acc_b * alpha[:, None] + tl.dot(p.to(b.dtype), b)
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o_row = o_ptr + q_start.to(tl.int64) * stride_ot + h[:, None] * stride_oh
+        tl.store(o_row + d[None, :] * stride_od,
+                 (acc_a / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=hd_mask)
+        tl.store(o_row + (HALF + d[None, :]) * stride_od,
+                 (acc_b / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=hd_mask)
+
+
+def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
+               block_n: int = 32) -> torch.Tensor:
+    """Triton paged MLA decode in the absorbed form: the semantics of
+    :func:`mla_attention_reference` for a batch where every sequence has at most one query
+    (``max_seqlen_q <= 1``; ValueError otherwise). ``q_latent``, ``q_rope`` and the pages
+    share one dtype of fp32/fp16/bf16. Returns ``[T, H, r]``."""
+    require_triton()
+    _check(q_latent, q_rope, key_cache, value_cache, metadata)
+    if metadata.max_seqlen_q > 1:
+        raise ValueError(f"mla_decode runs one query per sequence, got max_seqlen_q "
+                         f"{metadata.max_seqlen_q}")
+    dtypes = {q_latent.dtype, q_rope.dtype, key_cache.dtype, value_cache.dtype}
+    if len(dtypes) != 1 or q_latent.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"q_latent, q_rope and the pages need one dtype of fp32/fp16/bf16, "
+                        f"got {sorted(map(str, dtypes))}")
+    check_device(_mla_decode_kernel, q_latent, q_rope, key_cache, value_cache,
+                 metadata.block_table, metadata.cu_seqlens_q, metadata.seq_lens)
+    total, num_heads, r = q_latent.shape
+    half = key_cache.shape[3]
+    q = torch.cat([q_latent, q_rope], dim=-1).contiguous()
+    out = torch.empty_like(q)
+    batch = metadata.batch_size
+    if total == 0 or batch == 0:
+        return out[..., :r]
+    block_h = max(16, next_pow2(min(num_heads, 64)))
+    grid = (triton.cdiv(num_heads, block_h), batch)
+    interpreted = is_interpreted(_mla_decode_kernel)
+    _mla_decode_kernel[grid](
+        q, key_cache, value_cache, out,
+        metadata.block_table, metadata.cu_seqlens_q.contiguous(), metadata.seq_lens.contiguous(),
+        float(scale), num_heads,
+        *q.stride(),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(3),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(3),
+        *out.stride(),
+        *metadata.block_table.stride(),
+        HALF=half,
+        BLOCK_D=max(16, next_pow2(half)),
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        PAGE=key_cache.shape[1],
+        UPCAST=interpreted or q.dtype == torch.float32,
+        num_warps=4,
+    )
+    return out[..., :r]
