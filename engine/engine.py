@@ -28,6 +28,7 @@ from kvstore.specs import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MLASpec,
     SlidingWindowSpec,
     dtype_name,
     make_kv_cache_config,
@@ -184,14 +185,17 @@ class _Group:
 
 
 def kv_cache_specs(model: DecoderModel | HFCausalLM, block_size: int) -> list[KVCacheSpec]:
-    """Per layer, the KV cache spec of a model: full attention, its sliding window or its
-    attention chunk."""
+    """Per layer, the KV cache spec of a model: full attention, its sliding window, its
+    attention chunk or its latent (multi-head latent attention)."""
     c = model.config
     specs: list[KVCacheSpec] = []
     dtype = dtype_name(c.dtype)
     for i in range(c.num_layers):
-        window, chunk = model.layer_window(i), model.layer_chunk(i)
-        if chunk is not None:
+        window, chunk, latent = model.layer_window(i), model.layer_chunk(i), model.layer_latent(i)
+        if latent is not None:
+            specs.append(MLASpec(block_size, dtype=dtype, kv_lora_rank=latent[0],
+                                 rope_dim=latent[1]))
+        elif chunk is not None:
             specs.append(ChunkedLocalAttentionSpec(block_size, c.num_kv_heads, c.head_dim, dtype,
                                                    chunk=chunk))
         elif window is None:

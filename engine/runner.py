@@ -23,10 +23,11 @@ import torch
 
 from kvstore import kernels
 from kvstore.engine.scheduler import SchedulerOutput
+from kvstore.kernels.mla import split_latent
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.models.model import DecoderModel
 from kvstore.paged_kv_cache import PagedKVCache
-from kvstore.specs import AttentionSpec, dtype_name
+from kvstore.specs import AttentionSpec, MLASpec, dtype_name
 
 if TYPE_CHECKING:
     from kvstore.models.hf import HFCausalLM
@@ -239,6 +240,26 @@ class PagedAttention:
             window=runner._windows[layer], softcap=softcap, sinks=sinks,
             chunk=runner._chunks[layer], backend=runner.attention_backend)
 
+    def attend_latent(self, layer: int, latent: torch.Tensor, q_latent: torch.Tensor,
+                      q_rope: torch.Tensor, *, scale: float) -> torch.Tensor:
+        """Multi-head latent attention: write ``latent`` ``[T, kv_lora_rank + rope_dim]`` of
+        ``layer`` into its pages and return the absorbed-form output ``[T, heads,
+        kv_lora_rank]`` of ``q_latent`` ``[T, heads, kv_lora_rank]`` and ``q_rope``
+        (:func:`kvstore.kernels.mla_attention`)."""
+        runner, batch = self.runner, self.batch
+        g = runner._group_of[layer]
+        key, value = split_latent(latent)
+        runner.cache.write(layer, key, value, batch.slot_mappings[g])
+        key_cache, value_cache = runner.cache.layer_caches(layer)
+        return kernels.mla_attention(q_latent, q_rope, key_cache, value_cache,
+                                     batch.attn_metadata[g], scale,
+                                     backend=runner.attention_backend)
+
+
+def _latent_of(spec: AttentionSpec) -> tuple[int, int] | None:
+    """(kv_lora_rank, rope_dim) of an MLA spec, None for any other."""
+    return (spec.kv_lora_rank, spec.rope_dim) if isinstance(spec, MLASpec) else None
+
 
 def check_cache_matches_model(model: DecoderModel | HFCausalLM, cache: PagedKVCache) -> None:
     """Raise ValueError unless every layer's cache group fits the layer (window, chunk,
@@ -261,6 +282,7 @@ def check_cache_matches_model(model: DecoderModel | HFCausalLM, cache: PagedKVCa
         want: Sequence[tuple[str, object, object]] = (
             ("window", window, model.layer_window(i)),
             ("chunk", spec.attention_chunk, model.layer_chunk(i)),
+            ("latent", _latent_of(spec), model.layer_latent(i)),
             ("num_kv_heads", spec.num_kv_heads, c.num_kv_heads),
             ("head_dim", spec.head_dim, c.head_dim),
             ("dtype", spec.dtype, dtype_name(c.dtype)),

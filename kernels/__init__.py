@@ -5,7 +5,7 @@ Public API: :func:`attention` (device-agnostic entry point), :func:`paged_attent
 :class:`AttentionMetadata`; :func:`write_kv`, :func:`copy_blocks`.
 """
 
-from .api import attention
+from .api import attention, mla_attention
 from .cache_ops import copy_blocks, write_kv
 from .metadata import AttentionMetadata
 from .reference import paged_attention_reference
@@ -15,6 +15,7 @@ __all__ = [
     "AttentionMetadata",
     "attention",
     "copy_blocks",
+    "mla_attention",
     "paged_attention",
     "paged_attention_reference",
     "write_kv",

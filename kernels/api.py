@@ -6,10 +6,11 @@ import torch
 
 from ._triton import HAS_TRITON
 from .metadata import AttentionMetadata
+from .mla import mla_attention_reference, mla_decode
 from .reference import paged_attention_reference
 from .triton_attention import paged_attention
 
-__all__ = ["attention"]
+__all__ = ["attention", "mla_attention"]
 
 _BACKENDS = ("auto", "triton", "reference")
 
@@ -45,3 +46,26 @@ def attention(
                                          chunk=chunk)
     return paged_attention(q, key_cache, value_cache, metadata, scale, window=window,
                            softcap=softcap, sinks=sinks, chunk=chunk, num_splits=num_splits)
+
+
+def mla_attention(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Absorbed-form MLA over paged latents (see :mod:`kvstore.kernels.mla`) on whatever
+    device the tensors live on: the Triton decode kernel for a batch of at most one query
+    per sequence with ``backend`` ``"triton"`` (or ``"auto"`` on CUDA), the PyTorch
+    reference otherwise (prefill, or ``"reference"``)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if q_latent.device.type == "cuda" and HAS_TRITON else "reference"
+    if backend == "triton" and metadata.max_seqlen_q <= 1:
+        return mla_decode(q_latent, q_rope, key_cache, value_cache, metadata, scale)
+    return mla_attention_reference(q_latent, q_rope, key_cache, value_cache, metadata, scale)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,8 +50,10 @@ _FULL, _SLIDING, _CHUNKED = "full_attention", "sliding_attention", "chunked_atte
 class HFModelConfig:
     """What the engine and the cache need to know of a transformers model: its vocabulary,
     layers, K/V heads and head size, dtype, each layer's window (None: full attention) and
-    attention chunk (None: not chunked; empty: none is). ``hf_config`` is transformers'
-    config as JSON (part of the model's fingerprint)."""
+    attention chunk (None: not chunked; empty: none is); for multi-head latent attention,
+    ``latent`` ``(kv_lora_rank, rope_dim)`` (the cache then holds one latent per token as
+    one K/V head of half its size). ``hf_config`` is transformers' config as JSON (part of
+    the model's fingerprint)."""
 
     model_type: str
     vocab_size: int
@@ -61,6 +65,7 @@ class HFModelConfig:
     windows: tuple[int | None, ...]
     hf_config: str
     chunks: tuple[int | None, ...] = ()
+    latent: tuple[int, int] | None = None
 
 
 def _get(hf_config: Any, key: str, default: Any = None) -> Any:
@@ -140,6 +145,9 @@ def hf_model_config(hf_config: Any, dtype: torch.dtype) -> HFModelConfig:
     head_dim = _get(hf_config, "head_dim")
     if head_dim is None:
         head_dim = _positive_int(hf_config, "hidden_size", _get(hf_config, "hidden_size")) // num_heads
+    latent = _mla_latent(hf_config)
+    if latent is not None:
+        num_kv_heads, head_dim = 1, sum(latent) // 2
     return HFModelConfig(
         model_type=str(_get(hf_config, "model_type", "")),
         vocab_size=_positive_int(hf_config, "vocab_size", _get(hf_config, "vocab_size")),
@@ -147,7 +155,85 @@ def hf_model_config(hf_config: Any, dtype: torch.dtype) -> HFModelConfig:
         head_dim=_positive_int(hf_config, "head_dim", head_dim), dtype=dtype, windows=windows,
         hf_config=hf_config.to_json_string(use_diff=False) if hasattr(hf_config, "to_json_string")
         else json.dumps(dict(hf_config), sort_keys=True, default=str),
-        chunks=layer_chunks(hf_config))
+        chunks=layer_chunks(hf_config), latent=latent)
+
+
+_MLA_MODEL_TYPES = ("deepseek_v3",)
+
+
+def _mla_latent(hf_config: Any) -> tuple[int, int] | None:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of a multi-head latent attention config, None
+    without ``kv_lora_rank``. ValueError naming the key for an MLA model kvstore does not
+    run, or a latent that does not fill two equal page halves."""
+    rank = _get(hf_config, "kv_lora_rank")
+    if rank is None:
+        return None
+    model_type = _get(hf_config, "model_type", "?")
+    if model_type not in _MLA_MODEL_TYPES:
+        raise ValueError(f"{model_type}: kv_lora_rank is set: multi-head latent attention is "
+                         f"served for {_MLA_MODEL_TYPES} only")
+    rank = _positive_int(hf_config, "kv_lora_rank", rank)
+    rope = _positive_int(hf_config, "qk_rope_head_dim", _get(hf_config, "qk_rope_head_dim"))
+    if (rank + rope) % 2:
+        raise ValueError(f"{model_type}: kv_lora_rank {rank} + qk_rope_head_dim {rope} is odd: "
+                         "the latent does not fill the two halves of a page")
+    return rank, rope
+
+
+def _mla_forward(self: nn.Module, hidden_states: torch.Tensor,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                 attention_mask: torch.Tensor | None, cache: Any = None, **kwargs: Any
+                 ) -> tuple[torch.Tensor, None]:
+    """A DeepSeek-V3 attention module's forward over kvstore's pages: the module's own
+    projections, norms and RoPE make the queries and the token's latent (normalized
+    compressed K/V, then the RoPE'd shared key); the latent is written to the layer's pages
+    and attention runs in the absorbed form over the cached latents
+    (:meth:`~kvstore.engine.runner.PagedAttention.attend_latent`), then ``W_UV`` and the
+    output projection. Under another ``attn_implementation`` (the model switched back to
+    transformers' own attention) it is transformers' forward."""
+    m: Any = self
+    if m.config._attn_implementation != ATTENTION_NAME:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask,
+                                  cache, **kwargs)
+    paged = kwargs.get(_BATCH_KWARG)
+    if paged is None:
+        raise _MissingBatch(f"attn_implementation {ATTENTION_NAME!r} runs only inside kvstore's "
+                            f"engine (no {_BATCH_KWARG!r} keyword argument)")
+    if hidden_states.shape[0] != 1:
+        raise ValueError(f"kvstore runs a packed batch as one row, got batch size "
+                         f"{hidden_states.shape[0]}")
+    t = hidden_states.shape[1]
+    nope, rope, rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+    if m.q_lora_rank is None:
+        q = m.q_proj(hidden_states)
+    else:
+        q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states)))
+    q = q.view(1, t, -1, m.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
+    kv_nope, k_rot = torch.split(m.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
+    kv_nope = m.kv_a_layernorm(kv_nope)
+    k_rot = k_rot.view(1, 1, t, rope)
+    family = sys.modules[type(self).__module__]  # transformers' own RoPE for this module
+    rotate = (family.apply_rotary_pos_emb_interleave if m.config.rope_interleave
+              else family.apply_rotary_pos_emb)
+    cos, sin = position_embeddings
+    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+    w = m.kv_b_proj.weight.view(m.num_heads, nope + m.v_head_dim, rank)
+    q_latent = torch.einsum("htn,hnr->thr", q_pass[0], w[:, :nope])
+    latent = torch.cat([kv_nope[0], k_rot[0, 0]], dim=-1)
+    out = paged.attend_latent(m.layer_idx, latent, q_latent, q_rot[0].transpose(0, 1),
+                              scale=float(m.scaling))
+    out = torch.einsum("thr,hvr->thv", out, w[:, nope:]).reshape(1, t, -1)
+    return m.o_proj(out), None
+
+
+def _serve_latent_attention(model: nn.Module) -> None:
+    """Run every multi-head latent attention module's forward over kvstore's latent pages
+    (:func:`_mla_forward`); the attention registry alone cannot, as it sees the
+    decompressed K/V."""
+    for module in model.modules():
+        if hasattr(module, "kv_b_proj") and hasattr(module, "kv_a_proj_with_mqa"):
+            module.forward = types.MethodType(_mla_forward, module)
 
 
 class _MissingBatch(RuntimeError):
@@ -260,6 +346,12 @@ class _Probe:
         self.calls[layer] = (int(k.shape[1]), int(k.shape[2]), int(v.shape[1]), int(v.shape[2]))
         return torch.zeros_like(q)
 
+    def attend_latent(self, layer: int, latent: torch.Tensor, q_latent: torch.Tensor,
+                      q_rope: torch.Tensor, *, scale: float) -> torch.Tensor:
+        half = latent.shape[-1] // 2
+        self.calls[layer] = (1, half, 1, half)
+        return torch.zeros_like(q_latent)
+
 
 def _probe(model: nn.Module, config: HFModelConfig) -> None:
     """ValueError unless a one-token forward calls the registered attention of every layer
@@ -306,6 +398,8 @@ class HFCausalLM(nn.Module):
         _check_modules(model, self.config)
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)  # type: ignore[operator]
+        if self.config.latent is not None:
+            _serve_latent_attention(model)
         self.hf = model.eval()
         _probe(model, self.config)
 
@@ -320,6 +414,12 @@ class HFCausalLM(nn.Module):
         None if not chunked."""
         self.layer_window(layer_idx)  # IndexError out of range
         return self.config.chunks[layer_idx] if self.config.chunks else None
+
+    def layer_latent(self, layer_idx: int) -> tuple[int, int] | None:
+        """``(kv_lora_rank, rope_dim)`` of a multi-head latent attention layer, None for any
+        other."""
+        self.layer_window(layer_idx)  # IndexError out of range
+        return self.config.latent
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention: PagedAttention, logits_indices: torch.Tensor | None = None

@@ -1035,6 +1035,12 @@ class DecoderModel(nn.Module):
         self.layer_window(layer_idx)  # IndexError out of range
         return None
 
+    def layer_latent(self, layer_idx: int) -> tuple[int, int] | None:
+        """``(kv_lora_rank, rope_dim)`` of a multi-head latent attention layer: None, these
+        models have none."""
+        self.layer_window(layer_idx)  # IndexError out of range
+        return None
+
     def layer_sinks(self, layer_idx: int) -> torch.Tensor | None:
         """Sink logits ``[num_heads]`` of layer ``layer_idx`` (one per query head, joining each
         softmax denominator unscaled), or None when the model has no attention sinks."""

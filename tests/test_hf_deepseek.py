@@ -1,0 +1,89 @@
+"""DeepSeek-V3 (``deepseek_v3``: multi-head latent attention, MoE with shared experts and
+group-limited routing) through kvstore's paged cache, against transformers' own forward
+and ``generate``.
+
+Each attention module's forward is replaced by one that writes the token's latent into an
+MLASpec group's pages and attends over the cached latents in the absorbed form. The
+harness is test_hf_backend's (prefix hits, a partial hit, a fork, chunked prefill, a pool
+small enough to preempt and evict)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import test_hf_backend as hb
+import torch
+
+from kvstore.engine.engine import EngineConfig, LLMEngine
+from kvstore.models.hf import load_hf_model
+from kvstore.specs import MLASpec
+
+DEEPSEEK: dict[str, Any] = dict(
+    num_key_value_heads=4, head_dim=8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+    topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32, n_shared_experts=1)
+
+
+def run(monkeypatch: pytest.MonkeyPatch, seed: int = 0, **keys: Any) -> None:
+    monkeypatch.setitem(hb.FAMILIES, "deepseek_v3", {**DEEPSEEK, **keys})
+    randomize = hb.randomize_
+    monkeypatch.setattr(hb, "randomize_", lambda model: randomize(model, seed=seed))
+    hb.run_family("deepseek_v3")
+
+
+def test_deepseek_v3_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    run(monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("seed", "keys"), [
+    (1, dict(q_lora_rank=None, rope_interleave=False)),
+    (2, dict(kv_lora_rank=12, qk_rope_head_dim=4, head_dim=4)),
+])
+def test_deepseek_v3_matches_transformers_grid(monkeypatch: pytest.MonkeyPatch, seed: int,
+                                               keys: dict[str, Any]) -> None:
+    run(monkeypatch, seed, **keys)
+
+
+def config(**keys: Any) -> Any:
+    return hb.transformers.AutoConfig.for_model("deepseek_v3",
+                                                **{**hb.BASE, **DEEPSEEK, **keys})
+
+
+def test_the_cache_holds_one_latent_per_token() -> None:
+    model = load_hf_model(config(), seed=0)
+    engine = LLMEngine(model, EngineConfig(num_blocks=16, block_size=hb.BLOCK))
+    (group,) = engine.config.groups
+    assert group.spec == MLASpec(hb.BLOCK, kv_lora_rank=16, rope_dim=8, dtype="float32")
+    assert group.spec.page_size_bytes == hb.BLOCK * (16 + 8) * 4
+
+
+def test_odd_latent_is_refused_naming_the_keys() -> None:
+    with pytest.raises(ValueError, match="kv_lora_rank 15 \\+ qk_rope_head_dim 8 is odd"):
+        load_hf_model(config(kv_lora_rank=15))
+
+
+def test_outside_the_engine_the_module_needs_the_batch_or_another_implementation() -> None:
+    model = load_hf_model(config(), seed=0)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(RuntimeError, match="runs only inside kvstore's engine"):
+        model.hf(input_ids=ids)
+    model.hf.set_attn_implementation("eager")
+    assert model.hf(input_ids=ids).logits.shape == (1, 3, hb.VOCAB)
+
+
+@pytest.mark.slow
+def test_triton_decode_kernel_through_deepseek_v3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps run the Triton MLA kernel (interpreted on CPU), prefill the reference."""
+    monkeypatch.setitem(hb.FAMILIES, "deepseek_v3", DEEPSEEK)
+    model, ref = hb.build("deepseek_v3")
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=hb.BLOCK,
+                                           max_num_batched_tokens=8,
+                                           attention_backend="triton"))
+    shared = hb.tokens(13, seed=1)
+    engine.generate([shared + [1]], hb.greedy(2))
+    outs = engine.generate([shared + [2, 3], hb.tokens(5, seed=2)], hb.greedy(3))
+    assert engine.stats.hit_tokens > 0
+    for out in outs:
+        hb.check_against_hf(ref, out)
