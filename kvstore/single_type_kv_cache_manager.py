@@ -1,4 +1,5 @@
-"""Per-group block tables: full attention keeps every block, sliding window drops old ones."""
+"""Per-group block tables: full attention keeps every block, sliding-window and chunked
+local layers drop the ones no later query attends."""
 
 from __future__ import annotations
 
@@ -699,8 +700,9 @@ class ChainSearch(HitSearch):
 
 
 class WindowSearch(HitSearch):
-    """Sliding window: a hit ending before block `end` needs the blocks covering the keys its
-    next query (at `end * block_size`) sees before itself, from block `start(end)` on.
+    """Sliding window or chunked local: a hit ending before block `end` needs the blocks
+    covering the keys its next query (at `end * block_size`) sees before itself, from block
+    `start(end)` on (`start` never decreases as `end` grows).
 
     The search keeps a candidate `end` and the lowest block `low` such that blocks
     [low, end) are verified. A missing block j rules out every end in (j, end] (all of their
