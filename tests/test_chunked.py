@@ -152,4 +152,4 @@ class ChunkedHybridMachine(th.HybridCacheMachine):
 
 
 TestChunkedHybrid = ChunkedHybridMachine.TestCase
-TestChunkedHybrid.settings = settings(th.HybridCacheMachine.TestCase.settings, max_examples=60)
+TestChunkedHybrid.settings = settings(th.HybridCacheMachine.TestCase.settings, max_examples=40)
