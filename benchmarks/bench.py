@@ -15,6 +15,7 @@ that finished (JSON, CSV and tables) and exits with status 130.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -32,7 +33,7 @@ from kvstore.benchmarks.output import (
     write_json,
     write_text,
 )
-from kvstore.benchmarks.simulator import TierOptions, open_store, parse_mem_store
+from kvstore.benchmarks.simulator import StepTime, TierOptions, open_store, parse_mem_store
 from kvstore.benchmarks.sweep import (
     DEFAULT_POLICIES,
     MODEL_SHAPES,
@@ -111,8 +112,8 @@ def _count(n: float) -> str:
 
 
 # The table's columns: (name, name in the narrow table or None, justify). The narrow
-# table fits 80 terminal columns; --wide shows all of them. The tier columns appear only
-# in a sweep with tiers, whose narrow table leaves out vs unb and steps to make room.
+# table fits 80 terminal columns (leaving out _DROP_ORDER's columns, in order, until it
+# does); --wide shows all of them. The tier columns appear only in a sweep with tiers.
 _COLUMNS: tuple[tuple[str, str | None, Literal["left", "right"]], ...] = (
     ("KV budget", "KV budget", "right"), ("policy", "policy", "left"), ("blocks", None, "right"),
     ("hit", "hit", "right"), ("device", None, "right"), ("host", "host", "right"),
@@ -120,25 +121,30 @@ _COLUMNS: tuple[tuple[str, str | None, Literal["left", "right"]], ...] = (
     ("vs unbnd", "vs unb", "right"), ("vs ideal", None, "right"),
     ("partial tok", None, "right"), ("evict", "evict", "right"), ("preempt", "preempt", "right"),
     ("recompute", "recomp", "right"), ("computed", "computed", "right"),
-    ("steps", "steps", "right"), ("peak KV", "peak KV", "right"), ("idle KV", None, "right"),
+    ("steps", "steps", "right"), ("conc", "conc", "right"), ("time", "time", "right"),
+    ("peak KV", "peak KV", "right"), ("idle KV", None, "right"),
 )
 _TIER_COLUMNS = frozenset({"device", "host", "store", "total hit"})
-_NARROW_WITHOUT_TIERS = frozenset({"vs unbnd", "steps"})
-TABLE_LEGEND = (
-    "hit: prompt tokens served from the cache at first admission; vs unb: hit tokens over "
-    "the unbounded replay's; evict: cached blocks reused for new content; preempt: "
-    "preemptions; recomp: tokens computed again after a preemption; computed: all tokens "
-    "computed; steps: scheduler steps to finish; peak KV: most KV memory in use; k/M: "
-    "thousands/millions; -: not applicable (no caching). --wide adds blocks, vs ideal, "
-    "partial-hit tokens and idle reserved KV.")
-TIER_LEGEND = (
-    "hit: prompt tokens served at first admission, from the device pool or the tiers; host, "
-    "store: the part of it from the host tier and the store; NAME+tiers: NAME with the tiers "
-    "below its pool; evict: cached blocks reused for new content; preempt: preemptions; "
-    "recomp: tokens computed again after a preemption; computed: all tokens computed; peak "
-    "KV: most device KV memory in use; k/M: thousands/millions; -: not applicable. --wide "
-    "adds blocks, the device's part of hit, the total hit rate over all admissions, vs "
-    "unbounded, vs ideal, partial-hit tokens, steps and idle reserved KV.")
+_DROP_ORDER = ("peak KV", "vs unbnd", "recompute", "evict", "store", "preempt")
+TABLE_WIDTH = 80
+
+
+def table_legend(result: SweepResult) -> str:
+    """What the narrow table's columns mean."""
+    tiers = bool(result.meta.tiers)
+    hit = ("prompt tokens served at first admission, from the device pool or the tiers; host, "
+           "store: the part of it from the host tier and the store; NAME+tiers: NAME with the "
+           "tiers below its pool" if tiers else "prompt tokens served from the cache at first "
+           "admission; vs unb: hit tokens over the unbounded replay's")
+    return (f"hit: {hit}; evict: cached blocks reused for new content; preempt: preemptions; "
+            "recomp: tokens computed again after a preemption; computed: all tokens computed; "
+            "steps: scheduler steps to finish; conc: requests running per step (mean); time: "
+            f"the steps under the step-time model ({result.meta.step_time.describe()}, "
+            "--step-time); peak KV: most KV memory in use; k/M: thousands/millions; -: not "
+            "applicable. --wide adds blocks, vs ideal, partial-hit tokens and idle reserved KV"
+            + (", the device's part of hit and the hit rate over all admissions." if tiers else ".")
+            + (" no fit: the pool cannot hold some request."
+               if not all(r.feasible for r in result.rows) else ""))
 
 
 def _short_bytes(n: float) -> str:
@@ -150,12 +156,20 @@ def _short_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _seconds(x: float | None) -> str:
+    """At most 6 characters: ``0.52s``, ``12.3s``, ``1234s``, ``1.2e5s``."""
+    if x is None:
+        return "-"
+    return f"{x:.2f}s" if x < 10 else f"{x:.1f}s" if x < 100 else f"{x:.0f}s" if x < 1e4 else f"{x:.1e}s"
+
+
 def _cells(r: SweepRow, wide: bool) -> list[str]:
     """Every column's cell of one row, in ``_COLUMNS`` order."""
     size = format_bytes if wide else _short_bytes
     budget = r.budget_label if wide else _short_bytes(r.budget_bytes or 0)
     if r.metrics is None:
-        return [budget or "", r.policy, str(r.num_blocks), *(["-"] * 14), "[red]does not fit[/red]"]
+        return [budget or "", r.policy, str(r.num_blocks), *(["-"] * (len(_COLUMNS) - 4)),
+                "[red]does not fit[/red]" if wide else "[red]no fit[/red]"]
     m = r.metrics
     policy = policy_named(r.policy)
     caching = policy.enable_caching
@@ -173,13 +187,8 @@ def _cells(r: SweepRow, wide: bool) -> list[str]:
             _pct(r.vs_unbounded), _pct(r.vs_ideal),
             _count(m.partial_hit_tokens) if caching else "-",
             _count(m.evictions), str(m.preemptions), _count(m.recomputed_tokens),
-            _count(m.computed_tokens), str(m.steps), size(m.peak_kv_bytes),
-            size(m.mean_idle_bytes)]
-
-
-# Narrow columns left out, in this order, while the table is wider than 80 columns.
-_DROP_ORDER = ("peak KV", "steps", "vs unbnd", "recompute", "store")
-TABLE_WIDTH = 80
+            _count(m.computed_tokens), str(m.steps), f"{m.mean_running:.1f}",
+            _seconds(r.model_time_s), size(m.peak_kv_bytes), size(m.mean_idle_bytes)]
 
 
 def _table(result: SweepResult, wide: bool, drop: Sequence[str] = ()) -> Any:
@@ -197,22 +206,18 @@ def _table(result: SweepResult, wide: bool, drop: Sequence[str] = ()) -> Any:
     else:  # no borders or padding: one space between columns
         t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     keep = [i for i, (name, narrow, _) in enumerate(_COLUMNS)
-            if (tiers or name not in _TIER_COLUMNS) and name not in drop
-            and (wide or (narrow and not (tiers and name in _NARROW_WITHOUT_TIERS)))]
+            if (tiers or name not in _TIER_COLUMNS) and name not in drop and (wide or narrow)]
     for i in keep:
         name, narrow, just = _COLUMNS[i]
         t.add_column(name if wide else narrow or name, justify=just, no_wrap=True)
     last = None
     for r in result.rows:
         cells = _cells(r, wide)
-        if r.point != last:
-            if last is not None:
-                t.add_section()
-        else:
+        if r.point != last and last is not None:
+            t.add_section()
+        elif r.point == last:
             cells[0] = ""
         last = r.point
-        if not wide and r.metrics is None:
-            cells[-2] = "[red]no fit[/red]"
         t.add_row(*(cells[i] for i in keep))
     return t
 
@@ -228,19 +233,24 @@ def _width(table: Any) -> int:
 
 
 def print_table(result: SweepResult, console: Any, wide: bool = False) -> list[str]:
-    """The sweep as a rich table, a row per (budget, policy): the columns that fit 80
-    terminal columns and a legend (returns the columns left out to fit), or with `wide`
-    every column."""
+    """The sweep as a rich table, a row per (budget, policy), and the per-group table.
+
+    Narrow (the default): the columns that fit 80 terminal columns and a legend; returns
+    the columns left out. When even the fewest columns do not fit (very long policy
+    names), one line says so instead of the table (``write_wide_table`` has it all).
+    With `wide`: every column."""
     drop: list[str] = []
     table = _table(result, wide)
     while not wide and _width(table) > TABLE_WIDTH and len(drop) < len(_DROP_ORDER):
         drop.append(_DROP_ORDER[len(drop)])
         table = _table(result, wide, drop)
+    if not wide and _width(table) > TABLE_WIDTH:
+        console.print(f"the table needs {_width(table)} columns even without "
+                      f"{', '.join(drop)} (long policy names): it is in table.txt only")
+        return drop
     console.print(table)
     if not wide:
-        console.print((TIER_LEGEND if result.meta.tiers else TABLE_LEGEND)
-                      + (" no fit: the pool cannot hold some request."
-                         if not all(r.feasible for r in result.rows) else ""), style="dim")
+        console.print(table_legend(result), style="dim")
     print_group_table(result, console)
     return drop
 
@@ -260,8 +270,8 @@ def print_group_table(result: SweepResult, console: Any) -> None:
     from rich import box
     from rich.table import Table
 
-    rows = [r for r in result.rows if r.metrics is not None
-            and (r.metrics.window_cached_pages or r.metrics.window_evictions)]
+    rows = [r for r in result.rows if r.metrics is not None and any(
+        r.metrics.kept_and_evicted("window"))]
     if not rows:
         return
     points = {r.point for r in rows}
@@ -274,10 +284,12 @@ def print_group_table(result: SweepResult, console: Any) -> None:
     for r in sorted([*rows, *full.values()], key=lambda r: (r.point, r.policy)):
         m = r.metrics
         assert m is not None
+        (full_kept, full_evicted), (window_kept, window_evicted) = (
+            m.kept_and_evicted(kind) for kind in ("full", "window"))
         t.add_row(_short_bytes(r.budget_bytes or 0), r.policy, _pct(m.prompt_hit_rate),
-                  _count(round(m.full_cached_pages)), _count(m.full_evictions),
-                  _count(round(m.window_cached_pages)) if r in rows else "-",
-                  _count(m.window_evictions) if r in rows else "-")
+                  _count(round(full_kept)), _count(full_evicted),
+                  _count(round(window_kept)) if r in rows else "-",
+                  _count(window_evicted) if r in rows else "-")
     console.print(t)
 
 
@@ -540,6 +552,17 @@ def _store_spec(text: str) -> str:
     return text
 
 
+def _step_time(text: str) -> StepTime:
+    """argparse type: ``A,B``, a step of n tokens taking A ms + n x B us."""
+    try:
+        a, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A,B (ms per step, us per token), got {text!r}") from None
+    if not (a >= 0 and b >= 0) or a + b == 0 or math.isinf(a + b):
+        raise argparse.ArgumentTypeError(f"A and B must be finite, >= 0 and not both 0, got {text!r}")
+    return StepTime(a / 1e3, b / 1e6)
+
+
 def _out_folder(text: str) -> Path:
     path = Path(text).expanduser()
     for p in (path, *path.parents):
@@ -697,6 +720,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-place", action="store_true",
                    help="write into --out itself, replacing files of the same names (how "
                         "docs/figures is made: --out docs/figures --in-place)")
+    p.add_argument("--step-time", type=_step_time, default=StepTime(), metavar="A,B",
+                   help="the step-time model of the time column: a step that computes n tokens "
+                        "takes A ms + n x B us (default: 5,40, an 8B model on one H100-class GPU)")
     p.add_argument("--wide", action="store_true",
                    help="print every column of the table (the default fits 80 columns)")
     p.add_argument("--host-tier-bytes", type=_tier_bytes, metavar="N",
@@ -794,7 +820,8 @@ def run_bench(args: argparse.Namespace) -> int:
     jobs = args.jobs if args.jobs is not None else min(4, os.cpu_count() or 1)
     try:
         result = _sweep_with_progress(console, workload, shape.name, args.block_size, budgets,
-                                      points, policies, sched, jobs, tiers or None)
+                                      points, policies, sched, jobs, tiers or None,
+                                      getattr(args, "step_time", StepTime()))
     except SweepInterrupted as e:
         return _save_interrupted(e.partial, out, args.in_place, run)
     dropped = print_table(result, console, wide=args.wide)
@@ -835,8 +862,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _sweep_with_progress(console: Any, workload: Workload, shape: str, block_size: int,
                          budgets: list[int] | None, points: int, policies: Sequence[str],
-                         sched: SchedulerConfig, jobs: int,
-                         tiers: TierOptions | None = None) -> SweepResult:
+                         sched: SchedulerConfig, jobs: int, tiers: TierOptions | None,
+                         step_time: StepTime) -> SweepResult:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -853,7 +880,8 @@ def _sweep_with_progress(console: Any, workload: Workload, shape: str, block_siz
 
         return run_sweep(workload, shape=shape, block_size=block_size, budgets=budgets,
                          num_points=points, policies=policies, scheduler_config=sched,
-                         jobs=jobs, progress=on_done, on_start=on_start, tiers=tiers)
+                         jobs=jobs, progress=on_done, on_start=on_start, tiers=tiers,
+                         step_time=step_time)
 
 
 def _check_store(spec: str, error: Callable[[str], NoReturn]) -> None:
@@ -889,8 +917,9 @@ def _save_interrupted(partial: SweepResult, out: Path, in_place: bool, run: RunI
 
 
 def headline(result: SweepResult) -> list[str]:
-    """Two or three lines a user can act on: where the caching policy's hit rate bends,
-    where the pool starts to preempt, and what the best policy saves over no caching."""
+    """Two or three lines a user can act on: where the reference caching policy's hit rate
+    bends, where the pool starts to preempt, and what the best caching policy saves over
+    no caching at the smallest budget, in tokens, steps and modeled time."""
     f = result.findings
     caching = [p for p in result.meta.policies if policy_named(p).enable_caching]
     if not caching:
@@ -904,18 +933,21 @@ def headline(result: SweepResult) -> list[str]:
             f"{ref}: {_pct(info['unbounded_prompt_hit_rate'])} of prompt tokens hit with room for "
             + (f"everything, under 95% of that from {bend} down: give the cache more than {bend}"
                if bend else "everything, and at least 95% of that at every budget here"))
-    feasible = [r for r in result.rows if r.metrics is not None]
     first = info.get("first_preemption", {}).get("label")
     lines.append(f"{ref}: " + (f"preemptions start at {first}: from there down, tokens are computed "
                                "again" if first else "no preemption at any budget here"))
-    small = max((r.point for r in feasible if r.budget_bytes), default=None)
-    at = {r.policy: r.metrics for r in feasible if r.point == small and r.metrics is not None}
-    best = min(caching, key=lambda p: at[p].computed_tokens if p in at else float("inf"))
+    feasible = [r for r in result.rows if r.metrics is not None and r.budget_bytes]
+    small = max((r.point for r in feasible), default=None)
+    at = {r.policy: r for r in feasible if r.point == small}
     base = at.get("paged") or at.get("naive")
-    if best in at and base is not None:
-        m = at[best]
-        budget = next(r.budget_bytes or 0 for r in feasible if r.point == small)
-        lines.append(f"at the smallest budget ({_short_bytes(budget)}) "
-                     f"{best} computes {m.computed_tokens / base.computed_tokens:.0%} of the tokens "
-                     f"of no caching, in {m.steps / max(1, base.steps):.0%} of the steps")
+    best = min((p for p in caching if p in at),
+               key=lambda p: at[p].model_time_s or 0.0, default=None)
+    if best is not None and base is not None:
+        m, b = at[best].metrics, base.metrics
+        assert m is not None and b is not None
+        lines.append(f"at the smallest budget ({_short_bytes(at[best].budget_bytes or 0)}) {best} "
+                     f"computes {m.computed_tokens / b.computed_tokens:.0%} of the tokens of no "
+                     f"caching ({base.policy}), in {m.steps / max(1, b.steps):.0%} of the steps "
+                     f"and {(at[best].model_time_s or 0) / (base.model_time_s or 1):.0%} of the "
+                     f"modeled time")
     return lines

@@ -100,6 +100,24 @@ def _close_tiers(connector: PlaceholderConnector) -> None:
     connector.close()
 
 
+@dataclass(frozen=True)
+class StepTime:
+    """A step-time model: a step that computes ``n`` tokens takes ``a + b * n`` seconds.
+
+    The default (5 ms + 40 us per token) is an 8B model on one H100-class GPU: the weights
+    read once per step, about 16 GFLOP per token at about 400 TFLOP/s."""
+
+    a: float = 0.005
+    b: float = 40e-6
+
+    def describe(self) -> str:
+        """``5 ms + 40 us/token``."""
+        return f"{self.a * 1e3:g} ms + {self.b * 1e6:g} us/token"
+
+
+DEFAULT_STEP_TIME = StepTime()
+
+
 @dataclass
 class SimResult:
     """Figures of one replay.
@@ -130,6 +148,7 @@ class SimResult:
     idle_slot_steps: int
     # Mean of (blocks in use / usable blocks) over steps.
     mean_usage: float
+    running_steps: int = 0  # requests running after each step was scheduled, summed over steps
     # Hit tokens at each request's first admission (what an infinite cache bounds).
     prompt_hit_tokens: int = 0
     # Sum over requests of prompt + max_tokens - 1: the work with no cache and no preemption.
@@ -177,6 +196,21 @@ class SimResult:
     def prompt_hit_rate(self) -> float:
         """First-admission hit tokens over prompt tokens (comparable to `ideal_hit_tokens`)."""
         return hit_rate(self.prompt_hit_tokens, self.prompt_tokens)
+
+    @property
+    def mean_running(self) -> float:
+        """Requests running per step, on average (the batch's concurrency)."""
+        return self.running_steps / self.steps if self.steps else 0.0
+
+    @property
+    def saved_tokens(self) -> int:
+        """Work the cache saved: expected minus computed tokens (negative: recompute cost more)."""
+        return self.expected_tokens - self.computed_tokens
+
+    def model_time(self, step: StepTime) -> float:
+        """Seconds the replay's steps take under `step` (each step costs
+        ``a + b * tokens computed in it``)."""
+        return step.a * self.steps + step.b * self.computed_tokens
 
     @property
     def usable_blocks(self) -> int:
@@ -232,14 +266,15 @@ class SimResult:
                 sum(self.evicted_by_group[g] for g in groups))
 
     def summary(self) -> dict[str, Any]:
-        """Every counter and derived figure, without the timeline (JSON-friendly)."""
-        out = {k: v for k, v in asdict(self).items() if k != "timeline"}
+        """Every counter and derived figure, flat (no per-group lists, no timeline)."""
+        out = {k: v for k, v in asdict(self).items()
+               if k not in ("timeline", "group_kinds", "cached_by_group", "evicted_by_group")}
         for kind in ("full", "window"):
             out[f"{kind}_cached_pages"], out[f"{kind}_evictions"] = self.kept_and_evicted(kind)
         for name in ("hit_rate", "total_hit_rate", "prompt_device_hit_tokens",
-                     "prompt_hit_rate", "usable_blocks", "kv_bytes", "peak_kv_bytes",
-                     "mean_idle_slots", "mean_idle_bytes", "peak_idle_bytes",
-                     "mean_idle_fraction", "leaked_blocks"):
+                     "prompt_hit_rate", "mean_running", "saved_tokens", "usable_blocks",
+                     "kv_bytes", "peak_kv_bytes", "mean_idle_slots", "mean_idle_bytes",
+                     "peak_idle_bytes", "mean_idle_fraction", "leaked_blocks"):
             out[name] = getattr(self, name)
         return out
 
@@ -294,19 +329,20 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
     specs = workload.requests if isinstance(workload, Workload) else workload
     connector = _tier_connector(config, tiers) if tiers else None
     try:
-        return _simulate(specs, config, enable_caching, enable_partial_hits, scheduler_config,
-                         step_time, record_timeline, on_step, eviction, connector,
-                         hold_window_pages)
+        return _replay(specs, config, connector, enable_caching, enable_partial_hits,
+                       scheduler_config, step_time, record_timeline, on_step, eviction,
+                       hold_window_pages)
     finally:
         if connector is not None:
             _close_tiers(connector)
 
 
-def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: bool,
-              enable_partial_hits: bool, scheduler_config: SchedulerConfig | None,
-              step_time: float, record_timeline: bool,
-              on_step: Callable[[Scheduler, SchedulerOutput], None] | None, eviction: str,
-              connector: PlaceholderConnector | None, hold_window_pages: bool) -> SimResult:
+def _replay(specs: list[RequestSpec], config: KVCacheConfig,
+            connector: PlaceholderConnector | None, enable_caching: bool,
+            enable_partial_hits: bool, scheduler_config: SchedulerConfig | None,
+            step_time: float, record_timeline: bool,
+            on_step: Callable[[Scheduler, SchedulerOutput], None] | None, eviction: str,
+            hold_window_pages: bool) -> SimResult:
     manager = new_manager(config, tiers=connector, enable_caching=enable_caching,
                           enable_partial_hits=enable_partial_hits, eviction=eviction,
                           hold_window_pages=hold_window_pages)
@@ -315,7 +351,7 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
     # pop() yields the earliest arrival; ties in the given order.
     pending = list(reversed(sorted(specs, key=lambda s: s.arrival)))
     clock = 0.0
-    idle_slot_steps = peak_idle = 0
+    idle_slot_steps = peak_idle = running_steps = 0
     usage_sum = 0.0
     cached_sum = [0] * len(config.groups)  # per group, cached pages summed over steps
     timeline: list[dict[str, float]] = []
@@ -335,6 +371,7 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
             output_tokens += spec.max_tokens
             expected_tokens += len(spec.prompt_token_ids) + spec.max_tokens - 1
         output = scheduler.schedule()
+        running_steps += len(scheduler.running)
         if connector is not None:  # the worker's part: offloads, then loads
             connector.take_transfers().run(None)
         for item in output.scheduled:
@@ -384,7 +421,8 @@ def _simulate(specs: list[RequestSpec], config: KVCacheConfig, enable_caching: b
         discarded_tokens=sstats.discarded_tokens,
         preemptions=sstats.preemptions, evictions=stats.evictions, steps=sstats.steps,
         peak_blocks=sstats.peak_blocks_in_use, copies=stats.copies_queued,
-        idle_slot_steps=idle_slot_steps, mean_usage=usage_sum / max(1, sstats.steps),
+        idle_slot_steps=idle_slot_steps, running_steps=running_steps,
+        mean_usage=usage_sum / max(1, sstats.steps),
         prompt_hit_tokens=sum(first_hit.values()), expected_tokens=expected_tokens,
         num_blocks=config.num_blocks, bytes_per_block=config.bytes_per_block,
         block_size=config.block_size,

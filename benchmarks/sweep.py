@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from kvstore.benchmarks.simulator import SimResult, TierOptions, simulate
+from kvstore.benchmarks.simulator import DEFAULT_STEP_TIME, SimResult, StepTime, TierOptions, simulate
 from kvstore.benchmarks.workloads import Workload, ideal_hit_tokens
 from kvstore.engine.scheduler import SchedulerConfig
 from kvstore.errors import RequestTooLargeError
@@ -291,71 +291,6 @@ def default_budgets(workload: Workload, shape: ModelShape, block_size: int,
 # ------------------------------------------------------------------------------ rows
 
 
-@dataclass(frozen=True)
-class ReplayMetrics:
-    """The figures of one replay that fitted (see :class:`SimResult` for their meaning)."""
-
-    num_requests: int
-    prompt_tokens: int
-    output_tokens: int
-    expected_tokens: int
-    queried_tokens: int
-    hit_tokens: int
-    hit_rate: float
-    prompt_hit_tokens: int
-    prompt_hit_rate: float
-    partial_hits: int
-    partial_hit_tokens: int
-    copies: int
-    evictions: int
-    preemptions: int
-    recomputed_tokens: int
-    discarded_tokens: int
-    computed_tokens: int
-    steps: int
-    finish_time: float
-    peak_blocks: int
-    peak_kv_bytes: int
-    kv_bytes: int
-    mean_usage: float
-    idle_slot_steps: int
-    mean_idle_bytes: float
-    peak_idle_bytes: int
-    mean_idle_fraction: float
-    leaked_blocks: int
-    # Tiers (0 without them): hit tokens by where they were found, at first admission
-    # (device + host + store = prompt_hit_tokens) and over all admissions.
-    prompt_device_hit_tokens: int
-    prompt_host_hit_tokens: int
-    prompt_store_hit_tokens: int
-    host_hit_tokens: int
-    store_hit_tokens: int
-    total_hit_rate: float
-    tier_offloaded_blocks: int
-    tier_loaded_blocks: int
-    tier_rejected_values: int
-    saved_tokens: int  # expected - computed: work the cache saved (negative: recompute cost more)
-    # What the full-attention groups and the sliding-window groups kept (cached pages, mean
-    # over steps) and lost (evictions), each summed over its groups.
-    full_cached_pages: float = 0.0
-    full_evictions: int = 0
-    window_cached_pages: float = 0.0
-    window_evictions: int = 0
-
-    @classmethod
-    def from_result(cls, res: SimResult) -> ReplayMetrics:
-        """The figures of a finished replay."""
-        derived = ("saved_tokens", "full_cached_pages", "full_evictions",
-                   "window_cached_pages", "window_evictions")
-        names = [f.name for f in fields(cls) if f.name not in derived]
-        full_kept, full_evicted = res.kept_and_evicted("full")
-        window_kept, window_evicted = res.kept_and_evicted("window")
-        return cls(**{n: getattr(res, n) for n in names},
-                   saved_tokens=res.expected_tokens - res.computed_tokens,
-                   full_cached_pages=full_kept, full_evictions=full_evicted,
-                   window_cached_pages=window_kept, window_evictions=window_evicted)
-
-
 @dataclass
 class SweepRow:
     """One replay: a policy at one budget (``budget_bytes`` None: the unbounded reference).
@@ -378,10 +313,11 @@ class SweepRow:
     feasible: bool
     error: str
     wall_s: float
-    metrics: ReplayMetrics | None = None
+    metrics: SimResult | None = None
     budget_label: str | None = None
     vs_unbounded: float | None = None
     vs_ideal: float | None = None
+    model_time_s: float | None = None  # the steps under the sweep's StepTime
 
     def as_dict(self) -> dict[str, Any]:
         """The flat row of the JSON and CSV files: the pool, the metrics, then the labels
@@ -392,7 +328,8 @@ class SweepRow:
                 break
             out[f.name] = getattr(self, f.name)
         if self.metrics is not None:
-            out.update(asdict(self.metrics))
+            out.update(self.metrics.summary())
+            out["model_time_s"] = self.model_time_s
         if self.budget_label is not None:
             out["budget_label"] = self.budget_label
             if self.feasible:
@@ -432,6 +369,7 @@ class SweepMeta:
     interrupted: bool = False  # Ctrl-C: only `completed_replays` of the rows are present
     # Tiers of the NAME+tiers policies: host tier bytes and store (empty without tiers).
     tiers: dict[str, Any] = field(default_factory=dict)
+    step_time: StepTime = DEFAULT_STEP_TIME  # the model behind each row's model_time_s
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
@@ -510,7 +448,7 @@ def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size:
             row.error = str(e)
         else:
             row.feasible = True
-            row.metrics = ReplayMetrics.from_result(res)
+            row.metrics = res
     row.wall_s = time.perf_counter() - t0
     return row
 
@@ -591,12 +529,13 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
               scheduler_config: SchedulerConfig | None = None, jobs: int | None = None,
               progress: Callable[[SweepTask, SweepRow], None] | None = None,
               on_start: Callable[[int], None] | None = None,
-              tiers: TierOptions | None = None) -> SweepResult:
+              tiers: TierOptions | None = None, step_time: StepTime = DEFAULT_STEP_TIME) -> SweepResult:
     """Replay `workload` under every policy at every budget (bytes, largest first), plus
     an unbounded reference per device-only caching policy, over `jobs` processes. With
     `tiers`, each caching policy also runs as ``NAME+tiers`` (unless the list names its
     tiered variants already).
 
+    Each row's ``model_time_s`` is its steps under `step_time`.
     `on_start(n)` is told how many replays will run; `progress(task, row)` is called as
     each one finishes. Ctrl-C stops the workers and raises :class:`SweepInterrupted`
     with the replays that finished."""
@@ -639,16 +578,16 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
     except KeyboardInterrupt:
         with sigint_ignored():
             partial = _collect(workload, shape, block_size, budgets, policies, sched, jobs, tiers,
-                               rows, len(tasks), time.perf_counter() - t0)
+                               rows, len(tasks), time.perf_counter() - t0, step_time)
         raise SweepInterrupted(partial) from None
     return _collect(workload, shape, block_size, budgets, policies, sched, jobs, tiers, rows,
-                    len(tasks), time.perf_counter() - t0)
+                    len(tasks), time.perf_counter() - t0, step_time)
 
 
 def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: list[int],
              policies: Sequence[str], sched: SchedulerConfig, jobs: int,
              tiers: TierOptions | None, rows: list[SweepRow],
-             total: int, wall: float) -> SweepResult:
+             total: int, wall: float, step_time: StepTime) -> SweepResult:
     """The result from the rows that finished: sorted, labelled, scored against the
     unbounded replays and the ideal."""
     order = {p: i for i, p in enumerate(policies)}
@@ -657,6 +596,9 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
     rows = [r for r in rows if not r.unbounded]
     ideal_tok = ideal_hit_tokens(workload.requests, include_outputs=True)
     ideal_blk = ideal_hit_tokens(workload.requests, block_size, include_outputs=True)
+    for r in [*rows, *unbounded.values()]:
+        if r.metrics is not None:
+            r.model_time_s = r.metrics.model_time(step_time)
     for r in rows:
         assert r.budget_bytes is not None
         r.budget_label = format_bytes(r.budget_bytes)
@@ -700,6 +642,7 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
         completed_replays=len(rows) + len(unbounded),
         interrupted=len(rows) + len(unbounded) < total,
         tiers={"host_bytes": tiers.host_bytes, "store": _redact(tiers.store)} if tiers else {},
+        step_time=step_time,
     )
     result = SweepResult(meta, rows, unbounded)
     result.findings = find_tension(result)
@@ -709,72 +652,27 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
 # ---------------------------------------------------------------------------- analysis
 
 
-def _hit_below(rate: float) -> Callable[[ReplayMetrics], bool]:
-    return lambda r: r.prompt_hit_rate < rate
-
-
 def find_tension(result: SweepResult) -> dict[str, Any]:
-    """Where caching stops paying, read off the rows (budgets largest first).
-
-    Per policy: the first budget with a preemption, and the first where tokens
-    recomputed after preemptions are at least a quarter of all computed tokens
-    ("thrash"). Per caching policy also: the first budget whose first-admission hit rate
-    is below 95% and below 50% of the unbounded replay's, the first where recomputed
-    tokens exceed the tokens the cache served at first admission, and per budget the
-    compute saved against paged without caching. For naive vs paged: steps and idle
-    reserved memory per budget."""
+    """Where caching stops paying, read off the rows (budgets largest first), per policy:
+    the first budget with a preemption and, for a caching policy, its unbounded replay's
+    first-admission hit rate and the first budget whose hit rate is below 95% of it."""
     out: dict[str, Any] = {}
     rows = [r for r in result.rows if r.metrics is not None]
     budgets = sorted({r.budget_bytes for r in rows if r.budget_bytes is not None}, reverse=True)
-    by = {(r.policy, r.budget_bytes): r.metrics for r in rows if r.metrics is not None}
-    policies = list(dict.fromkeys(r.policy for r in rows))
+    by = {(r.policy, r.budget_bytes): r.metrics for r in rows}
 
-    def first(name: str, pred: Callable[[ReplayMetrics], bool]) -> dict[str, Any]:
-        b = next((b for b in budgets if (r := by.get((name, b))) and pred(r)), None)
+    def first(name: str, pred: Callable[[SimResult], bool]) -> dict[str, Any]:
+        b = next((b for b in budgets if (m := by.get((name, b))) and pred(m)), None)
         return {"budget_bytes": b, "label": format_bytes(b) if b else None}
 
-    for name in policies:
-        info: dict[str, Any] = {
-            "first_preemption": first(name, lambda r: r.preemptions > 0),
-            "thrash": first(name, lambda r: r.recomputed_tokens >= 0.25 * r.computed_tokens),
-        }
-        ref = result.unbounded.get(POLICIES[name].reference if name in POLICIES else name)
+    for name in dict.fromkeys(r.policy for r in rows):
+        info: dict[str, Any] = {"first_preemption": first(name, lambda m: m.preemptions > 0)}
+        ref = result.unbounded.get(policy_named(name).reference)
         if ref is not None and ref.metrics is not None:
             base = ref.metrics.prompt_hit_rate
             info["unbounded_prompt_hit_rate"] = base
-            info["hit_below_95pct"] = first(name, _hit_below(0.95 * base))
-            info["hit_below_50pct"] = first(name, _hit_below(0.5 * base))
-            info["recompute_exceeds_hits"] = first(
-                name, lambda r: r.recomputed_tokens > r.prompt_hit_tokens)
-            savings = []
-            for b in budgets:
-                m, p = by.get((name, b)), by.get(("paged", b))
-                if m and p:
-                    savings.append({"budget_bytes": b, "budget_label": format_bytes(b),
-                                    "computed_paged": p.computed_tokens,
-                                    "computed": m.computed_tokens,
-                                    "saved_vs_paged": p.computed_tokens - m.computed_tokens,
-                                    "saved_frac": 1 - m.computed_tokens / p.computed_tokens,
-                                    "steps_paged": p.steps, "steps": m.steps})
-            info["savings_vs_paged"] = savings
+            info["hit_below_95pct"] = first(name, lambda m, b=base: m.prompt_hit_rate < 0.95 * b)
         out[name] = info
-    cmp = []
-    for b in budgets:
-        n, p = by.get(("naive", b)), by.get(("paged", b))
-        if n and p:
-            cmp.append({"budget_bytes": b, "budget_label": format_bytes(b),
-                        "steps_naive": n.steps, "steps_paged": p.steps,
-                        "steps_ratio": n.steps / p.steps,
-                        "mean_idle_bytes_naive": n.mean_idle_bytes,
-                        "mean_idle_bytes_paged": p.mean_idle_bytes,
-                        "mean_idle_frac_naive": n.mean_idle_fraction,
-                        "mean_idle_frac_paged": p.mean_idle_fraction,
-                        "peak_kv_bytes_naive": n.peak_kv_bytes,
-                        "peak_kv_bytes_paged": p.peak_kv_bytes,
-                        "computed_naive": n.computed_tokens,
-                        "computed_paged": p.computed_tokens,
-                        "preemptions_paged": p.preemptions})
-    out["naive_vs_paged"] = cmp
     return out
 
 
