@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
-import json
 import math
 import time
 from collections import OrderedDict
@@ -43,10 +42,10 @@ from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.sweep import ModelShape
 from kvstore.benchmarks.traces import (
     MOONCAKE_BLOCK_TOKENS,
+    HitCount,
     MooncakeRequest,
     leading_run,
     load_mooncake,
-    lru_hold,
     mooncake_lru_replay,
     mooncake_paper_points,
 )
@@ -88,6 +87,13 @@ def _trace(text: str) -> tuple[str, Path]:
     if not path.is_file():
         raise argparse.ArgumentTypeError(
             f"{text!r} is neither a built-in trace ({', '.join(TRACE_NAMES)}) nor a file")
+    try:
+        if not load_mooncake(path, 1):
+            raise ValueError(f"{path} has no rows")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{e} (expected Mooncake JSONL: a JSON object a line "
+                                         "with timestamp, input_length, output_length, "
+                                         "hash_ids)") from None
     return path.stem, path
 
 
@@ -133,7 +139,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the replays `args` ask for; write figures, JSON and CSV; print tables and a
-    headline."""
+    headline. A bad row in a trace file is a usage error."""
+    try:
+        return _run(args)
+    except ValueError as e:
+        if "bad Mooncake row" not in str(e):
+            raise
+        args.usage_error(f"argument --trace: {e}")
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.trace or args.what == ["memory"]:
         traces = dict(args.trace or [])
     else:
@@ -191,38 +206,35 @@ def _exists(key: str) -> bool:
 
 
 def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -> str:
-    """Device-only LRU, device + host tier (both offload modes), instances sharing a store;
-    printed, written as JSON, summed up in one line."""
+    """The LRU model device-only, with a host tier below it (written on free, or with what
+    the device evicts), and as instances sharing a store; printed, written as JSON, summed
+    up in one line."""
     rows = tr.load_mooncake(path, limit)
     bt = tr.MOONCAKE_BLOCK_TOKENS
     dev, host, n = args.device_tokens // bt, args.host_tokens // bt, args.instances
     if n < 1 or dev < n:
         args.usage_error(f"argument --instances: must be in 1..{dev} (device blocks), got {n}")
-    out: dict[str, Any] = {"trace": str(path), "device_only": tr.mooncake_lru_replay(rows, dev),
-                           "unbounded": tr.mooncake_lru_replay(rows, None)}
-    for mode in MODES:
-        out[mode] = tiered_replay(rows, dev, host, mode)
-    one = pooled_replay(rows, 1, dev, 0)
-    out["pooled"] = {"one": one, "local": pooled_replay(rows, n, dev // n, 0),
-                     "shared": pooled_replay(rows, n, dev // n, None)}
+    runs = {"device-only LRU": mooncake_lru_replay(rows, dev),
+            "device + host, on-free": mooncake_lru_replay(rows, dev, tier_blocks=host),
+            "device + host, write-back": mooncake_lru_replay(rows, dev, tier_blocks=host,
+                                                             write_back=True),
+            "unbounded": mooncake_lru_replay(rows, None),
+            f"{n} instances, local only": mooncake_lru_replay(rows, dev // n, instances=n),
+            f"{n} instances + shared store": mooncake_lru_replay(rows, dev // n, instances=n,
+                                                                 tier_blocks=None)}
     print(f"\ntiers {name}: {len(rows)} requests, device {args.device_tokens:,} tokens, host "
           f"{args.host_tokens:,}; block / token hit rate")
-    for label, r in [("device-only LRU", out["device_only"]),
-                     *((f"device + host, {m}", out[m]) for m in MODES),
-                     ("unbounded", out["unbounded"]), ("one instance", one),
-                     (f"{n} instances, local only", out["pooled"]["local"]),
-                     (f"{n} instances + shared store", out["pooled"]["shared"])]:
+    for label, r in runs.items():
         print(f"  {label:32s} {r['block_hit_rate']:6.3f} {r['token_hit_rate']:6.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
-    keep = ("block_hit_rate", "token_hit_rate", "host_hit_blocks", "store_hit_blocks")
-    (args.out / f"tier_replay_{name}.json").write_text(json.dumps(
-        {k: ({kk: v[kk] for kk in keep if kk in v} if "block_hit_rate" in v else
-             {p: {kk: q[kk] for kk in keep if kk in q} for p, q in v.items()})
-         if isinstance(v, dict) else v for k, v in out.items()}, indent=2))
-    shared = out["pooled"]["shared"]["block_hit_rate"] / one["block_hit_rate"]
-    return (f"tiers {name}: a host tier lifts LRU from {out['device_only']['block_hit_rate']:.3f} "
-            f"to {out['write-back']['block_hit_rate']:.3f}; {n} instances sharing a store keep "
-            f"{shared:.2f}x one instance's hits")
+    keep = ("block_hit_rate", "token_hit_rate", "device_hit_rate", "tier_hit_blocks")
+    write_json(args.out / f"tier_replay_{name}.json", {"trace": str(path), "rows": {
+        label: {k: r[k] for k in keep} for label, r in runs.items()}})
+    one, shared = runs["device-only LRU"], runs[f"{n} instances + shared store"]
+    return (f"tiers {name}: a host tier lifts LRU from {one['block_hit_rate']:.3f} to "
+            f"{runs['device + host, write-back']['block_hit_rate']:.3f}; {n} instances sharing "
+            f"a store keep {shared['block_hit_rate'] / one['block_hit_rate']:.2f}x one "
+            f"instance's hits")
 
 
 # --------------------------------------------------- lru: the pool against the LRU model
@@ -256,26 +268,20 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
     distinct = len({h for r in rows for h in r.hash_ids})
     cap = capacity_blocks
     pool_blocks = distinct if cap is None else min(cap, distinct)
-    input_tokens = sum(r.input_length for r in rows)
-    total_blocks = sum(len(r.hash_ids) for r in rows)
-    out: dict[str, Any] = {
-        "capacity_blocks": cap,
-        "capacity_tokens": None if cap is None else cap * block_tokens,
-        "pool_blocks": pool_blocks,
-        "requests": len(rows),
-        "input_tokens": input_tokens,
-        "total_blocks": total_blocks,
-    }
+    out: dict[str, Any] = {"capacity_blocks": cap,
+                           "capacity_tokens": None if cap is None else cap * block_tokens,
+                           "pool_blocks": pool_blocks}
+    count = HitCount(block_tokens)
     if pool_blocks == 0:  # nothing can be cached
-        out.update(hit_tokens=0, hit_blocks=0, evictions=0, link_breaks=0, unlinked_present=0,
-                   token_hit_rate=0.0, partial_tail_tokens=0, token_hit_rate_with_tails=0.0,
-                   block_hit_rate=0.0, per_request_hit_tokens=[0] * len(rows))
+        for req in rows:
+            count.add(req, 0)
+        out.update(count.totals(), evictions=0, link_breaks=0, unlinked_present=0,
+                   partial_tail_tokens=0, token_hit_rate_with_tails=0.0)
         return out
     pool = BlockPool(pool_blocks + 1, enable_caching=True, eviction=eviction)
     root = pool.root_serial(None)
     find, cached, touch = pool.find_cached, pool.cached_blocks, pool.touch
-    hit_tokens = hit_blocks = link_breaks = unlinked = tail_tokens = 0
-    per_request: list[int] = []
+    link_breaks = unlinked = tail_tokens = 0
     last_full: dict[int, MooncakeRequest] = {}  # id of a request's last full block -> request
     for req in rows:
         keep = req.hash_ids if cap is None else req.hash_ids[:cap]
@@ -312,19 +318,12 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
         n_full = req.input_length // block_tokens
         if n_full:
             last_full[req.hash_ids[n_full - 1]] = req
-        hit = min(k * block_tokens, req.input_length)
-        per_request.append(hit)
-        hit_tokens += hit
-        hit_blocks += k
+        count.add(req, k)
     if pool.num_free_blocks != pool.num_usable_blocks:
         raise RuntimeError("pool replay leaked blocks")
-    out.update(hit_tokens=hit_tokens, hit_blocks=hit_blocks, evictions=pool.stats.evictions,
-               link_breaks=link_breaks, unlinked_present=unlinked,
-               token_hit_rate=hit_rate(hit_tokens, input_tokens),
-               partial_tail_tokens=tail_tokens,
-               token_hit_rate_with_tails=hit_rate(hit_tokens + tail_tokens, input_tokens),
-               block_hit_rate=hit_rate(hit_blocks, total_blocks),
-               per_request_hit_tokens=per_request)
+    out.update(count.totals(), evictions=pool.stats.evictions, link_breaks=link_breaks,
+               unlinked_present=unlinked, partial_tail_tokens=tail_tokens,
+               token_hit_rate_with_tails=hit_rate(count.hit_tokens + tail_tokens, count.input_tokens))
     return out
 
 
@@ -545,19 +544,14 @@ def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
             last_seen[h] = r
     cache: dict[int, int] = {}  # id -> its current next use
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, id); stale entries skipped
-    input_tokens = hit_tokens = total_blocks = hit_blocks = evictions = unlinked = 0
-    per_request: list[int] = []
+    count = HitCount(block_tokens)
+    evictions = unlinked = 0
     for r, req in enumerate(rows):
         ids = req.hash_ids
         k = leading_run(ids, cache)
         keep = ids[:cap]
         unlinked += sum(1 for h in keep[k:] if h in cache)
-        hit = min(k * block_tokens, req.input_length)
-        per_request.append(hit)
-        hit_tokens += hit
-        hit_blocks += k
-        input_tokens += req.input_length
-        total_blocks += len(ids)
+        count.add(req, k)
         held = set(keep)
         need = len(cache) + sum(1 for h in keep if h not in cache) - cap
         while need > 0:
@@ -570,20 +564,8 @@ def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
         for depth, (h, nxt) in enumerate(zip(keep, next_use[r], strict=True)):
             cache[h] = nxt
             heapq.heappush(heap, (-nxt, -depth, h))
-    return {
-        "capacity_blocks": cap,
-        "capacity_tokens": cap * block_tokens,
-        "requests": len(rows),
-        "input_tokens": input_tokens,
-        "hit_tokens": hit_tokens,
-        "total_blocks": total_blocks,
-        "hit_blocks": hit_blocks,
-        "evictions": evictions,
-        "unlinked_present": unlinked,
-        "token_hit_rate": hit_rate(hit_tokens, input_tokens),
-        "block_hit_rate": hit_rate(hit_blocks, total_blocks),
-        "per_request_hit_tokens": per_request,
-    }
+    return {"capacity_blocks": cap, "capacity_tokens": cap * block_tokens, **count.totals(),
+            "evictions": evictions, "unlinked_present": unlinked}
 
 
 def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
@@ -604,15 +586,14 @@ def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: in
         later.update(ids)
     dead: OrderedDict[int, None] = OrderedDict()  # never used again; first = LRU
     live: OrderedDict[int, None] = OrderedDict()
-    input_tokens = hit_tokens = hit_blocks = evictions = 0
+    count = HitCount(block_tokens)
+    evictions = 0
     for r, req in enumerate(rows):
         ids = req.hash_ids
         k = 0
         while k < len(ids) and (ids[k] in live or ids[k] in dead):
             k += 1
-        hit_tokens += min(k * block_tokens, req.input_length)
-        hit_blocks += k
-        input_tokens += req.input_length
+        count.add(req, k)
         keep = ids[:cap]
         for h in keep:
             live.pop(h, None)
@@ -623,8 +604,7 @@ def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: in
         back = returns[r]
         for h in reversed(keep):
             (live if h in back else dead)[h] = None
-    return {"capacity_blocks": cap, "hit_tokens": hit_tokens, "hit_blocks": hit_blocks,
-            "evictions": evictions, "token_hit_rate": hit_rate(hit_tokens, input_tokens)}
+    return {"capacity_blocks": cap, **count.totals(), "evictions": evictions}
 
 
 def lirs_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
@@ -673,13 +653,11 @@ def lirs_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
             prune()
         hir.pop(h, None)
 
-    input_tokens = hit_tokens = hit_blocks = evictions = 0
+    count = HitCount(block_tokens)
+    evictions = 0
     for req in rows:
         ids = req.hash_ids
-        k = leading_run(ids, resident)
-        hit_tokens += min(k * block_tokens, req.input_length)
-        hit_blocks += k
-        input_tokens += req.input_length
+        count.add(req, leading_run(ids, resident))
         keep = ids[:cap]
         held = set(keep)
         for parent, child in itertools.pairwise(keep):
@@ -726,8 +704,7 @@ def lirs_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
                 else:
                     stack[h] = None
                     hir[h] = None
-    return {"capacity_blocks": cap, "hit_tokens": hit_tokens, "hit_blocks": hit_blocks,
-            "evictions": evictions, "token_hit_rate": hit_rate(hit_tokens, input_tokens)}
+    return {"capacity_blocks": cap, **count.totals(), "evictions": evictions}
 
 
 def brute_force_best_hit_blocks(requests: Sequence[MooncakeRequest], capacity_blocks: int) -> int:
@@ -914,8 +891,8 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
     resident = [0] * ng
     resident_sum = [0] * ng
     hit_pages = [0] * ng
-    input_tokens = hit_tokens = hit_blocks = total_blocks = truncated = cut_tokens = 0
-    per_request: list[int] = []
+    count = HitCount(block_tokens)
+    truncated = cut_tokens = 0
     for n, row in enumerate(rows):
         ids = row.hash_ids
         if len(ids) > max_blocks:
@@ -953,11 +930,7 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
         hit = min(k * block_tokens, row.input_length)
         cut_tokens += min(computed.num_verified_tokens, row.input_length) - min(
             hit, computed.num_verified_tokens)
-        per_request.append(hit)
-        hit_tokens += hit
-        hit_blocks += k
-        input_tokens += row.input_length
-        total_blocks += len(row.hash_ids)
+        count.add(row, k)
     if manager.num_free_blocks != manager.num_usable_blocks:
         raise RuntimeError("hybrid replay leaked pages")
     groups = []
@@ -977,17 +950,11 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
         "eviction": eviction if isinstance(eviction, str) else eviction.name,
         "capacity_tokens": capacity_tokens,
         "num_blocks": num_pages,
-        "requests": len(rows),
         "truncated": truncated,
-        "input_tokens": input_tokens,
-        "hit_tokens": hit_tokens,
-        "total_blocks": total_blocks,
-        "hit_blocks": hit_blocks,
-        "token_hit_rate": hit_rate(hit_tokens, input_tokens),
+        **count.totals(),
         "cut_tokens": cut_tokens,
-        "cut_rate": hit_rate(cut_tokens, input_tokens),
+        "cut_rate": hit_rate(cut_tokens, count.input_tokens),
         "groups": groups,
-        "per_request_hit_tokens": per_request,
     }
 
 
@@ -1091,120 +1058,6 @@ def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path],
               "curves": curves}
     write_json(out / "eviction_hybrid.json", result)
     return result
-
-
-# ----------------------------------------- tiers: a host tier, instances sharing a store
-
-
-MODES = ("on-free", "write-back")
-
-
-def tiered_replay(requests: Iterable[MooncakeRequest], device_blocks: int, host_blocks: int,
-                  mode: str = "on-free") -> dict[str, Any]:
-    """Replay rows (timestamp order) through a device LRU of ``device_blocks`` hash ids and
-    a host LRU of ``host_blocks``; hit blocks per tier and the block hit rates."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if device_blocks < 1 or host_blocks < 0:
-        raise ValueError(f"need device_blocks >= 1 and host_blocks >= 0, got {device_blocks}, "
-                         f"{host_blocks}")
-    rows = sorted(requests, key=lambda r: r.timestamp_ms)
-    dev: OrderedDict[int, None] = OrderedDict()
-    host: OrderedDict[int, None] = OrderedDict()
-    total = dev_hits = host_hits = input_tokens = hit_tokens = 0
-
-    def host_put(h: int) -> None:
-        if h in host:
-            host.move_to_end(h)
-            return
-        if host_blocks == 0:
-            return
-        while len(host) >= host_blocks:
-            host.popitem(last=False)
-        host[h] = None
-
-    for req in rows:
-        ids = req.hash_ids
-        total += len(ids)
-        k = leading_run(ids, dev)
-        j = k
-        while j < len(ids) and ids[j] in host:
-            host.move_to_end(ids[j])  # a load refreshes the block in the host tier
-            j += 1
-        dev_hits += k
-        host_hits += j - k
-        input_tokens += req.input_length
-        hit_tokens += min(j * MOONCAKE_BLOCK_TOKENS, req.input_length)
-        keep = ids[:device_blocks]
-        for evicted in lru_hold(dev, keep, device_blocks):
-            if mode == "write-back":
-                host_put(evicted)
-        if mode == "on-free":
-            for h in keep:
-                if h not in host:
-                    host_put(h)
-    return {"mode": mode, "device_blocks": device_blocks, "host_blocks": host_blocks,
-            "requests": len(rows), "total_blocks": total, "device_hit_blocks": dev_hits,
-            "host_hit_blocks": host_hits, "device_hit_rate": hit_rate(dev_hits, total),
-            "block_hit_rate": hit_rate(dev_hits + host_hits, total),
-            "token_hit_rate": hit_rate(hit_tokens, input_tokens)}
-
-
-def pooled_replay(requests: Iterable[MooncakeRequest], instances: int, device_blocks: int,
-                  store_blocks: int | None = 0) -> dict[str, Any]:
-    """Replay rows (timestamp order) dealt round-robin over ``instances`` device LRUs of
-    ``device_blocks`` hash ids each, sharing one store LRU of ``store_blocks`` ids (None:
-    unbounded; 0: no store, the instances are local-only). Hit blocks per tier, the block
-    and token hit rates over all instances, and each instance's block hit rate.
-
-    With one instance and no store this is :func:`mooncake_lru_replay` exactly."""
-    if instances < 1 or device_blocks < 1:
-        raise ValueError(f"need instances >= 1 and device_blocks >= 1, got {instances}, "
-                         f"{device_blocks}")
-    if store_blocks is not None and store_blocks < 0:
-        raise ValueError(f"store_blocks must be >= 0 or None, got {store_blocks}")
-    rows = sorted(requests, key=lambda r: r.timestamp_ms)
-    devs: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(instances)]
-    store: OrderedDict[int, None] = OrderedDict()
-    use_store = store_blocks is None or store_blocks > 0
-    total = dev_hits = store_hits = input_tokens = hit_tokens = 0
-    per_total = [0] * instances
-    per_hits = [0] * instances
-
-    for i, req in enumerate(rows):
-        n = i % instances
-        dev = devs[n]
-        ids = req.hash_ids
-        total += len(ids)
-        k = leading_run(ids, dev)
-        j = k
-        if use_store:
-            while j < len(ids) and ids[j] in store:
-                store.move_to_end(ids[j])  # a load refreshes the block in the store
-                j += 1
-        dev_hits += k
-        store_hits += j - k
-        per_total[n] += len(ids)
-        per_hits[n] += j
-        input_tokens += req.input_length
-        hit_tokens += min(j * MOONCAKE_BLOCK_TOKENS, req.input_length)
-        keep = ids[:device_blocks]
-        lru_hold(dev, keep, device_blocks)
-        if use_store:  # on free: write through the blocks the store lacks
-            for h in keep:
-                if h in store:
-                    continue
-                if store_blocks is not None:
-                    while len(store) >= store_blocks:
-                        store.popitem(last=False)
-                store[h] = None
-    return {"instances": instances, "device_blocks": device_blocks,
-            "store_blocks": store_blocks, "requests": len(rows), "total_blocks": total,
-            "device_hit_blocks": dev_hits, "store_hit_blocks": store_hits,
-            "device_hit_rate": hit_rate(dev_hits, total),
-            "block_hit_rate": hit_rate(dev_hits + store_hits, total),
-            "token_hit_rate": hit_rate(hit_tokens, input_tokens),
-            "per_instance_block_hit_rate": [hit_rate(h, t) for h, t in zip(per_hits, per_total, strict=True)]}
 
 
 # ------------------------------------- memory: a Gemma-3-like hybrid against all-full layers

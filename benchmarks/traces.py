@@ -356,6 +356,35 @@ def mooncake_paper_points(path: str | Path | None = None) -> dict[str, list[tupl
     return points
 
 
+class HitCount:
+    """Prefix hits over Mooncake rows counted as the paper does: a row hits its leading run
+    of cached ids, ``min(run * block_tokens, input_length)`` tokens."""
+
+    def __init__(self, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> None:
+        self.block_tokens = block_tokens
+        self.per_request: list[int] = []
+        self.input_tokens = self.hit_tokens = self.total_blocks = self.hit_blocks = 0
+
+    def add(self, req: MooncakeRequest, run: int) -> None:
+        """Count row `req` hitting its first `run` blocks."""
+        hit = min(run * self.block_tokens, req.input_length)
+        self.per_request.append(hit)
+        self.hit_tokens += hit
+        self.hit_blocks += run
+        self.input_tokens += req.input_length
+        self.total_blocks += len(req.hash_ids)
+
+    def totals(self) -> dict[str, Any]:
+        """``requests``, ``input_tokens``, ``hit_tokens``, ``total_blocks``, ``hit_blocks``,
+        ``token_hit_rate``, ``block_hit_rate`` and ``per_request_hit_tokens`` (in order)."""
+        return {"requests": len(self.per_request), "input_tokens": self.input_tokens,
+                "hit_tokens": self.hit_tokens, "total_blocks": self.total_blocks,
+                "hit_blocks": self.hit_blocks,
+                "token_hit_rate": hit_rate(self.hit_tokens, self.input_tokens),
+                "block_hit_rate": hit_rate(self.hit_blocks, self.total_blocks),
+                "per_request_hit_tokens": self.per_request}
+
+
 def lru_hold(lru: OrderedDict[int, None], keep: Sequence[int], capacity: int | None) -> list[int]:
     """The LRU model of a paged pool: a request's blocks `keep` are held (out of `lru`)
     while room is made by evicting the least recently used others (up to `capacity`
@@ -371,46 +400,59 @@ def lru_hold(lru: OrderedDict[int, None], keep: Sequence[int], capacity: int | N
     return evicted
 
 
-def mooncake_lru_replay(
-    requests: Iterable[MooncakeRequest],
-    capacity_blocks: int | None,
-    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-) -> dict[str, Any]:
-    """Replay Mooncake rows (timestamp order, one at a time) through `lru_hold` with
-    ``capacity_blocks`` hash ids (None: unbounded). A request hits the longest run of its
-    leading ids that are cached, ``min(hit_blocks * block_tokens, input_length)`` tokens,
-    and keeps at most its first ``capacity_blocks`` blocks.
+def mooncake_lru_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None,
+                        block_tokens: int = MOONCAKE_BLOCK_TOKENS, *, instances: int = 1,
+                        tier_blocks: int | None = 0, write_back: bool = False) -> dict[str, Any]:
+    """Replay Mooncake rows (timestamp order, one at a time, dealt round-robin over
+    `instances`) through `lru_hold`: each instance an LRU of ``capacity_blocks`` hash ids
+    (None: unbounded), all above one shared LRU tier of ``tier_blocks`` ids (0: none, None:
+    unbounded). A row hits the longest run of its leading ids cached on its instance, then
+    in the tier (a load refreshes the id there), and keeps at most its first
+    ``capacity_blocks`` blocks. The tier is written when a row ends with the kept ids it
+    lacks, or with `write_back` with the ids its instance evicts.
 
-    Returns totals (``input_tokens``, ``hit_tokens``, ``total_blocks``, ``hit_blocks``,
-    ``evictions``), ``token_hit_rate``, ``block_hit_rate`` and ``per_request_hit_tokens``
-    (in replay order)."""
+    Returns ``HitCount.totals`` (hits on the instance and the tier), ``evictions`` (from
+    the instances), ``tier_hit_blocks``, ``device_hit_rate`` and
+    ``per_instance_block_hit_rate``."""
     if capacity_blocks is not None and capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0 or None, got {capacity_blocks}")
-    rows = sorted(requests, key=lambda r: r.timestamp_ms)
-    cache: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+    if instances < 1 or (tier_blocks is not None and tier_blocks < 0):
+        raise ValueError(f"need instances >= 1 and tier_blocks >= 0 or None, got {instances}, "
+                         f"{tier_blocks}")
     cap = capacity_blocks
-    input_tokens = hit_tokens = total_blocks = hit_blocks = evictions = 0
-    per_request: list[int] = []
-    for req in rows:
+    lrus: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(instances)]
+    tier: OrderedDict[int, None] = OrderedDict()
+    count = HitCount(block_tokens)
+    evictions = tier_hits = 0
+    per_hits, per_total = [0] * instances, [0] * instances
+
+    def put(h: int) -> None:
+        if h in tier:
+            tier.move_to_end(h)
+            return
+        while tier_blocks is not None and len(tier) >= tier_blocks:
+            tier.popitem(last=False)
+        tier[h] = None
+
+    for i, req in enumerate(sorted(requests, key=lambda r: r.timestamp_ms)):
+        n = i % instances
         ids = req.hash_ids
-        k = leading_run(ids, cache)
-        hit = min(k * block_tokens, req.input_length)
-        per_request.append(hit)
-        hit_tokens += hit
-        hit_blocks += k
-        input_tokens += req.input_length
-        total_blocks += len(ids)
-        evictions += len(lru_hold(cache, ids if cap is None else ids[:cap], cap))
-    return {
-        "capacity_blocks": capacity_blocks,
-        "capacity_tokens": None if cap is None else cap * block_tokens,
-        "requests": len(rows),
-        "input_tokens": input_tokens,
-        "hit_tokens": hit_tokens,
-        "total_blocks": total_blocks,
-        "hit_blocks": hit_blocks,
-        "evictions": evictions,
-        "token_hit_rate": hit_rate(hit_tokens, input_tokens),
-        "block_hit_rate": hit_rate(hit_blocks, total_blocks),
-        "per_request_hit_tokens": per_request,
-    }
+        k = j = leading_run(ids, lrus[n])
+        while tier_blocks != 0 and j < len(ids) and ids[j] in tier:
+            tier.move_to_end(ids[j])
+            j += 1
+        count.add(req, j)
+        tier_hits += j - k
+        per_hits[n] += j
+        per_total[n] += len(ids)
+        keep = ids if cap is None else ids[:cap]
+        evicted = lru_hold(lrus[n], keep, cap)
+        evictions += len(evicted)
+        if tier_blocks != 0:
+            for h in evicted if write_back else (h for h in keep if h not in tier):
+                put(h)
+    return {"capacity_blocks": cap, "capacity_tokens": None if cap is None else cap * block_tokens,
+            **count.totals(), "evictions": evictions, "tier_hit_blocks": tier_hits,
+            "device_hit_rate": hit_rate(count.hit_blocks - tier_hits, count.total_blocks),
+            "per_instance_block_hit_rate": [hit_rate(h, t) for h, t in zip(per_hits, per_total,
+                                                                             strict=True)]}
