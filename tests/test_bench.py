@@ -188,7 +188,10 @@ def test_sweep_end_points():
     assert by["prefix", 0].metrics.prompt_hit_rate <= res.meta.ideal_block_hit_rate + 1e-12
     assert by["paged", 0].as_dict()["steps"] == by["paged", 0].metrics.steps  # the flat row
     assert set(res.unbounded) == {"prefix", "partial", "hybrid"}
-    assert "naive_vs_paged" in res.findings
+    assert res.findings["partial"]["first_preemption"]["label"] is None
+    m = by["paged", 0].metrics
+    assert by["paged", 0].model_time_s == pytest.approx(0.005 * m.steps + 40e-6 * m.computed_tokens)
+    assert 0 < m.mean_running <= 256
     assert res.meta.completed_replays == res.meta.total_replays == 3 * 5 + 3
     assert not res.meta.interrupted
 
@@ -331,17 +334,19 @@ def test_narrow_table_fits_80_columns():
     text = console.export_text()
     assert "…" not in text and max(map(len, text.splitlines())) <= 80
     assert "vs unb" in text and "hit:" in text and "no fit" in text
+    assert " conc " in text and " time" in text and "5 ms + 40 us/token" in text
     assert "Per group" in text and "window kept" in text  # the hybrid rows' breakdown
     # The breakdown splits the evictions by group kind; only hybrid rows have window groups.
     for r in res.rows:
         if r.metrics is None:
             continue
-        m = r.metrics
-        assert m.full_evictions + m.window_evictions == m.evictions
+        (full_kept, full_evicted), (window_kept, window_evicted) = (
+            r.metrics.kept_and_evicted(kind) for kind in ("full", "window"))
+        assert full_evicted + window_evicted == r.metrics.evictions
         if r.policy == "hybrid":
-            assert m.window_cached_pages > 0 and m.full_cached_pages > 0
+            assert window_kept > 0 and full_kept > 0
         elif r.policy in ("prefix", "partial"):
-            assert m.window_cached_pages == 0 and m.window_evictions == 0
+            assert window_kept == 0 and window_evicted == 0
     console = Console(width=200, record=True, color_system=None)
     print_table(res, console, wide=True)
     text = console.export_text()
@@ -459,3 +464,130 @@ def test_replay_memory_runs_without_traces(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "hybrid W=512" in out and "all full" in out and "memory: hybrid" in out
     assert (tmp_path / "hybrid_memory.png").stat().st_size > 0
+
+
+def test_table_that_cannot_fit_says_so():
+    """Policy names too long for 80 columns: one line instead of a cut table."""
+    from rich.console import Console
+
+    from kvstore.benchmarks import bench
+
+    w = load_bench_workload("mixed_default", limit=6, seed=1)
+    res = run_sweep(w, shape="tiny", block_size=16, num_points=2, policies=["paged"], jobs=1)
+    for r in res.rows:
+        r.policy = "p" * 60
+    console = Console(width=80, record=True, color_system=None)
+    assert bench.print_table(res, console)
+    text = console.export_text()
+    assert "table.txt only" in text and "…" not in text
+
+
+_TRACES = Path("/work/shared/traces")
+
+
+def _traces_dir() -> Path | None:
+    import os
+
+    for d in (os.environ.get("KVSTORE_TRACES"), Path(__file__).resolve().parents[2] / "shared" / "traces",
+              _TRACES):
+        if d and (Path(d) / "mooncake_conversation_trace.jsonl").is_file():
+            return Path(d)
+    return None
+
+
+def _tiny_argv(cmd: str, out: Path) -> tuple[list[str], str | None, list[str]]:
+    """A documented command with the smallest arguments that still run what it names:
+    (argv, why it cannot run here or None, files it must write under `out`)."""
+    import shutil
+
+    import torch
+
+    words = cmd.split()[2:]
+    question = words[0] if words and not words[0].startswith("-") else "sweep"
+    args = words[1:] if question != "sweep" or (words and words[0] == "sweep") else words
+
+    def drop(flag: str, has_value: bool = True) -> None:
+        while flag in args:
+            i = args.index(flag)
+            del args[i:i + 1 + has_value]
+
+    if "PYTHON" in args:
+        return [], "needs vLLM under another interpreter", []
+    if any(a.startswith("valkey") for a in args) or "--engines" in args and not shutil.which(
+            "valkey-server"):
+        return [], "needs a Valkey server", []
+    if "cuda" in args and not torch.cuda.is_available():
+        return [], "needs CUDA", []
+    traces = _traces_dir()
+    uses_trace = (question == "replay" and "memory" not in args) or any(
+        a.startswith("mooncake") for a in args)
+    if uses_trace and traces is None:
+        return [], "needs the Mooncake traces", []
+    if question == "sweep":
+        for flag in ("--out", "--points", "--jobs", "--limit"):
+            drop(flag)
+        drop("--in-place", False)
+        return (["bench", *args, "--quick", "--limit", "6", "--points", "2", "--jobs", "1",
+                 "--out", str(out), "--in-place"], None, ["sweep.json", "table.txt"])
+    if question == "replay":
+        for flag in ("--out", "--capacities", "--limit", "--jobs"):
+            drop(flag)
+        what = args[args.index("--what") + 1]
+        files = {"lru": "mooncake_hit_rate.json", "policies": "eviction_hit_rate.json",
+                 "layouts": "eviction_hybrid.json", "tiers": "tier_replay_conversation.json",
+                 "memory": "hybrid_memory.png"}
+        extra = (["--limit", "4"] if what == "memory" else
+                 ["--limit", "60", "--capacities", "1000000", "--trace", "conversation"])
+        if what == "tiers":
+            extra[-2:] = []
+            extra += ["--device-tokens", "100000", "--host-tokens", "1000000"]
+        return ["bench", "replay", *args, *extra, "--out", str(out)], None, [files[what]]
+    if question == "manager":
+        for flag in ("--repeats", "--requests"):
+            drop(flag)
+        drop("--quick", False)
+        if "--scenarios" not in args:
+            args += ["--scenarios", "full/pressured"]
+        return (["bench", "manager", *args, "--quick", "--requests", "6", "--repeats", "1"],
+                None, [])
+    if question == "tiers":
+        for flag in ("--reps", "--blocks", "--pool-blocks"):
+            drop(flag)
+        small = ["--reps", "1", "--blocks", "2", "--pool-blocks", "8", "--layers", "1",
+                 "--kv-heads", "1", "--head-dim", "8", "--json", str(out / "tiers.json")]
+        if "--engines" in args:
+            small = ["--prefixes", "1", "--prefix-len", "40", "--max-tokens", "2", "--layers", "1"]
+        return ["bench", "tiers", *args, *small], None, [] if "--engines" in args else ["tiers.json"]
+    assert question == "kernels", cmd
+    drop("--json")
+    return ["bench", "kernels", *args, "--json", str(out / "kernels.json")], None, []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", _documented_bench_commands())
+def test_documented_bench_command_runs(cmd, tmp_path, capsys, monkeypatch):
+    """Each documented ``kvstore bench`` command runs to its end with tiny arguments and
+    writes what it says (the kernels, without CUDA, say they cannot run here: status 2)."""
+    import torch
+
+    from kvstore.cli import main
+
+    argv, why, files = _tiny_argv(cmd.replace("REV", "HEAD"), tmp_path)
+    if why:
+        pytest.skip(why)
+    if (traces := _traces_dir()) is not None:
+        monkeypatch.setenv("KVSTORE_TRACES", str(traces))
+    if argv[1].startswith("-") and cmd != "kvstore bench --quick":  # one sweep draws the figures
+        from kvstore.benchmarks import bench
+
+        monkeypatch.setattr(bench, "write_figures", lambda *a, **k: [])
+    status = main(argv)
+    out = capsys.readouterr()
+    if argv[1] == "kernels" and not torch.cuda.is_available():
+        assert status == 2 and "CUDA" in out.err
+        return
+    assert status == 0, f"{' '.join(argv)}\n{out.out[-2000:]}\n{out.err[-2000:]}"
+    for name in files:
+        assert (tmp_path / name).stat().st_size > 0, name
+    if argv[1] not in ("replay", "manager", "tiers", "kernels"):
+        assert "preemption" in out.out  # the headline
