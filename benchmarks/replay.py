@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         if "bad Mooncake row" not in str(e):
             raise
-        args.usage_error(f"argument --trace: {e}")
+        return args.usage_error(f"argument --trace: {e}")
 
 
 def _run(args: argparse.Namespace) -> int:

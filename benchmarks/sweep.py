@@ -669,9 +669,9 @@ def find_tension(result: SweepResult) -> dict[str, Any]:
         info: dict[str, Any] = {"first_preemption": first(name, lambda m: m.preemptions > 0)}
         ref = result.unbounded.get(policy_named(name).reference)
         if ref is not None and ref.metrics is not None:
-            base = ref.metrics.prompt_hit_rate
-            info["unbounded_prompt_hit_rate"] = base
-            info["hit_below_95pct"] = first(name, lambda m, b=base: m.prompt_hit_rate < 0.95 * b)
+            bend = 0.95 * ref.metrics.prompt_hit_rate
+            info["unbounded_prompt_hit_rate"] = ref.metrics.prompt_hit_rate
+            info["hit_below_95pct"] = first(name, lambda m: m.prompt_hit_rate < bend)  # noqa: B023
         out[name] = info
     return out
 
