@@ -26,6 +26,8 @@ from typing import Any, Literal, NoReturn
 from kvstore.benchmarks.output import (
     RunInfo,
     name_list,
+    non_negative_int,
+    positive_int,
     pyplot,
     run_folder,
     save_figure,
@@ -489,26 +491,6 @@ def write_results(result: SweepResult, out: Path, run: RunInfo | None = None,
 
 
 # ---------------------------------------------------------------------------------- CLI
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    return _int_at_least(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0."""
-    return _int_at_least(text, 0)
-
-
-def _int_at_least(text: str, low: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-    return value
 
 
 _policy_list = name_list(tuple(POLICIES))

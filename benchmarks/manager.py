@@ -616,20 +616,14 @@ def _option(text: str) -> dict[str, Any]:
     return out
 
 
-def _count(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kvstore bench manager``."""
-    from kvstore.benchmarks.output import name_list
+    from kvstore.benchmarks.output import name_list, positive_int
 
     p.add_argument("--quick", action="store_true", help="60 requests, one repeat")
     p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
-    p.add_argument("--requests", type=_count, help="requests (default: 400, 60 with --quick)")
-    p.add_argument("--repeats", type=_count, help="alternated replays, fastest kept "
+    p.add_argument("--requests", type=positive_int, help="requests (default: 400, 60 with --quick)")
+    p.add_argument("--repeats", type=positive_int, help="alternated replays, fastest kept "
                    "(default: 3, 1 with --quick)")
     p.add_argument("--scenarios", type=name_list(tuple(SCENARIOS)), default=list(SCENARIOS),
                    metavar="LIST",

@@ -110,3 +110,23 @@ def name_list(known: Sequence[str]) -> Callable[[str], list[str]]:
                                              f"{', '.join(known)}")
         return list(dict.fromkeys(names))
     return parse
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value

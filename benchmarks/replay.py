@@ -37,7 +37,7 @@ from rich.table import Table
 
 from kvstore.benchmarks import traces as tr
 from kvstore.benchmarks.manager import new_manager
-from kvstore.benchmarks.output import name_list, pyplot, write_csv, write_json
+from kvstore.benchmarks.output import name_list, non_negative_int, positive_int, pyplot, write_csv, write_json
 from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.sweep import ModelShape
 from kvstore.benchmarks.traces import (
@@ -97,6 +97,11 @@ def _trace(text: str) -> tuple[str, Path]:
     return path.stem, path
 
 
+def _store_tokens(text: str) -> list[int | None]:
+    """argparse type: a comma list of token counts, ``inf`` for unbounded."""
+    return [None if t.strip() == "inf" else _tokens(t)[0] for t in text.split(",") if t.strip()]
+
+
 def _tokens(text: str) -> list[int]:
     from kvstore.benchmarks.sweep import parse_size
 
@@ -125,15 +130,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", type=name_list(tuple(EVICTION_POLICIES)),
                    default=list(EVICTION_POLICIES), metavar="LIST",
                    help=f"eviction policies, comma list of {', '.join(EVICTION_POLICIES)}")
-    p.add_argument("--limit", type=int, default=None, metavar="N",
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N",
                    help="first N rows of each trace; memory: requests per phase (default 100, "
                         "40 with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="the first 2000 rows, the paper's capacities for lru")
-    p.add_argument("--jobs", type=int, default=1, help="processes for layouts")
-    p.add_argument("--device-tokens", type=int, default=3_000_000, help="tiers: device capacity")
-    p.add_argument("--host-tokens", type=int, default=30_000_000, help="tiers: host tier capacity")
-    p.add_argument("--instances", type=int, default=4, help="tiers: instances sharing a store")
+    p.add_argument("--jobs", type=positive_int, default=1, help="processes for layouts")
+    p.add_argument("--device-tokens", type=positive_int, default=3_000_000,
+                   help="tiers: device capacity")
+    p.add_argument("--host-tokens", type=non_negative_int, default=30_000_000,
+                   help="tiers: host tier capacity")
+    p.add_argument("--instances", type=positive_int, default=4,
+                   help="tiers: instances sharing a store")
+    p.add_argument("--store-tokens", type=_store_tokens, metavar="LIST",
+                   help="tiers: comma list of store capacities in tokens, inf for unbounded "
+                        "(default: inf, 10x and 1x --device-tokens)")
     p.add_argument("--out", type=Path, default=Path("results/replay"), help="output folder")
 
 
@@ -219,9 +230,11 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
             "device + host, write-back": mooncake_lru_replay(rows, dev, tier_blocks=host,
                                                              write_back=True),
             "unbounded": mooncake_lru_replay(rows, None),
-            f"{n} instances, local only": mooncake_lru_replay(rows, dev // n, instances=n),
-            f"{n} instances + shared store": mooncake_lru_replay(rows, dev // n, instances=n,
-                                                                 tier_blocks=None)}
+            f"{n} instances, local only": mooncake_lru_replay(rows, dev // n, instances=n)}
+    for tokens in args.store_tokens or (None, 10 * args.device_tokens, args.device_tokens):
+        runs[f"{n} instances + store {'unbounded' if tokens is None else f'{tokens:,}'}"] = (
+            mooncake_lru_replay(rows, dev // n, instances=n,
+                                tier_blocks=None if tokens is None else tokens // bt))
     print(f"\ntiers {name}: {len(rows)} requests, device {args.device_tokens:,} tokens, host "
           f"{args.host_tokens:,}; block / token hit rate")
     for label, r in runs.items():
@@ -230,7 +243,7 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
     keep = ("block_hit_rate", "token_hit_rate", "device_hit_rate", "tier_hit_blocks")
     write_json(args.out / f"tier_replay_{name}.json", {"trace": str(path), "rows": {
         label: {k: r[k] for k in keep} for label, r in runs.items()}})
-    one, shared = runs["device-only LRU"], runs[f"{n} instances + shared store"]
+    one, shared = runs["device-only LRU"], runs[f"{n} instances + store unbounded"]
     return (f"tiers {name}: a host tier lifts LRU from {one['block_hit_rate']:.3f} to "
             f"{runs['device + host, write-back']['block_hit_rate']:.3f}; {n} instances sharing "
             f"a store keep {shared['block_hit_rate'] / one['block_hit_rate']:.2f}x one "
