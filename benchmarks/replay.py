@@ -23,6 +23,7 @@ import argparse
 import heapq
 import itertools
 import math
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -208,6 +209,13 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(what: str, capacities: Sequence[int]) -> Callable[[int], None]:
+    """A progress line on stderr as each capacity starts."""
+    order = {c: i for i, c in enumerate(capacities, 1)}
+    return lambda cap: print(f"  {what}: [{order[cap]}/{len(order)}] {cap:,} tokens ...",
+                             file=sys.stderr, flush=True)
+
+
 def _exists(key: str) -> bool:
     try:
         tr.locate_trace(key)
@@ -356,14 +364,15 @@ def _continued_tail(req: MooncakeRequest, k: int, last_full: dict[int, MooncakeR
 
 
 def replay_curve(requests: Sequence[MooncakeRequest], capacities_tokens: Sequence[int],
-                 block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                 check_oracle: bool = True) -> list[dict[str, Any]]:
+                 block_tokens: int = MOONCAKE_BLOCK_TOKENS, check_oracle: bool = True,
+                 progress: Callable[[int], None] = lambda cap: None) -> list[dict[str, Any]]:
     """Pool replay (and the oracle) at each capacity; one row per capacity, with
     ``agree`` True when the pool and the oracle give the same hits per request and the
     same eviction count."""
     rows = _by_time(requests)
     out = []
     for cap_tokens in capacities_tokens:
+        progress(cap_tokens)
         blocks = cap_tokens // block_tokens
         t0 = time.perf_counter()
         res = pool_replay(rows, blocks, block_tokens)
@@ -488,7 +497,8 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
     for name, path in traces.items():
         rows = load_mooncake(path, limit)
         t0 = time.perf_counter()
-        curves[name] = replay_curve(rows, caps, check_oracle=check_oracle)
+        curves[name] = replay_curve(rows, caps, check_oracle=check_oracle,
+                                    progress=_progress(f"lru {name}", caps))
         gaps[name] = gap_analysis(rows)
         agree = all(r.get("agree", True) for r in curves[name])
         log(f"mooncake {name}: {len(rows)} requests, {len(caps)} capacities in "
@@ -749,12 +759,14 @@ def gap_closed(rate: float, lru: float, opt: float) -> float | None:
 
 
 def policy_curves(rows: Sequence[MooncakeRequest], capacities: Sequence[int],
-                  policies: Sequence[str]) -> list[dict[str, Any]]:
+                  policies: Sequence[str],
+                  progress: Callable[[int], None] = lambda cap: None) -> list[dict[str, Any]]:
     """One row per capacity: each policy's token hit rate, LIRS's, the reuse oracle's, MIN's,
     and the gap each closes."""
     rows = _by_time(rows)
     out = []
     for cap_tokens in capacities:
+        progress(cap_tokens)
         blocks = cap_tokens // MOONCAKE_BLOCK_TOKENS
         row: dict[str, Any] = {"capacity_tokens": cap_tokens}
         t0 = time.perf_counter()
@@ -812,7 +824,8 @@ def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
     for name, path in traces.items():
         rows = load_mooncake(path, limit)
         t0 = time.perf_counter()
-        curves[name] = policy_curves(rows, capacities, policies)
+        curves[name] = policy_curves(rows, capacities, policies,
+                                     _progress(f"policies {name}", capacities))
         log(f"eviction {name}: {len(rows)} requests, {len(capacities)} capacities in "
             f"{time.perf_counter() - t0:.1f}s")
     plot_panels(curves, [
