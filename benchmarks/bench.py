@@ -25,6 +25,7 @@ from typing import Any, Literal, NoReturn
 
 from kvstore.benchmarks.output import (
     RunInfo,
+    mark_x,
     name_list,
     non_negative_int,
     positive_int,
@@ -324,11 +325,7 @@ def _plot_metric(ax: Any, data: Sequence[dict[str, Any]], key: str, policies: Se
         color, marker = _STYLE.get(base, (None, "o"))
         ax.plot([x for x, _ in pts], [y / scale for _, y in pts], marker=marker, color=color,
                 label=p, ms=5, ls="--" if base != p else "-")
-    ax.set_xscale("log")
-    budgets = sorted({d["budget_gib"] for d in data})
-    ax.set_xticks(budgets, [_short_bytes(b * 2**30) for b in budgets], rotation=45, ha="right",
-                  fontsize=7)
-    ax.minorticks_off()
+    mark_x(ax, [d["budget_gib"] for d in data], lambda b: _short_bytes(b * 2**30))
     ax.invert_xaxis()
     ax.grid(True, which="both", alpha=0.3)
 

@@ -80,6 +80,23 @@ def pyplot() -> Any:
     return plt
 
 
+def mark_x(ax: Any, xs: Sequence[float], label: Callable[[float], str]) -> None:
+    """A log x axis whose ticks are exactly `xs` (the budgets or capacities a figure plots),
+    labelled by `label`."""
+    ticks = sorted(set(xs))
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, [label(x) for x in ticks], rotation=45, ha="right", fontsize=7)
+    ax.minorticks_off()
+
+
+def short_count(n: float) -> str:
+    """``10k``, ``2.5M``, ``1G``."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:g}{unit}"
+    return f"{n:g}"
+
+
 def run_folder(out: Path, in_place: bool = False, when: datetime | None = None) -> Path:
     """The folder a run writes into, created: a fresh ``out/YYYYMMDD-HHMMSS`` subfolder
     (``-2``, ``-3``... when that name is taken), so that no run mixes its files with an

@@ -38,7 +38,16 @@ from rich.table import Table
 
 from kvstore.benchmarks import traces as tr
 from kvstore.benchmarks.manager import new_manager
-from kvstore.benchmarks.output import name_list, non_negative_int, positive_int, pyplot, write_csv, write_json
+from kvstore.benchmarks.output import (
+    mark_x,
+    name_list,
+    non_negative_int,
+    positive_int,
+    pyplot,
+    short_count,
+    write_csv,
+    write_json,
+)
 from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.sweep import ModelShape
 from kvstore.benchmarks.traces import (
@@ -466,7 +475,7 @@ def plot_curves(curves: dict[str, list[dict[str, Any]]],
                     mew=1.5, label=f"{name}: paper Fig. 9 (read by eye)")
         if ceilings and name in ceilings:
             ax.axhline(ceilings[name]["token_ceiling"], color=c, ls=":", lw=1)
-    ax.set_xscale("log")
+    mark_x(ax, [r["capacity_tokens"] for rows in curves.values() for r in rows], short_count)
     ax.set_xlabel("LRU cache capacity (tokens, 512-token blocks)")
     ax.set_ylabel("token hit rate (whole-block counting)")
     ax.set_title("Mooncake FAST'25 traces: hit rate vs cache capacity\n"
@@ -801,7 +810,7 @@ def plot_panels(curves: dict[str, list[dict[str, Any]]], lines: Sequence[Line], 
         xs = [r["capacity_tokens"] for r in rows]
         for key, fmt, kw, label in lines:
             ax.plot(xs, [r[key] for r in rows], fmt, label=label, **kw)
-        ax.set_xscale("log")
+        mark_x(ax, xs, short_count)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("token hit rate (whole blocks)")
         ax.set_title(title.format(name=name))
