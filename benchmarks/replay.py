@@ -1289,8 +1289,14 @@ def run_memory(out: Path, num_requests: int) -> str:
     sample_ids = [specs[i].request_id for i in (0, num_requests // 3, 2 * num_requests // 3)]
     layouts = [(f"hybrid W={w}", replace(MEMORY_SHAPE, sliding_window=w).hybrid_specs(16))
                for w in (512, 1024)] + [("all full", MEMORY_SHAPE.full_specs(16))]
-    saturated = [run_layout(name, ls, specs, sample_ids) for name, ls in layouts]
-    steady = [run_layout(name, ls, steady_specs, ()) for name, ls in layouts]
+    runs = []
+    for k, (phase, reqs, ids) in enumerate((("saturated", specs, sample_ids),
+                                              ("steady", steady_specs, ()))):
+        for j, (name, ls) in enumerate(layouts):
+            print(f"  memory: [{k * len(layouts) + j + 1}/{2 * len(layouts)}] {name}, {phase} ...",
+                  file=sys.stderr, flush=True)
+            runs.append(run_layout(name, ls, reqs, ids))
+    saturated, steady = runs[:len(layouts)], runs[len(layouts):]
     Console(width=160).print(memory_table(saturated, steady, specs, steady_specs, sample_ids))
     plot_memory(saturated, steady, sample_ids, out / "hybrid_memory.png")
     most = max(saturated[:-1], key=lambda r: r.max_running_no_preemption)
