@@ -23,7 +23,6 @@ TRITON_INTERPRET set).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvstore.benchmarks.output import write_json
 from kvstore.kernels import AttentionMetadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 64, 8, 128, 16
@@ -528,8 +528,7 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"device: {torch.cuda.get_device_name(0)}")
     if args.split_sweep:
         results = {"device": torch.cuda.get_device_name(0), "splits": run_split_sweep()}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
         return 0
     if args.check:
         t0 = time.perf_counter()
@@ -540,8 +539,7 @@ def run_command(args: argparse.Namespace) -> int:
         if args.skip_bench:
             return 0
     results = run_bench(args)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     print(f"wrote {args.json}")
     return 0
 

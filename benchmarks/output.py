@@ -53,7 +53,9 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """``obj`` as indented JSON (values JSON cannot hold are written as strings)."""
+    """``obj`` as indented JSON (values JSON cannot hold are written as strings); the
+    folder is created when missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, default=str)
 

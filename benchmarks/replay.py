@@ -256,7 +256,6 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
           f"{args.host_tokens:,}; block / token hit rate")
     for label, r in runs.items():
         print(f"  {label:32s} {r['block_hit_rate']:6.3f} {r['token_hit_rate']:6.3f}")
-    args.out.mkdir(parents=True, exist_ok=True)
     keep = ("block_hit_rate", "token_hit_rate", "device_hit_rate", "tier_hit_blocks")
     write_json(args.out / f"tier_replay_{name}.json", {"trace": str(path), "rows": {
         label: {k: r[k] for k in keep} for label, r in runs.items()}})

@@ -24,7 +24,6 @@ and the ratio path / baseline."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kvstore.benchmarks.output import write_json
 from kvstore.hashing import hash_block, root_hash
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.specs import FullAttentionSpec, make_kv_cache_config
@@ -264,8 +264,7 @@ def run_command(args: argparse.Namespace) -> int:
     for name, r in rows.items():
         print(f"{name:58s} {r['path_GBps']:10.3f} {r['plain_GBps']:11.3f} {r['ratio']:6.2f}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"config": cfg, "rows": rows}, indent=2))
+        write_json(args.json, {"config": cfg, "rows": rows})
     return 0
 
 
