@@ -39,23 +39,17 @@ def serve(role: str, store_url: str | None, args: dict[str, Any]) -> dict[str, A
     """Build the seeded model and an engine (with the store when ``store_url``), run the
     prompts of ``role`` (``a``, ``b``, or ``ab`` for both in turn), return tokens and
     counters."""
-    import torch
-
     from kvstore.engine.engine import EngineConfig, LLMEngine, SamplingParams, TierConfig
-    from kvstore.models.model import DecoderModel, ModelConfig, tiny_llama
+    from kvstore.models.presets import build_preset
 
-    torch.manual_seed(0)
-    base = tiny_llama()
-    config = ModelConfig(**{**base.__dict__, "num_layers": args["layers"],
-                            "layer_types": base.layer_types[:1] * args["layers"]})
-    model = DecoderModel(config)
+    model = build_preset("llama", seed=0, num_hidden_layers=args["layers"])
     engine = LLMEngine(model, EngineConfig(
         num_blocks=args["num_blocks"], block_size=args["block_size"],
         tiers=TierConfig(store_url=store_url) if store_url else None))
     prompts: list[list[int]] = []
     for r in role:
         prompts += prompts_for(r, args["prefixes"], args["prefix_len"], args["suffix_len"],
-                               config.vocab_size)
+                               model.config.vocab_size)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(max_tokens=args["max_tokens"]))
     seconds = time.perf_counter() - t0

@@ -1,6 +1,6 @@
-"""The `kvstore generate` demo: a tiny model (or a local checkpoint) over built-in prompts
-that share prefixes, run through the engine, with the cache statistics (a local checkpoint
-dir or GGUF file given as `--model PATH` runs on transformers' own modules); or, with
+"""The `kvstore generate` demo: a tiny random transformers model (or a local checkpoint dir
+or GGUF file) over built-in prompts that share prefixes, run through the engine, with the
+cache statistics; or, with
 ``--model smollm2``, a real chat model answering a multi-turn
 conversation and side requests that share its system prompt, with hit rates per request."""
 
@@ -27,49 +27,23 @@ from kvstore.engine.engine import (
     SamplingParams,
 )
 from kvstore.kv_cache_manager import CacheConfig
-from kvstore.models.model import PRESETS, DecoderModel, load_checkpoint_dir
+from kvstore.models.hf import HFCausalLM, load_hf_model
+from kvstore.models.presets import build_preset
 
 if TYPE_CHECKING:
-    from kvstore.models.gguf import ChatModel
-    from kvstore.models.hf import HFCausalLM
-
-
-def randomize_weights_(model: DecoderModel, seed: int = 0) -> DecoderModel:
-    """Re-initialise every parameter with seeded noise at a scale that gives peaked
-    attention and varied tokens (default inits make tiny random models near-uniform)."""
-    g = torch.Generator().manual_seed(seed)
-    gemma = model.config.gemma_norm
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g).to(p.dtype)
-            if "norm" in name:
-                p.copy_((0.0 if gemma else 1.0) + 0.2 * noise)
-            elif "embed_tokens" in name:
-                # Gemma scales embeddings by sqrt(hidden): undo it, or the residual stream
-                # is all embedding and a tied head keeps predicting the input token.
-                scale = model.config.hidden_size ** -0.5 if model.config.scale_embeddings else 1.0
-                p.copy_(noise * scale)
-            else:
-                p.copy_(noise * 2.0 / p.shape[-1] ** 0.5)
-    return model
+    from kvstore.models.chat import ChatModel
 
 
 def build_demo_model(name: str | Path = "gemma3", checkpoint: str | None = None, seed: int = 0,
-                     device: torch.device | str = "cpu") -> DecoderModel | HFCausalLM:
-    """A tiny random-initialised preset (``llama``, ``mistral``, ``gemma2``, ``gemma3``, ...),
-    the model of a local HF checkpoint dir when ``checkpoint`` is given, or, when ``name`` is
-    a path (a checkpoint dir or a GGUF file), transformers' own model of it over kvstore's
-    paged cache."""
-    if isinstance(name, Path):
-        from kvstore.models.hf import load_hf_model
-
-        return load_hf_model(name, device=device)
-    if checkpoint is not None:
-        return load_checkpoint_dir(checkpoint, device=device)
+                     device: torch.device | str = "cpu") -> HFCausalLM:
+    """A tiny preset with seeded random weights (``llama``, ``mistral``, ``gemma2``,
+    ``gemma3``, ...: :mod:`kvstore.models.presets`), or the model of a local checkpoint dir
+    (``checkpoint``, or ``name`` as a path) or GGUF file (``name``)."""
+    if isinstance(name, Path) or checkpoint is not None:
+        return load_hf_model(name if isinstance(name, Path) else checkpoint, device=device)
     if name not in DEMO_MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {DEMO_MODELS}")
-    model = randomize_weights_(DecoderModel(PRESETS[f"tiny_{name}"]()), seed)
-    return model.to(device).eval()
+    return build_preset(name, seed, device=device)
 
 
 def demo_prompts(vocab_size: int, block_size: int, seed: int = 0) -> list[list[int]]:
@@ -108,7 +82,7 @@ def engine_config(args: Any) -> EngineConfig:
                           enable_partial_hits=not args.no_partial_hits))
 
 
-def run_generate_demo(model: DecoderModel | HFCausalLM, prompts: Sequence[Sequence[int]],
+def run_generate_demo(model: HFCausalLM, prompts: Sequence[Sequence[int]],
                       sampling: SamplingParams, config: EngineConfig, model_name: str = "",
                       device: torch.device | str | None = None) -> DemoResult:
     """Run the first prompt alone, then the rest as one batch (which hit its cached
@@ -349,7 +323,7 @@ def run_chat_cli(args: argparse.Namespace, device: torch.device | str | None = N
     stderr when the model's packages are missing, ``--checkpoint`` is given too, the backend
     cannot run on ``device`` or the pool cannot hold a request."""
     from kvstore.errors import RequestTooLargeError
-    from kvstore.models.gguf import load_gguf_chat_model, smollm2_gguf_path
+    from kvstore.models.chat import load_gguf_chat_model, smollm2_gguf_path
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if getattr(args, "checkpoint", None):

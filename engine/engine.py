@@ -20,7 +20,6 @@ import torch
 from kvstore.engine.runner import ModelRunner, ModelRunnerOutput
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig
 from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
-from kvstore.models.model import DecoderModel
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.request import Request, as_token_list
 from kvstore.specs import (
@@ -184,7 +183,7 @@ class _Group:
     num_cached_tokens: int | None = None
 
 
-def kv_cache_specs(model: DecoderModel | HFCausalLM, block_size: int) -> list[KVCacheSpec]:
+def kv_cache_specs(model: HFCausalLM, block_size: int) -> list[KVCacheSpec]:
     """Per layer, the KV cache spec of a model: full attention, its sliding window, its
     attention chunk or its latent (multi-head latent attention)."""
     c = model.config
@@ -283,12 +282,17 @@ class LLMEngine:
     set up by an :class:`EngineConfig` (its defaults if None) on `device` (the model's
     if None)."""
 
-    def __init__(self, model: DecoderModel | HFCausalLM, config: EngineConfig | None = None,
+    def __init__(self, model: HFCausalLM, config: EngineConfig | None = None,
                  device: torch.device | str | None = None) -> None:
         if config is None:
             config = EngineConfig()
         elif not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        from kvstore.models.hf import HFCausalLM
+
+        if not isinstance(model, HFCausalLM):
+            raise TypeError(f"model must be an HFCausalLM (kvstore.models.hf: wrap a transformers "
+                            f"model with HFCausalLM(model)), got {type(model).__name__}")
         if device is None:
             device = next(model.parameters()).device
         self.engine_config = config

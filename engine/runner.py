@@ -5,9 +5,9 @@ A step's work arrives as a :class:`~kvstore.engine.scheduler.SchedulerOutput`. T
 1. runs the step's copy-on-write block copies on the device cache (before any write),
 2. lays every scheduled request's new tokens out one request after another (prefill
    chunks and decodes alike), with per-group block tables and slot mappings,
-3. runs the model with an :data:`~kvstore.models.model.AttentionFn` that, for layer ``i``,
-   writes the new K/V into the pages of the layer's group and reads the whole visible
-   context back through :func:`kvstore.kernels.attention`,
+3. runs the model with a :class:`PagedAttention` that, for layer ``i``, writes the new K/V
+   into the pages of the layer's group and reads the whole visible context back through
+   :func:`kvstore.kernels.attention`,
 4. returns the logits of the last token of every request whose step ends its known
    tokens (the ones that sample).
 """
@@ -25,7 +25,6 @@ from kvstore import kernels
 from kvstore.engine.scheduler import SchedulerOutput
 from kvstore.kernels.mla import split_latent
 from kvstore.kv_cache_manager import KVCacheManager
-from kvstore.models.model import DecoderModel
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.specs import AttentionSpec, MLASpec, dtype_name
 
@@ -147,13 +146,14 @@ def build_batch(output: SchedulerOutput, manager: KVCacheManager, block_size: in
 
 
 class ModelRunner:
-    """Runs scheduler steps of a :class:`DecoderModel` over a :class:`PagedKVCache`.
+    """Runs scheduler steps of an :class:`~kvstore.models.hf.HFCausalLM` over a
+    :class:`PagedKVCache`.
 
     ``attention_backend`` is passed to :func:`kvstore.kernels.attention`: ``"reference"`` (PyTorch),
     ``"triton"`` (the paged-attention kernel; on CPU only under ``TRITON_INTERPRET=1``) or
     ``"auto"`` (Triton on CUDA, the reference elsewhere)."""
 
-    def __init__(self, model: DecoderModel | HFCausalLM, cache: PagedKVCache,
+    def __init__(self, model: HFCausalLM, cache: PagedKVCache,
                  attention_backend: str = "reference") -> None:
         if attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}, "
@@ -181,29 +181,16 @@ class ModelRunner:
             return ModelRunnerOutput([], torch.empty(0, vocab, device=self.cache.device))
         batch = build_batch(output, manager, self.cache.block_size, self.num_groups,
                             self.cache.device)
-        attention = self.attention_fn(batch)
-        if isinstance(self.model, DecoderModel):
-            hidden = self.model(batch.input_ids, batch.positions, attention)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-        else:  # a transformers model: its own head computes the logits of the rows asked for
-            logits = self.model(batch.input_ids, batch.positions, attention, batch.logits_indices)
+        logits = self.model(batch.input_ids, batch.positions, PagedAttention(self, batch),
+                            batch.logits_indices)
         return ModelRunnerOutput(batch.sample_request_ids, logits)
-
-    def attention_fn(self, batch: BatchInputs) -> PagedAttention:
-        """The attention of one batch: an AttentionFn that writes the layer's new K/V, then
-        runs paged attention (with the layer's attention sinks when the model has
-        ``layer_sinks``)."""
-        return PagedAttention(self, batch)
 
 
 class PagedAttention:
     """One batch's attention over the paged cache: for layer ``i``, write the step's K/V
     into the pages of the layer's group, then run :func:`kvstore.kernels.attention` over the
-    visible context with the layer's window.
-
-    Called as an :data:`~kvstore.models.model.AttentionFn` ``(layer, q, k, v)``, it uses
-    the model's ``attn_scale``, ``attn_softcap`` and ``layer_sinks``; :meth:`attend` takes
-    them from the caller (a transformers attention module's own settings)."""
+    visible context with the layer's window and the scaling, softcap and sinks of the
+    caller (a transformers attention module's own settings)."""
 
     def __init__(self, runner: ModelRunner, batch: BatchInputs) -> None:
         self.runner = runner
@@ -217,14 +204,6 @@ class PagedAttention:
     def positions(self) -> torch.Tensor:
         """The absolute position of each of the batch's tokens (``[T]``)."""
         return self.batch.positions
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                 ) -> torch.Tensor:
-        model = self.runner.model
-        if not isinstance(model, DecoderModel):
-            raise TypeError("a transformers model's attention calls PagedAttention.attend")
-        return self.attend(layer, q, k, v, scale=model.attn_scale, softcap=model.attn_softcap,
-                           sinks=model.layer_sinks(layer))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None
@@ -261,7 +240,7 @@ def _latent_of(spec: AttentionSpec) -> tuple[int, int] | None:
     return (spec.kv_lora_rank, spec.rope_dim) if isinstance(spec, MLASpec) else None
 
 
-def check_cache_matches_model(model: DecoderModel | HFCausalLM, cache: PagedKVCache) -> None:
+def check_cache_matches_model(model: HFCausalLM, cache: PagedKVCache) -> None:
     """Raise ValueError unless every layer's cache group fits the layer (window, chunk,
     heads, head dim, dtype)."""
     c = model.config

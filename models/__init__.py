@@ -1,2 +1,3 @@
-"""Small decoder models (Llama-, Mistral-, Gemma-2- and Gemma-3-style) whose attention reads
-and writes through the paged cache; the engine that runs them is ``kvstore.engine``."""
+"""transformers decoders whose attention reads and writes through kvstore's paged cache
+(:mod:`kvstore.models.hf`), tiny random presets (:mod:`kvstore.models.presets`) and GGUF
+chat models (:mod:`kvstore.models.chat`); the engine that runs them is ``kvstore.engine``."""

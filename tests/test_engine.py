@@ -1,13 +1,13 @@
-"""The engine (scheduler + runner over kvstore) against HuggingFace transformers, CPU only.
+"""The engine (scheduler + runner over kvstore) against transformers' eager models, CPU only.
 
-HF models are built and re-initialised exactly as in ``test_models_hf`` (tiny configs,
-eager attention, fp32, no EOS). For every generated sequence we run HF once over the
-whole final sequence (prompt + our tokens): by causality, row ``P - 1 + k`` is HF's
-next-token logits after our first ``k`` tokens, i.e. what HF greedy decoding computes at
-step ``k``. Our logits must match those rows, and our greedy token must be HF's argmax
-wherever HF's top-2 gap exceeds ``TIE_GAP`` (so, absent near-ties, our sequence *is* HF's
-greedy sequence). Most cases use the reference attention backend; one small case per
-style runs the Triton kernel under ``TRITON_INTERPRET=1``.
+Models are the tiny presets (:mod:`kvstore.models.presets`: transformers' own modules, fp32,
+seeded peaked weights). For every generated sequence transformers' eager copy of the model
+runs once over the whole final sequence (prompt + our tokens): by causality, row ``P - 1 + k``
+is its next-token logits after our first ``k`` tokens, i.e. what greedy decoding computes at
+step ``k``. Our logits must match those rows, and our greedy token must be its argmax
+wherever the top-2 gap exceeds ``TIE_GAP`` (so, absent near-ties, our sequence *is* the
+greedy sequence). Most cases use the reference attention backend; one small case per style
+runs the Triton kernel under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -18,81 +18,59 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
 
-from engines import engine_config  # noqa: E402
-from test_models_hf import PRESETS, build_pair  # noqa: E402
+from engines import (  # noqa: E402
+    check_against_hf,
+    eager_reference,
+    engine_config,
+    greedy,
+    sample_tokens,
+    tokens,
+)
 
+from kvstore.cli import DEMO_MODELS  # noqa: E402
 from kvstore.cli import main as cli_main  # noqa: E402
 from kvstore.engine.engine import (  # noqa: E402
     EngineConfig,
     LLMEngine,
-    RequestOutput,
     SamplingParams,
     TierConfig,
     kv_cache_specs,
 )
 from kvstore.engine.runner import ModelRunner  # noqa: E402
 from kvstore.kv_cache_manager import CacheConfig  # noqa: E402
-from kvstore.models.model import DecoderModel, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
+from kvstore.models.hf import HFCausalLM  # noqa: E402
+from kvstore.models.presets import build_preset  # noqa: E402
 from kvstore.paged_kv_cache import PagedKVCache  # noqa: E402
 from kvstore.specs import make_kv_cache_config  # noqa: E402
 
-STYLES = list(PRESETS)
-ATOL = 1e-4
-TIE_GAP = 1e-3
+STYLES = ["llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3"]  # gpt_oss: test_gpt_oss
 BLOCK = 4  # small pages, so short prompts span several blocks and windows drop pages
+
+
+def build_pair(name: str, seed: int = 0, **changes) -> tuple[torch.nn.Module, HFCausalLM]:
+    """(transformers' eager model, the preset over kvstore) with the same weights."""
+    model = build_preset(name, seed, **changes)
+    return eager_reference(model), model
 
 
 @pytest.fixture(scope="module")
 def pairs() -> dict:
-    return {style: build_pair(make()) for style, make in PRESETS.items()}
+    return {style: build_pair(style) for style in STYLES}
 
 
-def tokens(n: int, seed: int, vocab: int = 256) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
+def window_of(model: HFCausalLM) -> int:
+    return next((w for w in model.config.windows if w is not None), 8)
 
 
-def window_of(model: DecoderModel) -> int:
-    return model.config.sliding_window or 8
-
-
-def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, n=n, return_logits=True)
-
-
-@torch.no_grad()
-def check_against_hf(hf: torch.nn.Module, out: RequestOutput) -> None:
-    """Every sample's logits and greedy tokens agree with HF along the sample's sequence."""
-    prompt = out.prompt_token_ids
-    p = len(prompt)
-    for sample in out.outputs:
-        assert sample.logits is not None
-        gen = sample.token_ids
-        assert len(gen) == sample.logits.shape[0] == len(sample.logprobs)
-        seq = torch.tensor(prompt + gen)
-        ref = hf(seq[None]).logits[0, p - 1 : p - 1 + len(gen)]
-        torch.testing.assert_close(sample.logits, ref, atol=ATOL, rtol=1e-4)
-        top2 = ref.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > TIE_GAP
-        hf_choice = ref.argmax(dim=-1)
-        ours = torch.tensor(gen)
-        assert torch.equal(ours[clear], hf_choice[clear]), (ours.tolist(), hf_choice.tolist())
-
-
-def sample_tokens(outs: list[RequestOutput]) -> list[list[list[int]]]:
-    return [[s.token_ids for s in o.outputs] for o in outs]
-
-
-def make_engine(model: DecoderModel, **kw) -> LLMEngine:
+def make_engine(model: HFCausalLM, **kw) -> LLMEngine:
     """An engine of `engine_config(**kw)` (256 pages of BLOCK tokens unless given)."""
     kw.setdefault("num_blocks", 256)
     kw.setdefault("block_size", BLOCK)
     return LLMEngine(model, engine_config(**kw))
 
 
-def check_engine_against_hf(hf: torch.nn.Module, model: DecoderModel, n: int, max_tokens: int,
+def check_engine_against_hf(hf: torch.nn.Module, model: HFCausalLM, n: int, max_tokens: int,
                             batched_tokens: int, small_batched_tokens: int,
                             **engine_kw) -> None:
     """A model through LLMEngine on prompts of about ``n`` tokens, every output checked
@@ -294,9 +272,7 @@ def test_triton_kernel_matches_hf(style: str, pairs: dict) -> None:
 @pytest.mark.parametrize("window", [1, BLOCK, 2 * BLOCK, 64])
 def test_window_edges_match_hf(window: int) -> None:
     """W = 1, W a multiple of the block size, W beyond the sequence, with a prefix hit."""
-    cfg = dataclasses.replace(tiny_mistral(), sliding_window=window, num_layers=2,
-                              layer_types=("sliding_attention",) * 2)
-    hf, model = build_pair(cfg, seed=5)
+    hf, model = build_pair("mistral", seed=5, sliding_window=window, num_hidden_layers=2)
     first = tokens(3 * BLOCK + 2, seed=70)
     second = first[: 2 * BLOCK + 1] + tokens(3, seed=71)
     engine = make_engine(model)
@@ -403,14 +379,13 @@ def test_engine_rejects_bad_input(pairs: dict) -> None:
 
 
 def test_runner_rejects_mismatched_cache() -> None:
-    mistral = DecoderModel(tiny_mistral())
-    config = make_kv_cache_config(kv_cache_specs(mistral, BLOCK), num_blocks=8)
+    config = make_kv_cache_config(kv_cache_specs(build_preset("mistral"), BLOCK), num_blocks=8)
     with pytest.raises(ValueError, match="does not match the model"):
-        ModelRunner(DecoderModel(tiny_llama()), PagedKVCache(config))
+        ModelRunner(build_preset("llama"), PagedKVCache(config))
 
 
 def test_memory_bytes_sizing() -> None:
-    model = DecoderModel(tiny_gemma3())
+    model = build_preset("gemma3")
     engine = LLMEngine(model, EngineConfig(memory_bytes=1 << 20, block_size=BLOCK))
     assert engine.config.num_blocks == (1 << 20) // engine.config.bytes_per_block
     assert engine.describe()["num_slots"] == 1
@@ -419,8 +394,15 @@ def test_memory_bytes_sizing() -> None:
 # ---------------------------------------------------------------------------- CLI
 
 
-def test_cli_generate_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["generate", "--model", "llama", "--max-tokens", "3", "--block-size", "4",
+def test_the_engine_takes_a_wrapped_model_only(pairs: dict) -> None:
+    hf, _ = pairs["llama"]
+    with pytest.raises(TypeError, match="HFCausalLM"):
+        LLMEngine(hf, EngineConfig(num_blocks=64))
+
+
+@pytest.mark.parametrize("name", DEMO_MODELS)
+def test_cli_generate_smoke(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["generate", "--model", name, "--max-tokens", "3", "--block-size", "4",
                      "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "hit_tokens" in out and "preemptions" in out
@@ -465,11 +447,8 @@ def test_sliding_layers_kept_whole_match_hf() -> None:
     padding slot); with typical_tokens below the window, one sliding layer is kept whole in
     the full-attention group (two groups of 4, no padding). Every output matches HF, and the
     tokens equal those of the padded layout."""
-    cfg = dataclasses.replace(
-        tiny_gemma3(), num_layers=8,
-        layer_types=("sliding_attention",) * 2 + ("full_attention",) + ("sliding_attention",) * 2
-        + ("full_attention",) + ("sliding_attention", "full_attention"))
-    hf, model = build_pair(cfg)
+    s, f = "sliding_attention", "full_attention"
+    hf, model = build_pair("gemma3", num_hidden_layers=8, layer_types=[s, s, f, s, s, f, s, f])
     w = window_of(model)
     padded = make_engine(model)
     packed = make_engine(model, typical_tokens=w)
@@ -502,7 +481,7 @@ def test_a_bad_engine_config_is_refused_when_made(make, error, match) -> None:
 
 
 def test_the_engine_takes_an_engine_config_only() -> None:
-    model = DecoderModel(tiny_llama())
+    model = build_preset("llama")
     with pytest.raises(TypeError, match="config must be an EngineConfig"):
         LLMEngine(model, {"num_blocks": 64})  # type: ignore[arg-type]
     engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=BLOCK,
