@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from kvstore.engine.fingerprint import model_fingerprint
-from kvstore.models.model import DecoderModel, RopeScaling, tiny_llama
+pytest.importorskip("transformers")
+
+from kvstore.engine.fingerprint import model_fingerprint  # noqa: E402
+from kvstore.models.hf import HFCausalLM  # noqa: E402
+from kvstore.models.presets import build_preset  # noqa: E402
 
 
-def twin(**changes) -> DecoderModel:
-    """A tiny Llama with the same weights as ``base()`` and these config changes."""
-    torch.manual_seed(0)
-    ref = DecoderModel(tiny_llama())
-    model = DecoderModel(dataclasses.replace(tiny_llama(), **changes))
-    model.load_state_dict(ref.state_dict())
-    return model
+def twin(preset: str = "llama", dtype: torch.dtype = torch.float32, **changes) -> HFCausalLM:
+    """A tiny preset with the same seeded weights as ``twin(preset)`` and these config
+    changes."""
+    return build_preset(preset, seed=0, dtype=dtype, **changes)
 
 
 def test_equal_models_get_equal_names():
@@ -25,16 +23,16 @@ def test_equal_models_get_equal_names():
     assert model_fingerprint(twin(), 16) == model_fingerprint(twin(), 16)
 
 
-@pytest.mark.parametrize("changes", [
-    {"rope_theta": 500000.0},
-    {"rms_norm_eps": 1e-5},
-    {"rope_scaling": RopeScaling("linear", 2.0)},
-    {"query_pre_attn_scalar": 8.0},
-    {"attn_logit_softcap": 50.0},
-    {"dtype": torch.bfloat16},
+@pytest.mark.parametrize(("preset", "changes"), [
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
+    ("llama", {"rms_norm_eps": 1e-5}),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+    ("llama", {"dtype": torch.bfloat16}),
+    ("gemma2", {"query_pre_attn_scalar": 8}),
+    ("gemma2", {"attn_logit_softcapping": 50.0}),
 ])
-def test_a_setting_that_changes_kv_changes_the_name(changes):
-    assert model_fingerprint(twin(**changes)) != model_fingerprint(twin())
+def test_a_setting_that_changes_kv_changes_the_name(preset, changes):
+    assert model_fingerprint(twin(preset, **changes)) != model_fingerprint(twin(preset))
 
 
 def test_block_size_and_weights_change_the_name():

@@ -793,15 +793,12 @@ def test_window_one_model_reports_no_hit_on_an_empty_cache() -> None:
 
 
 def test_window_one_engine_counts_only_cached_tokens() -> None:
-    import dataclasses
-
+    pytest.importorskip("transformers")
     from kvstore.engine.engine import EngineConfig, LLMEngine, SamplingParams
-    from kvstore.models.model import DecoderModel, tiny_mistral
+    from kvstore.models.presets import build_preset
 
-    torch.manual_seed(0)
-    cfg = dataclasses.replace(tiny_mistral(), sliding_window=1, num_layers=2,
-                              layer_types=("sliding_attention",) * 2)
-    engine = LLMEngine(DecoderModel(cfg), EngineConfig(num_blocks=64, block_size=BS))
+    model = build_preset("mistral", sliding_window=1, num_hidden_layers=2)
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=BS))
     prompt = list(range(13))
     (first,) = engine.generate([prompt], SamplingParams(max_tokens=2))
     assert first.num_cached_tokens == 0 and engine.stats.hit_tokens == 0

@@ -20,17 +20,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from kvstore.engine.engine import (  # noqa: E402
-    EngineConfig,
-    LLMEngine,
-    RequestOutput,
-    SamplingParams,
-)
+from engines import check_against_hf, eager_reference, greedy  # noqa: E402
+from engines import tokens as _tokens  # noqa: E402
+
+from kvstore.engine.engine import EngineConfig, LLMEngine, RequestOutput  # noqa: E402
 from kvstore.kv_cache_manager import CacheConfig  # noqa: E402
 from kvstore.models.hf import ATTENTION_NAME, HFCausalLM, layer_windows, load_hf_model  # noqa: E402
+from kvstore.models.presets import randomize_weights_  # noqa: E402
 
-ATOL = 1e-4
-TIE_GAP = 1e-3
 BLOCK = 4
 WINDOW = 8
 VOCAB = 256
@@ -85,60 +82,24 @@ def hf_config(model_type: str) -> Any:
     return transformers.AutoConfig.for_model(model_type, **{**BASE, **FAMILIES[model_type]})
 
 
-def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Weights at a scale that gives peaked attention and varied tokens (transformers'
-    default init makes tiny models near-uniform); norms keep their offset (1 or Gemma's 0)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g).to(p.dtype)
-            if "norm" in name:
-                p.add_(0.2 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.1 * noise)
-            elif "embed" in name:
-                p.copy_(noise * p.shape[-1] ** -0.5)
-            else:
-                p.copy_(noise * 2.0 / p.shape[-1] ** 0.5)
-
-
 def build(model_type: str) -> tuple[HFCausalLM, torch.nn.Module]:
     """(kvstore's model, transformers' eager copy with the same weights)."""
-    model = load_hf_model(hf_config(model_type), seed=0)
-    randomize_(model.hf)
-    ref = copy.deepcopy(model.hf)
-    ref.set_attn_implementation("eager")
-    return model, ref.eval()
+    return with_reference(load_hf_model(hf_config(model_type), seed=0))
+
+
+def with_reference(model: HFCausalLM) -> tuple[HFCausalLM, torch.nn.Module]:
+    randomize_weights_(model.hf)
+    return model, eager_reference(model)
 
 
 def tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
-
-
-def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, n=n, return_logits=True)
+    return _tokens(n, seed, VOCAB)
 
 
 def make_engine(model: HFCausalLM, num_blocks: int = 128, batched: int = 8) -> LLMEngine:
     return LLMEngine(model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK,
                                          max_num_batched_tokens=batched,
                                          cache=CacheConfig(enable_partial_hits=True)))
-
-
-@torch.no_grad()
-def check_against_hf(ref: torch.nn.Module, out: RequestOutput) -> None:
-    """Every sample's logits and greedy tokens agree with HF along the sample's sequence."""
-    p = len(out.prompt_token_ids)
-    for sample in out.outputs:
-        assert sample.logits is not None
-        gen = sample.token_ids
-        seq = torch.tensor(out.prompt_token_ids + gen)
-        want = ref(seq[None]).logits[0, p - 1: p - 1 + len(gen)]
-        torch.testing.assert_close(sample.logits, want, atol=ATOL, rtol=1e-4)
-        top2 = want.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > TIE_GAP
-        assert torch.equal(torch.tensor(gen)[clear], want.argmax(-1)[clear]), gen
 
 
 def run_family(model_type: str) -> None:
@@ -191,6 +152,58 @@ def test_family_matches_transformers(model_type: str) -> None:
 @pytest.mark.parametrize("model_type", [m for m in FAMILIES if m not in FAST])
 def test_family_matches_transformers_grid(model_type: str) -> None:
     run_family(model_type)
+
+
+# ------------------------------------------------------------- published config shapes
+
+# config.json dicts shaped like published ones (same RoPE, window rule and head layout;
+# reduced widths and depths), read by transformers as from_pretrained reads them.
+PUBLISHED: dict[str, dict[str, Any]] = {
+    # Llama-3.2-1B: llama3 RoPE (factor 32, low/high 1/4, theta 5e5), GQA 4:1, tied.
+    "llama3.2-llama3-rope": {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "head_dim": 16,
+        "max_position_embeddings": 256, "num_attention_heads": 4, "num_hidden_layers": 3,
+        "num_key_value_heads": 1, "rms_norm_eps": 1e-05, "tie_word_embeddings": True,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 40, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "vocab_size": VOCAB},
+    # Gemma-3-4B's text_config: only the keys it spells out, linear factor 8 on global layers.
+    "gemma3-4b-linear-rope": {
+        "model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 256,
+        "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": VOCAB, "sliding_window": WINDOW,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+    # Qwen2.5-7B-Instruct with its model card's YaRN block (legacy "type" key), window off.
+    "qwen2.5-yarn-rope": {
+        "model_type": "qwen2", "hidden_size": 112, "intermediate_size": 224,
+        "max_position_embeddings": 256, "max_window_layers": 3, "num_attention_heads": 7,
+        "num_hidden_layers": 3, "num_key_value_heads": 1, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "sliding_window": 131072, "use_sliding_window": False,
+        "vocab_size": VOCAB,
+        "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 40, "type": "yarn"}},
+    # Qwen2 naming its sliding layers in layer_types (which win over max_window_layers).
+    "qwen2-layer-types": {
+        "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
+        "max_window_layers": 3, "use_sliding_window": True, "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "vocab_size": VOCAB,
+        "max_position_embeddings": 256},
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_config_shapes_match_transformers(name: str) -> None:
+    """Past the RoPE's original context and the windows, alone and after a prefix hit."""
+    d = PUBLISHED[name]
+    cfg = transformers.CONFIG_MAPPING[d["model_type"]].from_dict(copy.deepcopy(d))
+    model, ref = with_reference(load_hf_model(cfg, seed=0))
+    engine = make_engine(model, batched=32)
+    prompt = tokens(60, seed=30)
+    (a,) = engine.generate([prompt], greedy(3))
+    (b,) = engine.generate([prompt[:50] + tokens(3, seed=31)], greedy(3))
+    assert b.num_cached_tokens >= 48
+    check_against_hf(ref, a)
+    check_against_hf(ref, b)
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -268,30 +281,6 @@ def test_triton_kernel_through_transformers_modules() -> None:
         assert engine.stats.hit_tokens > 0
         for out in outs:
             check_against_hf(ref, out)
-
-
-@pytest.mark.slow
-def test_gguf_through_transformers_loader() -> None:
-    """SmolLM2's GGUF read by transformers' loader runs through the paged cache."""
-    from kvstore.models.gguf import smollm2_gguf_path
-
-    try:
-        path = smollm2_gguf_path()
-    except (ModuleNotFoundError, FileNotFoundError) as e:
-        pytest.skip(str(e))
-    model = load_hf_model(path)
-    ref = copy.deepcopy(model.hf)
-    ref.set_attn_implementation("eager")
-    engine = make_engine(model, num_blocks=64, batched=32)
-    prompt = tokens(40, seed=7)
-    engine.generate([prompt], greedy(2))
-    (out,) = engine.generate([prompt[:30] + [5, 6]], greedy(4))
-    assert out.num_cached_tokens >= 28
-    with torch.no_grad():
-        seq = torch.tensor(out.prompt_token_ids + out.outputs[0].token_ids)
-        want = ref(seq[None]).logits[0, 31:-1]
-    assert out.outputs[0].logits is not None
-    torch.testing.assert_close(out.outputs[0].logits, want, atol=2e-3, rtol=1e-3)
 
 
 def test_host_tier_restores_a_prefix_the_device_pool_dropped() -> None:

