@@ -97,5 +97,6 @@ def load_gguf_chat_model(path: str | Path, dtype: torch.dtype = torch.float32,
                                               local_files_only=True)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{path.name} has no chat template (tokenizer.chat_template)")
-    stops = _token_ids(tokenizer.eos_token_id) + _token_ids(model.hf.config.eos_token_id)
+    config: Any = model.hf.config
+    stops = _token_ids(tokenizer.eos_token_id) + _token_ids(config.eos_token_id)
     return ChatModel(model, tokenizer, tuple(dict.fromkeys(stops)), path.stem)
