@@ -82,13 +82,13 @@ def hf_config(model_type: str) -> Any:
     return transformers.AutoConfig.for_model(model_type, **{**BASE, **FAMILIES[model_type]})
 
 
-def build(model_type: str) -> tuple[HFCausalLM, torch.nn.Module]:
-    """(kvstore's model, transformers' eager copy with the same weights)."""
-    return with_reference(load_hf_model(hf_config(model_type), seed=0))
+def build(model_type: str, seed: int = 0) -> tuple[HFCausalLM, torch.nn.Module]:
+    """(kvstore's model, transformers' eager copy with the same weights drawn by ``seed``)."""
+    return with_reference(load_hf_model(hf_config(model_type), seed=0), seed)
 
 
-def with_reference(model: HFCausalLM) -> tuple[HFCausalLM, torch.nn.Module]:
-    randomize_weights_(model.hf)
+def with_reference(model: HFCausalLM, seed: int = 0) -> tuple[HFCausalLM, torch.nn.Module]:
+    randomize_weights_(model.hf, seed)
     return model, eager_reference(model)
 
 
@@ -102,8 +102,8 @@ def make_engine(model: HFCausalLM, num_blocks: int = 128, batched: int = 8) -> L
                                          cache=CacheConfig(enable_partial_hits=True)))
 
 
-def run_family(model_type: str) -> None:
-    model, ref = build(model_type)
+def run_family(model_type: str, seed: int = 0) -> None:
+    model, ref = build(model_type, seed)
     n, max_tokens = 18, 5
     shared = tokens(n, seed=1)
 

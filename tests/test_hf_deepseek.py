@@ -27,9 +27,7 @@ DEEPSEEK: dict[str, Any] = dict(
 
 def run(monkeypatch: pytest.MonkeyPatch, seed: int = 0, **keys: Any) -> None:
     monkeypatch.setitem(hb.FAMILIES, "deepseek_v3", {**DEEPSEEK, **keys})
-    randomize = hb.randomize_
-    monkeypatch.setattr(hb, "randomize_", lambda model: randomize(model, seed=seed))
-    hb.run_family("deepseek_v3")
+    hb.run_family("deepseek_v3", seed)
 
 
 def test_deepseek_v3_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,9 +26,7 @@ LLAMA4: dict[str, Any] = dict(
 
 def run(monkeypatch: pytest.MonkeyPatch, seed: int = 0, **keys: Any) -> None:
     monkeypatch.setitem(hb.FAMILIES, "llama4_text", {**LLAMA4, **keys})
-    randomize = hb.randomize_
-    monkeypatch.setattr(hb, "randomize_", lambda model: randomize(model, seed=seed))
-    hb.run_family("llama4_text")
+    hb.run_family("llama4_text", seed)
 
 
 def test_llama4_text_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
