@@ -167,6 +167,11 @@ def _run_generate_or_chat(args: argparse.Namespace) -> int:
     """The chat demo for a real model, else the tiny presets' demo."""
     if isinstance(args.model, Path) and args.checkpoint is not None:
         args.usage_error("argument --checkpoint: not allowed with --model PATH")
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        args.usage_error("models run on transformers' modules, which are not installed: "
+                         "pip install torch==2.13.0 -e '.[smollm2]'")
     if args.model in REAL_MODELS:
         from kvstore.cli.generate import run_chat_cli
 
