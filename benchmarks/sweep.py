@@ -30,6 +30,7 @@ from kvstore.specs import (
     DTYPE_ITEMSIZE,
     FullAttentionSpec,
     KVCacheSpec,
+    MLASpec,
     SlidingWindowSpec,
     make_kv_cache_config,
 )
@@ -44,7 +45,9 @@ class ModelShape:
 
     The hybrid layout makes every ``sliding_per_full + 1``-th layer full attention and
     the others sliding-window layers of ``sliding_window`` tokens (Gemma 3: 5 local : 1
-    global, window 1024)."""
+    global, window 1024; 0: every layer full). With ``kv_lora_rank`` and ``rope_dim`` the
+    layers are multi-head latent attention (``MLASpec``: one latent per token, stored as
+    one head of half its size, so ``num_kv_heads`` 1 and ``head_dim`` half the latent)."""
 
     name: str
     num_layers: int
@@ -54,6 +57,8 @@ class ModelShape:
     sliding_window: int = 1024
     sliding_per_full: int = 5
     note: str = ""
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
 
     @property
     def dtype_size(self) -> int:
@@ -71,23 +76,30 @@ class ModelShape:
 
     def full_specs(self, block_size: int) -> list[KVCacheSpec]:
         """Every layer full attention."""
-        spec = FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, self.dtype)
-        return [spec] * self.num_layers
+        return [self._full(block_size)] * self.num_layers
+
+    def _full(self, block_size: int) -> FullAttentionSpec:
+        if self.kv_lora_rank:
+            return MLASpec(block_size, dtype=self.dtype, kv_lora_rank=self.kv_lora_rank,
+                           rope_dim=self.rope_dim)
+        return FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     def hybrid_specs(self, block_size: int) -> list[KVCacheSpec]:
         """``sliding_per_full`` sliding-window layers, then one full layer, repeated."""
-        full = FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        full = self._full(block_size)
         local = SlidingWindowSpec(block_size, self.num_kv_heads, self.head_dim, self.dtype,
                                   window=self.sliding_window)
         period = self.sliding_per_full + 1
         return [full if i % period == period - 1 else local for i in range(self.num_layers)]
 
     def describe(self) -> str:
-        """One line: layers, heads, dtype, bytes per token."""
-        return (f"{self.name}: {self.num_layers} layers x {self.num_kv_heads} kv heads x "
-                f"head_dim {self.head_dim}, {self.dtype}; {format_bytes(self.bytes_per_token)}/token "
-                f"all-full; hybrid = {self.sliding_per_full} sliding (W={self.sliding_window}) "
-                f": 1 full")
+        """One line: layers, heads (or the latent), dtype, bytes per token, hybrid layout."""
+        per_layer = (f"MLA latent {self.kv_lora_rank} + {self.rope_dim}" if self.kv_lora_rank
+                     else f"{self.num_kv_heads} kv heads x head_dim {self.head_dim}")
+        hybrid = (f"hybrid = {self.sliding_per_full} sliding (W={self.sliding_window}) : 1 full"
+                  if self.sliding_per_full else "no sliding layers")
+        return (f"{self.name}: {self.num_layers} layers x {per_layer}, {self.dtype}; "
+                f"{format_bytes(self.bytes_per_token)}/token all-full; {hybrid}")
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {
@@ -100,6 +112,13 @@ MODEL_SHAPES: dict[str, ModelShape] = {
                    note="Gemma 3 12B (its native layout is the hybrid one)"),
         ModelShape("gemma-3-4b", 34, 4, 256, sliding_window=1024, sliding_per_full=5,
                    note="Gemma 3 4B (its native layout is the hybrid one)"),
+        # DeepSeek-V3: 61 MLA layers, a latent of 512 + 64 per token (bf16), no sliding
+        # layers; beside it the same layers with grouped K/V (8 heads x 128), as a GQA
+        # model of its size would cache.
+        ModelShape("deepseek-v3", 61, 1, 288, sliding_per_full=0, kv_lora_rank=512, rope_dim=64,
+                   note="DeepSeek-V3 / Kimi K2 (MLA)"),
+        ModelShape("deepseek-v3-gqa", 61, 8, 128, sliding_per_full=0,
+                   note="DeepSeek-V3's layers with grouped K/V, 8 heads x 128"),
         ModelShape("tiny", 6, 1, 8, dtype="float16", sliding_window=64, sliding_per_full=5,
                    note="a toy shape for tests and demos"),
     )
