@@ -1,5 +1,7 @@
 """Continuous batching over kvstore: admit by arrival, chunked prefill, decode, preempt by recompute.
 
+A chunk stops at the first position where a recurrent group takes a checkpoint.
+
 Shared by the engine (real model) and the benchmark simulator (token counts only)."""
 
 from __future__ import annotations
@@ -173,7 +175,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._stop_at_checkpoint(
+                request, min(request.num_tokens - request.num_computed_tokens, budget))
             while manager.grow(request, num_new,
                                num_lookahead_tokens=self._lookahead(
                                    request, request.num_computed_tokens + num_new)) is None:
@@ -201,6 +204,8 @@ class Scheduler:
                 num_hit = (computed.num_full_hit_tokens + external if external
                            else computed.num_computed_tokens)
                 num_new = min(request.num_tokens - num_hit, budget)
+                if not external:
+                    num_new = self._stop_at_checkpoint(request, num_new, computed)
                 lookahead = self._lookahead(request, num_hit + num_new)
                 if self._admit(request, num_new, computed, lookahead, external) is None:
                     break
@@ -311,6 +316,16 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
+
+    def _stop_at_checkpoint(self, request: Request, num_new: int,
+                            computed: ComputedBlocks | None = None) -> int:
+        """`num_new` cut at the first position where a recurrent group takes a checkpoint
+        (`KVCacheManager.next_checkpoints`), so the model's state there is written out."""
+        stops = self.manager.next_checkpoints(request, num_new, computed)
+        if not stops:
+            return num_new
+        start = request.num_computed_tokens if computed is None else computed.num_computed_tokens
+        return stops[0] - start
 
     def _lookahead(self, request: Request, num_tokens_after: int) -> int:
         if not self.config.reserve_full_output:

@@ -345,12 +345,13 @@ class KVCacheCoordinator:
                     return block
         return None
 
-    def next_checkpoints(self, request: Request, num_new_tokens: int) -> list[int]:
+    def next_checkpoints(self, request: Request, num_new_tokens: int,
+                         computed: ComputedBlocks | None = None) -> list[int]:
         """Positions of the next `num_new_tokens` where a recurrent group takes a checkpoint
-        if a step ends there."""
+        if a step ends there (from the hit of `computed` when the request waits)."""
         out: set[int] = set()
         for manager in self.recurrent:
-            out.update(manager.next_checkpoints(request, num_new_tokens))
+            out.update(manager.next_checkpoints(request, num_new_tokens, computed))
         return sorted(out)
 
     def free(self, request: Request) -> None:

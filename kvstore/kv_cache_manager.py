@@ -536,15 +536,17 @@ class KVCacheManager:
         return plan.num_large <= pool.large_pages_available(
             b for blocks in computed.blocks for b in blocks)
 
-    def next_checkpoints(self, request: Request, num_new_tokens: int) -> list[int]:
-        """Positions among the request's next `num_new_tokens` (from its computed count)
-        where a recurrent group takes a checkpoint if a step ends there, ascending: a
-        scheduler stops a chunk at the first so the model writes the state out. Empty
+    def next_checkpoints(self, request: Request, num_new_tokens: int,
+                         computed: ComputedBlocks | None = None) -> list[int]:
+        """Positions among the request's next `num_new_tokens` (from its computed count, or
+        for a waiting request from the hit of its lookup `computed`, whose branch point
+        counts) where a recurrent group takes a checkpoint if a step ends there, ascending:
+        a scheduler stops a chunk at the first so the model writes the state out. Empty
         without a recurrent group."""
         if not self._coordinator.recurrent:
             return []
         self._check_request(request)
-        return self._coordinator.next_checkpoints(request, num_new_tokens)
+        return self._coordinator.next_checkpoints(request, num_new_tokens, computed)
 
     @property
     def fragmented_bytes(self) -> int:

@@ -4,7 +4,7 @@ local layers drop the ones no later query attends."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool, PendingCopies, TwoSizeBlockPool
@@ -19,6 +19,9 @@ from kvstore.specs import (
     SlidingWindowSpec,
 )
 from kvstore.utils import cdiv
+
+if TYPE_CHECKING:
+    from kvstore.kv_cache_coordinator import ComputedBlocks
 
 
 def is_shared(block: KVCacheBlock) -> bool:
@@ -882,15 +885,23 @@ class RecurrentManager(SingleTypeKVCacheManager):
         return (num_computed_tokens > num_prompt_tokens
                 and num_computed_tokens % self.block_size == 0)
 
-    def next_checkpoints(self, request: Request, num_new_tokens: int) -> list[int]:
+    def next_checkpoints(self, request: Request, num_new_tokens: int,
+                         computed: ComputedBlocks | None = None) -> list[int]:
         """Positions in (computed, computed + `num_new_tokens`] where this group takes a
-        checkpoint if a step ends there: the scheduler stops a chunk at the first one."""
+        checkpoint if a step ends there: the scheduler stops a chunk at the first one. For
+        a waiting request, `computed` (its lookup) gives the computed count and the branch
+        point its admission will plan."""
         if not self._caching:
             return []
-        nc = request.num_computed_tokens
+        if computed is None:
+            nc = request.num_computed_tokens
+            plan = self._plan.get(request.request_id)
+            verified = nc
+        else:
+            nc, plan = computed.num_computed_tokens, None
+            verified = max(nc, computed.num_verified_tokens)
         end = nc + num_new_tokens
-        plan = self._plan.get(request.request_id)
-        out = {p for p in (plan if plan is not None else self._positions(request, nc, nc))
+        out = {p for p in (plan if plan is not None else self._positions(request, nc, verified))
                if nc < p <= end}
         if self._every:
             first = (nc // self._every + 1) * self._every
