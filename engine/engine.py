@@ -28,6 +28,7 @@ from kvstore.specs import (
     KVCacheConfig,
     KVCacheSpec,
     MLASpec,
+    RecurrentStateSpec,
     SlidingWindowSpec,
     dtype_name,
     make_kv_cache_config,
@@ -183,13 +184,20 @@ class _Group:
     num_cached_tokens: int | None = None
 
 
-def kv_cache_specs(model: HFCausalLM, block_size: int) -> list[KVCacheSpec]:
-    """Per layer, the KV cache spec of a model: full attention, its sliding window, its
-    attention chunk or its latent (multi-head latent attention)."""
+def kv_cache_specs(model: HFCausalLM, block_size: int
+                   ) -> list[KVCacheSpec | RecurrentStateSpec]:
+    """Per layer, the cache spec of a model: full attention, its sliding window, its
+    attention chunk, its latent (multi-head latent attention), or a hybrid's recurrent
+    state."""
     c = model.config
-    specs: list[KVCacheSpec] = []
+    specs: list[LayerSpec] = []
     dtype = dtype_name(c.dtype)
+    layer_state = getattr(model, "layer_state", None)
     for i in range(c.num_layers):
+        state = layer_state(i) if layer_state is not None else None
+        if state is not None:
+            specs.append(RecurrentStateSpec(block_size, state.shapes, state.dtypes))
+            continue
         window, chunk, latent = model.layer_window(i), model.layer_chunk(i), model.layer_latent(i)
         if latent is not None:
             specs.append(MLASpec(block_size, dtype=dtype, kv_lora_rank=latent[0],

@@ -15,7 +15,7 @@ A step's work arrives as a :class:`~kvstore.engine.scheduler.SchedulerOutput`. T
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,7 +26,7 @@ from kvstore.engine.scheduler import SchedulerOutput
 from kvstore.kernels.mla import split_latent
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.paged_kv_cache import PagedKVCache
-from kvstore.specs import AttentionSpec, MLASpec, dtype_name
+from kvstore.specs import AttentionSpec, MLASpec, RecurrentStateSpec, dtype_name
 
 if TYPE_CHECKING:
     from kvstore.models.hf import HFCausalLM
@@ -49,6 +49,12 @@ class BatchInputs:
     ``input_ids`` and ``positions``; its queries are the last of its ``seq_lens[i]``
     tokens. ``logits_indices`` are the rows whose logits are needed, one per id in
     ``sample_request_ids``.
+
+    For recurrent layers: ``query_ranges[i]`` (host ints) are sequence ``i``'s rows,
+    ``has_state[i]`` whether its working state holds earlier tokens (its step starts past
+    position 0), and ``state_pages[g][i]`` its working state page in recurrent group ``g``
+    (empty for attention groups, whose metadata and slots a recurrent group gets as
+    placeholders: a null table, every slot padding).
     """
 
     input_ids: torch.Tensor
@@ -57,6 +63,9 @@ class BatchInputs:
     slot_mappings: list[torch.Tensor]
     logits_indices: torch.Tensor
     sample_request_ids: list[str]
+    query_ranges: list[tuple[int, int]] = field(default_factory=list)
+    has_state: list[bool] = field(default_factory=list)
+    state_pages: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -103,10 +112,18 @@ def build_batch(output: SchedulerOutput, manager: KVCacheManager, block_size: in
     tables = [manager.block_table(s.request.request_id) for s in sched]
     block_tables: list[np.ndarray] = []
     slot_mappings: list[np.ndarray] = []
+    state_pages: list[list[int]] = []
     offsets = positions % block_size
     block_index = positions // block_size
+    groups = manager.config.groups
     for g in range(num_groups):
         rows = [t[g] for t in tables]
+        if groups[g].is_recurrent:  # one working state page per request, no token slots
+            state_pages.append([r[0] for r in rows])
+            block_tables.append(np.zeros((b, 1), dtype=np.int32))
+            slot_mappings.append(np.full(total, -1, dtype=np.int64))
+            continue
+        state_pages.append([])
         widths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=b)
         width = int(widths.max()) if b else 0
         table = np.zeros((b, max(width, 1)), dtype=np.int32)
@@ -142,6 +159,9 @@ def build_batch(output: SchedulerOutput, manager: KVCacheManager, block_size: in
         logits_indices=dev(logits_indices, torch.int64),
         sample_request_ids=[s.request.request_id for s, keep in zip(sched, samples, strict=True)
                             if keep],
+        query_ranges=[(int(cu[i]), int(cu[i + 1])) for i in range(b)],
+        has_state=[s.start > 0 for s in sched],
+        state_pages=state_pages,
     )
 
 
@@ -205,6 +225,13 @@ class PagedAttention:
         """The absolute position of each of the batch's tokens (``[T]``)."""
         return self.batch.positions
 
+    def layer_states(self, layer: int) -> list[tuple[torch.Tensor, ...]]:
+        """Per sequence of the batch, the state tensors of recurrent ``layer`` in its working
+        state page (views, written in place)."""
+        runner = self.runner
+        pages = self.batch.state_pages[runner._group_of[layer]]
+        return [runner.cache.state_views(layer, page) for page in pages]
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -252,8 +279,19 @@ def check_cache_matches_model(model: HFCausalLM, cache: PagedKVCache) -> None:
     for i in range(c.num_layers):
         group = cache.config.groups[layer_to_group[i][0]]
         spec = group.spec
-        if not isinstance(spec, AttentionSpec):
-            problems.append(f"layer {i}: recurrent layers are not run by this runner")
+        layer_state = getattr(model, "layer_state", None)
+        state = layer_state(i) if layer_state is not None else None
+        if isinstance(spec, RecurrentStateSpec):
+            if state is None:
+                problems.append(f"layer {i}: the cache keeps a recurrent state, the model's "
+                                "layer runs attention")
+            elif (spec.shapes, spec.dtypes) != (state.shapes, state.dtypes):
+                problems.append(f"layer {i}: cache state {spec.shapes} {spec.dtypes} vs model "
+                                f"{state.shapes} {state.dtypes}")
+            continue
+        if state is not None:
+            problems.append(f"layer {i}: the model's layer keeps a recurrent state, the cache "
+                            "has K/V pages for it")
             continue
         window = spec.sliding_window
         if window is None and i in group.kept_whole:

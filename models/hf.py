@@ -27,6 +27,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from kvstore.engine.runner import PagedAttention
+    from kvstore.models.recurrent import StateShape
 
 __all__ = [
     "ATTENTION_NAME",
@@ -49,11 +50,12 @@ _FULL, _SLIDING, _CHUNKED = "full_attention", "sliding_attention", "chunked_atte
 @dataclass(frozen=True)
 class HFModelConfig:
     """What the engine and the cache need to know of a transformers model: its vocabulary,
-    layers, K/V heads and head size, dtype, each layer's window (None: full attention) and
-    attention chunk (None: not chunked; empty: none is); for multi-head latent attention,
-    ``latent`` ``(kv_lora_rank, rope_dim)`` (the cache then holds one latent per token as
-    one K/V head of half its size). ``hf_config`` is transformers' config as JSON (part of
-    the model's fingerprint)."""
+    layers, K/V heads and head size, dtype, each layer's window (None: full attention;
+    0: a recurrent layer of a hybrid, whose state is ``states[i]``, see
+    :mod:`kvstore.models.recurrent`) and attention chunk (None: not chunked; empty: none
+    is); for multi-head latent attention, ``latent`` ``(kv_lora_rank, rope_dim)`` (the
+    cache then holds one latent per token as one K/V head of half its size). ``hf_config``
+    is transformers' config as JSON (part of the model's fingerprint)."""
 
     model_type: str
     vocab_size: int
@@ -66,6 +68,11 @@ class HFModelConfig:
     hf_config: str
     chunks: tuple[int | None, ...] = ()
     latent: tuple[int, int] | None = None
+    states: tuple[StateShape | None, ...] = ()
+
+    def attention_layers(self) -> set[int]:
+        """The layers that run attention (every layer but a hybrid's recurrent ones)."""
+        return {i for i, w in enumerate(self.windows) if w != 0}
 
 
 def _get(hf_config: Any, key: str, default: Any = None) -> Any:
@@ -135,10 +142,19 @@ def layer_chunks(hf_config: Any) -> tuple[int | None, ...]:
                  else None for kind in layer_types)
 
 
-def hf_model_config(hf_config: Any, dtype: torch.dtype) -> HFModelConfig:
+def hf_model_config(hf_config: Any, dtype: torch.dtype,
+                    states: tuple[StateShape | None, ...] = ()) -> HFModelConfig:
     """The :class:`HFModelConfig` of a transformers config (ValueError naming the key for
-    settings kvstore does not serve)."""
-    windows = layer_windows(hf_config)
+    settings kvstore does not serve); a hybrid family's layers are those with a cache
+    (see :func:`kvstore.models.recurrent.hybrid_layout`), ``states`` their states."""
+    from kvstore.models.recurrent import hybrid_layout, is_hybrid
+
+    if is_hybrid(hf_config):
+        layout = hybrid_layout(hf_config)
+        windows: tuple[int | None, ...] = tuple(0 if layout.is_recurrent(i) else None
+                                                for i in range(layout.num_layers))
+    else:
+        windows = layer_windows(hf_config)
     num_heads = _positive_int(hf_config, "num_attention_heads", _get(hf_config, "num_attention_heads"))
     kv = _get(hf_config, "num_key_value_heads")
     num_kv_heads = num_heads if kv is None else _positive_int(hf_config, "num_key_value_heads", kv)
@@ -155,7 +171,8 @@ def hf_model_config(hf_config: Any, dtype: torch.dtype) -> HFModelConfig:
         head_dim=_positive_int(hf_config, "head_dim", head_dim), dtype=dtype, windows=windows,
         hf_config=hf_config.to_json_string(use_diff=False) if hasattr(hf_config, "to_json_string")
         else json.dumps(dict(hf_config), sort_keys=True, default=str),
-        chunks=layer_chunks(hf_config), latent=latent)
+        chunks=() if is_hybrid(hf_config) else layer_chunks(hf_config), latent=latent,
+        states=states)
 
 
 _MLA_MODEL_TYPES = ("deepseek_v3",)
@@ -323,7 +340,7 @@ def _check_modules(model: nn.Module, config: HFModelConfig) -> None:
                 raise ValueError(f"{name}: sliding_window {module.sliding_window!r} differs from "
                                  f"the config's window {config.windows[layer]!r} for layer {layer}")
         seen.add(layer)
-    if seen and seen != set(range(config.num_layers)):
+    if seen and seen != config.attention_layers():
         raise ValueError(f"attention modules cover layers {sorted(seen)}, the config has "
                          f"{config.num_layers} (num_hidden_layers)")
 
@@ -366,7 +383,7 @@ def _probe(model: nn.Module, config: HFModelConfig) -> None:
     except _MissingBatch as e:
         raise ValueError(f"{config.model_type}: its attention modules do not pass keyword "
                          f"arguments through to the attention function") from e
-    missing = sorted(set(range(config.num_layers)) - set(probe.calls))
+    missing = sorted(config.attention_layers() - set(probe.calls))
     if missing:
         raise ValueError(f"{config.model_type}: layers {missing} do not call the attention "
                          f"function of attn_implementation (num_hidden_layers "
@@ -394,7 +411,13 @@ class HFCausalLM(nn.Module):
         if hf_config is None:
             raise ValueError("model has no config: expected a transformers PreTrainedModel")
         dtype = next(model.parameters()).dtype
-        self.config = hf_model_config(hf_config, dtype)
+        from kvstore.models.recurrent import is_hybrid, wrap_hybrid
+
+        states: tuple[StateShape | None, ...] = ()
+        if is_hybrid(hf_config):
+            hf_model_config(hf_config, dtype)  # refuse before changing the model
+            states = wrap_hybrid(model)[1]
+        self.config = hf_model_config(hf_config, dtype, states)
         _check_modules(model, self.config)
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)  # type: ignore[operator]
@@ -420,6 +443,12 @@ class HFCausalLM(nn.Module):
         other."""
         self.layer_window(layer_idx)  # IndexError out of range
         return self.config.latent
+
+    def layer_state(self, layer_idx: int) -> StateShape | None:
+        """The recurrent state of layer ``layer_idx`` of a hybrid (None: attention)."""
+        if not 0 <= layer_idx < self.config.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range [0, {self.config.num_layers})")
+        return self.config.states[layer_idx] if self.config.states else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention: PagedAttention, logits_indices: torch.Tensor | None = None
