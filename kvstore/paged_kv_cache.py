@@ -60,7 +60,8 @@ class PagedKVCache:
         per_block = config.bytes_per_block
         page = config.page_size_bytes // 2  # K (or V) of one block of one slot
         buffer = torch.zeros(config.num_blocks, per_block, dtype=torch.uint8, device=self.device)
-        keys, values = [], []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         for s in range(config.num_slots):
             for out, half in ((keys, 0), (values, 1)):
                 start = (2 * s + half) * page

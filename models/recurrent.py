@@ -163,15 +163,15 @@ def _state_cache(layer: int, states: tuple[torch.Tensor, ...], has_state: bool) 
     from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 
     conv, recurrent = (s.unsqueeze(0) for s in states)
-    state = LinearAttentionLayer()
+    state: Any = LinearAttentionLayer()
     state.conv_states[0] = conv
     state.recurrent_states[0] = recurrent
     state.is_conv_states_initialized[0] = state.is_recurrent_states_initialized[0] = True
     state.has_previous_state[0] = has_state
     state.conv_kernel_size[0] = conv.shape[-1]
     state.dtype, state.device = conv.dtype, conv.device
-    dummy = DummyLayer()
-    return Cache(layers=[dummy] * layer + [state])
+    layers: list[Any] = [DummyLayer()] * layer + [state]
+    return Cache(layers=layers)
 
 
 def _probe_states(mixer: nn.Module, layer: int, hidden_size: int) -> StateShape:
@@ -181,12 +181,12 @@ def _probe_states(mixer: nn.Module, layer: int, hidden_size: int) -> StateShape:
 
     param = next(mixer.parameters())
     state = LinearAttentionLayer()
-    cache = Cache(layers=[DummyLayer()] * layer + [state])
+    layers: list[Any] = [DummyLayer()] * layer + [state]
     with torch.inference_mode():
         mixer(torch.zeros(1, 2, hidden_size, dtype=param.dtype, device=param.device),
-              cache=cache, attention_mask=None)
-    tensors = (state.conv_states[0], state.recurrent_states[0])
-    if any(t is None or t.shape[0] != 1 for t in tensors):
+              cache=Cache(layers=layers), attention_mask=None)
+    tensors = [t for t in (state.conv_states[0], state.recurrent_states[0]) if t is not None]
+    if len(tensors) != 2 or any(t.shape[0] != 1 for t in tensors):
         raise ValueError(f"layer {layer}: {type(mixer).__name__} does not keep one conv and one "
                          "recurrent state per sequence in transformers' cache")
     return StateShape(tuple(tuple(t.shape[1:]) for t in tensors),
@@ -199,11 +199,11 @@ def wrap_hybrid(model: nn.Module) -> tuple[HybridLayout, tuple[StateShape | None
     by a :class:`PagedStateMixer`. Returns the layout and, per kvstore layer, its state
     (None for attention). ValueError when a recurrent layer has no mixer kvstore can drive
     or an attention layer no attention module."""
-    hf_config = model.config
+    hf_config: Any = model.config
     layout = hybrid_layout(hf_config)
     kv_of = {hf: kv for kv, hf in enumerate(layout.hf_layers)}
     hidden_size = int(hf_config.hidden_size)
-    mixers: dict[int, tuple[nn.Module, str, nn.Module]] = {}
+    mixers: dict[int, tuple[nn.Module, str, Any]] = {}
     attention: set[int] = set()
     for parent in model.modules():
         for name, child in parent.named_children():
@@ -231,6 +231,7 @@ def wrap_hybrid(model: nn.Module) -> tuple[HybridLayout, tuple[StateShape | None
         mixer.layer_idx = kv
         states.append(_probe_states(mixer, kv, hidden_size))
         setattr(parent, name, PagedStateMixer(mixer, kv))
+    module: Any
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
         if hasattr(module, "is_causal") and isinstance(idx, int) and idx in kv_of:
