@@ -92,12 +92,15 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A finished request: its prompt and its ``n`` samples. ``num_cached_tokens`` is the
-    prefix-cache hit (full and partial) at its first admission."""
+    prefix-cache hit (full and partial) at its first admission; with recurrent layers,
+    ``hit_checkpoint_kind`` says why the checkpoint that hit was taken
+    (``KVCacheManager.hit_checkpoint_kind``; None without a hit)."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    hit_checkpoint_kind: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -182,6 +185,7 @@ class _Group:
     samples: list[_Sample | None]
     requests: list[Request | None]
     num_cached_tokens: int | None = None
+    hit_checkpoint_kind: str | None = None
 
 
 def kv_cache_specs(model: HFCausalLM, block_size: int
@@ -402,6 +406,8 @@ class LLMEngine:
             group = self._samples[item.request.request_id].group
             if group.num_cached_tokens is None:
                 group.num_cached_tokens = item.start
+                group.hit_checkpoint_kind = self.manager.hit_checkpoint_kind(
+                    item.request.request_id)
         result = self.runner.execute(output, self.manager, self._take_transfers())
         drawn = self._sample(result)
         update = self.scheduler.update(output, {rid: d.tokens for rid, d in drawn.items()})
@@ -490,7 +496,8 @@ class LLMEngine:
                 logprobs=sample.logprobs,
                 logits=torch.stack(sample.logits) if sample.logits else None,
             ))
-        return RequestOutput(group.request_id, group.prompt, outputs, group.num_cached_tokens or 0)
+        return RequestOutput(group.request_id, group.prompt, outputs, group.num_cached_tokens or 0,
+                             group.hit_checkpoint_kind)
 
     def generate(self, prompts: Sequence[Sequence[int] | np.ndarray | torch.Tensor],
                  sampling: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:

@@ -548,6 +548,17 @@ class KVCacheManager:
         self._check_request(request)
         return self._coordinator.next_checkpoints(request, num_new_tokens, computed)
 
+    def hit_checkpoint_kind(self, request_id: str) -> str | None:
+        """For a running request whose admission hit a recurrent checkpoint, why that
+        checkpoint was taken (one of `CHECKPOINT_KINDS`: ``"prompt_end"``,
+        ``"branch_point"``, ``"every_n"``, ``"output_end"``, ``"request_end"``); None
+        without such a hit or without a recurrent group."""
+        for manager in self._coordinator.recurrent:
+            kind = manager.hit_kinds.get(request_id)
+            if kind is not None:
+                return kind
+        return None
+
     @property
     def fragmented_bytes(self) -> int:
         """Bytes of free blocks inside large pages that also hold blocks in use (memory no

@@ -812,6 +812,12 @@ class CheckpointSearch(HitSearch):
 ChainBlockAt = Callable[[Request, int], KVCacheBlock | None]
 
 
+#: Why a checkpoint was taken: at the prompt's end, at a branch point a lookup learned, every
+#: N blocks, at the end of a request's output, at the end of a request preempted in its
+#: prompt.
+CHECKPOINT_KINDS = ("prompt_end", "branch_point", "every_n", "output_end", "request_end")
+
+
 class RecurrentManager(SingleTypeKVCacheManager):
     """A recurrent group (linear attention, state-space, short convolution): no page per
     token; each running request owns one working state (a large page, never cached or
@@ -827,7 +833,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
     Taking one queues a copy of the working state into a fresh large page, when one is
     free: checkpoints never make an allocation fail. The pool must be a TwoSizeBlockPool."""
 
-    __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching")
+    __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching", "_kinds",
+                 "hit_kinds")
 
     def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1, checkpoint_every: int = 0) -> None:
@@ -842,6 +849,10 @@ class RecurrentManager(SingleTypeKVCacheManager):
         # its prompt, and that position.
         self._rolling: dict[str, tuple[KVCacheBlock, int]] = {}
         self.chain_block_at: ChainBlockAt = lambda request, i: None
+        # Why each checkpoint page was taken (CHECKPOINT_KINDS), and per running request the
+        # kind of the checkpoint its hit copied (absent without a hit).
+        self._kinds: dict[int, str] = {}
+        self.hit_kinds: dict[str, str] = {}
 
     @property
     def two_size_pool(self) -> TwoSizeBlockPool:
@@ -955,6 +966,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
             pool.touch((working,))
             self._copies.pin(working)
             self._copies.queue(hit_blocks[-1], working)
+            self.hit_kinds[rid] = self._kinds.get(hit_blocks[-1].block_id, "")
         self._req_to_blocks[rid] = [working]
         self._num_cached_blocks[rid] = 0
         self._last_serial[rid] = parent_serial
@@ -997,7 +1009,10 @@ class RecurrentManager(SingleTypeKVCacheManager):
             page = pool.get_large_pages(1, self.group_id)[0]
             self._copy(working, page)
             pool.free_blocks((page,))  # no table holds a checkpoint: its pin is all
-            self._index(page, request, chain)
+            n, bs = request.num_prompt_tokens, self.block_size
+            kind = ("prompt_end" if nc in ((n - 1) // bs * bs, n // bs * bs)
+                    else "branch_point" if planned else "every_n")
+            self._index(page, request, chain, kind)
             return
         # Past the prompt: keep the state at the last block boundary for the output's end.
         rolling = self._rolling.get(rid)
@@ -1025,9 +1040,12 @@ class RecurrentManager(SingleTypeKVCacheManager):
         return self.pool.hash_index.probe(self.group_id, chain.block_hash, chain.token_ids,
                                           chain.parent_serial) is not None
 
-    def _index(self, page: KVCacheBlock, request: Request, chain: KVCacheBlock) -> None:
-        """Index a large page as the checkpoint of the prefix ending with block `chain`."""
+    def _index(self, page: KVCacheBlock, request: Request, chain: KVCacheBlock,
+               kind: str) -> None:
+        """Index a large page as the checkpoint of the prefix ending with block `chain`,
+        taken for `kind` (one of CHECKPOINT_KINDS)."""
         assert chain.block_hash is not None and chain.token_ids is not None
+        self._kinds[page.block_id] = kind
         self.two_size_pool.cache_checkpoint(page, chain.block_hash, chain.token_ids,
                                             chain.parent_serial, chain.serial)
 
@@ -1051,7 +1069,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
             return
         chain = self.chain_block_at(request, position // bs - 1)
         if chain is not None and page.token_ids is None and not self._has_checkpoint(chain):
-            self._index(page, request, chain)
+            kind = "output_end" if position > request.num_prompt_tokens else "request_end"
+            self._index(page, request, chain, kind)
 
     def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
         """Forget the request; returns its large pages (working state, and the state kept
@@ -1064,6 +1083,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         del self._num_cached_blocks[rid]
         del self._last_serial[rid]
         del self._plan[rid]
+        self.hit_kinds.pop(rid, None)
         return table, []
 
     def num_resident_blocks(self, request_id: str) -> int:

@@ -35,8 +35,10 @@ __all__ = [
     "HybridLayout",
     "PagedStateMixer",
     "StateShape",
+    "TINY_PRESETS",
     "hybrid_layout",
     "is_hybrid",
+    "tiny_hybrid_config",
     "wrap_hybrid",
 ]
 
@@ -237,3 +239,56 @@ def wrap_hybrid(model: nn.Module) -> tuple[HybridLayout, tuple[StateShape | None
         if hasattr(module, "is_causal") and isinstance(idx, int) and idx in kv_of:
             module.layer_idx = kv_of[idx]
     return layout, tuple(states)
+
+
+#: Tiny random configs of each family (kvstore generate's presets, the tests' models):
+#: model_type -> transformers config keywords.
+TINY_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3_next": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, decoder_sparse_step=1,
+        layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    "qwen3_5_text": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=3,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention",
+                     "full_attention"]),
+    "nemotron_h": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=4,
+        mamba_head_dim=16, n_groups=1, ssm_state_size=8, conv_kernel=4, expand=2, chunk_size=8,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention",
+                           "moe"]),
+    "granitemoehybrid": dict(
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4,
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    "bamba": dict(
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16,
+        mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=8,
+        num_hidden_layers=5, attn_layer_indices=[1, 4]),
+}
+
+
+def tiny_hybrid_config(model_type: str, **overrides: Any) -> Any:
+    """A tiny transformers config of a hybrid family (:data:`TINY_PRESETS`; vocabulary 97,
+    hidden size 32, no end-of-sequence token), with ``overrides`` applied. ValueError for a
+    family kvstore does not run."""
+    from transformers import AutoConfig
+
+    if model_type not in TINY_PRESETS:
+        raise ValueError(f"no tiny preset for {model_type!r} (presets: "
+                         f"{', '.join(sorted(TINY_PRESETS))})")
+    kwargs: dict[str, Any] = dict(vocab_size=97, hidden_size=32, intermediate_size=48,
+                                  max_position_embeddings=256, eos_token_id=None)
+    kwargs.update(TINY_PRESETS[model_type])
+    layer_types = kwargs.get("layer_types", kwargs.get("layers_block_type"))
+    if layer_types is not None:
+        kwargs.setdefault("num_hidden_layers", len(layer_types))
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
