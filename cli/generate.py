@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from kvstore.cli import CHAT_MAX_TOKENS, DEMO_MODELS
+from kvstore.cli import CHAT_MAX_TOKENS, DEMO_MODELS, HYBRID_MODELS
 from kvstore.engine.engine import (
     EngineConfig,
     EngineStats,
@@ -37,13 +37,31 @@ if TYPE_CHECKING:
 def build_demo_model(name: str | Path = "gemma3", checkpoint: str | None = None, seed: int = 0,
                      device: torch.device | str = "cpu") -> HFCausalLM:
     """A tiny preset with seeded random weights (``llama``, ``mistral``, ``gemma2``,
-    ``gemma3``, ...: :mod:`kvstore.models.presets`), or the model of a local checkpoint dir
+    ``gemma3``, ...: :mod:`kvstore.models.presets`; the recurrent hybrids ``qwen3_next``,
+    ``qwen3_5``, ``nemotron_h``, ``granitemoehybrid``, ``bamba``:
+    :mod:`kvstore.models.recurrent`), or the model of a local checkpoint dir
     (``checkpoint``, or ``name`` as a path) or GGUF file (``name``)."""
     if isinstance(name, Path) or checkpoint is not None:
         return load_hf_model(name if isinstance(name, Path) else checkpoint, device=device)
+    if name in HYBRID_MODELS:
+        from kvstore.models.recurrent import tiny_hybrid_config
+
+        model_type = "qwen3_5_text" if name == "qwen3_5" else name
+        return load_hf_model(tiny_hybrid_config(model_type), seed=seed, device=device)
     if name not in DEMO_MODELS:
-        raise ValueError(f"unknown model {name!r}; expected one of {DEMO_MODELS}")
+        raise ValueError(f"unknown model {name!r}; expected one of {DEMO_MODELS + HYBRID_MODELS}")
     return build_preset(name, seed, device=device)
+
+
+def whole_large_pages(model: HFCausalLM, block_size: int, num_blocks: int) -> int:
+    """`num_blocks` rounded down to whole large pages of the model's cache layout (the same
+    count without recurrent layers)."""
+    from kvstore.engine.engine import kv_cache_specs
+    from kvstore.specs import make_kv_cache_config
+
+    k = make_kv_cache_config(kv_cache_specs(model, block_size),
+                             memory_bytes=1 << 40).large_page_blocks or 1
+    return num_blocks - num_blocks % k
 
 
 def demo_prompts(vocab_size: int, block_size: int, seed: int = 0) -> list[list[int]]:
@@ -99,12 +117,16 @@ def render_demo(result: DemoResult, console: Any = None) -> None:
 
     console = console or Console()
     outs = Table(title=f"generated tokens ({result.model_name})")
-    for col in ("request", "prompt", "cached", "sample", "tokens", "finish"):
+    recurrent = any(window == 0 for window, _ in result.layout["groups"])
+    columns = ("request", "prompt", "cached", *(("served from",) if recurrent else ()), "sample",
+               "tokens", "finish")
+    for col in columns:
         outs.add_column(col, justify="right" if col in ("prompt", "cached", "sample") else "left")
     for out in result.outputs:
+        served = ((out.hit_checkpoint_kind or "-",) if recurrent else ())
         for s in out.outputs:
             outs.add_row(out.request_id, str(len(out.prompt_token_ids)),
-                         str(out.num_cached_tokens), str(s.index),
+                         str(out.num_cached_tokens), *served, str(s.index),
                          " ".join(map(str, s.token_ids)), s.finish_reason or "")
     console.print(outs)
     _render_stats_and_layout(result.stats, result.layout, console)
@@ -308,7 +330,7 @@ def _render_stats_and_layout(stats: EngineStats, layout: dict[str, Any], console
     groups.add_column("window", justify="right")
     groups.add_column("layers")
     for g, (window, layers) in enumerate(layout["groups"]):
-        groups.add_row(str(g), "full" if window is None else str(window),
+        groups.add_row(str(g), "full" if window is None else "state" if window == 0 else str(window),
                        ", ".join(map(str, layers)))
     console.print(groups)
     console.print(

@@ -23,7 +23,7 @@ from kvstore.engine.engine import (  # noqa: E402
     SamplingParams,
     kv_cache_specs,
 )
-from kvstore.models.hf import HFCausalLM  # noqa: E402
+from kvstore.models.hf import HFCausalLM, load_hf_model  # noqa: E402
 from kvstore.models.recurrent import (  # noqa: E402
     TINY_PRESETS,
     hybrid_layout,
@@ -217,15 +217,17 @@ def test_layout_numbers_only_cached_layers() -> None:
     assert state.shapes == ((32 * 2 + 2 * 8, 4), (4, 16, 8))
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("layers_block_type", ["linear_attention", "mamba3", "full_attention"], "layer_types\\[1\\]"),
-    ("layers_block_type", ["linear_attention", "mlp"], "no 'full_attention'"),
+@pytest.mark.parametrize("layer_types,message", [
+    (["linear_attention", "mamba3", "full_attention"], "layer_types\\[1\\] is 'mamba3'"),
+    (["linear_attention", "mlp"], "no 'full_attention'"),
 ])
-def test_unserved_layer_types_are_refused(key: str, value: Any, message: str) -> None:
+def test_unserved_layer_types_are_refused(layer_types: list[str], message: str) -> None:
     config = tiny_hybrid_config("nemotron_h")
-    object.__setattr__(config, "layer_types", value)
+    config.layer_types = layer_types
     with pytest.raises(ValueError, match=message):
         hybrid_layout(config)
+    with pytest.raises(ValueError, match=message):  # before any model is built
+        load_hf_model(config)
 
 
 def test_unserved_settings_are_refused() -> None:
@@ -255,7 +257,10 @@ def test_state_pages_share_the_pools_memory() -> None:
     conv, recurrent = cache.state_views(2, n + 3)  # layer 2: after layer 1's states
     recurrent.fill_(1.0)
     touched = [b for b in range(n) if cache.key_caches[0][b].any() or cache.value_caches[0][b].any()]
-    assert touched == [3 * k]
+    # Layer 2's SSM state is bytes [344, 544) of the page: blocks 6 (its V half) and 7.
+    assert touched == [3 * k, 3 * k + 1]
+    assert cache.value_caches[0][3 * k].view(-1)[(344 - 256) // 4:].eq(1.0).all()
+    assert not cache.key_caches[0][3 * k].any()
     assert not any(t.any() for t in cache.state_views(1, n + 3))
     assert conv.shape == (6, 3) and recurrent.shape == (2, 5, 5)
 
@@ -295,3 +300,17 @@ def test_state_views_refuse_attention_layers_and_small_pages() -> None:
         cache.state_views(1, 3)
     with pytest.raises(TypeError, match="must be an int"):
         cache.state_views(1, True)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- kvstore generate
+
+
+def test_generate_cli_runs_a_hybrid_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvstore generate --model bamba`: each request's hit and the checkpoint it came from."""
+    from kvstore.cli import main
+
+    assert main(["generate", "--model", "bamba", "--max-tokens", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "served from" in out and "prompt_end" in out
+    row = next(line for line in out.splitlines() if "req-1" in line)
+    assert row.split("│")[3].strip() == "48"  # cached: the first prompt's end checkpoint
