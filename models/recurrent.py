@@ -287,8 +287,8 @@ def tiny_hybrid_config(model_type: str, **overrides: Any) -> Any:
     kwargs: dict[str, Any] = dict(vocab_size=97, hidden_size=32, intermediate_size=48,
                                   max_position_embeddings=256, eos_token_id=None)
     kwargs.update(TINY_PRESETS[model_type])
-    layer_types = kwargs.get("layer_types", kwargs.get("layers_block_type"))
-    if layer_types is not None:
-        kwargs.setdefault("num_hidden_layers", len(layer_types))
     kwargs.update(overrides)
+    layer_types = kwargs.get("layer_types", kwargs.get("layers_block_type"))
+    if layer_types is not None and "num_hidden_layers" not in overrides:
+        kwargs["num_hidden_layers"] = len(layer_types)
     return AutoConfig.for_model(model_type, **kwargs)
