@@ -314,3 +314,17 @@ def test_generate_cli_runs_a_hybrid_preset(capsys: pytest.CaptureFixture[str]) -
     assert "served from" in out and "prompt_end" in out
     row = next(line for line in out.splitlines() if "req-1" in line)
     assert row.split("│")[3].strip() == "48"  # cached: the first prompt's end checkpoint
+
+
+@pytest.mark.slow
+def test_triton_attention_reads_the_shared_buffer() -> None:
+    """The Triton paged-attention kernel (interpreted on CPU) reads K/V slot views carved
+    from the one byte buffer, across a prompt-end hit."""
+    ref, model = build("qwen3_next")
+    engine = make_engine(model, attention_backend="triton")
+    gen = torch.Generator().manual_seed(5)
+    a = tokens(gen, 13)
+    check(ref, run_one(engine, a)[0], 4)
+    out, _ = run_one(engine, a[:12] + tokens(gen, 5, avoid=a[12]))
+    check(ref, out, 4)
+    assert out.num_cached_tokens == 12
