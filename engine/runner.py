@@ -10,6 +10,9 @@ A step's work arrives as a :class:`~kvstore.engine.scheduler.SchedulerOutput`. T
    :func:`kvstore.kernels.attention`,
 4. returns the logits of the last token of every request whose step ends its known
    tokens (the ones that sample).
+
+A hybrid's recurrent layers read and write each request's working state page
+(:meth:`PagedAttention.layer_states`, see :mod:`kvstore.models.recurrent`).
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ class BatchInputs:
     For recurrent layers: ``query_ranges[i]`` (host ints) are sequence ``i``'s rows,
     ``has_state[i]`` whether its working state holds earlier tokens (its step starts past
     position 0), and ``state_pages[g][i]`` its working state page in recurrent group ``g``
-    (empty for attention groups, whose metadata and slots a recurrent group gets as
-    placeholders: a null table, every slot padding).
+    (empty for an attention group). A recurrent group's ``attn_metadata`` and
+    ``slot_mappings`` entries are placeholders (a null table, every slot padding).
     """
 
     input_ids: torch.Tensor

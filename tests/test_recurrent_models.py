@@ -328,3 +328,18 @@ def test_triton_attention_reads_the_shared_buffer() -> None:
     out, _ = run_one(engine, a[:12] + tokens(gen, 5, avoid=a[12]))
     check(ref, out, 4)
     assert out.num_cached_tokens == 12
+
+
+def test_runner_refuses_a_cache_whose_states_do_not_fit_the_model() -> None:
+    from kvstore.engine.runner import ModelRunner
+
+    _, model = build("qwen3_next")
+    specs = kv_cache_specs(model, BS)
+    wrong = [RecurrentStateSpec(BS, ((64, 3), (4, 8, 8)), "float32")
+             if isinstance(s, RecurrentStateSpec) else s for s in specs]
+    cache = PagedKVCache(make_kv_cache_config(wrong, memory_bytes=1 << 16))
+    with pytest.raises(ValueError, match="layer 0: cache state"):
+        ModelRunner(model, cache)
+    attention_only = [FullAttentionSpec(BS, 2, 8, "float32")] * 3
+    with pytest.raises(ValueError, match="keeps a recurrent state, the cache has K/V pages"):
+        ModelRunner(model, PagedKVCache(make_kv_cache_config(attention_only, num_blocks=8)))
