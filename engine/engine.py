@@ -194,7 +194,7 @@ def kv_cache_specs(model: HFCausalLM, block_size: int
     attention chunk, its latent (multi-head latent attention), or a hybrid's recurrent
     state."""
     c = model.config
-    specs: list[LayerSpec] = []
+    specs: list[KVCacheSpec | RecurrentStateSpec] = []
     dtype = dtype_name(c.dtype)
     layer_state = getattr(model, "layer_state", None)
     for i in range(c.num_layers):
