@@ -168,12 +168,14 @@ class KVCacheManager:
                 frozenset(g for g, group in enumerate(config.groups) if group.is_recurrent),
                 enable_caching, cache_config.enable_events, index_partial_blocks=False,
                 eviction=cache_config.eviction, chained_groups=chained,
-                num_groups=len(config.groups), bytes_per_block=config.bytes_per_block)
+                num_groups=len(config.groups), bytes_per_block=config.bytes_per_block,
+                group_kinds=tuple(group.kind for group in config.groups))
         else:
             self._pool = BlockPool(config.num_blocks, enable_caching, cache_config.enable_events,
                                    index_partial_blocks=self.enable_partial_hits,
                                    eviction=cache_config.eviction, chained_groups=chained,
-                                   num_groups=len(config.groups))
+                                   num_groups=len(config.groups),
+                                   group_kinds=tuple(group.kind for group in config.groups))
         # Copies queued for the worker and the pins that keep their pages alive.
         self._copies = PendingCopies(self._pool)
         self._coordinator = KVCacheCoordinator(config, self._pool, self._copies,
@@ -367,6 +369,8 @@ class KVCacheManager:
         if fitting.num_partial_tokens:
             stats.partial_hits += 1
             stats.partial_hit_tokens += fitting.num_partial_tokens
+        if fitting.num_full_hit_tokens and self._coordinator.recurrent:
+            stats.recurrent_hits += 1
         ids = self._coordinator.allocate(
             request, fitting.num_computed_tokens + num_new_tokens + num_lookahead_tokens)
         if self._drops:

@@ -822,9 +822,12 @@ class RecurrentManager(SingleTypeKVCacheManager):
     and at its end (preempted or finished) when that is a block boundary, else at the last
     block boundary its output reached (kept in a second large page while it decodes).
     Taking one queues a copy of the working state into a fresh large page, when one is
-    free: checkpoints never make an allocation fail. The pool must be a TwoSizeBlockPool."""
+    free: checkpoints never make an allocation fail. A checkpoint's worth (for eviction by
+    worth) is the tokens since the last checkpoint the request knew on its chain (its hit,
+    or one it took or found), or since 0, per block of a large page. The pool must be a
+    TwoSizeBlockPool."""
 
-    __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching")
+    __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching", "_known")
 
     def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1, checkpoint_every: int = 0) -> None:
@@ -838,6 +841,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
         # Per decoding request: a large page with the state at its last block boundary past
         # its prompt, and that position.
         self._rolling: dict[str, tuple[KVCacheBlock, int]] = {}
+        # Per request: the position of the last checkpoint it knows on its chain.
+        self._known: dict[str, int] = {}
         self.chain_block_at: ChainBlockAt = lambda request, i: None
 
     @property
@@ -944,10 +949,12 @@ class RecurrentManager(SingleTypeKVCacheManager):
             pool.touch((working,))
             self._copies.pin(working)
             self._copies.queue(hit_blocks[-1], working)
+            pool.stats.checkpoints_used += 1
         self._req_to_blocks[rid] = [working]
         self._num_cached_blocks[rid] = 0
         self._last_serial[rid] = parent_serial
         self._plan[rid] = self._positions(request, request.num_computed_tokens, 0)
+        self._known[rid] = request.num_computed_tokens if hit_blocks else 0
 
     def note_hit_ends(self, request: Request, ends: Sequence[int]) -> None:
         """Plan a checkpoint at the lookup's branch point (the verified chain's end) when it
@@ -981,12 +988,17 @@ class RecurrentManager(SingleTypeKVCacheManager):
             if planned:
                 self._plan[rid].pop(0)
             chain = self.chain_block_at(request, nc // self.block_size - 1)
-            if chain is None or self._has_checkpoint(chain) or not pool.num_free_large_pages:
+            if chain is None:
+                return
+            if self._has_checkpoint(chain):
+                self._known[rid] = nc
+                return
+            if not pool.num_free_large_pages:
                 return
             page = pool.get_large_pages(1, self.group_id)[0]
             self._copy(working, page)
             pool.free_blocks((page,))  # no table holds a checkpoint: its pin is all
-            self._index(page, request, chain)
+            self._index(page, request, chain, nc)
             return
         # Past the prompt: keep the state at the last block boundary for the output's end.
         rolling = self._rolling.get(rid)
@@ -1014,11 +1026,17 @@ class RecurrentManager(SingleTypeKVCacheManager):
         return self.pool.hash_index.probe(self.group_id, chain.block_hash, chain.token_ids,
                                           chain.parent_serial) is not None
 
-    def _index(self, page: KVCacheBlock, request: Request, chain: KVCacheBlock) -> None:
-        """Index a large page as the checkpoint of the prefix ending with block `chain`."""
+    def _index(self, page: KVCacheBlock, request: Request, chain: KVCacheBlock,
+               position: int) -> None:
+        """Index a large page as the checkpoint at `position`, the prefix ending with block
+        `chain`, worth the tokens since the last checkpoint the request knew per block."""
         assert chain.block_hash is not None and chain.token_ids is not None
-        self.two_size_pool.cache_checkpoint(page, chain.block_hash, chain.token_ids,
-                                            chain.parent_serial, chain.serial)
+        rid = request.request_id
+        pool = self.two_size_pool
+        saved = position - self._known[rid]
+        pool.cache_checkpoint(page, chain.block_hash, chain.token_ids, chain.parent_serial,
+                              chain.serial, worth=max(saved, 0) / pool.large_page_blocks)
+        self._known[rid] = position
 
     def checkpoint_at_end(self, request: Request) -> None:
         """At the request's end (finished or preempted), while the attention groups still
@@ -1040,7 +1058,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
             return
         chain = self.chain_block_at(request, position // bs - 1)
         if chain is not None and page.token_ids is None and not self._has_checkpoint(chain):
-            self._index(page, request, chain)
+            self._index(page, request, chain, position)
 
     def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
         """Forget the request; returns its large pages (working state, and the state kept
@@ -1053,6 +1071,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         del self._num_cached_blocks[rid]
         del self._last_serial[rid]
         del self._plan[rid]
+        del self._known[rid]
         return table, []
 
     def num_resident_blocks(self, request_id: str) -> int:
@@ -1069,6 +1088,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._num_cached_blocks[child_id] = 0
         self._last_serial[child_id] = self._last_serial[parent_id]
         self._plan[child_id] = list(self._plan[parent_id])
+        self._known[child_id] = self._known[parent_id]
 
     def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
         """Refused: tiers do not serve recurrent groups."""
