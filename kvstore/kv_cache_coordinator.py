@@ -345,12 +345,15 @@ class KVCacheCoordinator:
                     return block
         return None
 
-    def next_checkpoints(self, request: Request, num_new_tokens: int) -> list[int]:
-        """Positions of the next `num_new_tokens` where a recurrent group takes a checkpoint
-        if a step ends there."""
+    def next_checkpoints(self, request: Request, num_new_tokens: int, num_computed_tokens: int,
+                         num_verified_tokens: int = 0) -> list[int]:
+        """Positions of the `num_new_tokens` after `num_computed_tokens` where a recurrent
+        group takes a checkpoint if a step ends there (`num_verified_tokens`: the branch
+        point of a request's lookup, before its admission)."""
         out: set[int] = set()
         for manager in self.recurrent:
-            out.update(manager.next_checkpoints(request, num_new_tokens))
+            out.update(manager.next_checkpoints(request, num_new_tokens, num_computed_tokens,
+                                                num_verified_tokens))
         return sorted(out)
 
     def free(self, request: Request) -> None:

@@ -540,15 +540,28 @@ class KVCacheManager:
         return plan.num_large <= pool.large_pages_available(
             b for blocks in computed.blocks for b in blocks)
 
-    def next_checkpoints(self, request: Request, num_new_tokens: int) -> list[int]:
-        """Positions among the request's next `num_new_tokens` (from its computed count)
-        where a recurrent group takes a checkpoint if a step ends there, ascending: a
-        scheduler stops a chunk at the first so the model writes the state out. Empty
-        without a recurrent group."""
+    def next_checkpoints(self, request: Request, num_new_tokens: int,
+                         computed: ComputedBlocks | None = None) -> list[int]:
+        """Positions among the request's next `num_new_tokens` where a recurrent group takes
+        a checkpoint if a step ends there, ascending: a scheduler stops a chunk at the first
+        so the model writes the state out. From the request's computed count; for a request
+        about to be admitted, pass its lookup as `computed`: the positions then count from
+        its hit and include the branch point the lookup found. Empty without a recurrent
+        group."""
         if not self._coordinator.recurrent:
             return []
         self._check_request(request)
-        return self._coordinator.next_checkpoints(request, num_new_tokens)
+        n = as_count(num_new_tokens)
+        if n is None or n < 0:
+            raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
+        if computed is None:
+            return self._coordinator.next_checkpoints(request, n, request.num_computed_tokens)
+        self._coordinator.check_shape(request, computed)
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is admitted already: its "
+                             "positions count from its computed tokens (pass no lookup)")
+        return self._coordinator.next_checkpoints(request, n, computed.num_computed_tokens,
+                                                  computed.num_verified_tokens)
 
     @property
     def fragmented_bytes(self) -> int:

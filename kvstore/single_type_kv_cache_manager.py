@@ -887,16 +887,20 @@ class RecurrentManager(SingleTypeKVCacheManager):
         return (num_computed_tokens > num_prompt_tokens
                 and num_computed_tokens % self.block_size == 0)
 
-    def next_checkpoints(self, request: Request, num_new_tokens: int) -> list[int]:
+    def next_checkpoints(self, request: Request, num_new_tokens: int, num_computed_tokens: int,
+                         num_verified_tokens: int = 0) -> list[int]:
         """Positions in (computed, computed + `num_new_tokens`] where this group takes a
-        checkpoint if a step ends there: the scheduler stops a chunk at the first one."""
+        checkpoint if a step ends there: the scheduler stops a chunk at the first one. For a
+        request not admitted yet, from `num_computed_tokens` (its hit) with the branch point
+        `num_verified_tokens` its lookup found."""
         if not self._caching:
             return []
-        nc = request.num_computed_tokens
+        nc = num_computed_tokens
         end = nc + num_new_tokens
         plan = self._plan.get(request.request_id)
-        out = {p for p in (plan if plan is not None else self._positions(request, nc, nc))
-               if nc < p <= end}
+        if plan is None:
+            plan = self._positions(request, nc, max(nc, num_verified_tokens))
+        out = {p for p in plan if nc < p <= end}
         if self._every:
             first = (nc // self._every + 1) * self._every
             out.update(range(first, end + 1, self._every))

@@ -389,7 +389,10 @@ def test_every_n_blocks_and_a_branch_point() -> None:
     assert m.next_checkpoints(b, 13) == [12]  # its prompt's end only, before the lookup
     computed = m.get_computed_blocks(b)
     assert computed.num_computed_tokens == 0 and computed.num_verified_tokens == 8
+    assert m.next_checkpoints(b, 13, computed) == [8, 12]  # with the lookup's branch point
     assert m.allocate_slots(b, 8, computed) is not None
+    with pytest.raises(ValueError, match="admitted already"):
+        m.next_checkpoints(b, 5, computed)
     b.num_computed_tokens = 8
     assert m.allocate_slots(b, 5) is not None  # the checkpoint at the branch point is taken
     m.take_pending_copies()
