@@ -953,6 +953,12 @@ class TwoSizeBlockPool(BlockPool):
             self._events.append(BlockStored(block_hash, parent_hash, token_ids, page.group_id,
                                             self.group_kind(page.group_id)))
 
+    def demote_checkpoint(self, page: KVCacheBlock) -> None:
+        """Tell the checkpoint order that the request that took this checkpoint decoded past
+        it and no hit used it (nothing if it is in use or no longer cached)."""
+        if page.ref_cnt == 0 and page.token_ids is not None:
+            self._large_cached.demote(page)
+
     def _evict_large(self, page: KVCacheBlock) -> None:
         """Drop a checkpoint's index entry."""
         block_hash = page.block_hash

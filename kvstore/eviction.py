@@ -31,8 +31,11 @@ made recent again (`refresh_all`), one loses its parent chain (`orphaned`) or it
   large page. Checkpoints whose full-attention chain is gone (no hit can reach them) go
   first, before any cached block; the others leave in GreedyDual-Size order (priority: the
   worth plus an inflation clock that rises to each evicted priority, so worth decays with
-  age), in a sorted container. Every other policy keeps free checkpoints in LRU order and
-  evicts them only after every cached block.
+  age), in a sorted container. A prompt-end checkpoint its own request decoded past, that
+  no hit used, enters at the clock alone (worth nothing until a hit uses it): only a
+  request diverging exactly there could use it, as an interior point of one chain. Every
+  other policy keeps free checkpoints in LRU order and evicts them only after every cached
+  block.
 """
 
 from __future__ import annotations
@@ -485,6 +488,9 @@ class CheckpointOrder:
     def orphaned(self, page: KVCacheBlock) -> None:
         """A checkpoint's full-attention chain is gone (free or not); `page.orphan` is set."""
 
+    def demote(self, page: KVCacheBlock) -> None:
+        """A free checkpoint was passed by the request that took it and not hit since."""
+
 
 class LRUCheckpoints(FreeBlockQueue, CheckpointOrder):
     """Least recently freed checkpoint first."""
@@ -549,9 +555,10 @@ class WorthCheckpoints(CheckpointOrder):
         """Drop its worth."""
         self._worth.pop(page.block_id, None)
 
-    def _insert(self, page: KVCacheBlock) -> None:
-        key = (0 if page.orphan else 1, self._clock + self._worth.get(page.block_id, 0.0),
-               next(self._tie), page.block_id)
+    def _insert(self, page: KVCacheBlock, worth: float | None = None) -> None:
+        if worth is None:
+            worth = self._worth.get(page.block_id, 0.0)
+        key = (0 if page.orphan else 1, self._clock + worth, next(self._tie), page.block_id)
         self._key[page.block_id] = key
         self._pages[page.block_id] = page
         self._order.add(key)
@@ -599,6 +606,12 @@ class WorthCheckpoints(CheckpointOrder):
         if page.block_id in self._key:
             self._unlink(page)
             self._insert(page)
+
+    def demote(self, page: KVCacheBlock) -> None:
+        """At the clock, worth nothing until it is freed again after a hit."""
+        if page.block_id in self._key:
+            self._unlink(page)
+            self._insert(page, 0.0)
 
 
 EvictionPolicy.checkpoints = LRUCheckpoints

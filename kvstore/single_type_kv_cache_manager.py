@@ -827,7 +827,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
     or one it took or found), or since 0, per block of a large page. The pool must be a
     TwoSizeBlockPool."""
 
-    __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching", "_known")
+    __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching", "_known",
+                 "_branch", "_prompt_ends")
 
     def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1, checkpoint_every: int = 0) -> None:
@@ -841,8 +842,12 @@ class RecurrentManager(SingleTypeKVCacheManager):
         # Per decoding request: a large page with the state at its last block boundary past
         # its prompt, and that position.
         self._rolling: dict[str, tuple[KVCacheBlock, int]] = {}
-        # Per request: the position of the last checkpoint it knows on its chain.
+        # Per request: the position of the last checkpoint it knows on its chain, its
+        # lookup's branch point, and the prompt-end checkpoints it took (page, serial, uses
+        # then, position): superseded at its end unless a hit used them (`checkpoint_at_end`).
         self._known: dict[str, int] = {}
+        self._branch: dict[str, int] = {}
+        self._prompt_ends: dict[str, list[tuple[KVCacheBlock, int, int, int]]] = {}
         self.chain_block_at: ChainBlockAt = lambda request, i: None
 
     @property
@@ -965,6 +970,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         lies past the hit."""
         self._plan[request.request_id] = self._positions(
             request, request.num_computed_tokens, max(ends))
+        self._branch[request.request_id] = max(ends)
 
     def release_computed(self, request: Request, serials: dict[int, int] | None = None) -> None:
         """Nothing to cache before allocating (checkpoints are taken after, see
@@ -1003,6 +1009,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
             self._copy(working, page)
             pool.free_blocks((page,))  # no table holds a checkpoint: its pin is all
             self._index(page, request, chain, nc)
+            if planned and nc <= request.num_prompt_tokens and nc != self._branch.get(rid):
+                self._prompt_ends.setdefault(rid, []).append((page, page.serial, page.uses, nc))
             return
         # Past the prompt: keep the state at the last block boundary for the output's end.
         rolling = self._rolling.get(rid)
@@ -1061,8 +1069,15 @@ class RecurrentManager(SingleTypeKVCacheManager):
         else:
             return
         chain = self.chain_block_at(request, position // bs - 1)
-        if chain is not None and page.token_ids is None and not self._has_checkpoint(chain):
+        if chain is None:
+            return
+        if page.token_ids is None and not self._has_checkpoint(chain):
             self._index(page, request, chain, position)
+        # Its prompt-end checkpoints that it decoded past, unhit: interior points now.
+        pool = self.two_size_pool
+        for taken, serial, uses, at in self._prompt_ends.pop(rid, ()):
+            if at < position and taken.serial == serial and taken.uses == uses:
+                pool.demote_checkpoint(taken)
 
     def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
         """Forget the request; returns its large pages (working state, and the state kept
@@ -1076,6 +1091,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
         del self._last_serial[rid]
         del self._plan[rid]
         del self._known[rid]
+        self._branch.pop(rid, None)
+        self._prompt_ends.pop(rid, None)
         return table, []
 
     def num_resident_blocks(self, request_id: str) -> int:
