@@ -955,8 +955,8 @@ class TwoSizeBlockPool(BlockPool):
 
     def demote_checkpoint(self, page: KVCacheBlock) -> None:
         """Tell the checkpoint order that the request that took this checkpoint decoded past
-        it and no hit used it (nothing if it is in use or no longer cached)."""
-        if page.ref_cnt == 0 and page.token_ids is not None:
+        it and no hit used it (nothing if it is no longer cached)."""
+        if page.token_ids is not None:
             self._large_cached.demote(page)
 
     def _evict_large(self, page: KVCacheBlock) -> None:

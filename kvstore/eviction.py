@@ -489,7 +489,7 @@ class CheckpointOrder:
         """A checkpoint's full-attention chain is gone (free or not); `page.orphan` is set."""
 
     def demote(self, page: KVCacheBlock) -> None:
-        """A free checkpoint was passed by the request that took it and not hit since."""
+        """A checkpoint (free or not) was passed by the request that took it, unhit."""
 
 
 class LRUCheckpoints(FreeBlockQueue, CheckpointOrder):
@@ -524,6 +524,7 @@ class WorthCheckpoints(CheckpointOrder):
         self._key: dict[int, tuple[int, float, int, int]] = {}
         self._pages: dict[int, KVCacheBlock] = {}  # page id -> page, for keys in _order
         self._worth: dict[int, float] = {}  # page id -> worth, while cached
+        self._demoted: dict[int, float] = {}  # page id -> worth before `demote`
         self._clock = 0.0
         self._tie = count()
 
@@ -554,11 +555,11 @@ class WorthCheckpoints(CheckpointOrder):
     def forget(self, page: KVCacheBlock) -> None:
         """Drop its worth."""
         self._worth.pop(page.block_id, None)
+        self._demoted.pop(page.block_id, None)
 
-    def _insert(self, page: KVCacheBlock, worth: float | None = None) -> None:
-        if worth is None:
-            worth = self._worth.get(page.block_id, 0.0)
-        key = (0 if page.orphan else 1, self._clock + worth, next(self._tie), page.block_id)
+    def _insert(self, page: KVCacheBlock) -> None:
+        key = (0 if page.orphan else 1, self._clock + self._worth.get(page.block_id, 0.0),
+               next(self._tie), page.block_id)
         self._key[page.block_id] = key
         self._pages[page.block_id] = page
         self._order.add(key)
@@ -577,8 +578,11 @@ class WorthCheckpoints(CheckpointOrder):
         self._insert(page)
 
     def remove(self, page: KVCacheBlock) -> None:
-        """Out of the order."""
+        """Out of the order; a demoted checkpoint is worth its tokens again."""
         self._unlink(page)
+        worth = self._demoted.pop(page.block_id, None)
+        if worth is not None:
+            self._worth[page.block_id] = worth
 
     def refresh(self, page: KVCacheBlock) -> None:
         """Again at the clock plus its worth."""
@@ -608,10 +612,14 @@ class WorthCheckpoints(CheckpointOrder):
             self._insert(page)
 
     def demote(self, page: KVCacheBlock) -> None:
-        """At the clock, worth nothing until it is freed again after a hit."""
-        if page.block_id in self._key:
-            self._unlink(page)
-            self._insert(page, 0.0)
+        """Worth nothing (at the clock when free) until a hit takes it."""
+        pid = page.block_id
+        if pid in self._worth and pid not in self._demoted:
+            self._demoted[pid] = self._worth[pid]
+            self._worth[pid] = 0.0
+            if pid in self._key:
+                self._unlink(page)
+                self._insert(page)
 
 
 EvictionPolicy.checkpoints = LRUCheckpoints

@@ -844,10 +844,10 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._rolling: dict[str, tuple[KVCacheBlock, int]] = {}
         # Per request: the position of the last checkpoint it knows on its chain, its
         # lookup's branch point, and the prompt-end checkpoints it took (page, serial, uses
-        # then, position): superseded at its end unless a hit used them (`checkpoint_at_end`).
+        # then): superseded at its end unless a hit used them (`checkpoint_at_end`).
         self._known: dict[str, int] = {}
         self._branch: dict[str, int] = {}
-        self._prompt_ends: dict[str, list[tuple[KVCacheBlock, int, int, int]]] = {}
+        self._prompt_ends: dict[str, list[tuple[KVCacheBlock, int, int]]] = {}
         self.chain_block_at: ChainBlockAt = lambda request, i: None
 
     @property
@@ -1010,7 +1010,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
             pool.free_blocks((page,))  # no table holds a checkpoint: its pin is all
             self._index(page, request, chain, nc)
             if planned and nc <= request.num_prompt_tokens and nc != self._branch.get(rid):
-                self._prompt_ends.setdefault(rid, []).append((page, page.serial, page.uses, nc))
+                self._prompt_ends.setdefault(rid, []).append((page, page.serial, page.uses))
             return
         # Past the prompt: keep the state at the last block boundary for the output's end.
         rolling = self._rolling.get(rid)
@@ -1073,10 +1073,11 @@ class RecurrentManager(SingleTypeKVCacheManager):
             return
         if page.token_ids is None and not self._has_checkpoint(chain):
             self._index(page, request, chain, position)
-        # Its prompt-end checkpoints that it decoded past, unhit: interior points now.
+        # Its prompt-end checkpoints, unhit, when it decoded past them: interior points now.
         pool = self.two_size_pool
-        for taken, serial, uses, at in self._prompt_ends.pop(rid, ()):
-            if at < position and taken.serial == serial and taken.uses == uses:
+        for taken, serial, uses in self._prompt_ends.pop(rid, ()):
+            if (position > request.num_prompt_tokens and taken.serial == serial
+                    and taken.uses == uses):
                 pool.demote_checkpoint(taken)
 
     def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:

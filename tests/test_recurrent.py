@@ -469,3 +469,28 @@ def test_a_checkpoint_is_worth_the_tokens_since_the_last_one_its_request_knew() 
     m.free(b)
     m.take_pending_copies()
     assert sorted(order.priority(p) for p in order) == [4 / k, 4 / k, 4 / k, 16 / k]
+
+
+def test_a_prompt_end_checkpoint_its_request_decoded_past_is_worth_nothing_until_hit() -> None:
+    m = make([FULL, STATE], num_blocks=90, eviction="worth")
+    pool = internals(m).pool
+    assert isinstance(pool, TwoSizeBlockPool)
+    order = pool._large_cached
+    assert isinstance(order, WorthCheckpoints)
+    a = Request("a", list(range(8)))
+    run(m, a, [8])  # prompt end 8: taken at the next step's start
+    a.append_token_ids([40, 41, 42, 43, 44])
+    assert m.allocate_slots(a, 4) is not None  # the checkpoint at 8 is taken
+    m.take_pending_copies()
+    a.num_computed_tokens = 12
+    m.free(a)  # its output's end, 12, is indexed: 8 is an interior point now
+    m.take_pending_copies()
+    k = pool.large_page_blocks
+    assert {p.block_hash: order.priority(p) for p in order} == {
+        a.block_hashes[1]: 0.0, a.block_hashes[2]: 4 / k}
+    # A hit on it makes it worth its tokens again once freed.
+    b = Request("b", list(range(8)) + [70, 71])
+    assert run(m, b, [2]).num_computed_tokens == 8
+    m.free(b)
+    m.take_pending_copies()
+    assert sorted(order.priority(p) for p in order) == [4 / k, 8 / k]
