@@ -644,8 +644,9 @@ class TwoSizeBlockPool(BlockPool):
     is whole (free and empty, a free cached checkpoint, or in use) or split: its blocks are
     then pages of their own, in the eviction policy's free queue while free. Small pages
     come from split large pages: free empty blocks of split pages first, then a whole empty
-    large page is split, then checkpoints whose full-attention chain is gone (where the
-    policy's checkpoint order tracks chains), then cached blocks are evicted (the policy's
+    large page is split, then checkpoints worth nothing (their full-attention chain gone,
+    or an interior point of one chain, where the policy's checkpoint order tracks chains),
+    then cached blocks are evicted (the policy's
     order), then cached checkpoints (the policy's checkpoint order: least recently freed
     first, or by worth). A split page returns whole as soon as its last block is freed
     empty, and is reclaimed (its cached blocks evicted) when a large page is needed and
@@ -764,7 +765,7 @@ class TwoSizeBlockPool(BlockPool):
         while n > len(queue) - self._free_cached and self._large_empty:
             self._split_page(self._large_empty.pop())
         while n > len(queue) - self._free_cached:
-            orphan = self._large_cached.pop_orphan()
+            orphan = self._large_cached.pop_worthless()
             if orphan is None:
                 break
             self._evict_large(orphan)
@@ -901,7 +902,7 @@ class TwoSizeBlockPool(BlockPool):
 
     # ---- large pages -------------------------------------------------------------------------
     def get_large_pages(self, n: int, group_id: int) -> list[KVCacheBlock]:
-        """Take n large pages: whole empty ones, then checkpoints whose chain is gone (where
+        """Take n large pages: whole empty ones, then checkpoints worth nothing (where
         tracked), then split pages with no block in use (their cached blocks evicted, the
         page emptied longest ago first), then cached checkpoints (the policy's checkpoint
         order). RuntimeError, changing nothing, if fewer are free."""
@@ -911,7 +912,7 @@ class TwoSizeBlockPool(BlockPool):
             raise RuntimeError(f"asked for {n} large pages with {self.num_free_large_pages} free")
         pages = []
         for _ in range(n):
-            orphan = None if self._large_empty else self._large_cached.pop_orphan()
+            orphan = None if self._large_empty else self._large_cached.pop_worthless()
             if self._large_empty:
                 page = self._large_empty.pop()
             elif orphan is not None:
@@ -953,10 +954,13 @@ class TwoSizeBlockPool(BlockPool):
             self._events.append(BlockStored(block_hash, parent_hash, token_ids, page.group_id,
                                             self.group_kind(page.group_id)))
 
-    def demote_checkpoint(self, page: KVCacheBlock) -> None:
-        """Tell the checkpoint order that the request that took this checkpoint decoded past
-        it and no hit used it (nothing if it is no longer cached)."""
-        if page.token_ids is not None:
+    def passed_checkpoint(self, page: KVCacheBlock, serial: int) -> None:
+        """A request computed past this checkpoint (of content `serial`): where the
+        full-attention chain continues one way only after it, it is an interior point of
+        one chain (told to the checkpoint order, where it tracks chains)."""
+        if page.token_ids is None or page.serial != serial or not self._chain_groups:
+            return
+        if len(self._children.get((min(self._chain_groups), serial), ())) <= 1:
             self._large_cached.demote(page)
 
     def _evict_large(self, page: KVCacheBlock) -> None:

@@ -31,11 +31,11 @@ made recent again (`refresh_all`), one loses its parent chain (`orphaned`) or it
   large page. Checkpoints whose full-attention chain is gone (no hit can reach them) go
   first, before any cached block; the others leave in GreedyDual-Size order (priority: the
   worth plus an inflation clock that rises to each evicted priority, so worth decays with
-  age), in a sorted container. A prompt-end checkpoint its own request decoded past, that
-  no hit used, enters at the clock alone (worth nothing until a hit uses it): only a
-  request diverging exactly there could use it, as an interior point of one chain. Every
-  other policy keeps free checkpoints in LRU order and evicts them only after every cached
-  block.
+  age), in a sorted container. A checkpoint a request hit or took and then computed past,
+  where the cached chain has one continuation only, is an interior point of one chain
+  (only a request diverging exactly there could use it): it is worth nothing and goes
+  with the orphans until a hit takes it again. Every other policy keeps free checkpoints
+  in LRU order and evicts them only after every cached block.
 """
 
 from __future__ import annotations
@@ -481,15 +481,16 @@ class CheckpointOrder:
         """Remove the next checkpoint to evict (IndexError when empty)."""
         raise NotImplementedError
 
-    def pop_orphan(self) -> KVCacheBlock | None:
-        """Remove a free checkpoint whose chain is gone, if any (None: none known)."""
+    def pop_worthless(self) -> KVCacheBlock | None:
+        """Remove a free checkpoint worth nothing (its chain gone, or demoted), if any (None:
+        none known)."""
         return None
 
     def orphaned(self, page: KVCacheBlock) -> None:
         """A checkpoint's full-attention chain is gone (free or not); `page.orphan` is set."""
 
     def demote(self, page: KVCacheBlock) -> None:
-        """A checkpoint (free or not) was passed by the request that took it, unhit."""
+        """A checkpoint (free or not) is an interior point of one cached chain."""
 
 
 class LRUCheckpoints(FreeBlockQueue, CheckpointOrder):
@@ -511,8 +512,8 @@ class LRUCheckpoints(FreeBlockQueue, CheckpointOrder):
 
 
 class WorthCheckpoints(CheckpointOrder):
-    """Checkpoints whose chain is gone first (in the order they became free), then the
-    lowest GreedyDual-Size priority: a checkpoint freed or refreshed gets the clock plus its
+    """Checkpoints worth nothing first (their chain gone, or demoted), then the lowest
+    GreedyDual-Size priority: a checkpoint freed or refreshed gets the clock plus its
     worth; the clock rises to the priority of each checkpoint evicted by worth. O(log n)
     per change (a sorted list of (orphan rank, priority, tie) keys)."""
 
@@ -520,7 +521,7 @@ class WorthCheckpoints(CheckpointOrder):
 
     def __init__(self) -> None:
         self._order: SortedList = SortedList()
-        # page id -> its key in _order: (0 for an orphan else 1, priority, tie, page id)
+        # page id -> its key in _order: (0 if worth nothing else 1, priority, tie, page id)
         self._key: dict[int, tuple[int, float, int, int]] = {}
         self._pages: dict[int, KVCacheBlock] = {}  # page id -> page, for keys in _order
         self._worth: dict[int, float] = {}  # page id -> worth, while cached
@@ -558,7 +559,8 @@ class WorthCheckpoints(CheckpointOrder):
         self._demoted.pop(page.block_id, None)
 
     def _insert(self, page: KVCacheBlock) -> None:
-        key = (0 if page.orphan else 1, self._clock + self._worth.get(page.block_id, 0.0),
+        worthless = page.orphan or page.block_id in self._demoted
+        key = (0 if worthless else 1, self._clock + self._worth.get(page.block_id, 0.0),
                next(self._tie), page.block_id)
         self._key[page.block_id] = key
         self._pages[page.block_id] = page
@@ -599,8 +601,8 @@ class WorthCheckpoints(CheckpointOrder):
             self._clock = max(self._clock, priority)
         return self._pages.pop(page_id)
 
-    def pop_orphan(self) -> KVCacheBlock | None:
-        """The first key's page if it is an orphan."""
+    def pop_worthless(self) -> KVCacheBlock | None:
+        """The first key's page if it is worth nothing."""
         if self._order and self._order[0][0] == 0:
             return self.pop()
         return None
@@ -612,7 +614,7 @@ class WorthCheckpoints(CheckpointOrder):
             self._insert(page)
 
     def demote(self, page: KVCacheBlock) -> None:
-        """Worth nothing (at the clock when free) until a hit takes it."""
+        """Worth nothing (with the orphans when free) until a hit takes it."""
         pid = page.block_id
         if pid in self._worth and pid not in self._demoted:
             self._demoted[pid] = self._worth[pid]

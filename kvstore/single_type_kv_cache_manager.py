@@ -828,7 +828,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
     TwoSizeBlockPool."""
 
     __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching", "_known",
-                 "_branch", "_prompt_ends")
+                 "_passed")
 
     def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1, checkpoint_every: int = 0) -> None:
@@ -842,12 +842,11 @@ class RecurrentManager(SingleTypeKVCacheManager):
         # Per decoding request: a large page with the state at its last block boundary past
         # its prompt, and that position.
         self._rolling: dict[str, tuple[KVCacheBlock, int]] = {}
-        # Per request: the position of the last checkpoint it knows on its chain, its
-        # lookup's branch point, and the prompt-end checkpoints it took (page, serial, uses
-        # then): superseded at its end unless a hit used them (`checkpoint_at_end`).
+        # Per request: the position of the last checkpoint it knows on its chain, and the
+        # checkpoints it hit or took (page, serial, position), told to the pool as passed
+        # at its end (`checkpoint_at_end`).
         self._known: dict[str, int] = {}
-        self._branch: dict[str, int] = {}
-        self._prompt_ends: dict[str, list[tuple[KVCacheBlock, int, int]]] = {}
+        self._passed: dict[str, list[tuple[KVCacheBlock, int, int]]] = {}
         self.chain_block_at: ChainBlockAt = lambda request, i: None
 
     @property
@@ -964,13 +963,14 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._last_serial[rid] = parent_serial
         self._plan[rid] = self._positions(request, request.num_computed_tokens, 0)
         self._known[rid] = request.num_computed_tokens if hit_blocks else 0
+        self._passed[rid] = ([(hit_blocks[-1], hit_blocks[-1].serial,
+                               request.num_computed_tokens)] if hit_blocks else [])
 
     def note_hit_ends(self, request: Request, ends: Sequence[int]) -> None:
         """Plan a checkpoint at the lookup's branch point (the verified chain's end) when it
         lies past the hit."""
         self._plan[request.request_id] = self._positions(
             request, request.num_computed_tokens, max(ends))
-        self._branch[request.request_id] = max(ends)
 
     def release_computed(self, request: Request, serials: dict[int, int] | None = None) -> None:
         """Nothing to cache before allocating (checkpoints are taken after, see
@@ -1009,8 +1009,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
             self._copy(working, page)
             pool.free_blocks((page,))  # no table holds a checkpoint: its pin is all
             self._index(page, request, chain, nc)
-            if planned and nc <= request.num_prompt_tokens and nc != self._branch.get(rid):
-                self._prompt_ends.setdefault(rid, []).append((page, page.serial, page.uses))
+            self._passed[rid].append((page, page.serial, nc))
             return
         # Past the prompt: keep the state at the last block boundary for the output's end.
         rolling = self._rolling.get(rid)
@@ -1073,12 +1072,10 @@ class RecurrentManager(SingleTypeKVCacheManager):
             return
         if page.token_ids is None and not self._has_checkpoint(chain):
             self._index(page, request, chain, position)
-        # Its prompt-end checkpoints, unhit, when it decoded past them: interior points now.
         pool = self.two_size_pool
-        for taken, serial, uses in self._prompt_ends.pop(rid, ()):
-            if (position > request.num_prompt_tokens and taken.serial == serial
-                    and taken.uses == uses):
-                pool.demote_checkpoint(taken)
+        for passed, serial, at in self._passed[rid]:
+            if at < position:
+                pool.passed_checkpoint(passed, serial)
 
     def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
         """Forget the request; returns its large pages (working state, and the state kept
@@ -1092,8 +1089,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         del self._last_serial[rid]
         del self._plan[rid]
         del self._known[rid]
-        self._branch.pop(rid, None)
-        self._prompt_ends.pop(rid, None)
+        del self._passed[rid]
         return table, []
 
     def num_resident_blocks(self, request_id: str) -> int:
@@ -1111,6 +1107,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._last_serial[child_id] = self._last_serial[parent_id]
         self._plan[child_id] = list(self._plan[parent_id])
         self._known[child_id] = self._known[parent_id]
+        self._passed[child_id] = []
 
     def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
         """Refused: tiers do not serve recurrent groups."""

@@ -462,16 +462,19 @@ def test_a_checkpoint_is_worth_the_tokens_since_the_last_one_its_request_knew() 
     m.free(a)
     m.take_pending_copies()
     assert order.clock == 0
-    assert sorted(order.priority(p) for p in order) == [4 / k, 16 / k]
+    # 16 is an interior point of one cached chain now (a computed past it): worth nothing.
+    assert sorted(order.priority(p) for p in order) == [0, 4 / k]
     b = Request("b", list(range(16)) + list(range(50, 58)))
     computed = run(m, b, [4, 4])  # hits 16; its prompt's end: 20 and 24
     assert computed.num_computed_tokens == 16
     m.free(b)
     m.take_pending_copies()
-    assert sorted(order.priority(p) for p in order) == [4 / k, 4 / k, 4 / k, 16 / k]
+    # The hit gave 16 its worth back, and two chains continue there now; b's 20 is the
+    # interior point of b's chain.
+    assert sorted(order.priority(p) for p in order) == [0, 4 / k, 4 / k, 16 / k]
 
 
-def test_a_prompt_end_checkpoint_its_request_decoded_past_is_worth_nothing_until_hit() -> None:
+def test_a_checkpoint_its_request_computed_past_is_worth_nothing_until_hit() -> None:
     m = make([FULL, STATE], num_blocks=90, eviction="worth")
     pool = internals(m).pool
     assert isinstance(pool, TwoSizeBlockPool)
@@ -483,7 +486,7 @@ def test_a_prompt_end_checkpoint_its_request_decoded_past_is_worth_nothing_until
     assert m.allocate_slots(a, 4) is not None  # the checkpoint at 8 is taken
     m.take_pending_copies()
     a.num_computed_tokens = 12
-    m.free(a)  # its output's end, 12, is indexed: 8 is an interior point now
+    m.free(a)  # its output's end, 12, is indexed: 8 is an interior point of one chain now
     m.take_pending_copies()
     k = pool.large_page_blocks
     assert {p.block_hash: order.priority(p) for p in order} == {

@@ -79,7 +79,8 @@ def check_two_size_pool(pool: TwoSizeBlockPool, small_refs: Counter[int] | None 
     assert pool.num_free_large_pages == (len(empty_large) + len(cached_large)
                                          + len(pool._empty_split))
     # Free checkpoints whose chain is gone come first in an order that tracks chains.
-    ranks = [0 if p.orphan else 1 for p in pool._large_cached]
+    demoted = getattr(pool._large_cached, "_demoted", {})
+    ranks = [0 if p.orphan or p.block_id in demoted else 1 for p in pool._large_cached]
     assert ranks == sorted(ranks), "a checkpoint with a chain before an orphan"
     if not pool._large_cached.tracks_chains:
         assert not any(p.orphan for p in pool.large_blocks)
