@@ -946,6 +946,7 @@ class TwoSizeBlockPool(BlockPool):
         page.token_ids = token_ids
         page.serial = serial
         page.parent_serial = parent_serial
+        page.uses = 0  # from here on: the hits that restored it
         self.hash_index.add(page.group_id, block_hash, page)
         self.cached_by_group[page.group_id] += 1
         self._large_cached.note(page, worth)
@@ -955,10 +956,12 @@ class TwoSizeBlockPool(BlockPool):
                                             self.group_kind(page.group_id)))
 
     def passed_checkpoint(self, page: KVCacheBlock, serial: int) -> None:
-        """A request computed past this checkpoint (of content `serial`): where the
-        full-attention chain continues one way only after it, it is an interior point of
-        one chain (told to the checkpoint order, where it tracks chains)."""
-        if page.token_ids is None or page.serial != serial or not self._chain_groups:
+        """A request computed past this checkpoint (of content `serial`): hit once at most
+        (by that request) and where the cached full-attention chain continues one way only
+        after it, it is an interior point of one chain (told to the checkpoint order, where
+        it tracks chains)."""
+        if (page.token_ids is None or page.serial != serial or not self._chain_groups
+                or page.uses > 1):
             return
         if len(self._children.get((min(self._chain_groups), serial), ())) <= 1:
             self._large_cached.demote(page)

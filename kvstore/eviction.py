@@ -32,7 +32,8 @@ made recent again (`refresh_all`), one loses its parent chain (`orphaned`) or it
   first, before any cached block; the others leave in GreedyDual-Size order (priority: the
   worth plus an inflation clock that rises to each evicted priority, so worth decays with
   age), in a sorted container. A checkpoint a request hit or took and then computed past,
-  where the cached chain has one continuation only, is an interior point of one chain
+  hit once at most and where the cached chain has one continuation only, is an interior
+  point of one chain
   (only a request diverging exactly there could use it): it is worth nothing and goes
   with the orphans until a hit takes it again. Every other policy keeps free checkpoints
   in LRU order and evicts them only after every cached block.
