@@ -37,6 +37,7 @@ from kvstore.benchmarks.output import name_list, write_csv, write_json
 from kvstore.benchmarks.simulator import fake_token
 from kvstore.benchmarks.traces import MOONCAKE_BLOCK_TOKENS, load_mooncake, locate_trace
 from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, make_workload
+from kvstore.eviction import EVICTION_POLICIES
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.request import Request
@@ -130,11 +131,12 @@ class System:
     checkpoint_every_blocks: int = 0
 
 
-def systems(layout: Layout) -> list[System]:
-    """kvstore, the vLLM-align model, the oracle and all-full attention for `layout`."""
+def systems(layout: Layout, eviction: str = "worth") -> list[System]:
+    """kvstore (with `eviction`), the vLLM-align model, the oracle and all-full attention
+    for `layout`."""
     vbs = layout.vllm_block_size
     return [
-        System("kvstore", layout.specs(BLOCK_SIZE), BLOCK_SIZE, "worth", "checkpoints"),
+        System("kvstore", layout.specs(BLOCK_SIZE), BLOCK_SIZE, eviction, "checkpoints"),
         System("vllm-align", layout.specs(vbs), vbs, "lru", "align", checkpoint_every_blocks=1),
         System("oracle", layout.specs(BLOCK_SIZE, recurrent=False), BLOCK_SIZE, "worth",
                "chunks"),
@@ -179,13 +181,14 @@ class Row:
 def _step_end(m: KVCacheManager, req: Request, nc: int, end: int, stops: Stops, bs: int,
               computed: ComputedBlocks | None) -> int:
     """Where a step from `nc` computed tokens towards `end` stops (`computed`: the lookup,
-    before admission)."""
+    before admission). Decoding runs one token a step: every system's steps end at each
+    block boundary there (the steps between change nothing in the cache)."""
+    if nc >= req.num_prompt_tokens:
+        return min(end, (nc // bs + 1) * bs)
     if stops == "checkpoints":
         positions = m.next_checkpoints(req, end - nc, computed)
         return positions[0] if positions else end
     if stops == "align":
-        if nc >= req.num_prompt_tokens:  # decode: one token a step, each boundary a step end
-            return min(end, (nc // bs + 1) * bs)
         last = end // bs * bs  # the state at the step's last block boundary is kept
         return last if nc < last < end else end
     return end
@@ -326,6 +329,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="budgets for the Mooncake conversation trace with the qwen3-next "
                         "layout, in tokens of its attention K/V (empty: skip)")
     p.add_argument("--limit", type=int, default=None, help="first N rows of the trace")
+    p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="worth",
+                   help="kvstore's eviction policy")
     p.add_argument("--out", type=Path, default=Path("results/recurrent"), help="output folder")
 
 
@@ -359,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         ideal[name] = ideal_hit_tokens(specs.requests, BLOCK_SIZE, include_outputs=True).rate
         for layout in (LAYOUTS[n] for n in args.layouts):
             for gib in args.budgets:
-                for system in systems(layout):
+                for system in systems(layout, args.eviction):
                     rows.append(run_system(specs.requests, system, int(gib * GiB), layout.name,
                                            name))
                     progress(rows[-1])
@@ -367,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
         trace = mooncake_requests("mooncake_conversation", args.limit)
         layout = LAYOUTS["qwen3-next"]
         for tokens in args.mooncake:
-            for system in systems(layout)[:2]:
+            for system in systems(layout, args.eviction)[:2]:
                 rows.append(run_system(trace, system, layout.budget_of_tokens(int(tokens)),
                                        layout.name, "mooncake_conversation"))
                 progress(rows[-1])
