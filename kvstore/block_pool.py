@@ -8,28 +8,33 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
-from kvstore.block import FreeBlockQueue, KVCacheBlock
+from kvstore.block import KVCacheBlock
 from kvstore.eviction import DEFAULT_EVICTION, EvictionPolicy, make_policy
 from kvstore.hashing import BlockHash, root_serial
+from kvstore.specs import GroupKind
 from kvstore.utils import common_prefix_len, hit_rate
 
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """A full block entered the prefix cache."""
+    """A full block (or, in a recurrent group, a checkpoint: the state after the prefix
+    that ends with this block) entered the prefix cache, in group `group_id` of kind
+    `kind`."""
 
     block_hash: BlockHash
     parent_block_hash: BlockHash | None
     token_ids: tuple[int, ...]
     group_id: int
+    kind: GroupKind = "full"
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """A full block left the prefix cache (evicted or reset)."""
+    """A full block or a checkpoint left the prefix cache (evicted or reset)."""
 
     block_hash: BlockHash
     group_id: int
+    kind: GroupKind = "full"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +65,11 @@ class PartialMatch(NamedTuple):
 
 @dataclass(slots=True)
 class CacheStats:
-    """Counters since creation; `lookups` counts once per admission."""
+    """Counters since creation; `lookups` counts once per admission. With recurrent groups:
+    `recurrent_hits` counts admissions whose hit restored checkpoints, `checkpoints_taken`
+    checkpoints indexed, `checkpoints_used` checkpoints copied into a working state by a
+    hit, `checkpoints_evicted` checkpoints whose page was taken for reuse (also counted in
+    `evictions`)."""
 
     lookups: int = 0
     queried_tokens: int = 0
@@ -70,6 +79,10 @@ class CacheStats:
     copies_queued: int = 0
     fork_copies: int = 0
     evictions: int = 0
+    recurrent_hits: int = 0
+    checkpoints_taken: int = 0
+    checkpoints_used: int = 0
+    checkpoints_evicted: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -211,13 +224,15 @@ class BlockPool:
     hits need a block's whole parent chain (None: all); in those, a policy that tracks
     content learns when a block's parent content is gone; one that tracks units also learns
     when the pages of the other `num_groups` groups holding an evicted chained block's
-    content became useless (every hit through them needs that block).
+    content became useless (every hit through them needs that block). `group_kinds` names
+    each group's kind in events (empty: "full" for chained groups, "sliding" for others).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
                  enable_events: bool = False, index_partial_blocks: bool = True,
                  eviction: str | EvictionPolicy = DEFAULT_EVICTION,
-                 chained_groups: frozenset[int] | None = None, num_groups: int = 1) -> None:
+                 chained_groups: frozenset[int] | None = None, num_groups: int = 1,
+                 group_kinds: Sequence[GroupKind] = ()) -> None:
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -225,6 +240,9 @@ class BlockPool:
         # Whether finished requests' partially filled last blocks are indexed (for partial hits).
         self.index_partial_blocks = enable_caching and index_partial_blocks
         self.enable_events = enable_events
+        if group_kinds and len(group_kinds) != num_groups:
+            raise ValueError(f"{len(group_kinds)} group kinds for {num_groups} groups")
+        self._group_kinds = tuple(group_kinds)
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         # The free blocks, in the order the policy reuses them.
@@ -256,6 +274,13 @@ class BlockPool:
         # Per group: pages holding indexed content (full or partial), and evictions so far.
         self.cached_by_group: Counter[int] = Counter()
         self.evicted_by_group: Counter[int] = Counter()
+
+    def group_kind(self, group_id: int) -> GroupKind:
+        """The kind of a group, as events name it."""
+        if group_id < len(self._group_kinds):
+            return self._group_kinds[group_id]
+        chained = self._chained_groups
+        return "full" if chained is None or group_id in chained else "sliding"
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -395,7 +420,8 @@ class BlockPool:
         self.hash_index.add(group, block_hash, block)
         self.cached_by_group[group] += 1
         if self.enable_events:
-            self._events.append(BlockStored(block_hash, parent_hash, token_ids, group))
+            self._events.append(BlockStored(block_hash, parent_hash, token_ids, group,
+                                            self.group_kind(group)))
         return serial
 
     def cache_partial_block(self, block: KVCacheBlock, token_ids: tuple[int, ...],
@@ -458,7 +484,8 @@ class BlockPool:
         if block_hash is not None:
             self.hash_index.remove(block.group_id, block_hash, block)
             if self.enable_events:
-                self._events.append(BlockRemoved(block_hash, block.group_id))
+                self._events.append(BlockRemoved(block_hash, block.group_id,
+                                                 self.group_kind(block.group_id)))
         block.block_hash = block.token_ids = None
         block.serial = block.parent_serial = 0
         block.orphan = False
@@ -617,19 +644,23 @@ class TwoSizeBlockPool(BlockPool):
     is whole (free and empty, a free cached checkpoint, or in use) or split: its blocks are
     then pages of their own, in the eviction policy's free queue while free. Small pages
     come from split large pages: free empty blocks of split pages first, then a whole empty
-    large page is split, then cached blocks are evicted (the policy's order), then cached
-    checkpoints (least recently freed first). A split page returns whole as soon as its
-    last block is freed empty, and is reclaimed (its cached blocks evicted) when a large
-    page is needed and none is free whole. Large page 0 holds the null block and stays
-    split. `recurrent_groups` are the groups whose pages are large. Free lists are O(1);
-    `num_free_blocks` counts free capacity in blocks (a free whole page counts k)."""
+    large page is split, then checkpoints worth nothing (their full-attention chain gone,
+    or an interior point of one chain, where the policy's checkpoint order tracks chains),
+    then cached blocks are evicted (the policy's
+    order), then cached checkpoints (the policy's checkpoint order: least recently freed
+    first, or by worth). A split page returns whole as soon as its last block is freed
+    empty, and is reclaimed (its cached blocks evicted) when a large page is needed and
+    none is free whole. Large page 0 holds the null block and stays split.
+    `recurrent_groups` are the groups whose pages are large. Free lists are O(1) (a worth
+    order: O(log n)); `num_free_blocks` counts free capacity in blocks (a free whole page
+    counts k)."""
 
     def __init__(self, num_blocks: int, large_page_blocks: int,
                  recurrent_groups: frozenset[int], enable_caching: bool = True,
                  enable_events: bool = False, index_partial_blocks: bool = True,
                  eviction: str | EvictionPolicy = DEFAULT_EVICTION,
                  chained_groups: frozenset[int] | None = None, num_groups: int = 1,
-                 bytes_per_block: int = 1) -> None:
+                 bytes_per_block: int = 1, group_kinds: Sequence[GroupKind] = ()) -> None:
         k = large_page_blocks
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"large_page_blocks must be a positive int, got {k!r}")
@@ -637,7 +668,7 @@ class TwoSizeBlockPool(BlockPool):
             raise ValueError(f"a two-size pool needs a multiple of {k} blocks, at least {2 * k} "
                              f"(one large page beside the null block's), got {num_blocks}")
         super().__init__(num_blocks, enable_caching, enable_events, index_partial_blocks,
-                         eviction, chained_groups, num_groups)
+                         eviction, chained_groups, num_groups, group_kinds)
         self.large_page_blocks = k
         self.bytes_per_block = bytes_per_block
         self.recurrent_groups = recurrent_groups
@@ -654,14 +685,27 @@ class TwoSizeBlockPool(BlockPool):
         queue = self.free_queue
         for block in self.blocks[k:]:
             queue.remove(block)
-        # Whole free large pages: empty ones (a stack) and cached checkpoints (LRU).
+        # Whole free large pages: empty ones (a stack) and cached checkpoints (the policy's
+        # checkpoint order).
         self._large_empty: list[KVCacheBlock] = self.large_blocks[:0:-1]
-        self._large_cached = FreeBlockQueue()
+        self._large_cached = self.free_queue.checkpoints()
+        # Groups whose evicted blocks can leave a checkpoint without its chain (where the
+        # checkpoint order wants to know).
+        self._chain_groups = (
+            frozenset() if not self._large_cached.tracks_chains
+            else (chained_groups if chained_groups is not None
+                  else frozenset(range(num_groups))) - recurrent_groups)
         # Split pages none of whose blocks is in use, in the order they became so.
         self._empty_split: dict[int, None] = {}
         # Free blocks of split pages that hold cached content.
         self._free_cached = 0
         self.large_in_use_by_group: Counter[int] = Counter()
+
+    def group_kind(self, group_id: int) -> GroupKind:
+        """See BlockPool.group_kind; "recurrent" for a recurrent group without given kinds."""
+        if not self._group_kinds and group_id in self.recurrent_groups:
+            return "recurrent"
+        return super().group_kind(group_id)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -720,8 +764,14 @@ class TwoSizeBlockPool(BlockPool):
         queue = self.free_queue
         while n > len(queue) - self._free_cached and self._large_empty:
             self._split_page(self._large_empty.pop())
+        while n > len(queue) - self._free_cached:
+            orphan = self._large_cached.pop_worthless()
+            if orphan is None:
+                break
+            self._evict_large(orphan)
+            self._split_page(orphan)
         while n > len(queue):
-            page = self._large_cached.popleft()
+            page = self._large_cached.pop()
             self._evict_large(page)
             self._split_page(page)
         blocks = queue.take(n, self._evict_free)
@@ -816,7 +866,7 @@ class TwoSizeBlockPool(BlockPool):
             if page.token_ids is None:
                 self._large_empty.append(page)
             else:
-                self._large_cached.append(page)
+                self._large_cached.freed(page)
         if not now_free:
             return
         k = self.large_page_blocks
@@ -845,28 +895,33 @@ class TwoSizeBlockPool(BlockPool):
             if block.ref_cnt or block.block_hash is None or block.serial != serial:
                 continue
             if block.block_id >= self.num_blocks:
-                self._large_cached.move_to_tail((block,))
+                self._large_cached.refresh(block)
             else:
                 small.append(block)
         self.free_queue.refresh_all(small)
 
     # ---- large pages -------------------------------------------------------------------------
     def get_large_pages(self, n: int, group_id: int) -> list[KVCacheBlock]:
-        """Take n large pages: whole empty ones, then split pages with no block in use (their
-        cached blocks evicted, the page emptied longest ago first), then cached checkpoints
-        (least recently freed first). RuntimeError, changing nothing, if fewer are free."""
+        """Take n large pages: whole empty ones, then checkpoints worth nothing (where
+        tracked), then split pages with no block in use (their cached blocks evicted, the
+        page emptied longest ago first), then cached checkpoints (the policy's checkpoint
+        order). RuntimeError, changing nothing, if fewer are free."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of large pages ({n})")
         if n > self.num_free_large_pages:
             raise RuntimeError(f"asked for {n} large pages with {self.num_free_large_pages} free")
         pages = []
         for _ in range(n):
+            orphan = None if self._large_empty else self._large_cached.pop_worthless()
             if self._large_empty:
                 page = self._large_empty.pop()
+            elif orphan is not None:
+                page = orphan
+                self._evict_large(page)
             elif self._empty_split:
                 page = self._merge_page(next(iter(self._empty_split)))
             else:
-                page = self._large_cached.popleft()
+                page = self._large_cached.pop()
                 self._evict_large(page)
             page.ref_cnt = 1
             page.uses = 0
@@ -879,9 +934,10 @@ class TwoSizeBlockPool(BlockPool):
 
     def cache_checkpoint(self, page: KVCacheBlock, block_hash: BlockHash,
                          token_ids: tuple[int, ...], parent_serial: int, serial: int,
-                         parent_hash: BlockHash | None = None) -> None:
+                         parent_hash: BlockHash | None = None, worth: float = 0.0) -> None:
         """Index a large page in use as the checkpoint of the prefix that ends with a block of
-        this hash and these tokens under `parent_serial` (`serial`: that prefix's serial)."""
+        this hash and these tokens under `parent_serial` (`serial`: that prefix's serial);
+        `worth`: the tokens it saves per block of memory (see `kvstore.eviction`)."""
         if page.block_id < self.num_blocks:
             raise RuntimeError(f"block {page.block_id} is not a large page")
         if page.token_ids is not None:
@@ -890,10 +946,25 @@ class TwoSizeBlockPool(BlockPool):
         page.token_ids = token_ids
         page.serial = serial
         page.parent_serial = parent_serial
+        page.uses = 0  # from here on: the hits that restored it
         self.hash_index.add(page.group_id, block_hash, page)
         self.cached_by_group[page.group_id] += 1
+        self._large_cached.note(page, worth)
+        self.stats.checkpoints_taken += 1
         if self.enable_events:
-            self._events.append(BlockStored(block_hash, parent_hash, token_ids, page.group_id))
+            self._events.append(BlockStored(block_hash, parent_hash, token_ids, page.group_id,
+                                            self.group_kind(page.group_id)))
+
+    def passed_checkpoint(self, page: KVCacheBlock, serial: int) -> None:
+        """A request computed past this checkpoint (of content `serial`): hit once at most
+        (by that request) and where the cached full-attention chain continues one way only
+        after it, it is an interior point of one chain (told to the checkpoint order, where
+        it tracks chains)."""
+        if (page.token_ids is None or page.serial != serial or not self._chain_groups
+                or page.uses > 1):
+            return
+        if len(self._children.get((min(self._chain_groups), serial), ())) <= 1:
+            self._large_cached.demote(page)
 
     def _evict_large(self, page: KVCacheBlock) -> None:
         """Drop a checkpoint's index entry."""
@@ -901,13 +972,33 @@ class TwoSizeBlockPool(BlockPool):
         assert block_hash is not None
         self.hash_index.remove(page.group_id, block_hash, page)
         if self.enable_events:
-            self._events.append(BlockRemoved(block_hash, page.group_id))
+            self._events.append(BlockRemoved(block_hash, page.group_id,
+                                             self.group_kind(page.group_id)))
         page.block_hash = page.token_ids = None
         page.serial = page.parent_serial = 0
+        page.orphan = False
+        self._large_cached.forget(page)
         self.cached_by_group[page.group_id] -= 1
         self.evicted_by_group[page.group_id] += 1
         self.stats.evictions += 1
+        self.stats.checkpoints_evicted += 1
         self.cache_epoch += 1
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        """See BlockPool._evict; evicting the last block of a chain position also leaves the
+        checkpoints of that position without their chain (told to the checkpoint order)."""
+        block_hash, serial, group = block.block_hash, block.serial, block.group_id
+        super()._evict(block)
+        if block_hash is not None and group in self._chain_groups:
+            index = self.hash_index
+            if any(b.serial == serial for b in index.blocks(group, block_hash)):
+                return  # a twin keeps the chain
+            for g in self.recurrent_groups:
+                for page in index.blocks(g, block_hash):
+                    if page.serial == serial and not page.orphan:
+                        page.orphan = True
+                        if page.ref_cnt == 0:
+                            self._large_cached.orphaned(page)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content of either size; every page returns whole."""
@@ -916,13 +1007,15 @@ class TwoSizeBlockPool(BlockPool):
         for page in self.large_blocks:
             page.block_hash = page.token_ids = None
             page.serial = page.parent_serial = 0
+            page.orphan = False
+            self._large_cached.forget(page)
         if not super().reset_prefix_cache():
             return False
         self._free_cached = 0
         for j in list(self._empty_split):
             self._large_empty.append(self._merge_page(j))
         while len(self._large_cached):
-            self._large_empty.append(self._large_cached.popleft())
+            self._large_empty.append(self._large_cached.pop())
         return True
 
     # ---- introspection -----------------------------------------------------------------------

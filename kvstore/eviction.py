@@ -24,13 +24,29 @@ made recent again (`refresh_all`), one loses its parent chain (`orphaned`) or it
   with the full-attention page of the same content: they leave only when that page's
   content is evicted (the pool then marks them orphans) or when nothing else is free; once a
   hit has used them and a request continued past them, they age in main with the full pages.
+- ``worth``: ``window`` for blocks; free **checkpoints** (large pages holding a recurrent
+  state, see `kvstore.block_pool.TwoSizeBlockPool`) ordered by their worth. A checkpoint is
+  worth the compute it saves per block of memory: the tokens since the previous checkpoint
+  its request knew on its chain (its hit, or one it took), or since 0, over the blocks of a
+  large page. Checkpoints whose full-attention chain is gone (no hit can reach them) go
+  first, before any cached block; the others leave in GreedyDual-Size order (priority: the
+  worth plus an inflation clock that rises to each evicted priority, so worth decays with
+  age), in a sorted container. A checkpoint a request hit or took and then computed past,
+  hit once at most and where the cached chain has one continuation only, is an interior
+  point of one chain
+  (only a request diverging exactly there could use it): it is worth nothing and goes
+  with the orphans until a hit takes it again. Every other policy keeps free checkpoints
+  in LRU order and evicts them only after every cached block.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from itertools import count
 from typing import ClassVar
+
+from sortedcontainers import SortedList
 
 from kvstore.block import FreeBlockQueue, KVCacheBlock
 
@@ -40,6 +56,10 @@ __all__ = [
     "S3FIFOPolicy",
     "AdaptivePolicy",
     "WindowPolicy",
+    "WorthPolicy",
+    "CheckpointOrder",
+    "LRUCheckpoints",
+    "WorthCheckpoints",
     "EVICTION_POLICIES",
     "DEFAULT_EVICTION",
     "make_policy",
@@ -59,6 +79,8 @@ class EvictionPolicy:
     tracks_units: ClassVar[bool] = False
     #: Whether a pool took this policy (`make_policy`): it orders that pool's pages only.
     in_use: bool = False
+    #: The order of a two-size pool's free checkpoints under this policy.
+    checkpoints: ClassVar[type[CheckpointOrder]]
 
     def attach(self, blocks: list[KVCacheBlock]) -> None:
         """Take the pool's usable pages (all free, none cached) at construction."""
@@ -421,11 +443,204 @@ class WindowPolicy(S3FIFOPolicy):
             self._push(block, _MAIN)
 
 
+class CheckpointOrder:
+    """The free checkpoints of a two-size pool (whole large pages holding a cached recurrent
+    state) and the order they are evicted in. The pool tells it a checkpoint's worth when
+    it is indexed (`note`) and forgotten (`forget`), when one becomes free (`freed`), is
+    referenced again (`remove`) or recent again (`refresh`), and when its full-attention
+    chain is gone (`orphaned`, only when `tracks_chains`)."""
+
+    #: Whether the pool should tell the order which checkpoints lost their chain.
+    tracks_chains: ClassVar[bool] = False
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """Every free checkpoint, the next to be evicted first."""
+        raise NotImplementedError
+
+    def note(self, page: KVCacheBlock, worth: float) -> None:
+        """A checkpoint was indexed (in use); `worth`: tokens it saves per block."""
+
+    def forget(self, page: KVCacheBlock) -> None:
+        """A checkpoint's content is dropped (it is in use, or was just popped)."""
+
+    def freed(self, page: KVCacheBlock) -> None:
+        """A cached checkpoint's ref count reached zero."""
+        raise NotImplementedError
+
+    def remove(self, page: KVCacheBlock) -> None:
+        """A free checkpoint was referenced again (a hit)."""
+        raise NotImplementedError
+
+    def refresh(self, page: KVCacheBlock) -> None:
+        """A free checkpoint is as recent as the request that just ended."""
+        raise NotImplementedError
+
+    def pop(self) -> KVCacheBlock:
+        """Remove the next checkpoint to evict (IndexError when empty)."""
+        raise NotImplementedError
+
+    def pop_worthless(self) -> KVCacheBlock | None:
+        """Remove a free checkpoint worth nothing (its chain gone, or demoted), if any (None:
+        none known)."""
+        return None
+
+    def orphaned(self, page: KVCacheBlock) -> None:
+        """A checkpoint's full-attention chain is gone (free or not); `page.orphan` is set."""
+
+    def demote(self, page: KVCacheBlock) -> None:
+        """A checkpoint (free or not) is an interior point of one cached chain."""
+
+
+class LRUCheckpoints(FreeBlockQueue, CheckpointOrder):
+    """Least recently freed checkpoint first."""
+
+    __slots__ = ()
+
+    def freed(self, page: KVCacheBlock) -> None:
+        """To the tail."""
+        self.append(page)
+
+    def refresh(self, page: KVCacheBlock) -> None:
+        """To the tail."""
+        self.move_to_tail((page,))
+
+    def pop(self) -> KVCacheBlock:
+        """The head."""
+        return self.popleft()
+
+
+class WorthCheckpoints(CheckpointOrder):
+    """Checkpoints worth nothing first (their chain gone, or demoted), then the lowest
+    GreedyDual-Size priority: a checkpoint freed or refreshed gets the clock plus its
+    worth; the clock rises to the priority of each checkpoint evicted by worth. O(log n)
+    per change (a sorted list of (orphan rank, priority, tie) keys)."""
+
+    tracks_chains = True
+
+    def __init__(self) -> None:
+        self._order: SortedList = SortedList()
+        # page id -> its key in _order: (0 if worth nothing else 1, priority, tie, page id)
+        self._key: dict[int, tuple[int, float, int, int]] = {}
+        self._pages: dict[int, KVCacheBlock] = {}  # page id -> page, for keys in _order
+        self._worth: dict[int, float] = {}  # page id -> worth, while cached
+        self._demoted: dict[int, float] = {}  # page id -> worth before `demote`
+        self._clock = 0.0
+        self._tie = count()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """Orphans, then by priority."""
+        pages = self._pages
+        for *_, page_id in self._order:
+            yield pages[page_id]
+
+    @property
+    def clock(self) -> float:
+        """The inflation value: the priority of the last checkpoint evicted by worth."""
+        return self._clock
+
+    def priority(self, page: KVCacheBlock) -> float:
+        """The priority a free checkpoint holds now (the clock plus its worth when freed)."""
+        return self._key[page.block_id][1]
+
+    def note(self, page: KVCacheBlock, worth: float) -> None:
+        """Remember the checkpoint's worth."""
+        if worth < 0:
+            raise ValueError(f"a checkpoint's worth must be >= 0, got {worth}")
+        self._worth[page.block_id] = worth
+
+    def forget(self, page: KVCacheBlock) -> None:
+        """Drop its worth."""
+        self._worth.pop(page.block_id, None)
+        self._demoted.pop(page.block_id, None)
+
+    def _insert(self, page: KVCacheBlock) -> None:
+        worthless = page.orphan or page.block_id in self._demoted
+        key = (0 if worthless else 1, self._clock + self._worth.get(page.block_id, 0.0),
+               next(self._tie), page.block_id)
+        self._key[page.block_id] = key
+        self._pages[page.block_id] = page
+        self._order.add(key)
+
+    def _unlink(self, page: KVCacheBlock) -> None:
+        key = self._key.pop(page.block_id, None)
+        if key is None:
+            raise ValueError(f"checkpoint {page.block_id} is not free")
+        del self._pages[page.block_id]
+        self._order.remove(key)
+
+    def freed(self, page: KVCacheBlock) -> None:
+        """In at the clock plus its worth (orphans ahead of all)."""
+        if page.block_id in self._key:
+            raise ValueError(f"checkpoint {page.block_id} is already free")
+        self._insert(page)
+
+    def remove(self, page: KVCacheBlock) -> None:
+        """Out of the order; a demoted checkpoint is worth its tokens again."""
+        self._unlink(page)
+        worth = self._demoted.pop(page.block_id, None)
+        if worth is not None:
+            self._worth[page.block_id] = worth
+
+    def refresh(self, page: KVCacheBlock) -> None:
+        """Again at the clock plus its worth."""
+        self._unlink(page)
+        self._insert(page)
+
+    def pop(self) -> KVCacheBlock:
+        """The first key's page; the clock rises to its priority unless it is an orphan."""
+        if not self._order:
+            raise IndexError("pop from an empty checkpoint order")
+        rank, priority, _, page_id = self._order.pop(0)
+        del self._key[page_id]
+        if rank:
+            self._clock = max(self._clock, priority)
+        return self._pages.pop(page_id)
+
+    def pop_worthless(self) -> KVCacheBlock | None:
+        """The first key's page if it is worth nothing."""
+        if self._order and self._order[0][0] == 0:
+            return self.pop()
+        return None
+
+    def orphaned(self, page: KVCacheBlock) -> None:
+        """A free one moves ahead of every checkpoint with a chain."""
+        if page.block_id in self._key:
+            self._unlink(page)
+            self._insert(page)
+
+    def demote(self, page: KVCacheBlock) -> None:
+        """Worth nothing (with the orphans when free) until a hit takes it."""
+        pid = page.block_id
+        if pid in self._worth and pid not in self._demoted:
+            self._demoted[pid] = self._worth[pid]
+            self._worth[pid] = 0.0
+            if pid in self._key:
+                self._unlink(page)
+                self._insert(page)
+
+
+EvictionPolicy.checkpoints = LRUCheckpoints
+
+
+class WorthPolicy(WindowPolicy):
+    """``window`` for blocks, free checkpoints by worth (see `WorthCheckpoints`)."""
+
+    name = "worth"
+    checkpoints = WorthCheckpoints
+
+
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "s3fifo": S3FIFOPolicy,
     "adaptive": AdaptivePolicy,
     "window": WindowPolicy,
+    "worth": WorthPolicy,
 }
 DEFAULT_EVICTION = "lru"
 

@@ -168,12 +168,14 @@ class KVCacheManager:
                 frozenset(g for g, group in enumerate(config.groups) if group.is_recurrent),
                 enable_caching, cache_config.enable_events, index_partial_blocks=False,
                 eviction=cache_config.eviction, chained_groups=chained,
-                num_groups=len(config.groups), bytes_per_block=config.bytes_per_block)
+                num_groups=len(config.groups), bytes_per_block=config.bytes_per_block,
+                group_kinds=tuple(group.kind for group in config.groups))
         else:
             self._pool = BlockPool(config.num_blocks, enable_caching, cache_config.enable_events,
                                    index_partial_blocks=self.enable_partial_hits,
                                    eviction=cache_config.eviction, chained_groups=chained,
-                                   num_groups=len(config.groups))
+                                   num_groups=len(config.groups),
+                                   group_kinds=tuple(group.kind for group in config.groups))
         # Copies queued for the worker and the pins that keep their pages alive.
         self._copies = PendingCopies(self._pool)
         self._coordinator = KVCacheCoordinator(config, self._pool, self._copies,
@@ -367,6 +369,8 @@ class KVCacheManager:
         if fitting.num_partial_tokens:
             stats.partial_hits += 1
             stats.partial_hit_tokens += fitting.num_partial_tokens
+        if fitting.num_full_hit_tokens and self._coordinator.recurrent:
+            stats.recurrent_hits += 1
         ids = self._coordinator.allocate(
             request, fitting.num_computed_tokens + num_new_tokens + num_lookahead_tokens)
         if self._drops:
@@ -538,15 +542,24 @@ class KVCacheManager:
 
     def next_checkpoints(self, request: Request, num_new_tokens: int,
                          computed: ComputedBlocks | None = None) -> list[int]:
-        """Positions among the request's next `num_new_tokens` (from its computed count, or
-        for a waiting request from the hit of its lookup `computed`, whose branch point
-        counts) where a recurrent group takes a checkpoint if a step ends there, ascending:
-        a scheduler stops a chunk at the first so the model writes the state out. Empty
-        without a recurrent group."""
+        """Positions among the request's next `num_new_tokens` where a recurrent group takes
+        a checkpoint if a step ends there, ascending: a scheduler stops a chunk at the first
+        so the model writes the state out. From the request's computed count; for a request
+        about to be admitted, pass its lookup as `computed`: the positions then count from
+        its hit and include the branch point the lookup found. Empty without a recurrent
+        group."""
         if not self._coordinator.recurrent:
             return []
         self._check_request(request)
-        return self._coordinator.next_checkpoints(request, num_new_tokens, computed)
+        n = as_count(num_new_tokens)
+        if n is None or n < 0:
+            raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
+        if computed is not None:
+            self._coordinator.check_shape(request, computed)
+            if request.request_id in self._requests:
+                raise ValueError(f"request {request.request_id!r} is admitted already: its "
+                                 "positions count from its computed tokens (pass no lookup)")
+        return self._coordinator.next_checkpoints(request, n, computed)
 
     def hit_checkpoint_kind(self, request_id: str) -> str | None:
         """For a running request whose admission hit a recurrent checkpoint, why that

@@ -831,10 +831,13 @@ class RecurrentManager(SingleTypeKVCacheManager):
     and at its end (preempted or finished) when that is a block boundary, else at the last
     block boundary its output reached (kept in a second large page while it decodes).
     Taking one queues a copy of the working state into a fresh large page, when one is
-    free: checkpoints never make an allocation fail. The pool must be a TwoSizeBlockPool."""
+    free: checkpoints never make an allocation fail. A checkpoint's worth (for eviction by
+    worth) is the tokens since the last checkpoint the request knew on its chain (its hit,
+    or one it took or found), or since 0, per block of a large page. The pool must be a
+    TwoSizeBlockPool."""
 
     __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching", "_kinds",
-                 "hit_kinds")
+                 "hit_kinds", "_known", "_passed")
 
     def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
                  copies: PendingCopies, num_groups: int = 1, checkpoint_every: int = 0) -> None:
@@ -848,6 +851,11 @@ class RecurrentManager(SingleTypeKVCacheManager):
         # Per decoding request: a large page with the state at its last block boundary past
         # its prompt, and that position.
         self._rolling: dict[str, tuple[KVCacheBlock, int]] = {}
+        # Per request: the position of the last checkpoint it knows on its chain, and the
+        # checkpoints it hit or took (page, serial, position), told to the pool as passed
+        # at its end (`checkpoint_at_end`).
+        self._known: dict[str, int] = {}
+        self._passed: dict[str, list[tuple[KVCacheBlock, int, int]]] = {}
         self.chain_block_at: ChainBlockAt = lambda request, i: None
         # Why each checkpoint page was taken (CHECKPOINT_KINDS), and per running request the
         # kind of the checkpoint its hit copied (absent without a hit).
@@ -967,10 +975,14 @@ class RecurrentManager(SingleTypeKVCacheManager):
             self._copies.pin(working)
             self._copies.queue(hit_blocks[-1], working)
             self.hit_kinds[rid] = self._kinds.get(hit_blocks[-1].block_id, "")
+            pool.stats.checkpoints_used += 1
         self._req_to_blocks[rid] = [working]
         self._num_cached_blocks[rid] = 0
         self._last_serial[rid] = parent_serial
         self._plan[rid] = self._positions(request, request.num_computed_tokens, 0)
+        self._known[rid] = request.num_computed_tokens if hit_blocks else 0
+        self._passed[rid] = ([(hit_blocks[-1], hit_blocks[-1].serial,
+                               request.num_computed_tokens)] if hit_blocks else [])
 
     def note_hit_ends(self, request: Request, ends: Sequence[int]) -> None:
         """Plan a checkpoint at the lookup's branch point (the verified chain's end) when it
@@ -1004,7 +1016,12 @@ class RecurrentManager(SingleTypeKVCacheManager):
             if planned:
                 self._plan[rid].pop(0)
             chain = self.chain_block_at(request, nc // self.block_size - 1)
-            if chain is None or self._has_checkpoint(chain) or not pool.num_free_large_pages:
+            if chain is None:
+                return
+            if self._has_checkpoint(chain):
+                self._known[rid] = nc
+                return
+            if not pool.num_free_large_pages:
                 return
             page = pool.get_large_pages(1, self.group_id)[0]
             self._copy(working, page)
@@ -1012,7 +1029,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
             n, bs = request.num_prompt_tokens, self.block_size
             kind = ("prompt_end" if nc in ((n - 1) // bs * bs, n // bs * bs)
                     else "branch_point" if planned else "every_n")
-            self._index(page, request, chain, kind)
+            self._index(page, request, chain, kind, nc)
+            self._passed[rid].append((page, page.serial, nc))
             return
         # Past the prompt: keep the state at the last block boundary for the output's end.
         rolling = self._rolling.get(rid)
@@ -1041,13 +1059,18 @@ class RecurrentManager(SingleTypeKVCacheManager):
                                           chain.parent_serial) is not None
 
     def _index(self, page: KVCacheBlock, request: Request, chain: KVCacheBlock,
-               kind: str) -> None:
-        """Index a large page as the checkpoint of the prefix ending with block `chain`,
-        taken for `kind` (one of CHECKPOINT_KINDS)."""
+               kind: str, position: int) -> None:
+        """Index a large page as the checkpoint at `position`, the prefix ending with block
+        `chain`, taken for `kind` (one of CHECKPOINT_KINDS), worth the tokens since the last
+        checkpoint the request knew per block."""
         assert chain.block_hash is not None and chain.token_ids is not None
+        rid = request.request_id
+        pool = self.two_size_pool
+        saved = position - self._known[rid]
         self._kinds[page.block_id] = kind
-        self.two_size_pool.cache_checkpoint(page, chain.block_hash, chain.token_ids,
-                                            chain.parent_serial, chain.serial)
+        pool.cache_checkpoint(page, chain.block_hash, chain.token_ids, chain.parent_serial,
+                              chain.serial, worth=max(saved, 0) / pool.large_page_blocks)
+        self._known[rid] = position
 
     def checkpoint_at_end(self, request: Request) -> None:
         """At the request's end (finished or preempted), while the attention groups still
@@ -1068,9 +1091,15 @@ class RecurrentManager(SingleTypeKVCacheManager):
         else:
             return
         chain = self.chain_block_at(request, position // bs - 1)
-        if chain is not None and page.token_ids is None and not self._has_checkpoint(chain):
+        if chain is None:
+            return
+        if page.token_ids is None and not self._has_checkpoint(chain):
             kind = "output_end" if position > request.num_prompt_tokens else "request_end"
-            self._index(page, request, chain, kind)
+            self._index(page, request, chain, kind, position)
+        pool = self.two_size_pool
+        for passed, serial, at in self._passed[rid]:
+            if at < position:
+                pool.passed_checkpoint(passed, serial)
 
     def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
         """Forget the request; returns its large pages (working state, and the state kept
@@ -1084,6 +1113,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
         del self._last_serial[rid]
         del self._plan[rid]
         self.hit_kinds.pop(rid, None)
+        del self._known[rid]
+        del self._passed[rid]
         return table, []
 
     def num_resident_blocks(self, request_id: str) -> int:
@@ -1100,6 +1131,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._num_cached_blocks[child_id] = 0
         self._last_serial[child_id] = self._last_serial[parent_id]
         self._plan[child_id] = list(self._plan[parent_id])
+        self._known[child_id] = self._known[parent_id]
+        self._passed[child_id] = []
 
     def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
         """Refused: tiers do not serve recurrent groups."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Any
+from typing import Any, Literal
 
 from kvstore.utils import cdiv
 
@@ -310,6 +310,8 @@ class RecurrentStateSpec:
         return 0
 
 
+#: The kinds of KV cache groups: full attention, sliding window, recurrent state.
+GroupKind = Literal["full", "sliding", "recurrent"]
 #: The specs of layers that keep K/V pages per token.
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | MLASpec
 #: The specs of layers whose key range starts at a function of the query position.
@@ -332,6 +334,13 @@ class KVCacheGroup:
     def is_recurrent(self) -> bool:
         """Whether the group's layers keep a recurrent state (large pages), not K/V pages."""
         return isinstance(self.spec, RecurrentStateSpec)
+
+    @property
+    def kind(self) -> GroupKind:
+        """"recurrent", "full" (attention over every past token) or "sliding" (a window)."""
+        if self.is_recurrent:
+            return "recurrent"
+        return "full" if self.spec.sliding_window is None else "sliding"
 
     @property
     def state_bytes(self) -> int:

@@ -14,7 +14,7 @@ from invariants import internals
 from test_recurrent_pool import check_two_size_pool
 
 from kvstore.block_pool import TwoSizeBlockPool
-from kvstore.eviction import EVICTION_POLICIES
+from kvstore.eviction import EVICTION_POLICIES, WorthCheckpoints
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.request import Request
@@ -281,6 +281,10 @@ class RecurrentMachine(RuleBasedStateMachine):
         for i in self.m.pinned_blocks:
             (large if i >= n else small)[i] += 1
         check_two_size_pool(self.pool, small, large)
+        stats = self.pool.stats
+        assert stats.checkpoints_taken - stats.checkpoints_evicted == sum(
+            1 for p in self.pool.large_blocks if p.token_ids is not None)
+        assert stats.checkpoints_used == stats.recurrent_hits <= stats.lookups
         # A working state is never cached nor shared.
         for rid in self.m.requests:
             page = self.pool.large_blocks[self.working(self.m.requests[rid]) - n]
@@ -385,7 +389,10 @@ def test_every_n_blocks_and_a_branch_point() -> None:
     assert m.next_checkpoints(b, 13) == [12]  # its prompt's end only, before the lookup
     computed = m.get_computed_blocks(b)
     assert computed.num_computed_tokens == 0 and computed.num_verified_tokens == 8
+    assert m.next_checkpoints(b, 13, computed) == [8, 12]  # with the lookup's branch point
     assert m.allocate_slots(b, 8, computed) is not None
+    with pytest.raises(ValueError, match="admitted already"):
+        m.next_checkpoints(b, 5, computed)
     b.num_computed_tokens = 8
     assert m.allocate_slots(b, 5) is not None  # the checkpoint at the branch point is taken
     m.take_pending_copies()
@@ -405,3 +412,88 @@ def test_without_a_recurrent_group_nothing_changes() -> None:
 def test_bad_checkpoint_interval_is_refused() -> None:
     with pytest.raises(ValueError, match="checkpoint_every_blocks"):
         CacheConfig(checkpoint_every_blocks=-1)
+
+
+def test_events_name_the_group_and_its_kind_and_stats_count_checkpoints() -> None:
+    from kvstore.block_pool import BlockRemoved, BlockStored
+
+    m = make([FULL, WINDOW, STATE], num_blocks=24, enable_events=True, eviction="worth")
+    kinds = [group.kind for group in m.config.groups]
+    assert sorted(kinds) == ["full", "recurrent", "sliding"]
+    a = Request("a", list(range(10)))
+    run(m, a, [8, 2])  # the prompt-end checkpoint at 8
+    m.free(a)
+    m.take_pending_copies()
+    stored = [e for e in m.take_events() if isinstance(e, BlockStored)]
+    assert {(e.group_id, e.kind) for e in stored} == set(enumerate(kinds))
+    rec = kinds.index("recurrent")
+    assert [e.block_hash for e in stored if e.kind == "recurrent"] == [a.block_hashes[1]]
+    stats = m.stats
+    assert (stats.checkpoints_taken, stats.checkpoints_used, stats.recurrent_hits) == (1, 0, 0)
+    b = Request("b", list(range(8)) + [60, 61])
+    run(m, b, [2])
+    assert m.stats.recurrent_hits == 1 and m.stats.checkpoints_used == 1
+    m.free(b)
+    m.take_pending_copies()
+    m.take_events()
+    # A long unrelated prompt needs every page: the checkpoint is evicted.
+    c = Request("c", list(range(100, 164)))
+    run(m, c, [4] * 16)
+    m.free(c)
+    m.take_pending_copies()
+    removed = [e for e in m.take_events() if isinstance(e, BlockRemoved)]
+    assert (a.block_hashes[1], rec, "recurrent") in {(e.block_hash, e.group_id, e.kind)
+                                                    for e in removed}
+    stats = m.stats
+    assert 1 <= stats.checkpoints_evicted <= stats.evictions
+    assert stats.checkpoints_taken - stats.checkpoints_evicted == sum(
+        1 for p in internals(m).pool.large_blocks if p.token_ids is not None)  # type: ignore[attr-defined]
+
+
+def test_a_checkpoint_is_worth_the_tokens_since_the_last_one_its_request_knew() -> None:
+    m = make([FULL, STATE], num_blocks=90, eviction="worth")
+    pool = internals(m).pool
+    assert isinstance(pool, TwoSizeBlockPool)
+    order = pool._large_cached
+    assert isinstance(order, WorthCheckpoints)
+    k = pool.large_page_blocks
+    a = Request("a", list(range(20)))
+    run(m, a, [16, 4])  # the prompt's end: 16 (from 0), then 20 at its end (from 16)
+    m.free(a)
+    m.take_pending_copies()
+    assert order.clock == 0
+    # 16 is an interior point of one cached chain now (a computed past it): worth nothing.
+    assert sorted(order.priority(p) for p in order) == [0, 4 / k]
+    b = Request("b", list(range(16)) + list(range(50, 58)))
+    computed = run(m, b, [4, 4])  # hits 16; its prompt's end: 20 and 24
+    assert computed.num_computed_tokens == 16
+    m.free(b)
+    m.take_pending_copies()
+    # The hit gave 16 its worth back, and two chains continue there now; b's 20 is the
+    # interior point of b's chain.
+    assert sorted(order.priority(p) for p in order) == [0, 4 / k, 4 / k, 16 / k]
+
+
+def test_a_checkpoint_its_request_computed_past_is_worth_nothing_until_hit() -> None:
+    m = make([FULL, STATE], num_blocks=90, eviction="worth")
+    pool = internals(m).pool
+    assert isinstance(pool, TwoSizeBlockPool)
+    order = pool._large_cached
+    assert isinstance(order, WorthCheckpoints)
+    a = Request("a", list(range(8)))
+    run(m, a, [8])  # prompt end 8: taken at the next step's start
+    a.append_token_ids([40, 41, 42, 43, 44])
+    assert m.allocate_slots(a, 4) is not None  # the checkpoint at 8 is taken
+    m.take_pending_copies()
+    a.num_computed_tokens = 12
+    m.free(a)  # its output's end, 12, is indexed: 8 is an interior point of one chain now
+    m.take_pending_copies()
+    k = pool.large_page_blocks
+    assert {p.block_hash: order.priority(p) for p in order} == {
+        a.block_hashes[1]: 0.0, a.block_hashes[2]: 4 / k}
+    # A hit on it makes it worth its tokens again once freed.
+    b = Request("b", list(range(8)) + [70, 71])
+    assert run(m, b, [2]).num_computed_tokens == 8
+    m.free(b)
+    m.take_pending_copies()
+    assert sorted(order.priority(p) for p in order) == [4 / k, 8 / k]

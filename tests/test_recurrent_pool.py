@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import TwoSizeBlockPool
-from kvstore.eviction import EVICTION_POLICIES
+from kvstore.eviction import EVICTION_POLICIES, WorthCheckpoints
 from kvstore.specs import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -78,6 +78,12 @@ def check_two_size_pool(pool: TwoSizeBlockPool, small_refs: Counter[int] | None 
     assert pool._free_cached == sum(1 for b in pool.free_queue if b.token_ids is not None)
     assert pool.num_free_large_pages == (len(empty_large) + len(cached_large)
                                          + len(pool._empty_split))
+    # Free checkpoints whose chain is gone come first in an order that tracks chains.
+    demoted = getattr(pool._large_cached, "_demoted", {})
+    ranks = [0 if p.orphan or p.block_id in demoted else 1 for p in pool._large_cached]
+    assert ranks == sorted(ranks), "a checkpoint with a chain before an orphan"
+    if not pool._large_cached.tracks_chains:
+        assert not any(p.orphan for p in pool.large_blocks)
     # Index agreement, both sizes.
     for block_id, group, h in pool.hash_entries():
         page = (pool.blocks[block_id] if block_id < pool.num_blocks
@@ -111,6 +117,8 @@ class TwoSizePoolMachine(RuleBasedStateMachine):
         self.small: list[KVCacheBlock] = []  # one entry per reference held
         self.large: list[KVCacheBlock] = []
         self.next_hash = 1
+        # Checkpoints indexed as the twin of a cached block: (page, hash, serial).
+        self.twins: list[tuple[KVCacheBlock, int, int]] = []
 
     @initialize(k=st.integers(1, 4), num_large=st.integers(2, 6),
                 eviction=st.sampled_from(sorted(EVICTION_POLICIES)))
@@ -192,6 +200,23 @@ class TwoSizePoolMachine(RuleBasedStateMachine):
         self.p.cache_checkpoint(page, self.next_hash, (self.next_hash,), 7, self.next_hash)
         self.next_hash += 1
 
+    @precondition(lambda self: any(p.token_ids is None for p in self.large))
+    @rule(data=st.data(), worth=st.integers(0, 8))
+    def cache_chain_checkpoint(self, data: st.DataObject, worth: int) -> None:
+        """A checkpoint of the prefix a cached block ends (same hash, tokens and serial)."""
+        chain = [b for b in self.p.blocks[1:] if b.block_hash is not None]
+        if not chain:
+            return
+        block = data.draw(st.sampled_from(chain))
+        page = data.draw(st.sampled_from([p for p in self.large if p.token_ids is None]))
+        assert block.block_hash is not None and block.token_ids is not None
+        if self.p.find_cached(RECURRENT, block.block_hash, block.token_ids,
+                              block.parent_serial) is not None:
+            return  # one checkpoint per prefix, as the manager keeps it
+        self.p.cache_checkpoint(page, block.block_hash, block.token_ids, block.parent_serial,
+                                block.serial, worth=worth)
+        self.twins.append((page, block.block_hash, block.serial))
+
     @rule(data=st.data())
     def hit(self, data: st.DataObject) -> None:
         """A hit on a cached page of either size, free or not."""
@@ -230,6 +255,17 @@ class TwoSizePoolMachine(RuleBasedStateMachine):
         for page in self.large:
             assert not self.p._split[page.block_id - self.p.num_blocks]
         assert self.p.fragmented_bytes == 10 * self.p.num_fragmented_blocks
+        # A checkpoint order that tracks chains knows every checkpoint whose chain is gone.
+        tracks = self.p._large_cached.tracks_chains
+        live = []
+        for page, block_hash, serial in self.twins:
+            if page.block_hash != block_hash or page.serial != serial:
+                assert not page.orphan
+                continue  # evicted since
+            live.append((page, block_hash, serial))
+            chained = any(b.serial == serial for b in self.p.hash_index.blocks(0, block_hash))
+            assert page.orphan == (tracks and not chained), f"checkpoint {page.block_id} orphan"
+        self.twins = live
 
     def teardown(self) -> None:
         if self.pool is None:
@@ -242,6 +278,47 @@ class TwoSizePoolMachine(RuleBasedStateMachine):
         assert self.p.num_split_pages == 1 and self.p.num_fragmented_blocks == \
             self.p.large_page_blocks - 1
         check_two_size_pool(self.p, Counter(), Counter())
+
+
+def test_checkpoints_without_their_chain_go_first_then_the_least_worth() -> None:
+    pool = TwoSizeBlockPool(8, 2, frozenset({RECURRENT}), eviction="worth",
+                            chained_groups=frozenset({0}), num_groups=2)
+    blocks = pool.get_new_blocks(2, 0)  # block 1, then page 1 split: blocks 2 and 3
+    pool.cache_full_block(blocks[0], 11, (1,), 7, serial=5)
+    pool.cache_full_block(blocks[1], 12, (2,), 5, serial=6)
+    pages = pool.get_large_pages(2, RECURRENT)
+    pool.cache_checkpoint(pages[0], 11, (1,), 7, 5, worth=8)  # the prefix block 1 ends
+    pool.cache_checkpoint(pages[1], 12, (2,), 5, 6, worth=1)  # the one block 2 ends
+    pool.free_blocks(pages)
+    order = pool._large_cached
+    assert isinstance(order, WorthCheckpoints)
+    assert list(order) == [pages[1], pages[0]]  # the least worth first
+    pool.free_blocks(blocks)
+    assert pool.get_new_blocks(1, 0)[0].block_id == 3  # a free empty block first
+    # Then a cached block: block 1, whose eviction leaves pages[0] without its chain.
+    assert pool.get_new_blocks(1, 0)[0].block_id == 1
+    assert pages[0].orphan and not pages[1].orphan
+    assert list(order) == [pages[0], pages[1]]
+    taken = pool.get_large_pages(1, RECURRENT)[0]
+    assert taken is pages[0] and taken.token_ids is None  # the orphan goes first
+    assert pages[1].block_hash == 12  # the other stays findable
+    check_two_size_pool(pool)
+
+
+def test_worth_ages_with_the_clock() -> None:
+    order = WorthCheckpoints()
+    pages = [KVCacheBlock(100 + i) for i in range(3)]
+    for page, worth in zip(pages, (5, 1, 3), strict=True):
+        order.note(page, worth)
+        order.freed(page)
+    assert order.pop() is pages[1] and order.clock == 1
+    order.refresh(pages[2])  # now 1 + 3 = 4, below page 0's 5
+    assert order.pop() is pages[2] and order.clock == 4
+    order.note(pages[1], 2)
+    order.freed(pages[1])  # 4 + 2 = 6: a new checkpoint outranks an old worthier one
+    assert [order.pop(), order.pop()] == [pages[0], pages[1]]
+    with pytest.raises(ValueError, match="worth"):
+        order.note(pages[0], -1)
 
 
 TwoSizePoolMachine.TestCase.settings = settings(

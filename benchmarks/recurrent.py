@@ -1,0 +1,401 @@
+"""``kvstore bench recurrent``: prefix hits of linear-attention and state-space hybrids,
+kvstore's checkpoints against a model of vLLM's policy, at one byte budget each.
+
+Two layouts with their real state sizes (`LAYOUTS`). Beside kvstore (16-token attention
+blocks, large pages for states, checkpoints at prompt ends, output ends and branch points,
+the ``worth`` eviction policy) each budget runs:
+
+- ``vllm-align``: vLLM's policy on the same manager: the attention block inflated by
+  vLLM's rule (16 * ceil(state bytes / (16 * attention bytes per token)), per layer, so one
+  attention page holds at least one state), and ``align`` checkpoints: the state at the
+  last block boundary of each scheduler step (prefill steps of `CHUNK_TOKENS`, decode
+  steps of one token), LRU eviction;
+- ``oracle``: a checkpoint at every block boundary at no memory cost (the attention layers
+  alone, with the whole budget);
+- ``all-full``: every layer full attention, against its ideal (an infinite cache).
+
+Requests are served one at a time through the real ``KVCacheManager`` (a scheduler that
+stops a chunk at each checkpoint position the manager names); the prompt hit rate is the
+tokens a request's admission found cached over its prompt tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvstore.benchmarks.manager import new_manager
+from kvstore.benchmarks.output import name_list, write_csv, write_json
+from kvstore.benchmarks.simulator import fake_token
+from kvstore.benchmarks.traces import MOONCAKE_BLOCK_TOKENS, load_mooncake, locate_trace
+from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, make_workload
+from kvstore.eviction import EVICTION_POLICIES
+from kvstore.kv_cache_coordinator import ComputedBlocks
+from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.request import Request
+from kvstore.specs import (
+    DTYPE_ITEMSIZE,
+    FullAttentionSpec,
+    LayerSpec,
+    RecurrentStateSpec,
+    make_kv_cache_config,
+)
+from kvstore.utils import cdiv, hit_rate
+
+GiB = 1 << 30
+#: Prefill tokens per scheduler step (vLLM's default token budget).
+CHUNK_TOKENS = 8192
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A hybrid model's cache layers: `pattern` has one letter per cached layer (``A``
+    full attention, ``R`` recurrent); `state` the recurrent layer's state tensors."""
+
+    name: str
+    pattern: str
+    kv_heads: int
+    head_dim: int
+    state: tuple[tuple[int, ...], ...]
+    dtype: str
+    source: str
+
+    def specs(self, block_size: int, recurrent: bool = True, all_full: bool = False
+              ) -> list[LayerSpec]:
+        """The layer specs: as the model has them, without the recurrent layers, or with
+        every layer full attention."""
+        full = FullAttentionSpec(block_size, self.kv_heads, self.head_dim, self.dtype)
+        if all_full:
+            return [full] * len(self.pattern)
+        state = RecurrentStateSpec(block_size, self.state, (self.dtype,))
+        return [full if c == "A" else state for c in self.pattern if c == "A" or recurrent]
+
+    @property
+    def state_bytes(self) -> int:
+        """One recurrent layer's state."""
+        return RecurrentStateSpec(BLOCK_SIZE, self.state, (self.dtype,)).state_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in one attention layer."""
+        return 2 * self.kv_heads * self.head_dim * DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def vllm_block_size(self) -> int:
+        """vLLM's attention block for this layout: the fewest multiples of 16 tokens whose
+        page per layer holds one layer's state."""
+        return 16 * cdiv(self.state_bytes, 16 * self.kv_bytes_per_token)
+
+    def budget_of_tokens(self, tokens: int) -> int:
+        """Bytes of `tokens` tokens of the layout's attention K/V."""
+        return tokens * self.kv_bytes_per_token * self.pattern.count("A")
+
+
+LAYOUTS = {
+    "qwen3-next": Layout(
+        "qwen3-next", "RRRA" * 12, kv_heads=2, head_dim=256,
+        state=((8192, 3), (32, 128, 128)), dtype="bfloat16",
+        source="Qwen3-Next-80B-A3B: 48 layers, full attention every 4th (16 heads, 2 KV heads "
+               "of 256); Gated DeltaNet: conv state (2*16*128 + 32*128 channels, kernel 4 - 1), "
+               "delta-rule state (32 value heads, 128 x 128), bfloat16"),
+    "nemotron-h": Layout(
+        "nemotron-h", "".join("R" if c == "M" else "A" for c in
+                              "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-" if c != "-"),
+        kv_heads=8, head_dim=128, state=((10240, 3), (128, 64, 128)), dtype="bfloat16",
+        source="Nemotron-H-8B: 52 layers, 24 Mamba2 + 4 attention (32 heads, 8 KV heads of "
+               "128) + 24 MLP (no cache); Mamba2: conv state (128*64 + 2*8*128 channels, "
+               "kernel 4 - 1), SSM state (128 heads, 64 x 128), bfloat16"),
+}
+
+Stops = Literal["checkpoints", "align", "chunks"]
+
+
+@dataclass(frozen=True)
+class System:
+    """One row's cache: its layers, block size, policy and where its steps stop."""
+
+    name: str
+    specs: list[LayerSpec]
+    block_size: int
+    eviction: str
+    stops: Stops
+    checkpoint_every_blocks: int = 0
+
+
+def systems(layout: Layout, eviction: str = "worth") -> list[System]:
+    """kvstore (with `eviction`), the vLLM-align model, the oracle and all-full attention
+    for `layout`."""
+    vbs = layout.vllm_block_size
+    return [
+        System("kvstore", layout.specs(BLOCK_SIZE), BLOCK_SIZE, eviction, "checkpoints"),
+        System("vllm-align", layout.specs(vbs), vbs, "lru", "align", checkpoint_every_blocks=1),
+        System("oracle", layout.specs(BLOCK_SIZE, recurrent=False), BLOCK_SIZE, "worth",
+               "chunks"),
+        System("all-full", layout.specs(BLOCK_SIZE, all_full=True), BLOCK_SIZE, "lru",
+               "chunks"),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One system at one budget on one workload."""
+
+    layout: str
+    workload: str
+    system: str
+    budget_bytes: int
+    block_size: int
+    prompt_tokens: int
+    hit_tokens: int
+    checkpoints_taken: int
+    checkpoints_used: int
+    checkpoints_evicted: int
+    fragmented_bytes_mean: float
+    calls: int
+    manager_seconds: float
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens hit over prompt tokens."""
+        return hit_rate(self.hit_tokens, self.prompt_tokens)
+
+    @property
+    def us_per_call(self) -> float:
+        """Manager time per call, in microseconds."""
+        return 1e6 * self.manager_seconds / max(1, self.calls)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields plus the hit rate and the time per call."""
+        return {**asdict(self), "hit_rate": self.hit_rate, "us_per_call": self.us_per_call}
+
+
+def _step_end(m: KVCacheManager, req: Request, nc: int, end: int, stops: Stops, bs: int,
+              computed: ComputedBlocks | None) -> int:
+    """Where a step from `nc` computed tokens towards `end` stops (`computed`: the lookup,
+    before admission). Decoding runs one token a step: every system's steps end at each
+    block boundary there (the steps between change nothing in the cache)."""
+    if nc >= req.num_prompt_tokens:
+        return min(end, (nc // bs + 1) * bs)
+    if stops == "checkpoints":
+        positions = m.next_checkpoints(req, end - nc, computed)
+        return positions[0] if positions else end
+    if stops == "align":
+        last = end // bs * bs  # the state at the step's last block boundary is kept
+        return last if nc < last < end else end
+    return end
+
+
+def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
+          clock: list[float]) -> tuple[int, int]:
+    """Serve one request alone (prefill in chunks, then its outputs), stopping steps as
+    `stops` says; returns its admission's hit tokens and the manager calls made (their
+    time is added to `clock[0]`)."""
+    req = Request(spec.request_id, spec.prompt_token_ids, spec.cache_salt,
+                  max(1, spec.max_tokens))
+    n = req.num_prompt_tokens
+    t0 = time.perf_counter()
+    computed = m.get_computed_blocks(req)
+    clock[0] += time.perf_counter() - t0
+    hit = nc = computed.num_computed_tokens
+    calls, target, first = 1, n, True
+    while nc < target:
+        t0 = time.perf_counter()
+        end = _step_end(m, req, nc, min(nc + CHUNK_TOKENS, target), stops, bs,
+                        computed if first else None)
+        ids = m.admit(req, end - nc, computed) if first else m.grow(req, end - nc)
+        m.take_pending_copies()
+        clock[0] += time.perf_counter() - t0
+        calls += 2 + (stops == "checkpoints")
+        if ids is None:
+            raise RuntimeError(f"{spec.request_id} ({n} prompt tokens) does not fit the pool")
+        first = False
+        req.num_computed_tokens = nc = end
+        if end == n and spec.max_tokens > 1:  # the outputs, decoded (all but the last fed)
+            out = spec.output_token_ids or [fake_token(req.request_id, n + i)
+                                             for i in range(spec.max_tokens)]
+            req.append_token_ids(list(out))
+            target = n + spec.max_tokens - 1
+    t0 = time.perf_counter()
+    m.free(req)
+    m.take_pending_copies()
+    clock[0] += time.perf_counter() - t0
+    return hit, calls + 2
+
+
+def run_system(requests: Sequence[RequestSpec], system: System, budget: int, layout: str,
+               workload: str) -> Row:
+    """Serve `requests` in arrival order through `system` at `budget` bytes."""
+    config = make_kv_cache_config(system.specs, memory_bytes=budget)
+    # Whole blocks only, as a recurrent state has no value inside one.
+    m = new_manager(config, eviction=system.eviction, enable_partial_hits=False,
+                    checkpoint_every_blocks=system.checkpoint_every_blocks)
+    clock = [0.0]
+    hits = calls = prompt = 0
+    fragmented = 0.0
+    for spec in sorted(requests, key=lambda r: r.arrival):
+        hit, c = serve(m, spec, system.stops, system.block_size, clock)
+        hits += hit
+        calls += c
+        prompt += len(spec.prompt_token_ids)
+        fragmented += m.fragmented_bytes
+    if m.num_free_blocks != m.num_usable_blocks:
+        raise RuntimeError(f"{system.name}: pages leaked")
+    s = m.stats
+    return Row(layout, workload, system.name, budget, system.block_size, prompt, hits,
+               s.checkpoints_taken, s.checkpoints_used, s.checkpoints_evicted,
+               fragmented / max(1, len(requests)), calls, clock[0])
+
+
+def mooncake_requests(name: str, limit: int | None) -> list[RequestSpec]:
+    """A Mooncake trace's rows as prompts: each 512-token block starts with its hash id + 1,
+    zeros after (as the hybrid replay builds them); no outputs (the trace has no content
+    for them)."""
+    out = []
+    for i, row in enumerate(load_mooncake(locate_trace(name), limit)):
+        n = min(row.input_length, len(row.hash_ids) * MOONCAKE_BLOCK_TOKENS)
+        tokens = np.zeros(n, dtype=np.int64)
+        tokens[::MOONCAKE_BLOCK_TOKENS] = np.asarray(
+            row.hash_ids[:cdiv(n, MOONCAKE_BLOCK_TOKENS)], dtype=np.int64) + 1
+        out.append(RequestSpec(f"m{i}", row.timestamp_ms / 1000, tuple(tokens.tolist()), 1))
+    return out
+
+
+# ---- the goals ---------------------------------------------------------------------------------
+def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[str]:
+    """Each goal, per layout, workload and budget: its figures and whether it holds."""
+    by = {(r.layout, r.workload, r.budget_bytes, r.system): r for r in rows}
+    lines = []
+    for (layout, workload, budget, system), r in sorted(by.items()):
+        if system != "kvstore":
+            continue
+        v = by.get((layout, workload, budget, "vllm-align"))
+        o = by.get((layout, workload, budget, "oracle"))
+        f = by.get((layout, workload, budget, "all-full"))
+        where = f"{layout} {workload} {budget / GiB:.3g} GiB:"
+        if v is not None:
+            ok = r.hit_rate >= 2 * v.hit_rate if v.hit_rate > 0 else r.hit_rate > 0
+            lines.append(f"{where} kvstore {r.hit_rate:.3f} vs vllm-align {v.hit_rate:.3f} "
+                         f"(goal >= 2x, > 0 where 0): {'met' if ok else 'MISSED'}")
+        if o is not None and f is not None and workload in ideal:
+            if f.hit_rate >= 0.8 * ideal[workload]:
+                ok = r.hit_rate >= 0.8 * o.hit_rate
+                lines.append(f"{where} kvstore {r.hit_rate:.3f} vs oracle {o.hit_rate:.3f} "
+                             f"(all-full {f.hit_rate:.3f} of ideal {ideal[workload]:.3f}; "
+                             f"goal >= 80%): {'met' if ok else 'MISSED'}")
+        if o is not None and o.calls:
+            ratio = r.us_per_call / max(o.us_per_call, 1e-9)
+            total = r.manager_seconds / max(o.manager_seconds, 1e-9)
+            lines.append(f"{where} manager time per call {r.us_per_call:.1f} us vs "
+                         f"{o.us_per_call:.1f} us without the recurrent group: {ratio:.2f}x "
+                         f"(goal <= 1.3x): {'met' if ratio <= 1.3 else 'MISSED'}; "
+                         f"in all {total:.2f}x ({r.calls} calls vs {o.calls})")
+    return lines
+
+
+# ---- command line ------------------------------------------------------------------------------
+WORKLOADS = ("shared_system_prompts", "multi_turn_chat", "mixed_default")
+
+
+def _sizes(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}") \
+            from None
+    if out and min(out) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``kvstore bench recurrent``."""
+    p.add_argument("--layouts", type=name_list(tuple(LAYOUTS)), default=list(LAYOUTS),
+                   metavar="LIST", help=f"comma list of {', '.join(LAYOUTS)}")
+    p.add_argument("--workloads", type=name_list(WORKLOADS), default=list(WORKLOADS),
+                   metavar="LIST", help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--budgets", type=_sizes, default=[0.5, 1, 2, 4, 8, 16], metavar="GIB",
+                   help="comma list of byte budgets in GiB")
+    p.add_argument("--requests", type=int, default=200, help="requests per workload")
+    p.add_argument("--mooncake", type=_sizes, default=[1e6, 3e6, 1e7], metavar="TOKENS",
+                   help="budgets for the Mooncake conversation trace with the qwen3-next "
+                        "layout, in tokens of its attention K/V (empty: skip)")
+    p.add_argument("--limit", type=int, default=None, help="first N rows of the trace")
+    p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="worth",
+                   help="kvstore's eviction policy")
+    p.add_argument("--out", type=Path, default=Path("results/recurrent"), help="output folder")
+
+
+def _table(rows: Sequence[Row], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("layout", "workload", "GiB", "system", "block", "hit rate", "ckpt taken/used/"
+                "evicted", "frag MiB", "us/call"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r.layout, r.workload, f"{r.budget_bytes / GiB:.3g}", r.system,
+                  str(r.block_size), f"{r.hit_rate:.3f}",
+                  f"{r.checkpoints_taken}/{r.checkpoints_used}/{r.checkpoints_evicted}",
+                  f"{r.fragmented_bytes_mean / (1 << 20):.1f}", f"{r.us_per_call:.1f}")
+    return t
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every layout x workload x budget x system, the Mooncake rows, then the goals."""
+    console = Console()
+    rows: list[Row] = []
+    ideal: dict[str, float] = {}
+
+    def progress(r: Row) -> None:
+        console.print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {r.system}: "
+                      f"{r.hit_rate:.3f} ({r.manager_seconds:.1f} s)")
+
+    for name in args.workloads:
+        specs = make_workload(name, seed=0, **({"num_conversations": args.requests // 4}
+                                               if name == "multi_turn_chat"
+                                               else {"num_requests": args.requests}))
+        ideal[name] = ideal_hit_tokens(specs.requests, BLOCK_SIZE, include_outputs=True).rate
+        for layout in (LAYOUTS[n] for n in args.layouts):
+            for gib in args.budgets:
+                for system in systems(layout, args.eviction):
+                    rows.append(run_system(specs.requests, system, int(gib * GiB), layout.name,
+                                           name))
+                    progress(rows[-1])
+    if args.mooncake:
+        trace = mooncake_requests("mooncake_conversation", args.limit)
+        layout = LAYOUTS["qwen3-next"]
+        for tokens in args.mooncake:
+            for system in systems(layout, args.eviction)[:2]:
+                rows.append(run_system(trace, system, layout.budget_of_tokens(int(tokens)),
+                                       layout.name, "mooncake_conversation"))
+                progress(rows[-1])
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = goals(rows, ideal)
+    write_json(args.out / "recurrent.json", {
+        "layouts": {n: {**asdict(LAYOUTS[n]), "state_bytes": LAYOUTS[n].state_bytes,
+                        "kv_bytes_per_token": LAYOUTS[n].kv_bytes_per_token,
+                        "vllm_block_size": LAYOUTS[n].vllm_block_size} for n in args.layouts},
+        "ideal": ideal, "rows": [r.as_dict() for r in rows], "goals": lines})
+    write_csv(args.out / "recurrent.csv", [r.as_dict() for r in rows])
+    console.print(_table(rows, "Recurrent hybrids: prompt hit rate at one byte budget"))
+    for line in lines:
+        console.print(line)
+    return 0
+
+
+def register(bench: argparse.ArgumentParser) -> None:
+    """Add ``recurrent`` to the questions of the ``kvstore bench`` parser (argparse keeps a
+    parser's subcommands in its private subparsers action)."""
+    questions = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    help_text = "recurrent hybrids: kvstore's checkpoints against vLLM's inflated block"
+    q = questions.add_parser("recurrent", help=help_text, description=help_text,
+                             formatter_class=bench.formatter_class)
+    add_arguments(q)
+    q.set_defaults(func=run, usage_error=q.error)

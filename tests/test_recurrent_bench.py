@@ -1,0 +1,40 @@
+"""``kvstore bench recurrent``: the layouts' real sizes, vLLM's inflated block, and the
+replay driver on a tiny workload."""
+
+from __future__ import annotations
+
+from kvstore.benchmarks.recurrent import LAYOUTS, GiB, goals, run_system, systems
+from kvstore.benchmarks.workloads import shared_system_prompts
+from kvstore.cli import build_parser
+
+
+def test_layouts_have_the_real_state_sizes_and_vllms_block() -> None:
+    qwen, nemo = LAYOUTS["qwen3-next"], LAYOUTS["nemotron-h"]
+    assert (qwen.pattern.count("A"), qwen.pattern.count("R")) == (12, 36)
+    assert qwen.state_bytes == (8192 * 3 + 32 * 128 * 128) * 2
+    assert qwen.vllm_block_size == 544  # 2048 bytes a token a layer: 536 tokens, 16-aligned
+    assert (nemo.pattern.count("A"), nemo.pattern.count("R")) == (4, 24)
+    assert nemo.vllm_block_size == 528
+    assert qwen.budget_of_tokens(1000) == 1000 * 12 * 2048
+
+
+def test_a_prefix_shorter_than_vllms_block_hits_in_kvstore_only() -> None:
+    work = shared_system_prompts(12, num_prompts=1, system_lens=(300,), user_len=(16, 64),
+                                 output_median=8, output_max=16, seed=3)
+    layout = LAYOUTS["qwen3-next"]
+    rows = {s.name: run_system(work.requests, s, 2 * GiB, layout.name, work.name)
+            for s in systems(layout)}
+    kv, vllm, oracle = rows["kvstore"], rows["vllm-align"], rows["oracle"]
+    assert vllm.hit_tokens == 0  # 300 shared tokens: no checkpoint inside a 544-token block
+    # The second request learns the branch point at 288 tokens; every later one hits it.
+    assert kv.hit_tokens == 288 * 10 and kv.checkpoints_used == 10
+    assert oracle.hit_tokens == 288 * 11
+    assert kv.block_size == 16 and vllm.block_size == 544
+    lines = goals(list(rows.values()), {})
+    assert any("met" in line and "vllm-align 0.000" in line for line in lines)
+
+
+def test_bench_recurrent_is_a_bench_question() -> None:
+    args = build_parser().parse_args(["bench", "recurrent", "--layouts", "nemotron-h",
+                                      "--budgets", "1,2", "--mooncake", ""])
+    assert args.layouts == ["nemotron-h"] and args.budgets == [1.0, 2.0] and args.mooncake == []
