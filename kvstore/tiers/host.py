@@ -587,16 +587,16 @@ def restore_payloads(cache: PagedKVCache, group_id: int, block_ids: Sequence[int
 
 def _equal_strides(rows: Sequence[Any]) -> list[tuple[int, int, int]]:
     """Runs ``(start, stop, stride)`` of the numpy byte arrays ``rows`` (all of one size)
-    that lie at equal distances in memory, as neighbouring slots of the host arena do: rows
-    ``start..stop-1`` are one array of ``stride``-spaced rows, read with one copy per page
-    instead of one per row and page."""
+    that lie at equal distances in memory (forwards or backwards), as neighbouring slots of
+    the host arena do: rows ``start..stop-1`` are one array of ``stride``-spaced rows, read
+    with one copy per page instead of one per row and page."""
     addresses = [r.__array_interface__["data"][0] for r in rows]
     size = rows[0].nbytes if rows else 0
     runs = []
     start = 0
     while start < len(rows):
         stop, stride = start + 1, size
-        if stop < len(rows) and addresses[stop] - addresses[start] >= size:
+        if stop < len(rows) and abs(addresses[stop] - addresses[start]) >= size:
             stride = addresses[stop] - addresses[start]
             while stop < len(rows) and addresses[stop] - addresses[stop - 1] == stride:
                 stop += 1
