@@ -349,9 +349,8 @@ class SingleTypeKVCacheManager:
         return table, []
 
     def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:
-        """The child shares every page of the parent; it has indexed only the blocks both
-        have computed (`num_computed_tokens`), not those the parent indexed when they were
-        scheduled."""
+        """The child shares every page of the parent; it counts as indexed only the blocks
+        both have computed (`num_computed_tokens`)."""
         table = self._req_to_blocks[parent_id]
         self.pool.touch(b for b in table if b.block_id != 0)
         self._req_to_blocks[child_id] = list(table)

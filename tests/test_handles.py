@@ -275,7 +275,7 @@ class ForkAtEveryPoint(RuleBasedStateMachine):
             check_manager(self.m)
 
     def _check_content(self) -> None:
-        """After a step (hits on blocks indexed when scheduled are written by the step)."""
+        """After a step: every table reads its own tokens."""
         m = self.manager
         for rid, r in self.live.items():
             for g, table in enumerate(m.block_table(rid)):

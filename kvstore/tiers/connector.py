@@ -253,9 +253,7 @@ class TierConnector:
     # ---- beside the manager ------------------------------------------------------------------
     def attach(self, manager: KVCacheManager) -> None:
         """Serve ``manager``: hear what its requests let go of. ValueError for a manager of
-        another KV cache config, or one that indexes blocks when scheduled (an admission
-        nulls fresh pages below a sliding group's window after allocating them, which would
-        leave them indexed with nothing written)."""
+        another KV cache config."""
         if manager.config is not self.config and manager.config != self.config:
             raise ValueError("the TierConnector was built for another KV cache config")
         if self._manager is not None and self._manager is not manager:
