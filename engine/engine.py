@@ -192,7 +192,8 @@ def kv_cache_specs(model: HFCausalLM, block_size: int
                    ) -> list[KVCacheSpec | RecurrentStateSpec]:
     """Per layer, the cache spec of a model: full attention, its sliding window, its
     attention chunk, its latent (multi-head latent attention), or a hybrid's recurrent
-    state."""
+    state; then, for DeepSeek sparse attention, one full-attention layer per indexer (the
+    indexer keys of layer ``i`` are cache layer ``num_layers + i``)."""
     c = model.config
     specs: list[KVCacheSpec | RecurrentStateSpec] = []
     dtype = dtype_name(c.dtype)
@@ -214,6 +215,11 @@ def kv_cache_specs(model: HFCausalLM, block_size: int
         else:
             specs.append(SlidingWindowSpec(block_size, c.num_kv_heads, c.head_dim, dtype,
                                            window=window))
+    layer_indexer = getattr(model, "layer_indexer", None)
+    for i in range(c.num_layers):
+        # The indexer keys of layer i, in pages shaped as the latents.
+        if layer_indexer is not None and layer_indexer(i) is not None:
+            specs.append(FullAttentionSpec(block_size, 1, c.head_dim, dtype))
     return specs
 
 

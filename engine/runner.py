@@ -26,10 +26,11 @@ import torch
 
 from kvstore import kernels
 from kvstore.engine.scheduler import SchedulerOutput
+from kvstore.kernels import mla as mla_kernels
 from kvstore.kernels.mla import split_latent
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.paged_kv_cache import PagedKVCache
-from kvstore.specs import AttentionSpec, MLASpec, RecurrentStateSpec, dtype_name
+from kvstore.specs import AttentionSpec, FullAttentionSpec, MLASpec, RecurrentStateSpec, dtype_name
 
 if TYPE_CHECKING:
     from kvstore.models.hf import HFCausalLM
@@ -186,7 +187,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.num_groups = len(cache.config.groups)
         check_cache_matches_model(model, cache)
-        self._group_of = [cache.group_of(i) for i in range(model.config.num_layers)]
+        self._group_of = [cache.group_of(i) for i in range(_cache_layers(model))]
         self._windows = [model.layer_window(i) for i in range(model.config.num_layers)]
         self._chunks = [model.layer_chunk(i) for i in range(model.config.num_layers)]
 
@@ -264,6 +265,42 @@ class PagedAttention:
                                      batch.attn_metadata[g], scale,
                                      backend=runner.attention_backend)
 
+    def attend_indexed(self, layer: int, latent: torch.Tensor, q_latent: torch.Tensor,
+                       q_rope: torch.Tensor, *, scale: float, index_key: torch.Tensor,
+                       index_q: torch.Tensor, index_weights: torch.Tensor, index_scale: float,
+                       topk: int) -> torch.Tensor:
+        """DeepSeek sparse attention: write ``index_key`` ``[T, D]`` into the pages of the
+        layer's indexer cache layer, select each query's ``topk`` tokens with
+        :func:`kvstore.kernels.mla.indexer_topk` (queries ``index_q`` ``[T, H, D]``,
+        weights ``index_weights`` ``[T, H]``), then as :meth:`attend_latent` over the
+        selected tokens only (the PyTorch reference)."""
+        runner, batch = self.runner, self.batch
+        index_layer = runner.model.layer_indexer(layer)
+        if index_layer is None:
+            raise ValueError(f"layer {layer} has no indexer cache")
+        gi = runner._group_of[index_layer]
+        width = 2 * runner.cache.layer_caches(index_layer)[0].shape[3]
+        key, value = split_latent(torch.nn.functional.pad(index_key, (0, width - index_key.shape[1])))
+        runner.cache.write(index_layer, key, value, batch.slot_mappings[gi])
+        selected = mla_kernels.indexer_topk(index_q, index_weights,
+                                            *runner.cache.layer_caches(index_layer),
+                                            batch.attn_metadata[gi], index_scale, topk,
+                                            index_key.shape[1])
+        g = runner._group_of[layer]
+        key, value = split_latent(latent)
+        runner.cache.write(layer, key, value, batch.slot_mappings[g])
+        return mla_kernels.mla_attention_reference(q_latent, q_rope,
+                                                   *runner.cache.layer_caches(layer),
+                                                   batch.attn_metadata[g], scale, selected)
+
+
+def _cache_layers(model: HFCausalLM) -> int:
+    """How many layers a model's cache holds: its own, then one per DeepSeek sparse attention
+    layer for the indexer keys."""
+    layer_indexer = getattr(model, "layer_indexer", None)
+    n = model.config.num_layers
+    return n + sum(layer_indexer is not None and layer_indexer(i) is not None for i in range(n))
+
 
 def _latent_of(spec: AttentionSpec) -> tuple[int, int] | None:
     """(kv_lora_rank, rope_dim) of an MLA spec, None for any other."""
@@ -275,9 +312,10 @@ def check_cache_matches_model(model: HFCausalLM, cache: PagedKVCache) -> None:
     heads, head dim, dtype)."""
     c = model.config
     layer_to_group = cache.config.layer_to_group_slot()
-    if sorted(layer_to_group) != list(range(c.num_layers)):
+    num_cache_layers = _cache_layers(model)
+    if sorted(layer_to_group) != list(range(num_cache_layers)):
         raise ValueError(f"the cache holds layers {sorted(layer_to_group)}, the model has "
-                         f"{c.num_layers}")
+                         f"{num_cache_layers}")
     problems: list[str] = []
     for i in range(c.num_layers):
         group = cache.config.groups[layer_to_group[i][0]]
@@ -309,5 +347,10 @@ def check_cache_matches_model(model: HFCausalLM, cache: PagedKVCache) -> None:
         )
         problems += [f"layer {i}: cache {name} {got} vs model {exp}"
                      for name, got, exp in want if got != exp]
+    for i in range(c.num_layers, num_cache_layers):  # indexer keys: in pages shaped as latents'
+        spec = cache.config.groups[layer_to_group[i][0]].spec
+        keys = FullAttentionSpec(spec.block_size, 1, c.head_dim, dtype_name(c.dtype))
+        if spec != keys:
+            problems.append(f"layer {i}: cache {spec} vs the model's indexer keys {keys}")
     if problems:
         raise ValueError("KV cache config does not match the model: " + "; ".join(problems))

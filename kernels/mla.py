@@ -20,8 +20,8 @@ import torch
 from ._triton import HAS_TRITON, check_device, is_interpreted, next_pow2, require_triton
 from .metadata import AttentionMetadata, check_attention_inputs
 
-__all__ = ["mla_attention_reference", "mla_decode", "mla_decompressed_reference",
-           "page_latents", "split_latent"]
+__all__ = ["indexer_topk", "mla_attention_reference", "mla_decode",
+           "mla_decompressed_reference", "page_latents", "split_latent"]
 
 
 def split_latent(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,14 +59,20 @@ def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, key_cache: torch.Tensor
 
 def mla_attention_reference(q_latent: torch.Tensor, q_rope: torch.Tensor,
                             key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                            metadata: AttentionMetadata, scale: float,
+                            selected: torch.Tensor | None = None) -> torch.Tensor:
     """Causal MLA in the absorbed form over paged latents, in fp32: ``q_latent [T, H, r]``
     (queries projected into the latent space) and ``q_rope [T, H, rope]`` score against each
     visible token's latent ``c`` and RoPE key, and the output ``[T, H, r]`` is the softmax
     weighted sum of the ``c`` (the caller applies ``W_UV``). The batch layout is that of
     :func:`kvstore.kernels.paged_attention_reference`; decode and prefill over a cached
-    prefix alike. Returns a tensor typed like ``q_latent``."""
+    prefix alike. With ``selected`` (int ``[T, k]``, token positions, ``-1`` for none, as
+    :func:`indexer_topk` returns) each query attends only the visible tokens it lists
+    (DeepSeek sparse attention). Returns a tensor typed like ``q_latent``."""
     _check(q_latent, q_rope, key_cache, value_cache, metadata)
+    if selected is not None and (selected.dim() != 2 or selected.shape[0] != q_latent.shape[0]):
+        raise ValueError(f"selected must be [T, k] for {q_latent.shape[0]} queries, got "
+                         f"{tuple(selected.shape)}")
     r = q_latent.shape[2]
     block_size = key_cache.shape[1]
     cu = metadata.cu_seqlens_q.tolist()
@@ -83,9 +89,62 @@ def mla_attention_reference(q_latent: torch.Tensor, q_rope: torch.Tensor,
         s = (torch.einsum("qhr,kr->hqk", q_latent[q0:q1].float(), c)
              + torch.einsum("qhd,kd->hqk", q_rope[q0:q1].float(), k_rope)) * scale
         qpos = torch.arange(seq_len - (q1 - q0), seq_len, device=q_latent.device)
-        s = s.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
+        hidden = kpos[None, None, :] > qpos[None, :, None]
+        if selected is not None:
+            hidden = hidden | ~_listed(selected[q0:q1], seq_len)[None]
+        s = s.masked_fill(hidden, float("-inf"))
         out[q0:q1] = torch.einsum("hqk,kr->qhr", torch.softmax(s, dim=-1), c)
     return out.to(q_latent.dtype)
+
+
+def _listed(selected: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[n, seq_len]``: whether each query's row of ``selected`` lists each position."""
+    index = torch.where(selected < 0, seq_len, selected).long()
+    if bool((index > seq_len).any()):
+        raise ValueError(f"selected lists positions past the sequence's {seq_len} tokens")
+    listed = torch.zeros(selected.shape[0], seq_len + 1, dtype=torch.bool,
+                         device=selected.device)
+    return listed.scatter_(1, index, True)[:, :seq_len]
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                 topk: int, key_dim: int) -> torch.Tensor:
+    """DeepSeek-V3.2's lightning indexer over paged keys: the tokens each query attends.
+
+    ``q [T, H, D]`` are the indexer's queries, ``weights [T, H]`` its per-head weights and
+    the pages (one head, ``D = key_dim`` elements of a token's page row, K page then V
+    page, as :func:`page_latents` reads them) hold each token's indexer key ``k``. A query
+    scores each visible token ``sum_h weights[h] * relu(scale * q[h]·k)`` in fp32 and keeps
+    the ``topk`` best (every visible token when it sees at most ``topk``). Returns int64
+    ``[T, topk]`` positions in descending score, ``-1`` past a query's visible tokens."""
+    if q.dim() != 3 or weights.shape != q.shape[:2] or q.shape[2] != key_dim:
+        raise ValueError(f"expected q [T, H, {key_dim}] and weights [T, H], got "
+                         f"{tuple(q.shape)} and {tuple(weights.shape)}")
+    if topk < 1 or key_dim > 2 * key_cache.shape[3]:
+        raise ValueError(f"topk {topk} must be positive and key_dim {key_dim} at most the "
+                         f"page row's {2 * key_cache.shape[3]} elements")
+    check_attention_inputs(q[:, :1, :1].expand(-1, 1, key_cache.shape[3]), key_cache,
+                           value_cache, metadata, None, None)
+    block_size = key_cache.shape[1]
+    cu = metadata.cu_seqlens_q.tolist()
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+    for i, seq_len in enumerate(metadata.seq_lens.tolist()):
+        q0, q1 = cu[i], cu[i + 1]
+        if q1 == q0:
+            continue
+        kpos = torch.arange(seq_len, device=q.device)
+        k = page_latents(key_cache, value_cache, metadata.block_table[i, kpos // block_size].long(),
+                         kpos % block_size)[:, :key_dim].float()
+        s = torch.relu(torch.matmul(q[q0:q1].float(), k.T) * scale)  # [n, H, seq_len]
+        score = torch.matmul(weights[q0:q1].float().unsqueeze(-2), s).squeeze(-2)
+        qpos = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)
+        hidden = kpos[None, :] > qpos[:, None]
+        score = score.masked_fill(hidden, float("-inf"))
+        n = min(topk, seq_len)
+        values, picked = score.topk(n, dim=-1)
+        out[q0:q1, :n] = torch.where(values == float("-inf"), -1, picked)
+    return out
 
 
 def mla_decompressed_reference(q_nope: torch.Tensor, q_rope: torch.Tensor,

@@ -45,6 +45,7 @@ ATTENTION_NAME = "kvstore_paged"
 
 _BATCH_KWARG = "kvstore_attention"  # the keyword that carries a step's PagedAttention
 _FULL, _SLIDING, _CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+_INDEXED = "indexed_attention"  # DeepSeek sparse attention: full attention over a top-k
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,10 @@ class HFModelConfig:
     0: a recurrent layer of a hybrid, whose state is ``states[i]``, see
     :mod:`kvstore.models.recurrent`) and attention chunk (None: not chunked; empty: none
     is); for multi-head latent attention, ``latent`` ``(kv_lora_rank, rope_dim)`` (the
-    cache then holds one latent per token as one K/V head of half its size). ``hf_config``
-    is transformers' config as JSON (part of the model's fingerprint)."""
+    cache then holds one latent per token as one K/V head of half its size) and, for
+    DeepSeek sparse attention, ``index_dim`` (the indexer key's size: layer ``i``'s keys are
+    cache layer ``num_layers + i``, pages shaped as the latents'). ``hf_config`` is
+    transformers' config as JSON (part of the model's fingerprint)."""
 
     model_type: str
     vocab_size: int
@@ -69,6 +72,7 @@ class HFModelConfig:
     chunks: tuple[int | None, ...] = ()
     latent: tuple[int, int] | None = None
     states: tuple[StateShape | None, ...] = ()
+    index_dim: int | None = None
 
     def attention_layers(self) -> set[int]:
         """The layers that run attention (every layer but a hybrid's recurrent ones)."""
@@ -119,11 +123,12 @@ def layer_windows(hf_config: Any) -> tuple[int | None, ...]:
             windows.append(None)
         elif kind == _SLIDING:
             windows.append(_positive_int(hf_config, "sliding_window", sliding))
-        elif kind == _CHUNKED:
+        elif kind == _CHUNKED or (kind == _INDEXED and model_type in _INDEXED_MODEL_TYPES):
             windows.append(None)
         else:
             raise ValueError(f"{model_type}: layer_types[{i}] is {kind!r}: kvstore serves "
-                             f"{_FULL!r}, {_SLIDING!r} and {_CHUNKED!r} layers")
+                             f"{_FULL!r}, {_SLIDING!r} and {_CHUNKED!r} layers (and "
+                         f"{_INDEXED!r} for {_INDEXED_MODEL_TYPES})")
     return tuple(windows)
 
 
@@ -172,10 +177,28 @@ def hf_model_config(hf_config: Any, dtype: torch.dtype,
         hf_config=hf_config.to_json_string(use_diff=False) if hasattr(hf_config, "to_json_string")
         else json.dumps(dict(hf_config), sort_keys=True, default=str),
         chunks=() if is_hybrid(hf_config) else layer_chunks(hf_config), latent=latent,
-        states=states)
+        states=states, index_dim=_index_dim(hf_config, latent))
 
 
-_MLA_MODEL_TYPES = ("deepseek_v3",)
+_MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
+_INDEXED_MODEL_TYPES = ("deepseek_v32",)
+
+
+def _index_dim(hf_config: Any, latent: tuple[int, int] | None) -> int | None:
+    """The indexer key's size (``index_head_dim``) of a DeepSeek sparse attention config,
+    None for other models. ValueError naming the keys for a key that does not fit a latent
+    page row or is shorter than its RoPE part."""
+    model_type = _get(hf_config, "model_type", "?")
+    if model_type not in _INDEXED_MODEL_TYPES or latent is None:
+        return None
+    dim = _positive_int(hf_config, "index_head_dim", _get(hf_config, "index_head_dim"))
+    _positive_int(hf_config, "index_topk", _get(hf_config, "index_topk"))
+    _positive_int(hf_config, "index_n_heads", _get(hf_config, "index_n_heads"))
+    if not latent[1] <= dim <= sum(latent):
+        raise ValueError(f"{model_type}: index_head_dim {dim} must lie between qk_rope_head_dim "
+                         f"{latent[1]} and kv_lora_rank + qk_rope_head_dim {sum(latent)}: the "
+                         "indexer key is RoPE'd and kept in a page shaped as the latents'")
+    return dim
 
 
 def _mla_latent(hf_config: Any) -> tuple[int, int] | None:
@@ -201,13 +224,17 @@ def _mla_forward(self: nn.Module, hidden_states: torch.Tensor,
                  position_embeddings: tuple[torch.Tensor, torch.Tensor],
                  attention_mask: torch.Tensor | None, cache: Any = None, **kwargs: Any
                  ) -> tuple[torch.Tensor, None]:
-    """A DeepSeek-V3 attention module's forward over kvstore's pages: the module's own
-    projections, norms and RoPE make the queries and the token's latent (normalized
+    """A DeepSeek-V3 (or V3.2) attention module's forward over kvstore's pages: the module's
+    own projections, norms and RoPE make the queries and the token's latent (normalized
     compressed K/V, then the RoPE'd shared key); the latent is written to the layer's pages
     and attention runs in the absorbed form over the cached latents
     (:meth:`~kvstore.engine.runner.PagedAttention.attend_latent`), then ``W_UV`` and the
-    output projection. Under another ``attn_implementation`` (the model switched back to
-    transformers' own attention) it is transformers' forward."""
+    output projection. A V3.2 module's lightning indexer (its own projections, norm and
+    half-split RoPE) makes the token's indexer key and the queries' indexer queries and
+    weights, and each query attends only the top-k tokens they select
+    (:meth:`~kvstore.engine.runner.PagedAttention.attend_indexed`). Under another
+    ``attn_implementation`` (the model switched back to transformers' own attention) it is
+    transformers' forward."""
     m: Any = self
     if m.config._attn_implementation != ATTENTION_NAME:
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask,
@@ -221,27 +248,56 @@ def _mla_forward(self: nn.Module, hidden_states: torch.Tensor,
                          f"{hidden_states.shape[0]}")
     t = hidden_states.shape[1]
     nope, rope, rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
-    if m.q_lora_rank is None:
-        q = m.q_proj(hidden_states)
-    else:
-        q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states)))
+    indexer = getattr(m, "indexer", None)
+    q_resid = None if m.q_lora_rank is None else m.q_a_layernorm(m.q_a_proj(hidden_states))
+    q = m.q_proj(hidden_states) if q_resid is None else m.q_b_proj(q_resid)
     q = q.view(1, t, -1, m.qk_head_dim).transpose(1, 2)
     q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
     kv_nope, k_rot = torch.split(m.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
     kv_nope = m.kv_a_layernorm(kv_nope)
     k_rot = k_rot.view(1, 1, t, rope)
     family = sys.modules[type(self).__module__]  # transformers' own RoPE for this module
-    rotate = (family.apply_rotary_pos_emb_interleave if m.config.rope_interleave
-              else family.apply_rotary_pos_emb)
+    interleave = indexer is not None or m.config.rope_interleave  # V3.2: always interleaved
+    rotate = family.apply_rotary_pos_emb_interleave if interleave else family.apply_rotary_pos_emb
     cos, sin = position_embeddings
     q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
     w = m.kv_b_proj.weight.view(m.num_heads, nope + m.v_head_dim, rank)
     q_latent = torch.einsum("htn,hnr->thr", q_pass[0], w[:, :nope])
     latent = torch.cat([kv_nope[0], k_rot[0, 0]], dim=-1)
-    out = paged.attend_latent(m.layer_idx, latent, q_latent, q_rot[0].transpose(0, 1),
-                              scale=float(m.scaling))
+    if indexer is None:
+        out = paged.attend_latent(m.layer_idx, latent, q_latent, q_rot[0].transpose(0, 1),
+                                  scale=float(m.scaling))
+    elif q_resid is None:
+        raise ValueError(f"layer {m.layer_idx}: an indexer needs q_lora_rank")
+    else:
+        index_key, index_q, weights = _indexer_inputs(indexer, hidden_states, q_resid,
+                                                      position_embeddings, family)
+        out = paged.attend_indexed(m.layer_idx, latent, q_latent, q_rot[0].transpose(0, 1),
+                                   scale=float(m.scaling), index_key=index_key,
+                                   index_q=index_q, index_weights=weights,
+                                   index_scale=float(indexer.softmax_scale),
+                                   topk=int(indexer.index_topk))
     out = torch.einsum("thr,hvr->thv", out, w[:, nope:]).reshape(1, t, -1)
     return m.o_proj(out), None
+
+
+def _indexer_inputs(ix: Any, hidden_states: torch.Tensor, q_resid: torch.Tensor,
+                    position_embeddings: tuple[torch.Tensor, torch.Tensor], family: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A DeepSeek-V3.2 lightning indexer's key ``[T, D]``, queries ``[T, H, D]`` and fp32
+    per-head weights ``[T, H]`` for the packed row ``hidden_states`` ``[1, T, hidden]``,
+    made by the indexer's own modules as its forward makes them."""
+    t, rope = hidden_states.shape[1], ix.qk_rope_head_dim
+    q = ix.wq_b(q_resid).view(1, t, ix.n_heads, ix.head_dim)
+    q_rot, q_pass = torch.split(q, [rope, ix.head_dim - rope], dim=-1)
+    k = ix.k_norm(ix.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [rope, ix.head_dim - rope], dim=-1)
+    cos, sin = position_embeddings
+    q_rot, k_rot = family.apply_rotary_pos_emb(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)[0]
+    k = torch.cat([k_rot, k_pass], dim=-1)[0, :, 0]
+    weights = ix.weights_proj(hidden_states.to(ix.weights_proj.weight.dtype)).float()
+    return k, q, weights[0] * ix.n_heads ** -0.5
 
 
 def _serve_latent_attention(model: nn.Module) -> None:
@@ -369,6 +425,16 @@ class _Probe:
         self.calls[layer] = (1, half, 1, half)
         return torch.zeros_like(q_latent)
 
+    def attend_indexed(self, layer: int, latent: torch.Tensor, q_latent: torch.Tensor,
+                       q_rope: torch.Tensor, *, scale: float, index_key: torch.Tensor,
+                       index_q: torch.Tensor, index_weights: torch.Tensor, index_scale: float,
+                       topk: int) -> torch.Tensor:
+        if index_key.shape[-1] != self.config.index_dim:
+            raise ValueError(f"{self.config.model_type}: layer {layer}'s indexer key has "
+                             f"{index_key.shape[-1]} elements, index_head_dim is "
+                             f"{self.config.index_dim}")
+        return self.attend_latent(layer, latent, q_latent, q_rope, scale=scale)
+
 
 def _probe(model: nn.Module, config: HFModelConfig) -> None:
     """ValueError unless a one-token forward calls the registered attention of every layer
@@ -443,6 +509,12 @@ class HFCausalLM(nn.Module):
         other."""
         self.layer_window(layer_idx)  # IndexError out of range
         return self.config.latent
+
+    def layer_indexer(self, layer_idx: int) -> int | None:
+        """The cache layer that holds the indexer keys of DeepSeek sparse attention layer
+        ``layer_idx`` (``num_layers + layer_idx``), None for any other layer."""
+        self.layer_window(layer_idx)  # IndexError out of range
+        return None if self.config.index_dim is None else self.config.num_layers + layer_idx
 
     def layer_state(self, layer_idx: int) -> StateShape | None:
         """The recurrent state of layer ``layer_idx`` of a hybrid (None: attention)."""
