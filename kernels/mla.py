@@ -116,8 +116,10 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
     the pages (one head, ``D = key_dim`` elements of a token's page row, K page then V
     page, as :func:`page_latents` reads them) hold each token's indexer key ``k``. A query
     scores each visible token ``sum_h weights[h] * relu(scale * q[h]·k)`` in fp32 and keeps
-    the ``topk`` best (every visible token when it sees at most ``topk``). Returns int64
-    ``[T, topk]`` positions in descending score, ``-1`` past a query's visible tokens."""
+    the ``topk`` best (every visible token when it sees at most ``topk``), the earlier
+    token among equal scores, so a query selects the same tokens however its sequence's
+    steps are cut. Returns int64 ``[T, topk]`` positions in descending score, ``-1`` past a
+    query's visible tokens."""
     if q.dim() != 3 or weights.shape != q.shape[:2] or q.shape[2] != key_dim:
         raise ValueError(f"expected q [T, H, {key_dim}] and weights [T, H], got "
                          f"{tuple(q.shape)} and {tuple(weights.shape)}")
@@ -141,9 +143,11 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
         qpos = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)
         hidden = kpos[None, :] > qpos[:, None]
         score = score.masked_fill(hidden, float("-inf"))
+        # Equal scores (a ReLU'd score is often exactly 0) go to the earlier token: a stable
+        # sort, not torch.topk, whose order among ties changes with the row's length.
         n = min(topk, seq_len)
-        values, picked = score.topk(n, dim=-1)
-        out[q0:q1, :n] = torch.where(values == float("-inf"), -1, picked)
+        values, picked = score.sort(dim=-1, descending=True, stable=True)
+        out[q0:q1, :n] = torch.where(values[:, :n] == float("-inf"), -1, picked[:, :n])
     return out
 
 

@@ -54,6 +54,34 @@ def test_deepseek_v32_matches_transformers_grid(monkeypatch: pytest.MonkeyPatch,
     run(monkeypatch, seed, **keys)
 
 
+def _earlier_token_wins_ties(t: torch.Tensor, k: int, dim: int = -1, **_: Any) -> Any:
+    """torch.topk (largest, sorted) with ties to the lower index."""
+    values, indices = t.sort(dim=dim, descending=True, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_with_ties_transformers_matches_once_its_indexer_breaks_them_as_kvstore(
+        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """With one indexer head many scores are exactly 0 and a query's top-k is decided among
+    ties. transformers' indexer takes torch.topk over its key row, whose order among ties
+    is unspecified and changes with the row's length (the cache's length); kvstore gives a
+    tie to the earlier token, the same however a sequence's steps are cut. With transformers'
+    indexer made to break ties that way, the two agree exactly (so ties are the only
+    difference)."""
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as family
+
+    forward = family.DeepseekV32Indexer.forward
+
+    def indexer_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "topk", _earlier_token_wins_ties)
+            return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(family.DeepseekV32Indexer, "forward", indexer_forward)
+    run(monkeypatch, seed, index_n_heads=1, index_topk=4)
+
+
 def test_the_indexer_keys_are_a_second_full_attention_group() -> None:
     model = load_hf_model(config(), seed=0)
     engine = LLMEngine(model, EngineConfig(num_blocks=16, block_size=hb.BLOCK))
@@ -128,3 +156,32 @@ def test_sparse_attention_is_attention_over_the_selected_tokens_only() -> None:
     torch.testing.assert_close(out, first.expand(n, 2, r))
     with pytest.raises(ValueError, match="selected must be"):
         mla_attention_reference(q_latent, q_rope, k, v, meta, 0.3, one[:3])
+
+
+def test_equal_scores_go_to_the_earlier_token_however_the_steps_are_cut() -> None:
+    """One indexer head: a key's score is exactly 0 wherever ``q·k < 0``, so many visible
+    tokens tie. The earlier token wins a tie, and a query selects the same tokens whether
+    its sequence is prefilled at once or decoded a token at a time. (torch.topk, which
+    transformers' indexer uses over its padded key row, orders ties by an unspecified rule
+    that changes with the row's length: there a tie's winner can depend on how much the
+    cache holds.)"""
+    n, dim, topk = 12, 8, 3
+    k, v, meta = _one_sequence(n, dim)
+    g = torch.Generator().manual_seed(3)
+    q, w = torch.randn(n, 1, dim, generator=g), torch.ones(n, 1)
+    at_once = indexer_topk(q, w, k, v, meta, 1.0, topk, dim)
+    keys = torch.cat([k[1:, :, 0], v[1:, :, 0]], dim=-1).reshape(-1, dim)[:n]
+    score = torch.relu(q[:, 0] @ keys.T)
+    for p in range(n):
+        one = AttentionMetadata(block_table=meta.block_table,
+                                cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+                                seq_lens=torch.tensor([p + 1], dtype=torch.int32), max_seqlen_q=1)
+        assert torch.equal(indexer_topk(q[p:p + 1], w[p:p + 1], k, v, one, 1.0, topk, dim)[0],
+                           at_once[p])
+        visible = score[p, : p + 1].tolist()
+        want = sorted(range(p + 1), key=lambda j: (-visible[j], j))[:topk]
+        assert at_once[p, : len(want)].tolist() == want
+    assert (score == 0).sum() > n  # the case is exercised: many exact ties
+    # All scores equal: every query past topk keeps the first topk tokens.
+    zero = indexer_topk(torch.zeros_like(q), w, k, v, meta, 1.0, topk, dim)
+    assert zero[topk:].tolist() == [[0, 1, 2]] * (n - topk)
