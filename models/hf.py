@@ -128,7 +128,7 @@ def layer_windows(hf_config: Any) -> tuple[int | None, ...]:
         else:
             raise ValueError(f"{model_type}: layer_types[{i}] is {kind!r}: kvstore serves "
                              f"{_FULL!r}, {_SLIDING!r} and {_CHUNKED!r} layers (and "
-                         f"{_INDEXED!r} for {_INDEXED_MODEL_TYPES})")
+                             f"{_INDEXED!r} for {_INDEXED_MODEL_TYPES})")
     return tuple(windows)
 
 
