@@ -17,11 +17,13 @@ import test_hf_backend as hb
 import torch
 from test_hf_deepseek import DEEPSEEK
 
-from kvstore.engine.engine import EngineConfig, LLMEngine
+from kvstore.engine.engine import EngineConfig, LLMEngine, kv_cache_specs
+from kvstore.engine.runner import ModelRunner
 from kvstore.kernels.metadata import AttentionMetadata
 from kvstore.kernels.mla import indexer_topk, mla_attention_reference, split_latent
 from kvstore.models.hf import load_hf_model
-from kvstore.specs import FullAttentionSpec, MLASpec
+from kvstore.paged_kv_cache import PagedKVCache
+from kvstore.specs import FullAttentionSpec, MLASpec, make_kv_cache_config
 
 # A top-k well below the harness's 20-odd token sequences, so the selection bites; enough
 # indexer heads that no two tokens score alike (a query's scores are exact ties only when
@@ -92,6 +94,18 @@ def test_the_indexer_keys_are_a_second_full_attention_group() -> None:
     assert keys.spec == FullAttentionSpec(hb.BLOCK, 1, 12, "float32")
     assert keys.layer_ids == tuple(range(layers, 2 * layers))
     assert [model.layer_indexer(i) for i in range(layers)] == list(range(layers, 2 * layers))
+
+
+def test_a_cache_without_the_indexer_keys_or_with_other_pages_is_refused() -> None:
+    model = load_hf_model(config(), seed=0)
+    layers = hb.BASE["num_hidden_layers"]
+    specs = kv_cache_specs(model, hb.BLOCK)
+    with pytest.raises(ValueError, match=f"the cache holds layers .* the model has {2 * layers}"):
+        ModelRunner(model, PagedKVCache(make_kv_cache_config(specs[:layers], num_blocks=8)))
+    other = specs[:layers] + [MLASpec(hb.BLOCK, kv_lora_rank=16, rope_dim=8,
+                                      dtype="float32")] * layers
+    with pytest.raises(ValueError, match=f"layer {layers}: cache .* the model's indexer keys"):
+        ModelRunner(model, PagedKVCache(make_kv_cache_config(other, num_blocks=8)))
 
 
 def test_an_indexer_key_that_does_not_fit_the_page_is_refused_naming_the_keys() -> None:
