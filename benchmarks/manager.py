@@ -31,7 +31,8 @@ import tempfile
 import time
 import tracemalloc
 from collections import deque
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,19 +76,10 @@ class ManagerResult:
     side: str
     scenario: str
     num_blocks: int
-    lookup_s: float = 0.0
-    lookup_n: int = 0
-    admit_s: float = 0.0
-    admit_n: int = 0
-    chunk_s: float = 0.0  # a running request's next prefill chunk
-    chunk_n: int = 0
-    decode_s: float = 0.0
-    decode_n: int = 0
-    free_s: float = 0.0
-    free_n: int = 0
-    failed_s: float = 0.0  # lookups + admissions refused for lack of room
-    failed_n: int = 0
-    step_s: float = 0.0  # per-step calls: take_pending_copies, new_step_starts
+    # per call: lookup, admit, chunk (a running request's next prefill chunk), decode, free,
+    # failed (lookups + admissions refused for lack of room), step (the per-step calls)
+    seconds: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
     hash_s: float = 0.0
     finished: int = 0
     steps: int = 0
@@ -104,8 +96,7 @@ class ManagerResult:
     @property
     def manager_s(self) -> float:
         """Seconds in the manager's calls plus hashing."""
-        return (self.lookup_s + self.admit_s + self.chunk_s + self.decode_s + self.free_s
-                + self.failed_s + self.step_s + self.hash_s)
+        return sum(self.seconds.values()) + self.hash_s
 
     @property
     def hit_rate(self) -> float:
@@ -117,10 +108,15 @@ class ManagerResult:
         """Mean requests running per step."""
         return self.running_sum / self.steps if self.steps else 0.0
 
+    def add(self, call: str, seconds: float) -> None:
+        """Count one call of `call` that took `seconds`."""
+        self.seconds[call] = self.seconds.get(call, 0.0) + seconds
+        self.calls[call] = self.calls.get(call, 0) + 1
+
     def us(self, call: str) -> float | None:
         """Mean microseconds per call of `call` (lookup, admit, chunk, decode, free)."""
-        n = getattr(self, f"{call}_n")
-        return 1e6 * getattr(self, f"{call}_s") / n if n else None
+        n = self.calls.get(call)
+        return 1e6 * self.seconds[call] / n if n else None
 
 
 # ------------------------------------------------------------------------------- sides
@@ -333,11 +329,11 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
     admitted_once: set[str] = set()
     clock = 0.0
 
-    def release(request: Any) -> None:
+    def timed(call: str, fn: Callable[..., Any], *args: Any) -> Any:
         t0 = perf()
-        side.free(request)
-        res.free_s += perf() - t0
-        res.free_n += 1
+        out = fn(*args)
+        res.add(call, perf() - t0)
+        return out
 
     while pending or waiting or running:
         if not waiting and not running and pending[0].arrival > clock:
@@ -345,9 +341,7 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
         while pending and pending[0].arrival <= clock:
             s = pending.popleft()
             waiting.append((s, side.new_request(s)))
-        t0 = perf()
-        side.step_start()
-        res.step_s += perf() - t0
+        timed("step", side.step_start)
         budget = budget_tokens
         scheduled: list[tuple[Spec, Any, int]] = []
         preempted = False
@@ -356,19 +350,11 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
             spec, request = running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while True:
-                t0 = perf()
-                ok = side.grow(request, num_new)
-                dt = perf() - t0
-                if num_new == 1:
-                    res.decode_s += dt
-                    res.decode_n += 1
-                else:
-                    res.chunk_s += dt
-                    res.chunk_n += 1
+                ok = timed("decode" if num_new == 1 else "chunk", side.grow, request, num_new)
                 if ok:
                     break
                 victim_spec, victim = running.pop()
-                release(victim)
+                timed("free", side.free, victim)
                 victim.num_computed_tokens = 0
                 waiting.appendleft((victim_spec, victim))
                 res.preemptions += 1
@@ -389,13 +375,10 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
             ok = side.admit(request, num_new, computed, num_hit)
             t2 = perf()
             if not ok:
-                res.failed_s += t2 - t0
-                res.failed_n += 1
+                res.add("failed", t2 - t0)
                 break
-            res.lookup_s += t1 - t0
-            res.lookup_n += 1
-            res.admit_s += t2 - t1
-            res.admit_n += 1
+            res.add("lookup", t1 - t0)
+            res.add("admit", t2 - t1)
             if spec.request_id not in admitted_once:
                 admitted_once.add(spec.request_id)
                 res.first_hit_tokens += request.num_computed_tokens
@@ -403,9 +386,7 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
             running.append((spec, request))
             scheduled.append((spec, request, num_new))
             budget -= num_new
-        t0 = perf()
-        res.copies += side.step_end()
-        res.step_s += perf() - t0
+        res.copies += timed("step", side.step_end)
         res.steps += 1
         res.running_sum += len(running)
         for spec, request, num_new in scheduled:
@@ -415,7 +396,7 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
             side.append(request, spec.outputs[request.num_tokens - len(spec.prompt)])
             if request.num_tokens - len(spec.prompt) >= len(spec.outputs):
                 running.remove((spec, request))
-                release(request)
+                timed("free", side.free, request)
                 res.finished += 1
         clock += STEP_TIME
         if res.steps > 1_000_000:

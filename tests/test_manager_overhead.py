@@ -40,8 +40,8 @@ def test_drive_finishes_every_request_without_leaks(layout: str) -> None:
     res = drive(KvstoreSide(layout, num_blocks, {}), specs, layout, num_blocks, max_running=8,
                 budget_tokens=2048)
     assert res.finished == len(specs)
-    assert res.admit_n >= len(specs)
-    assert res.decode_n > 0 and res.free_n >= len(specs)
+    assert res.calls["admit"] >= len(specs)
+    assert res.calls["decode"] > 0 and res.calls["free"] >= len(specs)
     assert 0.0 <= res.hit_rate <= ideal_hit_rate(specs, None) + 1e-9
     assert res.manager_s >= res.hash_s > 0.0
 
