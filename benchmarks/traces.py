@@ -174,12 +174,9 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def mooncake_block_tokens(
-    hash_ids: Sequence[int] | np.ndarray,
-    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    seed: int = 0,
-) -> np.ndarray:
+def mooncake_block_tokens(hash_ids: Sequence[int] | np.ndarray,
+                          block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                          vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> np.ndarray:
     """The fixed token content of each block id, shape ``(len(hash_ids), block_tokens)``.
 
     A pure function of (id, position in block, seed): equal ids always give equal
@@ -195,12 +192,8 @@ def mooncake_block_tokens(
     return (_splitmix64(key) % np.uint64(vocab_size)).astype(np.int64)
 
 
-def mooncake_prompt_tokens(
-    req: MooncakeRequest,
-    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    seed: int = 0,
-) -> np.ndarray:
+def mooncake_prompt_tokens(req: MooncakeRequest, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                           vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> np.ndarray:
     """The prompt of one Mooncake request as ``input_length`` token ids: its blocks'
     contents in order, the last block cut to fit."""
     need = cdiv(req.input_length, block_tokens)
@@ -213,22 +206,18 @@ def mooncake_prompt_tokens(
     return blocks.reshape(-1)[: req.input_length]
 
 
-def _as_requests(
-    path_or_requests: str | Path | Iterable[MooncakeRequest], limit: int | None
-) -> list[MooncakeRequest]:
+def _as_requests(path_or_requests: str | Path | Iterable[MooncakeRequest],
+                 limit: int | None) -> list[MooncakeRequest]:
     if isinstance(path_or_requests, (str, Path)):
         return load_mooncake(path_or_requests, limit)
     reqs = list(path_or_requests)
     return reqs if limit is None else reqs[: max(limit, 0)]
 
 
-def iter_mooncake_specs(
-    requests: Iterable[MooncakeRequest],
-    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    seed: int = 0,
-    id_prefix: str = "mooncake",
-) -> Iterator[RequestSpec]:
+def iter_mooncake_specs(requests: Iterable[MooncakeRequest],
+                        block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                        vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0,
+                        id_prefix: str = "mooncake") -> Iterator[RequestSpec]:
     """Token-level requests for the given Mooncake rows, one at a time and in the
     order given; request ids are ``f"{id_prefix}-{index}"``."""
     for i, req in enumerate(requests):
@@ -242,15 +231,10 @@ def iter_mooncake_specs(
         )
 
 
-def mooncake_to_workload(
-    path_or_requests: str | Path | Iterable[MooncakeRequest],
-    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    limit: int | None = None,
-    *,
-    seed: int = 0,
-    name: str | None = None,
-) -> Workload:
+def mooncake_to_workload(path_or_requests: str | Path | Iterable[MooncakeRequest],
+                         block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                         vocab_size: int = DEFAULT_VOCAB_SIZE, limit: int | None = None, *,
+                         seed: int = 0, name: str | None = None) -> Workload:
     """A Mooncake trace (a path or loaded rows) as a token-level workload.
 
     Each hash id stands for ``block_tokens`` tokens of fixed content, so requests
@@ -284,14 +268,8 @@ def _parse_azure_time(text: str) -> datetime:
     return t.replace(microsecond=int((frac + "000000")[:6])) if frac else t
 
 
-def load_azure(
-    path: str | Path,
-    limit: int | None = None,
-    *,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    seed: int = 0,
-    name: str | None = None,
-) -> Workload:
+def load_azure(path: str | Path, limit: int | None = None, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
+               seed: int = 0, name: str | None = None) -> Workload:
     """An Azure LLM inference trace (CSV with TIMESTAMP, ContextTokens,
     GeneratedTokens) as a workload of unique random prompts.
 

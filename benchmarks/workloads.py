@@ -102,8 +102,7 @@ def _random_tokens(rng: np.random.Generator, n: int, vocab_size: int) -> np.ndar
     return rng.integers(0, vocab_size, size=int(n), dtype=np.int64)
 
 
-def _uniform_lengths(
-    rng: np.random.Generator, n: int, bounds: tuple[int, int], what: str
+def _uniform_lengths(rng: np.random.Generator, n: int, bounds: tuple[int, int], what: str
 ) -> np.ndarray:
     lo, hi = int(bounds[0]), int(bounds[1])
     if lo < 0 or hi < lo:
@@ -118,12 +117,8 @@ def _check_common(num: int, vocab_size: int, what: str) -> None:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
 
 
-def arrival_times(
-    seed: int | np.random.Generator,
-    n: int,
-    rate: float,
-    process: ArrivalProcess = "poisson",
-) -> np.ndarray:
+def arrival_times(seed: int | np.random.Generator, n: int, rate: float,
+                  process: ArrivalProcess = "poisson") -> np.ndarray:
     """``n`` non-decreasing arrival times in seconds, the first at 0.
 
     ``rate`` is requests per second; ``math.inf`` puts every request at time 0.
@@ -144,15 +139,8 @@ def arrival_times(
     raise ValueError(f"unknown arrival process {process!r} (use 'poisson' or 'fixed')")
 
 
-def heavy_tailed_lengths(
-    seed: int | np.random.Generator,
-    n: int,
-    *,
-    median: float = 128,
-    sigma: float = 1.2,
-    low: int = 1,
-    high: int = 2048,
-) -> np.ndarray:
+def heavy_tailed_lengths(seed: int | np.random.Generator, n: int, *, median: float = 128,
+                         sigma: float = 1.2, low: int = 1, high: int = 2048) -> np.ndarray:
     """``n`` integer lengths from a lognormal of the given median and log-sigma,
     clipped to ``[low, high]``.
 
@@ -179,17 +167,9 @@ def _prefixed_requests(id_prefix: str, prefixes: Sequence[np.ndarray], which: np
                        suffixes: Sequence[np.ndarray], outs: np.ndarray, arrivals: np.ndarray,
                        vocab_size: int) -> list[RequestSpec]:
     """Request i = prefixes[which[i]] + suffixes[i], decoding outs[i] tokens."""
-    return [
-        RequestSpec(
-            request_id=f"{id_prefix}-{i:05d}",
-            arrival=float(arrivals[i]),
-            prompt_token_ids=tokens_to_tuple(
-                np.concatenate((prefixes[which[i]], suffixes[i])), vocab_size
-            ),
-            max_tokens=int(outs[i]),
-        )
-        for i in range(len(suffixes))
-    ]
+    return [RequestSpec(f"{id_prefix}-{i:05d}", float(arrivals[i]), tokens_to_tuple(
+        np.concatenate((prefixes[which[i]], suffixes[i])), vocab_size), int(outs[i]))
+        for i in range(len(suffixes))]
 
 
 def _tails(rng: np.random.Generator, n: int, lens: tuple[int, int], what: str,
@@ -204,21 +184,13 @@ def _tails(rng: np.random.Generator, n: int, lens: tuple[int, int], what: str,
     return parts, outs, arrival_times(rng, n, rate, arrival_process)
 
 
-def shared_system_prompts(
-    num_requests: int = 200,
-    *,
-    num_prompts: int = 4,
-    system_lens: Sequence[int] = (200, 500, 1000, 2000),
-    user_len: tuple[int, int] = (16, 256),
-    output_median: float = 128,
-    output_sigma: float = 1.2,
-    output_max: int = 2048,
-    rate: float = 10.0,
-    arrival_process: ArrivalProcess = "poisson",
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    seed: int = 0,
-    name: str = "shared_system_prompts",
-) -> Workload:
+def shared_system_prompts(num_requests: int = 200, *, num_prompts: int = 4,
+                          system_lens: Sequence[int] = (200, 500, 1000, 2000),
+                          user_len: tuple[int, int] = (16, 256), output_median: float = 128,
+                          output_sigma: float = 1.2, output_max: int = 2048, rate: float = 10.0,
+                          arrival_process: ArrivalProcess = "poisson",
+                          vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0,
+                          name: str = "shared_system_prompts") -> Workload:
     """Requests that each start with one of ``num_prompts`` shared system prompts
     (chosen uniformly) followed by a unique user message.
 
@@ -243,23 +215,13 @@ def shared_system_prompts(
     return _finish(name, desc, requests)
 
 
-def multi_turn_chat(
-    num_conversations: int = 20,
-    turns: int | tuple[int, int] = 4,
-    *,
-    system_len: int = 0,
-    user_len: tuple[int, int] = (32, 256),
-    output_median: float = 128,
-    output_sigma: float = 1.2,
-    output_max: int = 2048,
-    rate: float = 1.0,
-    arrival_process: ArrivalProcess = "poisson",
-    think_time: float = 5.0,
-    seconds_per_output_token: float = 0.02,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    seed: int = 0,
-    name: str = "multi_turn_chat",
-) -> Workload:
+def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 4, *,
+                    system_len: int = 0, user_len: tuple[int, int] = (32, 256),
+                    output_median: float = 128, output_sigma: float = 1.2, output_max: int = 2048,
+                    rate: float = 1.0, arrival_process: ArrivalProcess = "poisson",
+                    think_time: float = 5.0, seconds_per_output_token: float = 0.02,
+                    vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0,
+                    name: str = "multi_turn_chat") -> Workload:
     """Multi-turn conversations: the prompt of turn k+1 is the full prompt of turn k,
     then turn k's output tokens, then a new user message.
 
@@ -284,9 +246,8 @@ def multi_turn_chat(
     for c in range(num_conversations):
         nt = int(n_turns[c])
         ulens = _uniform_lengths(rng, nt, user_len, "user_len")
-        outs = heavy_tailed_lengths(
-            rng, nt, median=output_median, sigma=output_sigma, high=output_max
-        )
+        outs = heavy_tailed_lengths(rng, nt, median=output_median, sigma=output_sigma,
+                                    high=output_max)
         user_toks = _random_tokens(rng, ulens.sum(), vocab_size)
         out_toks = _random_tokens(rng, outs.sum(), vocab_size)
         u_off = np.concatenate(([0], np.cumsum(ulens)))
@@ -300,15 +261,10 @@ def multi_turn_chat(
                 # Strictly after the previous turn, even with zero think time.
                 t += max(outs[k - 1] * seconds_per_output_token + gaps[k], 1e-3)
             pieces.append(user_toks[u_off[k] : u_off[k + 1]])
-            requests.append(
-                RequestSpec(
-                    request_id=f"chat-c{c:04d}-t{k:02d}",
-                    arrival=t,
-                    prompt_token_ids=tokens_to_tuple(np.concatenate(pieces), vocab_size),
-                    max_tokens=int(outs[k]),
-                    output_token_ids=tokens_to_tuple(out_toks[o_off[k] : o_off[k + 1]], vocab_size),
-                )
-            )
+            requests.append(RequestSpec(
+                f"chat-c{c:04d}-t{k:02d}", t, tokens_to_tuple(np.concatenate(pieces), vocab_size),
+                int(outs[k]), output_token_ids=tokens_to_tuple(out_toks[o_off[k]:o_off[k + 1]],
+                                                               vocab_size)))
     desc = (
         f"{num_conversations} conversations of {turns} turns; each turn = previous prompt + "
         f"previous output + new user message ({user_len[0]}..{user_len[1]} tokens); shared "
@@ -319,21 +275,11 @@ def multi_turn_chat(
     return _finish(name, desc, requests)
 
 
-def few_shot(
-    num_requests: int = 100,
-    num_examples: int = 8,
-    *,
-    num_tasks: int = 1,
-    example_len: tuple[int, int] = (40, 200),
-    question_len: tuple[int, int] = (16, 128),
-    output_median: float = 64,
-    output_sigma: float = 1.2,
-    output_max: int = 1024,
-    rate: float = 10.0,
-    arrival_process: ArrivalProcess = "poisson",
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    seed: int = 0,
-    name: str = "few_shot",
+def few_shot(num_requests: int = 100, num_examples: int = 8, *, num_tasks: int = 1,
+             example_len: tuple[int, int] = (40, 200), question_len: tuple[int, int] = (16, 128),
+             output_median: float = 64, output_sigma: float = 1.2, output_max: int = 1024,
+             rate: float = 10.0, arrival_process: ArrivalProcess = "poisson",
+             vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0, name: str = "few_shot"
 ) -> Workload:
     """Requests that share a prefix of ``num_examples`` worked examples, then ask a
     unique question.
@@ -366,18 +312,10 @@ def few_shot(
     return _finish(name, desc, requests)
 
 
-def unique_prompts(
-    num_requests: int = 100,
-    *,
-    prompt_len: tuple[int, int] = (64, 2048),
-    output_median: float = 128,
-    output_sigma: float = 1.2,
-    output_max: int = 2048,
-    rate: float = 10.0,
-    arrival_process: ArrivalProcess = "poisson",
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    seed: int = 0,
-    name: str = "unique_prompts",
+def unique_prompts(num_requests: int = 100, *, prompt_len: tuple[int, int] = (64, 2048),
+                   output_median: float = 128, output_sigma: float = 1.2, output_max: int = 2048,
+                   rate: float = 10.0, arrival_process: ArrivalProcess = "poisson",
+                   vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0, name: str = "unique_prompts"
 ) -> Workload:
     """Requests with independent random prompts: no intended sharing (two prompts
     agree on their first token only by chance, about 1 in ``vocab_size``)."""
@@ -406,13 +344,8 @@ class _OutputLengths(TypedDict):
     output_max: int
 
 
-def mixed_default(
-    seed: int = 0,
-    num_requests: int = 300,
-    *,
-    rate: float = 10.0,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-) -> Workload:
+def mixed_default(seed: int = 0, num_requests: int = 300, *, rate: float = 10.0,
+                  vocab_size: int = DEFAULT_VOCAB_SIZE) -> Workload:
     """The classic comparison workload: about 1/3 shared-system-prompt requests, 27%
     four-turn chats, 20% few-shot, 20% unique prompts, interleaved over
     ``num_requests / rate`` seconds, with heavy-tailed outputs.
@@ -431,22 +364,13 @@ def mixed_default(
     seeds = [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(4)]
     out: _OutputLengths = {"output_median": 100, "output_sigma": 1.2, "output_max": 2048}
     parts = [
-        shared_system_prompts(
-            n_sys, rate=max(n_sys, 1) / span, vocab_size=vocab_size, seed=seeds[0], **out
-        ),
-        multi_turn_chat(
-            n_conv, turns, rate=max(n_conv, 1) / span, vocab_size=vocab_size, seed=seeds[1], **out
-        ),
+        shared_system_prompts(n_sys, rate=max(n_sys, 1) / span, vocab_size=vocab_size,
+                              seed=seeds[0], **out),
+        multi_turn_chat(n_conv, turns, rate=max(n_conv, 1) / span, vocab_size=vocab_size,
+                        seed=seeds[1], **out),
         few_shot(n_few, rate=max(n_few, 1) / span, vocab_size=vocab_size, seed=seeds[2], **out),
-        unique_prompts(
-            n_uni,
-            prompt_len=(64, 1280),
-            rate=max(n_uni, 1) / span,
-            vocab_size=vocab_size,
-            seed=seeds[3],
-            **out,
-        ),
-    ]
+        unique_prompts(n_uni, prompt_len=(64, 1280), rate=max(n_uni, 1) / span,
+                       vocab_size=vocab_size, seed=seeds[3], **out)]
     requests = [r for w in parts for r in w.requests]
     desc = (
         f"mixed: {n_sys} shared-system-prompt requests, {n_conv} chats x {turns} turns, "
@@ -491,12 +415,8 @@ class IdealHits(NamedTuple):
         return hit_rate(self.total, self.prompt_tokens)
 
 
-def ideal_hit_tokens(
-    requests: Sequence[RequestSpec],
-    block_size: int | None = None,
-    *,
-    include_outputs: bool = False,
-) -> IdealHits:
+def ideal_hit_tokens(requests: Sequence[RequestSpec], block_size: int | None = None, *,
+                     include_outputs: bool = False) -> IdealHits:
     """Upper bound on prefix-cache hits with an infinite cache.
 
     Requests are taken in arrival order (ties in the given order). A request's hit is
