@@ -572,8 +572,8 @@ def _trace_help() -> str:
 
 def add_bench_parser(subparsers: Any) -> None:
     """Register ``bench`` (the sweep, also ``bench sweep``) and one subcommand per
-    question: ``manager``, ``replay``, ``tiers``, ``kernels``."""
-    from kvstore.benchmarks import manager, replay
+    question: ``manager``, ``replay``, ``tiers``, ``kernels``, ``recurrent``."""
+    from kvstore.benchmarks import manager, recurrent, replay
 
     doc = __doc__.split("\n\n")[1] if __doc__ else None
     p = subparsers.add_parser(
@@ -591,7 +591,9 @@ def add_bench_parser(subparsers: Any) -> None:
         ("tiers", "host tier and store: transfer speeds, two engines sharing a store",
          add_tier_arguments, _run_tiers),
         ("kernels", "the paged-attention kernels against SDPA and FlashAttention (GPU)",
-         add_kernel_arguments, _run_kernels))
+         add_kernel_arguments, _run_kernels),
+        ("recurrent", "recurrent hybrids: kvstore's checkpoints against vLLM's inflated block",
+         recurrent.add_arguments, recurrent.run))
     for name, help_text, add, func in commands:
         q = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=p.formatter_class,
@@ -729,18 +731,6 @@ def _arguments(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _usage_error(args: argparse.Namespace) -> Callable[[str], NoReturn]:
-    error = getattr(args, "usage_error", None)
-    if error is not None:
-        return error
-
-    def fail(message: str) -> NoReturn:
-        print(f"kvstore bench: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-    return fail
-
-
 def run_bench(args: argparse.Namespace) -> int:
     """Run the sweep the arguments describe; print the table, write plots, JSON and CSV.
 
@@ -749,17 +739,10 @@ def run_bench(args: argparse.Namespace) -> int:
     exits with status 2 and a one-line message."""
     from rich.console import Console
 
-    error = _usage_error(args)
+    error = args.usage_error
     t0 = time.perf_counter()
     shape = MODEL_SHAPES[args.model_shape]
-    policies = args.policies
-    if isinstance(policies, str):  # a caller's own namespace
-        policies = _policy_list(policies)
-    evictions = getattr(args, "eviction", None)
-    if evictions:
-        if isinstance(evictions, str):
-            evictions = _eviction_list(evictions)
-        policies = with_evictions(policies, evictions)
+    policies = with_evictions(args.policies, args.eviction) if args.eviction else args.policies
     limit = args.limit
     if args.quick and limit is None:
         limit = QUICK_LIMIT
@@ -776,8 +759,7 @@ def run_bench(args: argparse.Namespace) -> int:
         error(f"argument --pool-sizes: {e}")
     if not workload.requests:
         error(f"argument --workload: {args.workload} has no requests")
-    tiers = TierOptions(getattr(args, "host_tier_bytes", None), getattr(args, "store", None),
-                        getattr(args, "window_offload", "ends"))
+    tiers = TierOptions(args.host_tier_bytes, args.store, args.window_offload)
     if tiers:
         flag = "--host-tier-bytes" if tiers.host_bytes else "--store"
         if not any(policy_named(p).enable_caching for p in policies):
@@ -800,7 +782,7 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         result = _sweep_with_progress(console, workload, shape.name, args.block_size, budgets,
                                       points, policies, sched, jobs, tiers or None,
-                                      getattr(args, "step_time", StepTime()))
+                                      args.step_time)
     except SweepInterrupted as e:
         return _save_interrupted(e.partial, out, args.in_place, run)
     dropped = print_table(result, console, wide=args.wide)

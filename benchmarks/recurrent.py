@@ -388,14 +388,3 @@ def run(args: argparse.Namespace) -> int:
     for line in lines:
         console.print(line)
     return 0
-
-
-def register(bench: argparse.ArgumentParser) -> None:
-    """Add ``recurrent`` to the questions of the ``kvstore bench`` parser (argparse keeps a
-    parser's subcommands in its private subparsers action)."""
-    questions = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
-    help_text = "recurrent hybrids: kvstore's checkpoints against vLLM's inflated block"
-    q = questions.add_parser("recurrent", help=help_text, description=help_text,
-                             formatter_class=bench.formatter_class)
-    add_arguments(q)
-    q.set_defaults(func=run, usage_error=q.error)

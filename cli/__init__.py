@@ -283,11 +283,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _add_bench(subparsers: SubparsersAction) -> None:
     """``kvstore bench``: the prefix-reuse sweep against pool size (the main job)."""
-    from kvstore.benchmarks import recurrent
     from kvstore.benchmarks.bench import add_bench_parser
 
     add_bench_parser(subparsers)
-    recurrent.register(subparsers.choices["bench"])  # `kvstore bench recurrent`
 
 
 def _add_viz(subparsers: SubparsersAction) -> None:
