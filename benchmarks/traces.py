@@ -79,10 +79,8 @@ def default_trace_dir() -> Path:
     repo_root = Path(__file__).resolve().parent.parent
     path = repo_root.parent / "shared" / "traces"
     if not path.is_dir():
-        raise FileNotFoundError(
-            f"no trace directory: {ENV_VAR} is not set and {path} does not exist; "
-            f"set {ENV_VAR} to the folder holding the trace files"
-        )
+        raise FileNotFoundError(f"no trace directory: {ENV_VAR} is not set and {path} does not "
+                                f"exist; set {ENV_VAR} to the folder holding the trace files")
     return path
 
 
@@ -150,12 +148,8 @@ def load_mooncake(path: str | Path, limit: int | None = None) -> list[MooncakeRe
                 continue
             try:
                 row = json.loads(line)
-                req = MooncakeRequest(
-                    timestamp_ms=int(row["timestamp"]),
-                    input_length=int(row["input_length"]),
-                    output_length=int(row["output_length"]),
-                    hash_ids=tuple(int(h) for h in row["hash_ids"]),
-                )
+                req = MooncakeRequest(int(row["timestamp"]), int(row["input_length"]),
+                                      int(row["output_length"]), tuple(int(h) for h in row["hash_ids"]))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad Mooncake row: {e}") from e
             out.append(req)
@@ -185,9 +179,8 @@ def mooncake_block_tokens(hash_ids: Sequence[int] | np.ndarray,
     ids = np.asarray(hash_ids, dtype=np.int64)
     if ids.size and int(ids.min()) < 0:
         raise ValueError("hash ids must be non-negative")
-    key = ids.astype(np.uint64)[:, None] * np.uint64(block_tokens) + np.arange(
-        block_tokens, dtype=np.uint64
-    )
+    key = (ids.astype(np.uint64)[:, None] * np.uint64(block_tokens)
+           + np.arange(block_tokens, dtype=np.uint64))
     key ^= _splitmix64(np.array([seed], dtype=np.uint64))
     return (_splitmix64(key) % np.uint64(vocab_size)).astype(np.int64)
 
@@ -198,10 +191,8 @@ def mooncake_prompt_tokens(req: MooncakeRequest, block_tokens: int = MOONCAKE_BL
     contents in order, the last block cut to fit."""
     need = cdiv(req.input_length, block_tokens)
     if len(req.hash_ids) != need:
-        raise ValueError(
-            f"request with input_length {req.input_length} has {len(req.hash_ids)} hash ids, "
-            f"expected ceil({req.input_length}/{block_tokens}) = {need}"
-        )
+        raise ValueError(f"request with input_length {req.input_length} has {len(req.hash_ids)} "
+                         f"hash ids, expected ceil({req.input_length}/{block_tokens}) = {need}")
     blocks = mooncake_block_tokens(req.hash_ids, block_tokens, vocab_size, seed)
     return blocks.reshape(-1)[: req.input_length]
 
@@ -221,14 +212,9 @@ def iter_mooncake_specs(requests: Iterable[MooncakeRequest],
     """Token-level requests for the given Mooncake rows, one at a time and in the
     order given; request ids are ``f"{id_prefix}-{index}"``."""
     for i, req in enumerate(requests):
-        yield RequestSpec(
-            request_id=f"{id_prefix}-{i:06d}",
-            arrival=req.timestamp_ms / 1000.0,
-            prompt_token_ids=tokens_to_tuple(
-                mooncake_prompt_tokens(req, block_tokens, vocab_size, seed), vocab_size
-            ),
-            max_tokens=req.output_length,
-        )
+        yield RequestSpec(f"{id_prefix}-{i:06d}", req.timestamp_ms / 1000.0, tokens_to_tuple(
+            mooncake_prompt_tokens(req, block_tokens, vocab_size, seed), vocab_size),
+            req.output_length)
 
 
 def mooncake_to_workload(path_or_requests: str | Path | Iterable[MooncakeRequest],
@@ -247,14 +233,10 @@ def mooncake_to_workload(path_or_requests: str | Path | Iterable[MooncakeRequest
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].timestamp_ms)
     specs = list(iter_mooncake_specs(reqs, block_tokens, vocab_size, seed))
     if name is None:
-        name = (
-            Path(path_or_requests).stem if isinstance(path_or_requests, (str, Path)) else "mooncake"
-        )
-    n_tokens = sum(r.input_length for r in reqs)
-    desc = (
-        f"Mooncake trace {name}: {len(reqs)} requests, {n_tokens} prompt tokens; each hash id "
-        f"expanded to {block_tokens} fixed pseudo-random tokens (vocab {vocab_size}, seed {seed})"
-    )
+        name = Path(path_or_requests).stem if isinstance(path_or_requests, (str, Path)) else "mooncake"
+    desc = (f"Mooncake trace {name}: {len(reqs)} requests, {sum(r.input_length for r in reqs)} "
+            f"prompt tokens; each hash id expanded to {block_tokens} fixed pseudo-random tokens "
+            f"(vocab {vocab_size}, seed {seed})")
     return Workload(name=name, requests=[specs[i] for i in order], description=desc)
 
 
@@ -298,20 +280,12 @@ def load_azure(path: str | Path, limit: int | None = None, *, vocab_size: int = 
     offs = np.concatenate(([0], np.cumsum(lens)))
     if name is None:
         name = Path(path).stem
-    requests = [
-        RequestSpec(
-            request_id=f"{name}-{i:06d}",
-            arrival=(times[i] - t0).total_seconds() if t0 is not None else 0.0,
-            prompt_token_ids=tokens_to_tuple(tokens[offs[i] : offs[i + 1]], vocab_size),
-            max_tokens=gen[i],
-        )
-        for i in range(len(times))
-    ]
+    requests = [RequestSpec(f"{name}-{i:06d}", (times[i] - t0).total_seconds() if t0 is not None else 0.0,
+                            tokens_to_tuple(tokens[offs[i]:offs[i + 1]], vocab_size), gen[i])
+                for i in range(len(times))]
     requests.sort(key=lambda r: r.arrival)
-    desc = (
-        f"Azure LLM inference trace {name}: {len(requests)} requests, {int(lens.sum())} prompt "
-        f"tokens, unique random prompts (vocab {vocab_size}, seed {seed})"
-    )
+    desc = (f"Azure LLM inference trace {name}: {len(requests)} requests, {int(lens.sum())} "
+            f"prompt tokens, unique random prompts (vocab {vocab_size}, seed {seed})")
     return Workload(name=name, requests=requests, description=desc)
 
 
@@ -326,9 +300,8 @@ def mooncake_paper_points(path: str | Path | None = None) -> dict[str, list[tupl
     points: dict[str, list[tuple[int, float]]] = {}
     with open(path, newline="", encoding="utf-8") as f:
         for row in csv.DictReader(f):
-            points.setdefault(row["workload"], []).append(
-                (int(row["capacity_tokens"]), float(row["token_hit_rate"]))
-            )
+            points.setdefault(row["workload"], []).append((int(row["capacity_tokens"]),
+                                                           float(row["token_hit_rate"])))
     for pts in points.values():
         pts.sort()
     return points
