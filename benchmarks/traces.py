@@ -23,12 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.benchmarks.workloads import (
-    DEFAULT_VOCAB_SIZE,
-    RequestSpec,
-    Workload,
-    tokens_to_tuple,
-)
+from kvstore.benchmarks.workloads import DEFAULT_VOCAB_SIZE, RequestSpec, Workload, tokens_to_tuple
 from kvstore.utils import cdiv, hit_rate
 
 MOONCAKE_BLOCK_TOKENS = 512

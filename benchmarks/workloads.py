@@ -206,12 +206,10 @@ def shared_system_prompts(num_requests: int = 200, *, num_prompts: int = 4,
     users, outs, arrivals = _tails(rng, num_requests, user_len, "user_len", output_median,
                                    output_sigma, output_max, rate, arrival_process, vocab_size)
     requests = _prefixed_requests("sys", systems, which, users, outs, arrivals, vocab_size)
-    desc = (
-        f"{num_requests} requests over {num_prompts} shared system prompts of lengths {lens} "
-        f"+ unique user messages of {user_len[0]}..{user_len[1]} tokens; lognormal outputs "
-        f"(median {output_median}, sigma {output_sigma}, max {output_max}); "
-        f"{arrival_process} arrivals at {rate}/s; seed {seed}"
-    )
+    desc = (f"{num_requests} requests over {num_prompts} shared system prompts of lengths {lens} "
+            f"+ unique user messages of {user_len[0]}..{user_len[1]} tokens; lognormal outputs "
+            f"(median {output_median}, sigma {output_sigma}, max {output_max}); "
+            f"{arrival_process} arrivals at {rate}/s; seed {seed}")
     return _finish(name, desc, requests)
 
 
@@ -265,13 +263,11 @@ def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 
                 f"chat-c{c:04d}-t{k:02d}", t, tokens_to_tuple(np.concatenate(pieces), vocab_size),
                 int(outs[k]), output_token_ids=tokens_to_tuple(out_toks[o_off[k]:o_off[k + 1]],
                                                                vocab_size)))
-    desc = (
-        f"{num_conversations} conversations of {turns} turns; each turn = previous prompt + "
-        f"previous output + new user message ({user_len[0]}..{user_len[1]} tokens); shared "
-        f"system prompt of {system_len} tokens; lognormal outputs (median {output_median}, "
-        f"sigma {output_sigma}, max {output_max}); conversations start at {rate}/s "
-        f"({arrival_process}), think time {think_time}s; seed {seed}"
-    )
+    desc = (f"{num_conversations} conversations of {turns} turns; each turn = previous prompt + "
+            f"previous output + new user message ({user_len[0]}..{user_len[1]} tokens); shared "
+            f"system prompt of {system_len} tokens; lognormal outputs (median {output_median}, "
+            f"sigma {output_sigma}, max {output_max}); conversations start at {rate}/s "
+            f"({arrival_process}), think time {think_time}s; seed {seed}")
     return _finish(name, desc, requests)
 
 
@@ -302,13 +298,11 @@ def few_shot(num_requests: int = 100, num_examples: int = 8, *, num_tasks: int =
     qs, outs, arrivals = _tails(rng, num_requests, question_len, "question_len", output_median,
                                 output_sigma, output_max, rate, arrival_process, vocab_size)
     requests = _prefixed_requests("fewshot", prefixes, task, qs, outs, arrivals, vocab_size)
-    desc = (
-        f"{num_requests} requests over {num_tasks} few-shot prefixes of {num_examples} examples "
-        f"(prefix lengths {[len(p) for p in prefixes]}, not block-aligned) + unique questions "
-        f"of {question_len[0]}..{question_len[1]} tokens; lognormal outputs (median "
-        f"{output_median}, sigma {output_sigma}, max {output_max}); {arrival_process} arrivals "
-        f"at {rate}/s; seed {seed}"
-    )
+    desc = (f"{num_requests} requests over {num_tasks} few-shot prefixes of {num_examples} examples "
+            f"(prefix lengths {[len(p) for p in prefixes]}, not block-aligned) + unique questions "
+            f"of {question_len[0]}..{question_len[1]} tokens; lognormal outputs (median "
+            f"{output_median}, sigma {output_sigma}, max {output_max}); {arrival_process} arrivals "
+            f"at {rate}/s; seed {seed}")
     return _finish(name, desc, requests)
 
 
@@ -328,11 +322,9 @@ def unique_prompts(num_requests: int = 100, *, prompt_len: tuple[int, int] = (64
                     prompt_token_ids=tokens_to_tuple(ps[i], vocab_size), max_tokens=int(outs[i]))
         for i in range(num_requests)
     ]
-    desc = (
-        f"{num_requests} unique prompts of {prompt_len[0]}..{prompt_len[1]} tokens; lognormal "
-        f"outputs (median {output_median}, sigma {output_sigma}, max {output_max}); "
-        f"{arrival_process} arrivals at {rate}/s; seed {seed}"
-    )
+    desc = (f"{num_requests} unique prompts of {prompt_len[0]}..{prompt_len[1]} tokens; lognormal "
+            f"outputs (median {output_median}, sigma {output_sigma}, max {output_max}); "
+            f"{arrival_process} arrivals at {rate}/s; seed {seed}")
     return _finish(name, desc, requests)
 
 
@@ -372,10 +364,8 @@ def mixed_default(seed: int = 0, num_requests: int = 300, *, rate: float = 10.0,
         unique_prompts(n_uni, prompt_len=(64, 1280), rate=max(n_uni, 1) / span,
                        vocab_size=vocab_size, seed=seeds[3], **out)]
     requests = [r for w in parts for r in w.requests]
-    desc = (
-        f"mixed: {n_sys} shared-system-prompt requests, {n_conv} chats x {turns} turns, "
-        f"{n_few} few-shot, {n_uni} unique; ~{rate} req/s overall; seed {seed}"
-    )
+    desc = (f"mixed: {n_sys} shared-system-prompt requests, {n_conv} chats x {turns} turns, "
+            f"{n_few} few-shot, {n_uni} unique; ~{rate} req/s overall; seed {seed}")
     return _finish("mixed_default", desc, requests)
 
 
