@@ -127,8 +127,6 @@ def _tokens(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kvstore bench replay``."""
-    from kvstore.eviction import EVICTION_POLICIES
-
     p.add_argument("--trace", type=_trace, action="append", metavar="NAME|PATH",
                    help=f"a trace file, or a built-in name ({', '.join(TRACE_NAMES)}); "
                         "repeatable (default: both built-in traces)")
@@ -372,7 +370,7 @@ def _continued_tail(req: MooncakeRequest, k: int, last_full: dict[int, MooncakeR
 
 
 def replay_curve(requests: Sequence[MooncakeRequest], capacities_tokens: Sequence[int],
-                 block_tokens: int = MOONCAKE_BLOCK_TOKENS, check_oracle: bool = True,
+                 block_tokens: int = MOONCAKE_BLOCK_TOKENS,
                  progress: Callable[[int], None] = lambda cap: None) -> list[dict[str, Any]]:
     """Pool replay (and the oracle) at each capacity; one row per capacity, with
     ``agree`` True when the pool and the oracle give the same hits per request and the
@@ -387,14 +385,13 @@ def replay_curve(requests: Sequence[MooncakeRequest], capacities_tokens: Sequenc
         t_pool = time.perf_counter() - t0
         row = {k: v for k, v in res.items() if k != "per_request_hit_tokens"}
         row.update(capacity_tokens=cap_tokens, pool_s=t_pool)
-        if check_oracle:
-            t0 = time.perf_counter()
-            ref = mooncake_lru_replay(rows, blocks, block_tokens)
-            row["oracle_s"] = time.perf_counter() - t0
-            row["oracle_token_hit_rate"] = ref["token_hit_rate"]
-            row["oracle_evictions"] = ref["evictions"]
-            row["agree"] = (ref["per_request_hit_tokens"] == res["per_request_hit_tokens"]
-                            and ref["evictions"] == res["evictions"])
+        t0 = time.perf_counter()
+        ref = mooncake_lru_replay(rows, blocks, block_tokens)
+        row["oracle_s"] = time.perf_counter() - t0
+        row["oracle_token_hit_rate"] = ref["token_hit_rate"]
+        row["oracle_evictions"] = ref["evictions"]
+        row["agree"] = (ref["per_request_hit_tokens"] == res["per_request_hit_tokens"]
+                        and ref["evictions"] == res["evictions"])
         out.append(row)
     return out
 
@@ -490,7 +487,7 @@ def plot_curves(curves: dict[str, list[dict[str, Any]]],
 def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
                         capacities: Sequence[int] | None = None, limit: int | None = None,
                         paper_path: str | Path | None = None, quick: bool = False,
-                        check_oracle: bool = True, log: Any = print) -> dict[str, Any]:
+                        log: Any = print) -> dict[str, Any]:
     """Replay each trace over the capacities, write ``mooncake_hit_rate.{png,json,csv}``
     into `out_dir`, and return what was written (curves, gap analysis, paper points)."""
     out = Path(out_dir)
@@ -505,8 +502,7 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
     for name, path in traces.items():
         rows = load_mooncake(path, limit)
         t0 = time.perf_counter()
-        curves[name] = replay_curve(rows, caps, check_oracle=check_oracle,
-                                    progress=_progress(f"lru {name}", caps))
+        curves[name] = replay_curve(rows, caps, progress=_progress(f"lru {name}", caps))
         gaps[name] = gap_analysis(rows)
         agree = all(r.get("agree", True) for r in curves[name])
         log(f"mooncake {name}: {len(rows)} requests, {len(caps)} capacities in "

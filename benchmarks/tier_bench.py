@@ -108,10 +108,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def plain_h2d() -> None:
         dev_contig.copy_(host_flat, non_blocking=pin)
 
-    rows["offload (gather pages -> host buffer)"] = side_by_side(
-        lambda: gather_blocks(cache, 0, src_ids, out=host), plain_d2h, nbytes, device, args.reps)
-    rows["restore (host buffer -> scattered pages)"] = side_by_side(
-        lambda: scatter_blocks(cache, 0, dst_ids, host), plain_h2d, nbytes, device, args.reps)
+    def pair(name: str, path: Callable[[], object], plain: Callable[[], object]) -> None:
+        rows[name] = side_by_side(path, plain, nbytes, device, args.reps)
+
+    pair("offload (gather pages -> host buffer)",
+         lambda: gather_blocks(cache, 0, src_ids, out=host), plain_d2h)
+    pair("restore (host buffer -> scattered pages)",
+         lambda: scatter_blocks(cache, 0, dst_ids, host), plain_h2d)
 
     layout = BlockLayout("bench-model", spec, config.groups[0].layer_ids)
     tokens = [[i * args.block_size + j for j in range(args.block_size)] for i in range(n)]
@@ -126,27 +129,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return decode_block(layout, key, token_ids, value, counters, trusted=True)
 
     # The engine's path: values that stay in this process carry no checksum.
-    rows["host tier offload, engine (store_blocks, no checksum)"] = side_by_side(
-        lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens, checksum=False), plain_d2h,
-        nbytes, device, args.reps)
-    rows["host tier restore, engine (load + check header/tokens + scatter)"] = side_by_side(
-        lambda: restore_payloads(cache, 0, dst_ids,
-                                 load_verified(tier, layout, keys, tokens, in_process, hashes=False)),
-        plain_h2d, nbytes, device, args.reps)
+    pair("host tier offload, engine (store_blocks, no checksum)",
+         lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens, checksum=False), plain_d2h)
+    pair("host tier restore, engine (load + check header/tokens + scatter)",
+         lambda: restore_payloads(cache, 0, dst_ids, load_verified(
+             tier, layout, keys, tokens, in_process, hashes=False)), plain_h2d)
     k = cache.key_caches[0].view(torch.uint8)
     assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
-    rows["host tier offload (store_blocks: gather into slots + seal)"] = side_by_side(
-        lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens), plain_d2h,
-        nbytes, device, args.reps)
-    rows["host tier restore (load + verify + scatter)"] = side_by_side(
-        lambda: restore_payloads(cache, 0, dst_ids, load_verified(tier, layout, keys, tokens)),
-        plain_h2d, nbytes, device, args.reps)
+    pair("host tier offload (store_blocks: gather into slots + seal)",
+         lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens), plain_d2h)
+    pair("host tier restore (load + verify + scatter)",
+         lambda: restore_payloads(cache, 0, dst_ids, load_verified(tier, layout, keys, tokens)),
+         plain_h2d)
     assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
-    rows["host tier verify only (load + XXH3 of every value)"] = side_by_side(
-        lambda: load_verified(tier, layout, keys, tokens), plain_h2d, nbytes, device, args.reps)
-    rows["host tier offload, generic (offload_items + store)"] = side_by_side(
-        lambda: tier.store(offload_items(cache, layout, 0, src_ids, keys, tokens)), plain_d2h,
-        nbytes, device, args.reps)
+    pair("host tier verify only (load + XXH3 of every value)",
+         lambda: load_verified(tier, layout, keys, tokens), plain_h2d)
+    pair("host tier offload, generic (offload_items + store)",
+         lambda: tier.store(offload_items(cache, layout, 0, src_ids, keys, tokens)), plain_d2h)
 
     sealed_rows(rows, offload_items(cache, layout, 0, src_ids, keys, tokens), layout, tokens, device,
                 args.reps, nbytes, plain_d2h)
