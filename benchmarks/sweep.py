@@ -632,37 +632,25 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
                               if ref and ref.metrics and ref.metrics.prompt_hit_tokens else None)
             r.vs_ideal = hits / ideal.total if ideal.total else None
     need = request_blocks(workload, block_size)
+    blk = shape.block_bytes(block_size)
+    done = len(rows) + len(unbounded)
     meta = SweepMeta(
-        workload=workload.name,
-        description=workload.description,
-        num_requests=len(workload.requests),
-        prompt_tokens=workload.num_prompt_tokens,
-        output_tokens=workload.num_output_tokens,
-        model_shape=shape.name,
-        model_shape_desc=shape.describe(),
-        block_size=block_size,
-        bytes_per_token=shape.bytes_per_token,
-        block_bytes_full=shape.block_bytes(block_size),
-        budgets=budgets,
-        everything_fits_bytes=(sum(need) + 1) * shape.block_bytes(block_size),
-        largest_request_bytes=(max(need) + 1) * shape.block_bytes(block_size),
-        largest_request_tokens=max(len(r.prompt_token_ids) + r.max_tokens
-                                   for r in workload.requests),
+        workload=workload.name, description=workload.description,
+        num_requests=len(workload.requests), prompt_tokens=workload.num_prompt_tokens,
+        output_tokens=workload.num_output_tokens, model_shape=shape.name,
+        model_shape_desc=shape.describe(), block_size=block_size,
+        bytes_per_token=shape.bytes_per_token, block_bytes_full=blk, budgets=budgets,
+        everything_fits_bytes=(sum(need) + 1) * blk, largest_request_bytes=(max(need) + 1) * blk,
+        largest_request_tokens=max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests),
         policies={p: POLICIES[p].label for p in policies},
         scheduler={"max_num_batched_tokens": sched.max_num_batched_tokens,
                    "max_num_seqs": sched.max_num_seqs},
-        ideal_token_hit_rate=ideal_tok.rate,
-        ideal_block_hit_rate=ideal_blk.rate,
-        ideal_token_hit_tokens=ideal_tok.total,
-        ideal_block_hit_tokens=ideal_blk.total,
-        jobs=jobs,
-        wall_s=wall,
-        total_replays=total,
-        completed_replays=len(rows) + len(unbounded),
-        interrupted=len(rows) + len(unbounded) < total,
+        ideal_token_hit_rate=ideal_tok.rate, ideal_block_hit_rate=ideal_blk.rate,
+        ideal_token_hit_tokens=ideal_tok.total, ideal_block_hit_tokens=ideal_blk.total,
+        jobs=jobs, wall_s=wall, total_replays=total, completed_replays=done,
+        interrupted=done < total,
         tiers={"host_bytes": tiers.host_bytes, "store": _redact(tiers.store)} if tiers else {},
-        step_time=step_time,
-    )
+        step_time=step_time)
     result = SweepResult(meta, rows, unbounded)
     result.findings = find_tension(result)
     return result
