@@ -367,18 +367,13 @@ def run_bench(args: argparse.Namespace) -> dict:
     props = torch.cuda.get_device_properties(0)
     import triton
 
-    return {
-        "device": props.name,
-        "sm_count": props.multi_processor_count,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "config": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                   "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "quick": args.quick},
-        "copy_bandwidth_gbps": copy_bw,
-        "read_bandwidth_gbps": read_bw,
-        "rows": [asdict(r) for r in rows],
-    }
+    return {"device": props.name, "sm_count": props.multi_processor_count,
+            "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
+            "config": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                       "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "quick": args.quick},
+            "copy_bandwidth_gbps": copy_bw, "read_bandwidth_gbps": read_bw,
+            "rows": [asdict(r) for r in rows]}
 
 
 def _fmt(x: float | None, spec: str) -> str:
