@@ -142,13 +142,8 @@ def demo_scenario(block_size: int = 4) -> list[RequestSpec]:
     c = a[: 2 * bs + bs // 2] + tuple(range(400, 400 + bs))
     d = tuple(range(500, 500 + 7 * bs))
     e = s + tuple(range(600, 600 + 2))
-    return [
-        RequestSpec("A", 0.0, a, 4),
-        RequestSpec("B", 1.0, b, 3),
-        RequestSpec("C", 6.0, c, 2),
-        RequestSpec("D", 9.0, d, 3),
-        RequestSpec("E", 15.0, e, 2),
-    ]
+    return [RequestSpec("A", 0.0, a, 4), RequestSpec("B", 1.0, b, 3), RequestSpec("C", 6.0, c, 2),
+            RequestSpec("D", 9.0, d, 3), RequestSpec("E", 15.0, e, 2)]
 
 
 def run_viz(num_blocks: int = 13, block_size: int = 4, max_num_batched_tokens: int = 8,
