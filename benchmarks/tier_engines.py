@@ -13,11 +13,12 @@ Run ``kvstore bench tiers --engines``."""
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from kvstore.benchmarks.output import write_json
 
 
 def prompts_for(role: str, num_prefixes: int, prefix_len: int, suffix_len: int,
@@ -119,8 +120,7 @@ def run_command(a: argparse.Namespace) -> int:
         "a_flushed": first["flushed"], "store_b": second["tier_stats"].get("store", {}),
     }
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(result, indent=2))
+        write_json(a.json, result)
     print(f"A computed {prefix_tokens} prefix tokens (full blocks) over {n} prefixes; "
           f"B loaded {second['store_hit_tokens']} of them from the store: "
           f"{result['fraction']:.3f}")
