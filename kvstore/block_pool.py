@@ -329,6 +329,20 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[KVCacheBlock], group_id: int = -1) -> None:
         """Drop one reference per block, in the order given (callers pass deepest first);
         `group_id`, when given, is the group every block belongs to."""
+        now_free = self._drop_refs(blocks)
+        if now_free:
+            in_use = self.in_use_by_group
+            if group_id >= 0:
+                in_use[group_id] -= len(now_free)
+            else:
+                for block in now_free:
+                    in_use[block.group_id] -= 1
+            self.free_queue.freed_all(now_free)
+
+    @staticmethod
+    def _drop_refs(blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Drop one reference per block, in the order given; returns those left with none.
+        RuntimeError on a double free, with every count as it was."""
         if type(blocks) is not list:
             blocks = list(blocks)
         now_free = []
@@ -341,14 +355,7 @@ class BlockPool:
             block.ref_cnt = n
             if n == 0:
                 now_free.append(block)
-        if now_free:
-            in_use = self.in_use_by_group
-            if group_id >= 0:
-                in_use[group_id] -= len(now_free)
-            else:
-                for block in now_free:
-                    in_use[block.group_id] -= 1
-            self.free_queue.freed_all(now_free)
+        return now_free
 
     def refresh(self, blocks: Iterable[tuple[KVCacheBlock, int]]) -> None:
         """Move free blocks that still hold the content of the given serial to the tail (most
@@ -846,19 +853,9 @@ class TwoSizeBlockPool(BlockPool):
     def free_blocks(self, blocks: Iterable[KVCacheBlock], group_id: int = -1) -> None:
         """Drop one reference per page (either size), in the order given; a split page whose
         blocks are all free and empty returns whole."""
-        if type(blocks) is not list:
-            blocks = list(blocks)
-        now_free: list[KVCacheBlock] = []
-        large_free: list[KVCacheBlock] = []
-        for i, block in enumerate(blocks):
-            n = block.ref_cnt - 1
-            if n < 0:
-                for b in blocks[:i]:  # a bad free leaves the pool as it was
-                    b.ref_cnt += 1
-                raise RuntimeError(f"double free of block {block.block_id}")
-            block.ref_cnt = n
-            if n == 0:
-                (large_free if block.block_id >= self.num_blocks else now_free).append(block)
+        dropped = self._drop_refs(blocks)
+        now_free = [b for b in dropped if b.block_id < self.num_blocks]
+        large_free = [b for b in dropped if b.block_id >= self.num_blocks]
         in_use = self.in_use_by_group
         for page in large_free:
             in_use[page.group_id] -= self.large_page_blocks
