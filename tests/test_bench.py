@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import random
 import re
 from datetime import datetime
@@ -498,8 +499,6 @@ def _traces_dir() -> Path | None:
 def _tiny_argv(cmd: str, out: Path) -> tuple[list[str], str | None, list[str]]:
     """A documented command with the smallest arguments that still run what it names:
     (argv, why it cannot run here or None, files it must write under `out`)."""
-    import shutil
-
     import torch
 
     words = cmd.split()[2:]
@@ -513,9 +512,18 @@ def _tiny_argv(cmd: str, out: Path) -> tuple[list[str], str | None, list[str]]:
 
     if "PYTHON" in args:
         return [], "needs vLLM under another interpreter", []
-    if any(a.startswith("valkey") for a in args) or "--engines" in args and not shutil.which(
-            "valkey-server"):
-        return [], "needs a Valkey server", []
+    if any(a.startswith("valkey") for a in args):
+        url = os.environ.get("KVSTORE_VALKEY_URL")  # the server .ci/run starts
+        if url is None:
+            return [], "needs a Valkey server (KVSTORE_VALKEY_URL)", []
+        args[:] = [url if a.startswith("valkey") else a for a in args]
+    if "--engines" in args:
+        from kvstore.benchmarks.valkey_server import find_server_binary
+
+        try:
+            find_server_binary()
+        except FileNotFoundError:
+            return [], "needs a valkey-server binary", []
     if "cuda" in args and not torch.cuda.is_available():
         return [], "needs CUDA", []
     traces = _traces_dir()
