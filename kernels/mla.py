@@ -15,6 +15,8 @@ one K/V head shared by every query head, and the caller applies ``W_UV`` to the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ._triton import HAS_TRITON, check_device, is_interpreted, next_pow2, require_triton
@@ -37,6 +39,24 @@ def page_latents(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: tor
                  slots: torch.Tensor) -> torch.Tensor:
     """The latents ``[n, L]`` at these (block, slot) pairs of one layer's pages."""
     return torch.cat([key_cache[blocks, slots, 0], value_cache[blocks, slots, 0]], dim=-1)
+
+
+def _sequences(key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata
+               ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Per sequence of the batch with queries: its query rows ``[q0, q1)``, its pages' rows
+    ``[seq_len, L]`` in fp32 (one per position, as :func:`page_latents` reads them) and the
+    causal mask ``[q1 - q0, seq_len]`` of the positions each query does not see."""
+    block_size = key_cache.shape[1]
+    cu = metadata.cu_seqlens_q.tolist()
+    for i, seq_len in enumerate(metadata.seq_lens.tolist()):
+        q0, q1 = cu[i], cu[i + 1]
+        if q1 == q0:
+            continue
+        kpos = torch.arange(seq_len, device=key_cache.device)
+        rows = page_latents(key_cache, value_cache, metadata.block_table[i, kpos // block_size].long(),
+                            kpos % block_size).float()
+        qpos = torch.arange(seq_len - (q1 - q0), seq_len, device=key_cache.device)
+        yield q0, q1, rows, kpos[None, :] > qpos[:, None]
 
 
 def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, key_cache: torch.Tensor,
@@ -74,25 +94,14 @@ def mla_attention_reference(q_latent: torch.Tensor, q_rope: torch.Tensor,
         raise ValueError(f"selected must be [T, k] for {q_latent.shape[0]} queries, got "
                          f"{tuple(selected.shape)}")
     r = q_latent.shape[2]
-    block_size = key_cache.shape[1]
-    cu = metadata.cu_seqlens_q.tolist()
     out = torch.zeros(q_latent.shape, dtype=torch.float32, device=q_latent.device)
-    for i, seq_len in enumerate(metadata.seq_lens.tolist()):
-        q0, q1 = cu[i], cu[i + 1]
-        if q1 == q0:
-            continue
-        kpos = torch.arange(seq_len, device=q_latent.device)
-        lat = page_latents(key_cache, value_cache,
-                           metadata.block_table[i, kpos // block_size].long(),
-                           kpos % block_size).float()
+    for q0, q1, lat, hidden in _sequences(key_cache, value_cache, metadata):
         c, k_rope = lat[:, :r], lat[:, r:]
         s = (torch.einsum("qhr,kr->hqk", q_latent[q0:q1].float(), c)
              + torch.einsum("qhd,kd->hqk", q_rope[q0:q1].float(), k_rope)) * scale
-        qpos = torch.arange(seq_len - (q1 - q0), seq_len, device=q_latent.device)
-        hidden = kpos[None, None, :] > qpos[None, :, None]
         if selected is not None:
-            hidden = hidden | ~_listed(selected[q0:q1], seq_len)[None]
-        s = s.masked_fill(hidden, float("-inf"))
+            hidden = hidden | ~_listed(selected[q0:q1], lat.shape[0])
+        s = s.masked_fill(hidden[None], float("-inf"))
         out[q0:q1] = torch.einsum("hqk,kr->qhr", torch.softmax(s, dim=-1), c)
     return out.to(q_latent.dtype)
 
@@ -128,20 +137,12 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
                          f"page row's {2 * key_cache.shape[3]} elements")
     check_attention_inputs(q[:, :1, :1].expand(-1, 1, key_cache.shape[3]), key_cache,
                            value_cache, metadata, None, None)
-    block_size = key_cache.shape[1]
-    cu = metadata.cu_seqlens_q.tolist()
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-    for i, seq_len in enumerate(metadata.seq_lens.tolist()):
-        q0, q1 = cu[i], cu[i + 1]
-        if q1 == q0:
-            continue
-        kpos = torch.arange(seq_len, device=q.device)
-        k = page_latents(key_cache, value_cache, metadata.block_table[i, kpos // block_size].long(),
-                         kpos % block_size)[:, :key_dim].float()
+    for q0, q1, rows, hidden in _sequences(key_cache, value_cache, metadata):
+        seq_len = rows.shape[0]
+        k = rows[:, :key_dim]
         s = torch.relu(torch.matmul(q[q0:q1].float(), k.T) * scale)  # [n, H, seq_len]
         score = torch.matmul(weights[q0:q1].float().unsqueeze(-2), s).squeeze(-2)
-        qpos = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)
-        hidden = kpos[None, :] > qpos[:, None]
         score = score.masked_fill(hidden, float("-inf"))
         # Equal scores (a ReLU'd score is often exactly 0) go to the earlier token: a stable
         # sort, not torch.topk, whose order among ties changes with the row's length.
@@ -164,23 +165,13 @@ def mla_decompressed_reference(q_nope: torch.Tensor, q_rope: torch.Tensor,
     r = 2 * key_cache.shape[3] - q_rope.shape[2]
     w = kv_b_weight.float().view(num_heads, -1, r)
     v_dim = w.shape[1] - nope
-    block_size = key_cache.shape[1]
-    cu = metadata.cu_seqlens_q.tolist()
     out = torch.zeros(q_nope.shape[0], num_heads, v_dim, device=q_nope.device)
-    for i, seq_len in enumerate(metadata.seq_lens.tolist()):
-        q0, q1 = cu[i], cu[i + 1]
-        if q1 == q0:
-            continue
-        kpos = torch.arange(seq_len, device=q_nope.device)
-        lat = page_latents(key_cache, value_cache,
-                           metadata.block_table[i, kpos // block_size].long(),
-                           kpos % block_size).float()
+    for q0, q1, lat, hidden in _sequences(key_cache, value_cache, metadata):
         kv = torch.einsum("kr,hdr->khd", lat[:, :r], w)  # [n, H, nope + v]
         k_nope, v = kv[..., :nope], kv[..., nope:]
         s = (torch.einsum("qhd,khd->hqk", q_nope[q0:q1].float(), k_nope)
              + torch.einsum("qhd,kd->hqk", q_rope[q0:q1].float(), lat[:, r:])) * scale
-        qpos = torch.arange(seq_len - (q1 - q0), seq_len, device=q_nope.device)
-        s = s.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
+        s = s.masked_fill(hidden[None], float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
     return out.to(q_nope.dtype)
 
