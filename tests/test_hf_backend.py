@@ -78,13 +78,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
 FAST = ["llama", "gemma2", "gpt_oss"]
 
 
-def hf_config(model_type: str) -> Any:
-    return transformers.AutoConfig.for_model(model_type, **{**BASE, **FAMILIES[model_type]})
+def hf_config(model_type: str, config: dict[str, Any] | None = None) -> Any:
+    """A tiny transformers config: BASE with ``config`` (by default FAMILIES[model_type])."""
+    keys = FAMILIES[model_type] if config is None else config
+    return transformers.AutoConfig.for_model(model_type, **{**BASE, **keys})
 
 
-def build(model_type: str, seed: int = 0) -> tuple[HFCausalLM, torch.nn.Module]:
+def build(model_type: str, seed: int = 0, config: dict[str, Any] | None = None
+          ) -> tuple[HFCausalLM, torch.nn.Module]:
     """(kvstore's model, transformers' eager copy with the same weights drawn by ``seed``)."""
-    return with_reference(load_hf_model(hf_config(model_type), seed=0), seed)
+    return with_reference(load_hf_model(hf_config(model_type, config), seed=0), seed)
 
 
 def with_reference(model: HFCausalLM, seed: int = 0) -> tuple[HFCausalLM, torch.nn.Module]:
@@ -102,8 +105,8 @@ def make_engine(model: HFCausalLM, num_blocks: int = 128, batched: int = 8) -> L
                                          cache=CacheConfig(enable_partial_hits=True)))
 
 
-def run_family(model_type: str, seed: int = 0) -> None:
-    model, ref = build(model_type, seed)
+def run_family(model_type: str, seed: int = 0, config: dict[str, Any] | None = None) -> None:
+    model, ref = build(model_type, seed, config)
     n, max_tokens = 18, 5
     shared = tokens(n, seed=1)
 

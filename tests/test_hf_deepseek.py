@@ -25,13 +25,12 @@ DEEPSEEK: dict[str, Any] = dict(
     topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32, n_shared_experts=1)
 
 
-def run(monkeypatch: pytest.MonkeyPatch, seed: int = 0, **keys: Any) -> None:
-    monkeypatch.setitem(hb.FAMILIES, "deepseek_v3", {**DEEPSEEK, **keys})
-    hb.run_family("deepseek_v3", seed)
+def run(seed: int = 0, **keys: Any) -> None:
+    hb.run_family("deepseek_v3", seed, {**DEEPSEEK, **keys})
 
 
-def test_deepseek_v3_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
-    run(monkeypatch)
+def test_deepseek_v3_matches_transformers() -> None:
+    run()
 
 
 @pytest.mark.slow
@@ -39,14 +38,12 @@ def test_deepseek_v3_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> No
     (1, dict(q_lora_rank=None, rope_interleave=False)),
     (2, dict(kv_lora_rank=12, qk_rope_head_dim=4, head_dim=4)),
 ])
-def test_deepseek_v3_matches_transformers_grid(monkeypatch: pytest.MonkeyPatch, seed: int,
-                                               keys: dict[str, Any]) -> None:
-    run(monkeypatch, seed, **keys)
+def test_deepseek_v3_matches_transformers_grid(seed: int, keys: dict[str, Any]) -> None:
+    run(seed, **keys)
 
 
 def config(**keys: Any) -> Any:
-    return hb.transformers.AutoConfig.for_model("deepseek_v3",
-                                                **{**hb.BASE, **DEEPSEEK, **keys})
+    return hb.hf_config("deepseek_v3", {**DEEPSEEK, **keys})
 
 
 def test_the_cache_holds_one_latent_per_token() -> None:
@@ -72,10 +69,9 @@ def test_outside_the_engine_the_module_needs_the_batch_or_another_implementation
 
 
 @pytest.mark.slow
-def test_triton_decode_kernel_through_deepseek_v3(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_decode_kernel_through_deepseek_v3() -> None:
     """Decode steps run the Triton MLA kernel (interpreted on CPU), prefill the reference."""
-    monkeypatch.setitem(hb.FAMILIES, "deepseek_v3", DEEPSEEK)
-    model, ref = hb.build("deepseek_v3")
+    model, ref = hb.build("deepseek_v3", config=DEEPSEEK)
     engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=hb.BLOCK,
                                            max_num_batched_tokens=8,
                                            attention_backend="triton"))

@@ -33,17 +33,15 @@ DSV32: dict[str, Any] = dict(DEEPSEEK, index_topk=5, index_head_dim=16, index_n_
 
 
 def config(**keys: Any) -> Any:
-    return hb.transformers.AutoConfig.for_model("deepseek_v32",
-                                                **{**hb.BASE, **DSV32, **keys})
+    return hb.hf_config("deepseek_v32", {**DSV32, **keys})
 
 
-def run(monkeypatch: pytest.MonkeyPatch, seed: int = 0, **keys: Any) -> None:
-    monkeypatch.setitem(hb.FAMILIES, "deepseek_v32", {**DSV32, **keys})
-    hb.run_family("deepseek_v32", seed)
+def run(seed: int = 0, **keys: Any) -> None:
+    hb.run_family("deepseek_v32", seed, {**DSV32, **keys})
 
 
-def test_deepseek_v32_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
-    run(monkeypatch)
+def test_deepseek_v32_matches_transformers() -> None:
+    run()
 
 
 @pytest.mark.slow
@@ -51,9 +49,8 @@ def test_deepseek_v32_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> N
     (1, dict(index_topk=3)),
     (2, dict(kv_lora_rank=12, qk_rope_head_dim=4, index_head_dim=12, index_topk=8)),
 ])
-def test_deepseek_v32_matches_transformers_grid(monkeypatch: pytest.MonkeyPatch, seed: int,
-                                                keys: dict[str, Any]) -> None:
-    run(monkeypatch, seed, **keys)
+def test_deepseek_v32_matches_transformers_grid(seed: int, keys: dict[str, Any]) -> None:
+    run(seed, **keys)
 
 
 def _earlier_token_wins_ties(t: torch.Tensor, k: int, dim: int = -1, **_: Any) -> Any:
@@ -81,7 +78,7 @@ def test_with_ties_transformers_matches_once_its_indexer_breaks_them_as_kvstore(
             return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(family.DeepseekV32Indexer, "forward", indexer_forward)
-    run(monkeypatch, seed, index_n_heads=1, index_topk=4)
+    run(seed, index_n_heads=1, index_topk=4)
 
 
 def test_the_indexer_keys_are_a_second_full_attention_group() -> None:

@@ -24,26 +24,24 @@ LLAMA4: dict[str, Any] = dict(
     intermediate_size_mlp=128, interleave_moe_layer_step=2, floor_scale=4, attn_scale=0.5)
 
 
-def run(monkeypatch: pytest.MonkeyPatch, seed: int = 0, **keys: Any) -> None:
-    monkeypatch.setitem(hb.FAMILIES, "llama4_text", {**LLAMA4, **keys})
-    hb.run_family("llama4_text", seed)
+def run(seed: int = 0, **keys: Any) -> None:
+    hb.run_family("llama4_text", seed, {**LLAMA4, **keys})
 
 
-def test_llama4_text_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama4_text_matches_transformers() -> None:
     """Chunk 6 over blocks of 4: chunk starts fall inside blocks."""
-    run(monkeypatch)
+    run()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("seed", "chunk"), [(1, 5), (2, 8), (3, 3)])
-def test_llama4_text_matches_transformers_grid(monkeypatch: pytest.MonkeyPatch, seed: int,
-                                               chunk: int) -> None:
-    run(monkeypatch, seed, attention_chunk_size=chunk)
+def test_llama4_text_matches_transformers_grid(seed: int, chunk: int) -> None:
+    run(seed, attention_chunk_size=chunk)
 
 
 def test_layout_from_the_config() -> None:
     """Chunked layers with RoPE, every fourth global; the cache groups follow."""
-    cfg = hb.transformers.AutoConfig.for_model("llama4_text", **{**hb.BASE, **LLAMA4})
+    cfg = hb.hf_config("llama4_text", LLAMA4)
     assert layer_chunks(cfg) == (6, 6, 6, None)
     assert layer_windows(cfg) == (None,) * 4
     model = load_hf_model(cfg, seed=0)
@@ -56,17 +54,16 @@ def test_layout_from_the_config() -> None:
 
 @pytest.mark.parametrize("size", [0, -6, None])
 def test_chunked_layers_without_a_positive_chunk_are_refused(size: int | None) -> None:
-    cfg = hb.transformers.AutoConfig.for_model("llama4_text", **{**hb.BASE, **LLAMA4})
+    cfg = hb.hf_config("llama4_text", LLAMA4)
     cfg.attention_chunk_size = size
     with pytest.raises(ValueError, match="attention_chunk_size"):
         load_hf_model(cfg)
 
 
 @pytest.mark.slow
-def test_triton_kernel_through_llama4(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_kernel_through_llama4() -> None:
     """The Triton kernel (interpreted on CPU) with the chunk rule, over a prefix hit."""
-    monkeypatch.setitem(hb.FAMILIES, "llama4_text", LLAMA4)
-    model, ref = hb.build("llama4_text")
+    model, ref = hb.build("llama4_text", config=LLAMA4)
     engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=hb.BLOCK,
                                            max_num_batched_tokens=8,
                                            attention_backend="triton"))
