@@ -319,9 +319,8 @@ class KVCacheCoordinator:
     def allocate(self, request: Request, num_tokens: int) -> tuple[tuple[int, ...], ...]:
         """Grow every group's table to `num_tokens` tokens (the caller checked it fits);
         returns the ids of the pages appended to each group's table."""
-        serials: dict[int, int] | None = {} if len(self.managers) > 1 else None
         for manager in self._cache_order:
-            manager.release_computed(request, serials)
+            manager.release_computed(request)
         ids = tuple([manager.allocate(request, num_tokens) for manager in self.managers])
         for manager in self.recurrent:
             manager.take_checkpoint(request)
@@ -357,20 +356,14 @@ class KVCacheCoordinator:
     def free(self, request: Request) -> None:
         """Release the request's pages in every group (full attention's blocks indexed first,
         see `allocate`; a recurrent group's end checkpoint after them)."""
-        if self.recurrent:
-            known: dict[int, int] = {}
+        if self.recurrent or (len(self._cache_order) > 1
+                              and self._cache_order[0] is not self.managers[0]):
             for manager in self._cache_order:
                 manager.cache_blocks(request, min(request.num_computed_tokens,
                                                   len(manager.table(request.request_id))
-                                                  * self.block_size), known)
+                                                  * self.block_size))
             for manager in self.recurrent:
                 manager.checkpoint_at_end(request)
-        elif len(self._cache_order) > 1 and self._cache_order[0] is not self.managers[0]:
-            serials: dict[int, int] = {}
-            for manager in self._cache_order:
-                manager.cache_blocks(request, min(request.num_computed_tokens,
-                                                  len(manager.table(request.request_id))
-                                                  * self.block_size), serials)
         released = [manager.free(request) for manager in self.managers]
         pool = self.pool
         if len(released) == 1:  # deepest first, so a chain's root is the last of it evicted

@@ -220,11 +220,10 @@ class SingleTypeKVCacheManager:
         self._copies.queue(src, dst)
         return dst
 
-    def release_computed(self, request: Request, serials: dict[int, int] | None = None) -> None:
+    def release_computed(self, request: Request) -> None:
         """Cache the blocks computed so far and drop pages out of the next query's window
-        (done for every group before any group allocates, so dropped pages can be reused);
-        `serials` as in `cache_blocks`."""
-        self.cache_blocks(request, request.num_computed_tokens, serials)
+        (done for every group before any group allocates, so dropped pages can be reused)."""
+        self.cache_blocks(request, request.num_computed_tokens)
 
     def allocate(self, request: Request, num_tokens: int) -> tuple[int, ...]:
         """Copy shared pages about to be written and append pages up to `num_tokens`;
@@ -257,12 +256,8 @@ class SingleTypeKVCacheManager:
         table.extend(new_blocks)
         return tuple([b.block_id for b in new_blocks])
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int,
-                     serials: dict[int, int] | None = None) -> None:
-        """Index the request's blocks that are full and computed. `serials` (block index ->
-        content serial) is shared by the groups caching one request in one call: a serial
-        names content in every group, so the first group to learn it spares the others the
-        search for a twin."""
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Index the request's blocks that are full and computed."""
         if not self.pool.enable_caching:
             return
         rid = request.request_id
@@ -285,9 +280,7 @@ class SingleTypeKVCacheManager:
             tokens = block_tokens[i]
             # The serial of this content in whichever group holds it already, so that the
             # serial names the prefix in every group (a windowed run is checked against it).
-            serial = serials.get(i, 0) if serials is not None else 0
-            if not serial:
-                serial = twin_serial(hashes[i], parent_serial, tokens, twin_groups)
+            serial = twin_serial(hashes[i], parent_serial, tokens, twin_groups)
             if block.block_id == 0:
                 # Null below the window of a tier hit: nothing to index; the chain goes on
                 # with the serial of a group that holds the block (full attention caches
@@ -300,8 +293,6 @@ class SingleTypeKVCacheManager:
             parent_serial = pool.cache_full_block(block, hashes[i], tokens, parent_serial,
                                                   hashes[i - 1] if i else None,
                                                   serial or pool.new_serial())
-            if serials is not None:
-                serials[i] = parent_serial
         self._num_cached_blocks[rid] = last
         self._last_serial[rid] = parent_serial
 
@@ -514,10 +505,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 self._drop(rid, out, held=True)
         return released
 
-    def release_computed(self, request: Request, serials: dict[int, int] | None = None) -> None:
+    def release_computed(self, request: Request) -> None:
         """Cache the blocks computed so far, then drop the pages out of the next query's
         window (see the base class)."""
-        self.cache_blocks(request, request.num_computed_tokens, serials)
+        self.cache_blocks(request, request.num_computed_tokens)
         self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
 
     @staticmethod
@@ -989,12 +980,11 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._plan[request.request_id] = self._positions(
             request, request.num_computed_tokens, max(ends))
 
-    def release_computed(self, request: Request, serials: dict[int, int] | None = None) -> None:
+    def release_computed(self, request: Request) -> None:
         """Nothing to cache before allocating (checkpoints are taken after, see
         `take_checkpoint`)."""
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int,
-                     serials: dict[int, int] | None = None) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Nothing: a recurrent group has no per-token pages to index."""
 
     def allocate(self, request: Request, num_tokens: int) -> tuple[int, ...]:
