@@ -21,32 +21,14 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
+from kvstore.benchmarks import output
 from kvstore.benchmarks import traces as tr
 from kvstore.benchmarks.manager import new_manager
-from kvstore.benchmarks.output import (
-    mark_x,
-    name_list,
-    non_negative_int,
-    positive_int,
-    pyplot,
-    save_figure,
-    short_count,
-    write_csv,
-    write_json,
-)
 from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.sweep import ModelShape
-from kvstore.benchmarks.traces import (
-    MOONCAKE_BLOCK_TOKENS,
-    HitCount,
-    MooncakeRequest,
-    leading_run,
-    load_mooncake,
-    mooncake_lru_replay,
-    mooncake_paper_points,
-)
+from kvstore.benchmarks.traces import HitCount, MooncakeRequest, leading_run, load_mooncake
 from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, shared_system_prompts
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool, BlockRemoved, BlockStored
@@ -57,7 +39,7 @@ from kvstore.request import Request
 from kvstore.specs import FullAttentionSpec, KVCacheConfig, KVCacheSpec, make_kv_cache_config
 from kvstore.utils import hit_rate
 
-BT = MOONCAKE_BLOCK_TOKENS
+BT = tr.MOONCAKE_BLOCK_TOKENS
 WHAT = ("lru", "policies", "layouts", "tiers", "memory")
 # Built-in trace names -> trace file keys.
 TRACE_NAMES: dict[str, str] = {"conversation": "mooncake_conversation",
@@ -108,25 +90,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=_trace, action="append", metavar="NAME|PATH",
                    help=f"a trace file, or a built-in name ({', '.join(TRACE_NAMES)}); "
                         "repeatable (default: both built-in traces)")
-    p.add_argument("--what", type=name_list(WHAT), default=["lru", "policies"], metavar="LIST",
+    p.add_argument("--what", type=output.name_list(WHAT), default=["lru", "policies"], metavar="LIST",
                    help=f"comma list of {', '.join(WHAT)}")
     p.add_argument("--capacities", type=_tokens, metavar="LIST",
                    help="comma list of capacities in tokens (default per replay: lru the paper's "
                         "and a log grid, policies 1M..5M, layouts 0.3M..10M)")
-    p.add_argument("--policies", type=name_list(tuple(EVICTION_POLICIES)),
+    p.add_argument("--policies", type=output.name_list(tuple(EVICTION_POLICIES)),
                    default=list(EVICTION_POLICIES), metavar="LIST",
                    help=f"eviction policies, comma list of {', '.join(EVICTION_POLICIES)}")
-    p.add_argument("--limit", type=positive_int, default=None, metavar="N",
+    p.add_argument("--limit", type=output.positive_int, default=None, metavar="N",
                    help="first N rows of each trace; memory: requests per phase (default 100, "
                         "40 with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="the first 2000 rows, the paper's capacities for lru")
-    p.add_argument("--jobs", type=positive_int, default=1, help="processes for layouts")
-    p.add_argument("--device-tokens", type=positive_int, default=3_000_000,
+    p.add_argument("--jobs", type=output.positive_int, default=1, help="processes for layouts")
+    p.add_argument("--device-tokens", type=output.positive_int, default=3_000_000,
                    help="tiers: device capacity")
-    p.add_argument("--host-tokens", type=non_negative_int, default=30_000_000,
+    p.add_argument("--host-tokens", type=output.non_negative_int, default=30_000_000,
                    help="tiers: host tier capacity")
-    p.add_argument("--instances", type=positive_int, default=4,
+    p.add_argument("--instances", type=output.positive_int, default=4,
                    help="tiers: instances sharing a store")
     p.add_argument("--store-tokens", type=_store_tokens, metavar="LIST",
                    help="tiers: comma list of store capacities in tokens, inf for unbounded "
@@ -217,8 +199,8 @@ def _curves(what: str, traces: dict[str, Path], capacities: Sequence[int], limit
 
 
 def _write(out: Path, stem: str, table: list[Row], result: dict[str, Any]) -> dict[str, Any]:
-    write_csv(out / f"{stem}.csv", table)
-    write_json(out / f"{stem}.json", result)
+    output.write_csv(out / f"{stem}.csv", table)
+    output.write_json(out / f"{stem}.json", result)
     return result
 
 
@@ -234,26 +216,26 @@ def _million(r: Row) -> str:
 def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -> str:
     """The LRU model device-only, with a host tier below it and as instances sharing a store:
     printed, written as JSON, summed up in one line."""
-    rows = tr.load_mooncake(path, limit)
+    rows = load_mooncake(path, limit)
     dev, host, n = args.device_tokens // BT, args.host_tokens // BT, args.instances
     if n < 1 or dev < n:
         args.usage_error(f"argument --instances: must be in 1..{dev} (device blocks), got {n}")
-    runs = {"device-only LRU": mooncake_lru_replay(rows, dev),
-            "device + host, on-free": mooncake_lru_replay(rows, dev, tier_blocks=host),
-            "device + host, write-back": mooncake_lru_replay(rows, dev, tier_blocks=host,
+    runs = {"device-only LRU": tr.mooncake_lru_replay(rows, dev),
+            "device + host, on-free": tr.mooncake_lru_replay(rows, dev, tier_blocks=host),
+            "device + host, write-back": tr.mooncake_lru_replay(rows, dev, tier_blocks=host,
                                                              write_back=True),
-            "unbounded": mooncake_lru_replay(rows, None),
-            f"{n} instances, local only": mooncake_lru_replay(rows, dev // n, instances=n)}
+            "unbounded": tr.mooncake_lru_replay(rows, None),
+            f"{n} instances, local only": tr.mooncake_lru_replay(rows, dev // n, instances=n)}
     for tokens in args.store_tokens or (None, 10 * args.device_tokens, args.device_tokens):
         runs[f"{n} instances + store {'unbounded' if tokens is None else f'{tokens:,}'}"] = (
-            mooncake_lru_replay(rows, dev // n, instances=n,
+            tr.mooncake_lru_replay(rows, dev // n, instances=n,
                                 tier_blocks=None if tokens is None else tokens // BT))
     print(f"\ntiers {name}: {len(rows)} requests, device {args.device_tokens:,} tokens, host "
           f"{args.host_tokens:,}; block / token hit rate")
     for label, r in runs.items():
         print(f"  {label:32s} {r['block_hit_rate']:6.3f} {r['token_hit_rate']:6.3f}")
     keep = ("block_hit_rate", "token_hit_rate", "device_hit_rate", "tier_hit_blocks")
-    write_json(args.out / f"tier_replay_{name}.json", {"trace": str(path), "rows": {
+    output.write_json(args.out / f"tier_replay_{name}.json", {"trace": str(path), "rows": {
         label: {k: r[k] for k in keep} for label, r in runs.items()}})
     one, shared = runs["device-only LRU"], runs[f"{n} instances + store unbounded"]
     return (f"tiers {name}: a host tier lifts LRU from {one['block_hit_rate']:.3f} to "
@@ -368,7 +350,7 @@ def lru_row(rows: Sequence[MooncakeRequest], cap_tokens: int) -> Row:
     row = {k: v for k, v in res.items() if k != "per_request_hit_tokens"}
     row.update(capacity_tokens=cap_tokens, pool_s=time.perf_counter() - t0)
     t0 = time.perf_counter()
-    ref = mooncake_lru_replay(rows, cap_tokens // BT)
+    ref = tr.mooncake_lru_replay(rows, cap_tokens // BT)
     row.update(oracle_s=time.perf_counter() - t0, oracle_token_hit_rate=ref["token_hit_rate"],
                oracle_evictions=ref["evictions"],
                agree=(ref["per_request_hit_tokens"] == res["per_request_hit_tokens"]
@@ -412,7 +394,7 @@ def plot_curves(curves: Curves, paper: dict[str, list[tuple[int, float]]], path:
                 ceilings: dict[str, dict[str, Any]]) -> None:
     """Each trace's pool-replay curve, LRU-model markers, tail estimate, the paper's points
     and the infinite-cache ceiling, against capacity in tokens (log x)."""
-    fig, ax = pyplot().subplots(figsize=(8, 5))
+    fig, ax = output.pyplot().subplots(figsize=(8, 5))
     for name, rows in curves.items():
         c = {"conversation": "tab:blue", "synthetic": "tab:orange"}.get(name)
         xs = [r["capacity_tokens"] for r in rows]
@@ -426,7 +408,7 @@ def plot_curves(curves: Curves, paper: dict[str, list[tuple[int, float]]], path:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", mfc="none", color=c, ms=9,
                     mew=1.5, label=f"{name}: paper Fig. 9 (read by eye)")
         ax.axhline(ceilings[name]["token_ceiling"], color=c, ls=":", lw=1)
-    mark_x(ax, [r["capacity_tokens"] for rows in curves.values() for r in rows], short_count)
+    output.mark_x(ax, [r["capacity_tokens"] for rows in curves.values() for r in rows], output.short_count)
     ax.set(xlabel="LRU cache capacity (tokens, 512-token blocks)",
            ylabel="token hit rate (whole-block counting)",
            title="Mooncake FAST'25 traces: hit rate vs cache capacity\n"
@@ -434,7 +416,7 @@ def plot_curves(curves: Curves, paper: dict[str, list[tuple[int, float]]], path:
     ax.set_ylim(0, max(0.75, ax.get_ylim()[1]))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
-    save_figure(fig, Path(path), dpi=120)
+    output.save_figure(fig, Path(path), dpi=120)
 
 
 def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
@@ -447,7 +429,7 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
     out.mkdir(parents=True, exist_ok=True)
     caps = list(capacities) if capacities is not None else default_capacities(quick=quick)
     try:
-        paper = mooncake_paper_points(paper_path)
+        paper = tr.mooncake_paper_points(paper_path)
     except FileNotFoundError:
         paper = {}
     curves = _curves("lru", traces, caps, limit, lru_row, log, note=lambda rows: (
@@ -678,16 +660,16 @@ def plot_panels(curves: Curves, lines: Sequence[Line], xlabel: str, title: str,
                 path: Path) -> None:
     """Hit rate against capacity (log x), one panel per trace ("{name}" in `title`), one
     line per entry of `lines`."""
-    fig, axes = pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
+    fig, axes = output.pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
     for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
         xs = [r["capacity_tokens"] for r in rows]
         for key, fmt, kw, label in lines:
             ax.plot(xs, [r[key] for r in rows], fmt, label=label, **kw)
-        mark_x(ax, xs, short_count)
+        output.mark_x(ax, xs, output.short_count)
         ax.set(xlabel=xlabel, ylabel="token hit rate (whole blocks)", title=title.format(name=name))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    save_figure(fig, path, dpi=120)
+    output.save_figure(fig, path, dpi=120)
 
 
 def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
@@ -899,19 +881,9 @@ class LayoutRun:
         return max((r for r, p in zip(self.running, self.preempting, strict=True) if not p),
                    default=0)
 
-    @property
-    def mean_running(self) -> float:
-        """Mean running requests over steps."""
-        return float(np.mean(self.running)) if self.running else 0.0
-
     def mib(self, blocks: int) -> float:
         """MiB of `blocks` block ids."""
         return blocks * self.config.bytes_per_block / MiB
-
-    def resident_blocks(self, num_tokens: int) -> int:
-        """Blocks a lone decoding request of `num_tokens` computed tokens holds."""
-        return sum(g.spec.num_resident_blocks(num_tokens, num_tokens + 1)
-                   for g in self.config.groups)
 
 
 def run_layout(name: str, layer_specs: Sequence[KVCacheSpec], specs: Sequence[RequestSpec],
@@ -919,12 +891,12 @@ def run_layout(name: str, layer_specs: Sequence[KVCacheSpec], specs: Sequence[Re
     """Replay the workload through the simulator on one layout at `MEMORY_BUDGET`."""
     run = LayoutRun(name, make_kv_cache_config(layer_specs, memory_bytes=MEMORY_BUDGET))
 
-    def on_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    def on_step(scheduler: Scheduler, step: SchedulerOutput) -> None:
         run.running.append(len(scheduler.running))
-        run.preempting.append(bool(output.preempted))
+        run.preempting.append(bool(step.preempted))
         run.mib_per_running.append(run.mib(sum(scheduler.manager.blocks_in_use_by_group()))
                                    / max(len(scheduler.running), 1))
-        for item in output.scheduled:
+        for item in step.scheduled:
             if (rid := item.request.request_id) in sample_ids:
                 run.samples.setdefault(rid, []).append((item.start + item.num_new_tokens, sum(
                     scheduler.manager.num_resident_blocks(rid))))
@@ -940,14 +912,12 @@ def memory_table(sat: Sequence[LayoutRun], steady: Sequence[LayoutRun],
                  specs: Sequence[RequestSpec], steady_specs: Sequence[RequestSpec],
                  sample_ids: Sequence[str]) -> Table:
     """Layouts side by side: memory per request, concurrency, prefix hits."""
-    t = Table(title="Gemma-3-like hybrid vs all-full attention, same budget "
-              f"({MEMORY_BUDGET / MiB:,.0f} MiB of pages)")
-    t.add_column("")
-    for r in sat:
-        t.add_column(r.name, justify="right")
     plens = [len(s.prompt_token_ids) for s in specs]
     probe = int(np.median(plens)) + 128
     by_id = {s.request_id: s for s in specs}
+
+    def held(r: LayoutRun) -> int:  # blocks a lone request decoding at `probe` tokens holds
+        return sum(g.spec.num_resident_blocks(probe, probe + 1) for g in r.config.groups)
 
     def sample(r: LayoutRun, rid: str) -> str:
         if not (pts := r.samples.get(rid)):
@@ -955,41 +925,43 @@ def memory_table(sat: Sequence[LayoutRun], steady: Sequence[LayoutRun],
         return (f"{pts[-1][1]:,} blk = {r.mib(pts[-1][1]):,.1f} MiB "
                 f"(peak {r.mib(max(p[1] for p in pts)):,.1f})")
 
-    sim: list[tuple[str, Callable[[SimResult], str]]] = [
-        ("preemptions", lambda s: f"{s.preemptions}"), ("steps to drain", lambda s: f"{s.steps:,}"),
-        ("prefix hit rate", lambda s: f"{s.hit_rate:.1%}"), ("evictions", lambda s: f"{s.evictions:,}")]
-    rows: list[tuple[str, Sequence[LayoutRun], Callable[[LayoutRun], str], bool]] = [
-        ("groups: layers (W = windowed, F = full)", sat, lambda r: " ".join(
-            f"{len(g.layer_ids)}{'W' if g.spec.sliding_window else 'F'}" for g in r.config.groups),
-         False),
-        ("slots / padding layers", sat,
-         lambda r: f"{r.config.num_slots} / {r.config.num_padding_layers}", False),
-        ("KiB per block id", sat, lambda r: f"{r.config.bytes_per_block / 1024:,.0f}", False),
-        ("blocks in the pool", sat, lambda r: f"{r.config.num_blocks - 1:,}", False),
-        (f"blocks (MiB) held by one {probe}-token request", sat, lambda r: (
-            f"{r.resident_blocks(probe):,} ({r.mib(r.resident_blocks(probe)):,.1f})"), False),
-        ("  such requests the pool holds", sat,
-         lambda r: f"{(r.config.num_blocks - 1) // r.resident_blocks(probe):,}", True),
-        (f"[b]saturated[/]: {len(specs)} requests all waiting at t=0", sat, lambda r: "", False),
+    sim_cells: dict[str, Callable[[SimResult], str]] = {
+        "preemptions": lambda s: f"{s.preemptions}", "steps to drain": lambda s: f"{s.steps:,}",
+        "prefix hit rate": lambda s: f"{s.hit_rate:.1%}", "evictions": lambda s: f"{s.evictions:,}"}
+
+    def sim(runs: Sequence[LayoutRun], *labels: str) -> list[tuple[str, list[str]]]:
+        return [(f"  {k}", [sim_cells[k](r.sim) if r.sim else "-" for r in runs]) for k in labels]
+
+    sections: list[list[tuple[str, list[str]]]] = [[
+        ("groups: layers (W = windowed, F = full)", [" ".join(
+            f"{len(g.layer_ids)}{'W' if g.spec.sliding_window else 'F'}" for g in r.config.groups)
+            for r in sat]),
+        ("slots / padding layers", [f"{r.config.num_slots} / {r.config.num_padding_layers}"
+                                    for r in sat]),
+        ("KiB per block id", [f"{r.config.bytes_per_block / 1024:,.0f}" for r in sat]),
+        ("blocks in the pool", [f"{r.config.num_blocks - 1:,}" for r in sat]),
+        (f"blocks (MiB) held by one {probe}-token request",
+         [f"{held(r):,} ({r.mib(held(r)):,.1f})" for r in sat]),
+        ("  such requests the pool holds", [f"{(r.config.num_blocks - 1) // held(r):,}" for r in sat]),
+    ], [
+        (f"[b]saturated[/]: {len(specs)} requests all waiting at t=0", [""] * len(sat)),
         *((f"  {rid} ({len(by_id[rid].prompt_token_ids)}+{by_id[rid].max_tokens} tok) held at its "
-           "end", sat, partial(lambda rid, r: sample(r, rid), rid), False) for rid in sample_ids),
-        ("  mean MiB per running request", sat, lambda r: f"{np.mean(r.mib_per_running):,.1f}",
-         False),
-        ("  max running without preemption", sat, lambda r: f"{r.max_running_no_preemption}",
-         False),
-        ("  mean running", sat, lambda r: f"{r.mean_running:.1f}", False),
-        *((f"  {label}", sat, partial(lambda fmt, r: fmt(r.sim) if r.sim else "-", fmt),
-           label == "evictions") for label, fmt in sim),
-        (f"[b]steady[/]: {len(steady_specs)} requests, Poisson {MEMORY_RATE:g}/s", steady,
-         lambda r: "", False),
-        ("  mean / max running", steady,
-         lambda r: f"{r.mean_running:.1f} / {max(r.running, default=0)}", False),
-        *((f"  {label}", steady, partial(lambda fmt, r: fmt(r.sim) if r.sim else "-", fmt),
-           label == "evictions") for label, fmt in sim if label != "steps to drain")]
-    for label, runs, cell, end in rows:
-        t.add_row(label, *(cell(r) for r in runs), end_section=end)
-    t.add_row("replay wall s, saturated + steady (this CPU)",
-              *(f"{a.wall_s:.1f} + {b.wall_s:.1f}" for a, b in zip(sat, steady, strict=True)))
+           "end", [sample(r, rid) for r in sat]) for rid in sample_ids),
+        ("  mean MiB per running request", [f"{np.mean(r.mib_per_running):,.1f}" for r in sat]),
+        ("  max running without preemption", [f"{r.max_running_no_preemption}" for r in sat]),
+        ("  mean running", [f"{np.mean(r.running):.1f}" for r in sat]),
+        *sim(sat, "preemptions", "steps to drain", "prefix hit rate", "evictions"),
+    ], [
+        (f"[b]steady[/]: {len(steady_specs)} requests, Poisson {MEMORY_RATE:g}/s", [""] * len(sat)),
+        ("  mean / max running", [f"{np.mean(r.running):.1f} / {max(r.running)}" for r in steady]),
+        *sim(steady, "preemptions", "prefix hit rate", "evictions"),
+    ], [("replay wall s, saturated + steady (this CPU)",
+         [f"{a.wall_s:.1f} + {b.wall_s:.1f}" for a, b in zip(sat, steady, strict=True)])]]
+    t = Table("", *(Column(r.name, justify="right") for r in sat), title="Gemma-3-like hybrid vs all-full attention, same "
+              f"budget ({MEMORY_BUDGET / MiB:,.0f} MiB of pages)")
+    for section in sections:
+        for k, (label, cells) in enumerate(section):
+            t.add_row(label, *cells, end_section=k == len(section) - 1)
     ideal = [ideal_hit_tokens(s, b).rate for b in (None, 16) for s in (specs, steady_specs)]
     t.caption = (f"Prompts {min(plens)}..{max(plens)} tokens (median {int(np.median(plens))}), "
                  "6 shared system prompts of 1.5k/3k/5k tokens. Ideal hit rate (infinite "
@@ -1002,7 +974,7 @@ def plot_memory(saturated: Sequence[LayoutRun], steady: Sequence[LayoutRun],
                 sample_ids: Sequence[str], path: Path) -> None:
     """Four panels: sample requests' memory against their context, memory per running
     request and running requests per step (saturated), concurrency and hit rates."""
-    plt = pyplot()
+    plt = output.pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, r in enumerate(saturated):
@@ -1022,7 +994,7 @@ def plot_memory(saturated: Sequence[LayoutRun], steady: Sequence[LayoutRun],
     for ax in (axes[0, 0], axes[0, 1], axes[1, 0]):
         ax.legend(fontsize=8)
     ax, x = axes[1, 1], np.arange(len(saturated))
-    ax.bar(x - 0.2, [r.mean_running for r in saturated], 0.4, label="mean running")
+    ax.bar(x - 0.2, [np.mean(r.running) for r in saturated], 0.4, label="mean running")
     ax.bar(x + 0.2, [r.max_running_no_preemption for r in saturated], 0.4,
            label="max running, no preemption")
     ax.set_xticks(x, [r.name for r in saturated], fontsize=8)
@@ -1037,7 +1009,7 @@ def plot_memory(saturated: Sequence[LayoutRun], steady: Sequence[LayoutRun],
     fig.suptitle("Gemma-3-like hybrid (every 6th layer full, block 16) vs all-full attention, "
                  "same byte budget")
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_figure(fig, path)
+    output.save_figure(fig, path)
 
 
 def run_memory(out: Path, num_requests: int) -> str:
