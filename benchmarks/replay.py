@@ -76,7 +76,8 @@ def _tokens(text: str) -> list[int]:
     except (ValueError, OverflowError):
         caps = []
     if not caps or min(caps) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma list of token counts >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of token counts >= 1, got {text!r}")
     return caps
 
 
@@ -90,8 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=_trace, action="append", metavar="NAME|PATH",
                    help=f"a trace file, or a built-in name ({', '.join(TRACE_NAMES)}); "
                         "repeatable (default: both built-in traces)")
-    p.add_argument("--what", type=output.name_list(WHAT), default=["lru", "policies"], metavar="LIST",
-                   help=f"comma list of {', '.join(WHAT)}")
+    p.add_argument("--what", type=output.name_list(WHAT), default=["lru", "policies"],
+                   metavar="LIST", help=f"comma list of {', '.join(WHAT)}")
     p.add_argument("--capacities", type=_tokens, metavar="LIST",
                    help="comma list of capacities in tokens (default per replay: lru the paper's "
                         "and a log grid, policies 1M..5M, layouts 0.3M..10M)")
@@ -132,9 +133,8 @@ def _run(args: argparse.Namespace) -> int:
     if not traces and args.what != ["memory"]:
         try:
             traces = {name: tr.locate_trace(key) for name, key in TRACE_NAMES.items()}
-        except FileNotFoundError:
-            return args.usage_error("argument --trace: the built-in traces are not here; "
-                                    + tr.trace_source("mooncake_conversation"))
+        except FileNotFoundError as e:
+            return args.usage_error(f"argument --trace: {e}")
     limit = args.limit if args.limit is not None else (2000 if args.quick else None)
     out, caps, policies = Path(args.out), args.capacities, args.policies
     t0 = time.perf_counter()
@@ -327,8 +327,8 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
         parent, new = root, set(missing)
         for i, (h, block) in enumerate(zip(keep, table, strict=True)):
             assert block is not None
-            parent = (pool.cache_full_block(block, block_hash=h, token_ids=(h,), parent_serial=parent)
-                      if i in new else block.serial)
+            parent = (block.serial if i not in new else pool.cache_full_block(
+                block, block_hash=h, token_ids=(h,), parent_serial=parent))
         pool.free_blocks(reversed(table))  # type: ignore[arg-type]
         turns.add(req)
         count.add(req, k)
@@ -408,7 +408,8 @@ def plot_curves(curves: Curves, paper: dict[str, list[tuple[int, float]]], path:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", mfc="none", color=c, ms=9,
                     mew=1.5, label=f"{name}: paper Fig. 9 (read by eye)")
         ax.axhline(ceilings[name]["token_ceiling"], color=c, ls=":", lw=1)
-    output.mark_x(ax, [r["capacity_tokens"] for rows in curves.values() for r in rows], output.short_count)
+    output.mark_x(ax, [r["capacity_tokens"] for rows in curves.values() for r in rows],
+                  output.short_count)
     ax.set(xlabel="LRU cache capacity (tokens, 512-token blocks)",
            ylabel="token hit rate (whole-block counting)",
            title="Mooncake FAST'25 traces: hit rate vs cache capacity\n"
@@ -656,11 +657,14 @@ def policy_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap_tok
 Line = tuple[str, str, dict[str, Any], str]  # row key, format, plot keywords, label
 
 
-def plot_panels(curves: Curves, lines: Sequence[Line], xlabel: str, title: str,
-                path: Path) -> None:
-    """Hit rate against capacity (log x), one panel per trace ("{name}" in `title`), one
-    line per entry of `lines`."""
-    fig, axes = output.pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
+def plot_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xlabel: str,
+                title: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """Hit rate against capacity (log x), one panel per trace ("{name}" in `title`), one line
+    per entry of `lines`, as ``{stem}.png``; the rows as ``{stem}.csv`` (without per-group
+    details) and `meta` with the curves as ``{stem}.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = output.pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5),
+                                         squeeze=False)
     for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
         xs = [r["capacity_tokens"] for r in rows]
         for key, fmt, kw, label in lines:
@@ -669,7 +673,10 @@ def plot_panels(curves: Curves, lines: Sequence[Line], xlabel: str, title: str,
         ax.set(xlabel=xlabel, ylabel="token hit rate (whole blocks)", title=title.format(name=name))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    output.save_figure(fig, path, dpi=120)
+    output.save_figure(fig, out / f"{stem}.png", dpi=120)
+    return _write(out, stem, [{"trace": name, **{k: v for k, v in r.items() if k != "groups"}}
+                              for name, rows in curves.items() for r in rows],
+                  {**meta, "curves": curves})
 
 
 def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
@@ -678,20 +685,14 @@ def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
                         limit: int | None = None, log: Any = print) -> dict[str, Any]:
     """Replay each trace under every policy and MIN; write ``eviction_hit_rate.{png,json,csv}``
     into `out_dir` and return the curves."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     curves = _curves("policies", traces, capacities, limit, partial(policy_row, policies), log)
-    plot_panels(curves, [
+    return plot_panels(Path(out_dir), "eviction_hit_rate", curves, [
         *((p, "-o", {"ms": 3}, p) for p in policies),
         ("lirs", "-.", {"color": "tab:brown"}, "LIRS, block level (online, outside the pool)"),
         ("reuse_oracle", ":", {"color": "gray"}, "LRU knowing which blocks return (offline)"),
         ("min", "--", {"color": "black"}, "MIN (offline)")],
         "capacity (tokens, 512-token blocks)", "Mooncake {name}: eviction policies",
-        out / "eviction_hit_rate.png")
-    return _write(out, "eviction_hit_rate",
-                  [{"trace": name, **r} for name, rows in curves.items() for r in rows],
-                  {"capacities_tokens": list(capacities), "policies": list(policies),
-                   "limit": limit, "curves": curves})
+        {"capacities_tokens": list(capacities), "policies": list(policies), "limit": limit})
 
 
 def format_policies(curves: Curves, policies: Sequence[str]) -> list[str]:
@@ -720,7 +721,7 @@ def layer_specs(layout: str, block_tokens: int = BT) -> list[KVCacheSpec]:
     """The 62 layer specs of a layout: ``hybrid`` (Gemma-3-27B-like) or ``full``."""
     if layout not in ("hybrid", "full"):
         raise ValueError(f"unknown layout {layout!r}; known: hybrid, full")
-    return LAYOUT.hybrid_specs(block_tokens) if layout == "hybrid" else LAYOUT.full_specs(block_tokens)
+    return (LAYOUT.hybrid_specs if layout == "hybrid" else LAYOUT.full_specs)(block_tokens)
 
 
 def _fast_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -779,9 +780,11 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
         count.add(row, k)
     if manager.num_free_blocks != manager.num_usable_blocks:
         raise RuntimeError("hybrid replay leaked pages")
-    groups = [{"group": g, "kind": "full" if isinstance(group.spec, FullAttentionSpec) else "window",
-               "layers": len(group.layer_ids), "stored": int(stored[g]), "evicted": int(evicted[g]),
-               "cached_end": int(resident[g]), "cached_mean": int(resident_sum[g]) / max(1, len(rows)),
+    groups = [{"group": g,
+               "kind": "full" if isinstance(group.spec, FullAttentionSpec) else "window",
+               "layers": len(group.layer_ids), "stored": int(stored[g]),
+               "evicted": int(evicted[g]), "cached_end": int(resident[g]),
+               "cached_mean": int(resident_sum[g]) / max(1, len(rows)),
                "hit_pages": int(hit_pages[g])} for g, group in enumerate(config.groups)]
     return {"layout": layout, "eviction": eviction if isinstance(eviction, str) else eviction.name,
             "capacity_tokens": capacity_tokens, "num_blocks": num_pages, "truncated": truncated,
@@ -835,21 +838,15 @@ def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path],
                       log: Any = print) -> dict[str, Any]:
     """Replay each trace under every policy, all-full LRU and the bound (`jobs` processes);
     write ``eviction_hybrid.{png,json,csv}`` into `out_dir` and return the curves."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     curves = _curves("layouts", traces, capacities, limit, partial(capacity_row, tuple(policies)),
                      log, jobs)
-    plot_panels(curves, [
+    return plot_panels(Path(out_dir), "eviction_hybrid", curves, [
         *((p, "-o", {"ms": 3}, f"hybrid {p}") for p in policies),
         ("full_lru", "-s", {"color": "black", "ms": 3}, "all-full lru"),
         ("bound", "--", {"color": "gray"}, "bound: windowed pages free")],
         "budget (tokens of an all-full cache, 512-token blocks)",
-        "Mooncake {name}: 10 full + 52 window (W=1024) layers", out / "eviction_hybrid.png")
-    return _write(out, "eviction_hybrid",
-                  [{"trace": name, **{k: v for k, v in r.items() if k != "groups"}}
-                   for name, rows in curves.items() for r in rows],
-                  {"capacities_tokens": list(capacities), "policies": list(policies),
-                   "limit": limit, "curves": curves})
+        "Mooncake {name}: 10 full + 52 window (W=1024) layers",
+        {"capacities_tokens": list(capacities), "policies": list(policies), "limit": limit})
 
 
 # ------------------------------------- memory: a Gemma-3-like hybrid against all-full layers
@@ -942,7 +939,8 @@ def memory_table(sat: Sequence[LayoutRun], steady: Sequence[LayoutRun],
         ("blocks in the pool", [f"{r.config.num_blocks - 1:,}" for r in sat]),
         (f"blocks (MiB) held by one {probe}-token request",
          [f"{held(r):,} ({r.mib(held(r)):,.1f})" for r in sat]),
-        ("  such requests the pool holds", [f"{(r.config.num_blocks - 1) // held(r):,}" for r in sat]),
+        ("  such requests the pool holds",
+         [f"{(r.config.num_blocks - 1) // held(r):,}" for r in sat]),
     ], [
         (f"[b]saturated[/]: {len(specs)} requests all waiting at t=0", [""] * len(sat)),
         *((f"  {rid} ({len(by_id[rid].prompt_token_ids)}+{by_id[rid].max_tokens} tok) held at its "
@@ -957,8 +955,9 @@ def memory_table(sat: Sequence[LayoutRun], steady: Sequence[LayoutRun],
         *sim(steady, "preemptions", "prefix hit rate", "evictions"),
     ], [("replay wall s, saturated + steady (this CPU)",
          [f"{a.wall_s:.1f} + {b.wall_s:.1f}" for a, b in zip(sat, steady, strict=True)])]]
-    t = Table("", *(Column(r.name, justify="right") for r in sat), title="Gemma-3-like hybrid vs all-full attention, same "
-              f"budget ({MEMORY_BUDGET / MiB:,.0f} MiB of pages)")
+    t = Table("", *(Column(r.name, justify="right") for r in sat),
+              title="Gemma-3-like hybrid vs all-full attention, same budget "
+              f"({MEMORY_BUDGET / MiB:,.0f} MiB of pages)")
     for section in sections:
         for k, (label, cells) in enumerate(section):
             t.add_row(label, *cells, end_section=k == len(section) - 1)
@@ -982,10 +981,12 @@ def plot_memory(saturated: Sequence[LayoutRun], steady: Sequence[LayoutRun],
         for j, rid in enumerate(sample_ids):
             pts = r.samples.get(rid, [])
             axes[0, 0].plot([p[0] for p in pts], [r.mib(p[1]) for p in pts], color=color,
-                            linestyle=["-", "--", ":", "-."][j % 4], label=r.name if j == 0 else None)
+                            linestyle=["-", "--", ":", "-."][j % 4],
+                            label=r.name if j == 0 else None)
         axes[0, 1].plot(r.mib_per_running, color=color, label=r.name, lw=0.8)
         axes[1, 0].plot(r.running, color=color, label=r.name, lw=0.8)
-    axes[0, 0].set(xlabel="tokens in the request's context", ylabel="MiB of pages the request holds",
+    axes[0, 0].set(xlabel="tokens in the request's context",
+                   ylabel="MiB of pages the request holds",
                    title=f"{len(sample_ids)} sample requests (line style = request)")
     axes[0, 1].set(xlabel="engine step (saturated)", ylabel="MiB in use / running requests",
                    title="Mean memory per running request")

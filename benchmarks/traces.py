@@ -32,7 +32,8 @@ TRACE_FILES: dict[str, str] = {
 ENV_VAR = "KVSTORE_TRACES"
 
 # Where each trace comes from (a pip install ships none of them): repository, path there.
-_MOONCAKE, _AZURE = "https://github.com/kvcache-ai/Mooncake", "https://github.com/Azure/AzurePublicDataset"
+_MOONCAKE = "https://github.com/kvcache-ai/Mooncake"
+_AZURE = "https://github.com/Azure/AzurePublicDataset"
 TRACE_SOURCES: dict[str, tuple[str, str]] = {
     "mooncake_conversation": (_MOONCAKE, "FAST25-release/traces/conversation_trace.jsonl"),
     "mooncake_synthetic": (_MOONCAKE, "FAST25-release/traces/synthetic_trace.jsonl"),
@@ -49,39 +50,24 @@ def leading_run(ids: Sequence[int], present: Container[int]) -> int:
     return k
 
 
-def default_trace_dir() -> Path:
-    """``$KVSTORE_TRACES`` when set, else ``shared/traces`` next to the repository root;
-    FileNotFoundError when that folder does not exist."""
-    env = os.environ.get(ENV_VAR)
-    path = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "shared" / "traces"
-    if env and not path.is_dir():
-        raise FileNotFoundError(f"${ENV_VAR}={env!r} is not a directory")
-    if not path.is_dir():
-        raise FileNotFoundError(f"no trace directory: {ENV_VAR} is not set and {path} does not "
-                                f"exist; set {ENV_VAR} to the folder holding the trace files")
-    return path
-
-
-def trace_file(name: str, trace_dir: str | Path | None = None) -> Path:
-    """Path of a known trace file by short name (a key of ``TRACE_FILES``)."""
+def trace_file(name: str) -> Path:
+    """Where trace `name` (a key of ``TRACE_FILES``) belongs: in ``$KVSTORE_TRACES`` when set,
+    else in ``shared/traces`` beside the repository; FileNotFoundError without that folder."""
     if name not in TRACE_FILES:
         raise ValueError(f"unknown trace {name!r}; known: {sorted(TRACE_FILES)}")
-    return Path(trace_dir if trace_dir is not None else default_trace_dir()) / TRACE_FILES[name]
-
-
-def trace_source(name: str) -> str:
-    """Where to download trace `name` and how to point kvstore at it, in one sentence."""
-    fname = TRACE_FILES[name]
-    if name in TRACE_SOURCES:
-        repo, path = TRACE_SOURCES[name]
-        return (f"download {path} from {repo}, then pass --trace PATH, or set {ENV_VAR} to the "
-                f"folder holding it as {fname}")
-    return (f"it ships only in the source repository's shared/traces folder; set {ENV_VAR} to "
-            f"a folder holding it as {fname}")
+    env = os.environ.get(ENV_VAR)
+    repo_parent = Path(__file__).resolve().parents[2]
+    folder = Path(env).expanduser() if env else repo_parent / "shared" / "traces"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"${ENV_VAR}={env!r} is not a directory" if env else
+                                f"no trace directory: {ENV_VAR} is not set and {folder} does not "
+                                f"exist; set {ENV_VAR} to the folder holding the trace files")
+    return folder / TRACE_FILES[name]
 
 
 def locate_trace(name: str) -> Path:
-    """The existing file of trace `name`; FileNotFoundError saying where to get it."""
+    """The existing file of trace `name`; FileNotFoundError saying where to download it and
+    how to point kvstore at it (a pip install ships no traces)."""
     try:
         path = trace_file(name)
     except FileNotFoundError as e:  # no trace folder at all
@@ -90,8 +76,11 @@ def locate_trace(name: str) -> Path:
         if path.is_file():
             return path
         where = f"not in {path.parent}"
+    repo, source = TRACE_SOURCES[name]
     raise FileNotFoundError(f"needs the trace file {TRACE_FILES[name]} ({where}), which a pip "
-                            f"install does not ship: {trace_source(name)}")
+                            f"install does not ship: download {source} from {repo}, then pass "
+                            f"--trace PATH, or set {ENV_VAR} to the folder holding it as "
+                            f"{TRACE_FILES[name]}")
 
 
 # ------------------------------------------------------------------------- Mooncake
