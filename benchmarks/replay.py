@@ -11,7 +11,7 @@ import itertools
 import math
 import sys
 import time
-from collections import OrderedDict
+from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -531,10 +531,6 @@ def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: in
     dead: OrderedDict[int, None] = OrderedDict()  # never used again; first = LRU
     live: OrderedDict[int, None] = OrderedDict()
 
-    class Both:
-        def __contains__(self, h: object) -> bool:
-            return h in live or h in dead
-
     def hold(r: int, keep: tuple[int, ...]) -> int:
         for h in keep:
             live.pop(h, None)
@@ -547,7 +543,7 @@ def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: in
             (live if h in returns[r] else dead)[h] = None
         return evicted
 
-    return _offline(rows, cap, block_tokens, Both(), hold)
+    return _offline(rows, cap, block_tokens, ChainMap(live, dead), hold)
 
 
 def lirs_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
@@ -657,7 +653,7 @@ def policy_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap_tok
 Line = tuple[str, str, dict[str, Any], str]  # row key, format, plot keywords, label
 
 
-def plot_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xlabel: str,
+def write_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xlabel: str,
                 title: str, meta: dict[str, Any]) -> dict[str, Any]:
     """Hit rate against capacity (log x), one panel per trace ("{name}" in `title`), one line
     per entry of `lines`, as ``{stem}.png``; the rows as ``{stem}.csv`` (without per-group
@@ -686,7 +682,7 @@ def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
     """Replay each trace under every policy and MIN; write ``eviction_hit_rate.{png,json,csv}``
     into `out_dir` and return the curves."""
     curves = _curves("policies", traces, capacities, limit, partial(policy_row, policies), log)
-    return plot_panels(Path(out_dir), "eviction_hit_rate", curves, [
+    return write_panels(Path(out_dir), "eviction_hit_rate", curves, [
         *((p, "-o", {"ms": 3}, p) for p in policies),
         ("lirs", "-.", {"color": "tab:brown"}, "LIRS, block level (online, outside the pool)"),
         ("reuse_oracle", ":", {"color": "gray"}, "LRU knowing which blocks return (offline)"),
@@ -840,7 +836,7 @@ def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path],
     write ``eviction_hybrid.{png,json,csv}`` into `out_dir` and return the curves."""
     curves = _curves("layouts", traces, capacities, limit, partial(capacity_row, tuple(policies)),
                      log, jobs)
-    return plot_panels(Path(out_dir), "eviction_hybrid", curves, [
+    return write_panels(Path(out_dir), "eviction_hybrid", curves, [
         *((p, "-o", {"ms": 3}, f"hybrid {p}") for p in policies),
         ("full_lru", "-s", {"color": "black", "ms": 3}, "all-full lru"),
         ("bound", "--", {"color": "gray"}, "bound: windowed pages free")],
