@@ -742,8 +742,7 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
                           hash_fn=_fast_hash, eviction=eviction)
     max_blocks = num_pages // ng - 1  # a page per group per block, and one for the extra token
     rows = _by_time(requests)
-    stored, evicted, resident, resident_sum, hit_pages = (np.zeros(ng, dtype=np.int64)
-                                                          for _ in range(5))
+    stored, evicted, cached_sum, hit_pages = (np.zeros(ng, dtype=np.int64) for _ in range(4))
     count = HitCount(block_tokens)
     truncated = cut_tokens = 0
     for n, row in enumerate(rows):
@@ -766,10 +765,11 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
         req.num_computed_tokens = end
         manager.free(req)
         for ev in manager.take_events():
-            if isinstance(ev, (BlockStored, BlockRemoved)):
-                (stored if isinstance(ev, BlockStored) else evicted)[ev.group_id] += 1
-                resident[ev.group_id] += 1 if isinstance(ev, BlockStored) else -1
-        resident_sum += resident
+            if isinstance(ev, BlockStored):
+                stored[ev.group_id] += 1
+            elif isinstance(ev, BlockRemoved):
+                evicted[ev.group_id] += 1
+        cached_sum += stored - evicted
         k = computed.num_computed_tokens // block_tokens
         verified = min(computed.num_verified_tokens, row.input_length)
         cut_tokens += verified - min(k * block_tokens, row.input_length, verified)
@@ -779,8 +779,8 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
     groups = [{"group": g,
                "kind": "full" if isinstance(group.spec, FullAttentionSpec) else "window",
                "layers": len(group.layer_ids), "stored": int(stored[g]),
-               "evicted": int(evicted[g]), "cached_end": int(resident[g]),
-               "cached_mean": int(resident_sum[g]) / max(1, len(rows)),
+               "evicted": int(evicted[g]), "cached_end": int(stored[g] - evicted[g]),
+               "cached_mean": int(cached_sum[g]) / max(1, len(rows)),
                "hit_pages": int(hit_pages[g])} for g, group in enumerate(config.groups)]
     return {"layout": layout, "eviction": eviction if isinstance(eviction, str) else eviction.name,
             "capacity_tokens": capacity_tokens, "num_blocks": num_pages, "truncated": truncated,
