@@ -1,13 +1,6 @@
-"""Loaders for the public traces in ``shared/traces`` (see its README).
-
-- Mooncake FAST'25 traces: per-request arrival, lengths and prefix-chained 512-token
-  block hashes. :func:`mooncake_to_workload` expands them into token-level requests
-  whose prompts share exactly the blocks the hashes say they share.
-- Azure LLM inference 2023: arrivals and lengths only; prompts become unique tokens.
-- The hit-rate-vs-capacity points read off the Mooncake paper, and
-  :func:`mooncake_lru_replay`, a plain LRU over hash ids that reproduces the paper's
-  counting and serves as an oracle for the block pool.
-"""
+"""Loaders for the public traces in ``shared/traces`` (see its README): Mooncake FAST'25
+(prefix-chained 512-token block hashes), Azure LLM inference 2023 (lengths only), the points
+read off the Mooncake paper, and `mooncake_lru_replay`, the LRU model of the paper's counting."""
 
 from __future__ import annotations
 
@@ -15,7 +8,7 @@ import csv
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -39,15 +32,13 @@ TRACE_FILES: dict[str, str] = {
 ENV_VAR = "KVSTORE_TRACES"
 
 # Where each trace comes from (a pip install ships none of them): repository, path there.
+_MOONCAKE = "https://github.com/kvcache-ai/Mooncake"
+_AZURE = "https://github.com/Azure/AzurePublicDataset"
 TRACE_SOURCES: dict[str, tuple[str, str]] = {
-    "mooncake_conversation": ("https://github.com/kvcache-ai/Mooncake",
-                              "FAST25-release/traces/conversation_trace.jsonl"),
-    "mooncake_synthetic": ("https://github.com/kvcache-ai/Mooncake",
-                           "FAST25-release/traces/synthetic_trace.jsonl"),
-    "azure_code": ("https://github.com/Azure/AzurePublicDataset",
-                   "data/AzureLLMInferenceTrace_code.csv"),
-    "azure_conv": ("https://github.com/Azure/AzurePublicDataset",
-                   "data/AzureLLMInferenceTrace_conv.csv"),
+    "mooncake_conversation": (_MOONCAKE, "FAST25-release/traces/conversation_trace.jsonl"),
+    "mooncake_synthetic": (_MOONCAKE, "FAST25-release/traces/synthetic_trace.jsonl"),
+    "azure_code": (_AZURE, "data/AzureLLMInferenceTrace_code.csv"),
+    "azure_conv": (_AZURE, "data/AzureLLMInferenceTrace_conv.csv"),
 }
 
 
@@ -59,52 +50,24 @@ def leading_run(ids: Sequence[int], present: Container[int]) -> int:
     return k
 
 
-def default_trace_dir() -> Path:
-    """The trace directory: ``$KVSTORE_TRACES`` when set, else ``shared/traces`` next
-    to the repository root.
-
-    Raises FileNotFoundError when the chosen directory does not exist.
-    """
+def trace_file(name: str) -> Path:
+    """Where trace `name` (a key of ``TRACE_FILES``) belongs: in ``$KVSTORE_TRACES`` when set,
+    else in ``shared/traces`` beside the repository; FileNotFoundError without that folder."""
+    if name not in TRACE_FILES:
+        raise ValueError(f"unknown trace {name!r}; known: {sorted(TRACE_FILES)}")
     env = os.environ.get(ENV_VAR)
-    if env:
-        path = Path(env).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"${ENV_VAR}={env!r} is not a directory")
-        return path
-    repo_root = Path(__file__).resolve().parent.parent
-    path = repo_root.parent / "shared" / "traces"
-    if not path.is_dir():
-        raise FileNotFoundError(f"no trace directory: {ENV_VAR} is not set and {path} does not "
+    repo_parent = Path(__file__).resolve().parents[2]
+    folder = Path(env).expanduser() if env else repo_parent / "shared" / "traces"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"${ENV_VAR}={env!r} is not a directory" if env else
+                                f"no trace directory: {ENV_VAR} is not set and {folder} does not "
                                 f"exist; set {ENV_VAR} to the folder holding the trace files")
-    return path
-
-
-def trace_file(name: str, trace_dir: str | Path | None = None) -> Path:
-    """Path of a known trace file by short name (a key of ``TRACE_FILES``)."""
-    try:
-        fname = TRACE_FILES[name]
-    except KeyError:
-        raise ValueError(f"unknown trace {name!r}; known: {sorted(TRACE_FILES)}") from None
-    return Path(trace_dir if trace_dir is not None else default_trace_dir()) / fname
-
-
-def trace_source(name: str) -> str:
-    """Where to download trace `name` and how to point kvstore at it, in one sentence."""
-    fname = TRACE_FILES[name]
-    if name in TRACE_SOURCES:
-        repo, path = TRACE_SOURCES[name]
-        return (f"download {path} from {repo}, then pass --trace PATH, or set {ENV_VAR} to the "
-                f"folder holding it as {fname}")
-    return (f"it ships only in the source repository's shared/traces folder; set {ENV_VAR} to "
-            f"a folder holding it as {fname}")
+    return folder / TRACE_FILES[name]
 
 
 def locate_trace(name: str) -> Path:
-    """The existing file of trace `name` (a key of ``TRACE_FILES``): in ``$KVSTORE_TRACES``,
-    else in a source checkout's ``shared/traces``.
-
-    Raises FileNotFoundError saying where to get the file and how to point at it (a pip
-    install ships no traces)."""
+    """The existing file of trace `name`; FileNotFoundError saying where to download it and
+    how to point kvstore at it (a pip install ships no traces)."""
     try:
         path = trace_file(name)
     except FileNotFoundError as e:  # no trace folder at all
@@ -113,8 +76,11 @@ def locate_trace(name: str) -> Path:
         if path.is_file():
             return path
         where = f"not in {path.parent}"
+    repo, source = TRACE_SOURCES[name]
     raise FileNotFoundError(f"needs the trace file {TRACE_FILES[name]} ({where}), which a pip "
-                            f"install does not ship: {trace_source(name)}")
+                            f"install does not ship: download {source} from {repo}, then pass "
+                            f"--trace PATH, or set {ENV_VAR} to the folder holding it as "
+                            f"{TRACE_FILES[name]}")
 
 
 # ------------------------------------------------------------------------- Mooncake
@@ -122,8 +88,7 @@ def locate_trace(name: str) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class MooncakeRequest:
-    """One row of a Mooncake trace. ``hash_ids[i]`` names the 512-token block ``i`` of
-    the input together with everything before it."""
+    """One row of a Mooncake trace; ``hash_ids[i]`` names input block ``i`` and its prefix."""
 
     timestamp_ms: int
     input_length: int
@@ -132,154 +97,96 @@ class MooncakeRequest:
 
 
 def load_mooncake(path: str | Path, limit: int | None = None) -> list[MooncakeRequest]:
-    """The rows of a Mooncake JSONL trace in file order (the first ``limit`` rows if
-    given)."""
+    """The rows of a Mooncake JSONL trace in file order (the first ``limit`` if given)."""
     out: list[MooncakeRequest] = []
-    if limit is not None and limit <= 0:
-        return out
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                req = MooncakeRequest(int(row["timestamp"]), int(row["input_length"]),
-                                      int(row["output_length"]), tuple(int(h) for h in row["hash_ids"]))
+                out.append(MooncakeRequest(int(row["timestamp"]), int(row["input_length"]),
+                                           int(row["output_length"]),
+                                           tuple(int(h) for h in row["hash_ids"])))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad Mooncake row: {e}") from e
-            out.append(req)
-            if limit is not None and len(out) >= limit:
-                break
     return out
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
 def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x + _GOLDEN
+    x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
-
-
-def mooncake_block_tokens(hash_ids: Sequence[int] | np.ndarray,
-                          block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                          vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> np.ndarray:
-    """The fixed token content of each block id, shape ``(len(hash_ids), block_tokens)``.
-
-    A pure function of (id, position in block, seed): equal ids always give equal
-    tokens, different ids give independent pseudo-random tokens.
-    """
-    ids = np.asarray(hash_ids, dtype=np.int64)
-    if ids.size and int(ids.min()) < 0:
-        raise ValueError("hash ids must be non-negative")
-    key = (ids.astype(np.uint64)[:, None] * np.uint64(block_tokens)
-           + np.arange(block_tokens, dtype=np.uint64))
-    key ^= _splitmix64(np.array([seed], dtype=np.uint64))
-    return (_splitmix64(key) % np.uint64(vocab_size)).astype(np.int64)
-
-
-def mooncake_prompt_tokens(req: MooncakeRequest, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                           vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> np.ndarray:
-    """The prompt of one Mooncake request as ``input_length`` token ids: its blocks'
-    contents in order, the last block cut to fit."""
-    need = cdiv(req.input_length, block_tokens)
-    if len(req.hash_ids) != need:
-        raise ValueError(f"request with input_length {req.input_length} has {len(req.hash_ids)} "
-                         f"hash ids, expected ceil({req.input_length}/{block_tokens}) = {need}")
-    blocks = mooncake_block_tokens(req.hash_ids, block_tokens, vocab_size, seed)
-    return blocks.reshape(-1)[: req.input_length]
-
-
-def _as_requests(path_or_requests: str | Path | Iterable[MooncakeRequest],
-                 limit: int | None) -> list[MooncakeRequest]:
-    if isinstance(path_or_requests, (str, Path)):
-        return load_mooncake(path_or_requests, limit)
-    reqs = list(path_or_requests)
-    return reqs if limit is None else reqs[: max(limit, 0)]
-
-
-def iter_mooncake_specs(requests: Iterable[MooncakeRequest],
-                        block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                        vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0,
-                        id_prefix: str = "mooncake") -> Iterator[RequestSpec]:
-    """Token-level requests for the given Mooncake rows, one at a time and in the
-    order given; request ids are ``f"{id_prefix}-{index}"``."""
-    for i, req in enumerate(requests):
-        yield RequestSpec(f"{id_prefix}-{i:06d}", req.timestamp_ms / 1000.0, tokens_to_tuple(
-            mooncake_prompt_tokens(req, block_tokens, vocab_size, seed), vocab_size),
-            req.output_length)
 
 
 def mooncake_to_workload(path_or_requests: str | Path | Iterable[MooncakeRequest],
                          block_tokens: int = MOONCAKE_BLOCK_TOKENS,
                          vocab_size: int = DEFAULT_VOCAB_SIZE, limit: int | None = None, *,
                          seed: int = 0, name: str | None = None) -> Workload:
-    """A Mooncake trace (a path or loaded rows) as a token-level workload.
-
-    Each hash id stands for ``block_tokens`` tokens of fixed content, so requests
-    share exactly the prefixes their hash ids share; a request's last block is cut to
-    its ``input_length``. Arrival = timestamp / 1000, ``max_tokens`` = output length.
-    Only the first ``limit`` rows are used when given; the whole conversation trace is
-    ~145M tokens, so large expansions cost gigabytes.
-    """
-    reqs = _as_requests(path_or_requests, limit)
-    order = sorted(range(len(reqs)), key=lambda i: reqs[i].timestamp_ms)
-    specs = list(iter_mooncake_specs(reqs, block_tokens, vocab_size, seed))
-    if name is None:
-        name = Path(path_or_requests).stem if isinstance(path_or_requests, (str, Path)) else "mooncake"
+    """A Mooncake trace (a path or loaded rows; the first `limit`) as a token-level workload:
+    each hash id is ``block_tokens`` tokens of fixed pseudo-random content, so requests share
+    exactly the prefixes their ids share; arrival = timestamp / 1000."""
+    if isinstance(path_or_requests, (str, Path)):
+        reqs = load_mooncake(path_or_requests, limit)
+        name = name or Path(path_or_requests).stem
+    else:
+        reqs = list(path_or_requests)[:limit]
+    name = name or "mooncake"
+    salt = _splitmix64(np.array([seed], dtype=np.uint64))
+    specs = []
+    for i, req in enumerate(reqs):
+        if len(req.hash_ids) != (need := cdiv(req.input_length, block_tokens)):
+            raise ValueError(f"request with input_length {req.input_length} has "
+                             f"{len(req.hash_ids)} hash ids, expected "
+                             f"ceil({req.input_length}/{block_tokens}) = {need}")
+        ids = np.asarray(req.hash_ids, dtype=np.int64)
+        if ids.size and int(ids.min()) < 0:
+            raise ValueError("hash ids must be non-negative")
+        key = (ids.astype(np.uint64)[:, None] * np.uint64(block_tokens)
+               + np.arange(block_tokens, dtype=np.uint64)) ^ salt
+        tokens = (_splitmix64(key) % np.uint64(vocab_size)).astype(np.int64)
+        specs.append(RequestSpec(f"mooncake-{i:06d}", req.timestamp_ms / 1000.0, tokens_to_tuple(
+            tokens.reshape(-1)[:req.input_length], vocab_size), req.output_length))
+    specs.sort(key=lambda s: s.arrival)
     desc = (f"Mooncake trace {name}: {len(reqs)} requests, {sum(r.input_length for r in reqs)} "
             f"prompt tokens; each hash id expanded to {block_tokens} fixed pseudo-random tokens "
             f"(vocab {vocab_size}, seed {seed})")
-    return Workload(name=name, requests=[specs[i] for i in order], description=desc)
+    return Workload(name=name, requests=specs, description=desc)
 
 
 # ---------------------------------------------------------------------------- Azure
 
 
-def _parse_azure_time(text: str) -> datetime:
-    # e.g. "2023-11-16 18:17:03.9799600": 7 fractional digits, which strptime rejects.
-    main, _, frac = text.strip().partition(".")
-    t = datetime.strptime(main, "%Y-%m-%d %H:%M:%S")
-    return t.replace(microsecond=int((frac + "000000")[:6])) if frac else t
-
-
 def load_azure(path: str | Path, limit: int | None = None, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
                seed: int = 0, name: str | None = None) -> Workload:
-    """An Azure LLM inference trace (CSV with TIMESTAMP, ContextTokens,
-    GeneratedTokens) as a workload of unique random prompts.
-
-    Arrival = seconds since the earliest row (the first row in the published files);
-    prompt length = ContextTokens, ``max_tokens`` = GeneratedTokens. No two prompts
-    share content beyond chance agreement of single tokens.
-    """
-    times: list[datetime] = []
-    ctx: list[int] = []
-    gen: list[int] = []
+    """An Azure LLM inference CSV (TIMESTAMP, ContextTokens, GeneratedTokens) as a workload of
+    unique random prompts; arrival = seconds since the earliest row."""
+    rows: list[tuple[datetime, int, int]] = []
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
         if missing:
             raise ValueError(f"{path}: missing columns {sorted(missing)}")
         for row in reader:
-            if limit is not None and len(times) >= limit:
+            if limit is not None and len(rows) >= limit:
                 break
-            times.append(_parse_azure_time(row["TIMESTAMP"]))
-            ctx.append(int(row["ContextTokens"]))
-            gen.append(int(row["GeneratedTokens"]))
-    t0 = min(times) if times else None
-    lens = np.asarray(ctx, dtype=np.int64)
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, vocab_size, size=int(lens.sum()), dtype=np.int64)
-    offs = np.concatenate(([0], np.cumsum(lens)))
-    if name is None:
-        name = Path(path).stem
-    requests = [RequestSpec(f"{name}-{i:06d}", (times[i] - t0).total_seconds() if t0 is not None else 0.0,
-                            tokens_to_tuple(tokens[offs[i]:offs[i + 1]], vocab_size), gen[i])
-                for i in range(len(times))]
+            # e.g. "2023-11-16 18:17:03.9799600": 7 fractional digits, which strptime rejects.
+            stamp, _, frac = row["TIMESTAMP"].strip().partition(".")
+            t = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").replace(
+                microsecond=int((frac + "000000")[:6]))
+            rows.append((t, int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+    t0 = min((r[0] for r in rows), default=None)
+    offs = np.cumsum([0] + [r[1] for r in rows])
+    tokens = np.random.default_rng(seed).integers(0, vocab_size, size=int(offs[-1]), dtype=np.int64)
+    name = name or Path(path).stem
+    requests = [RequestSpec(f"{name}-{i:06d}", (t - t0).total_seconds() if t0 else 0.0,
+                            tokens_to_tuple(tokens[offs[i]:offs[i + 1]], vocab_size), gen)
+                for i, (t, _, gen) in enumerate(rows)]
     requests.sort(key=lambda r: r.arrival)
-    desc = (f"Azure LLM inference trace {name}: {len(requests)} requests, {int(lens.sum())} "
+    desc = (f"Azure LLM inference trace {name}: {len(requests)} requests, {int(offs[-1])} "
             f"prompt tokens, unique random prompts (vocab {vocab_size}, seed {seed})")
     return Workload(name=name, requests=requests, description=desc)
 
@@ -288,18 +195,14 @@ def load_azure(path: str | Path, limit: int | None = None, *, vocab_size: int = 
 
 
 def mooncake_paper_points(path: str | Path | None = None) -> dict[str, list[tuple[int, float]]]:
-    """Token hit rate against LRU capacity (in tokens) per workload, as read off the
-    Mooncake paper's Fig. 9, sorted by capacity."""
-    if path is None:
-        path = trace_file("mooncake_paper_points")
+    """Token hit rate against LRU capacity (tokens) per workload, read off the Mooncake
+    paper's Fig. 9, sorted by capacity."""
     points: dict[str, list[tuple[int, float]]] = {}
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path or trace_file("mooncake_paper_points"), newline="", encoding="utf-8") as f:
         for row in csv.DictReader(f):
             points.setdefault(row["workload"], []).append((int(row["capacity_tokens"]),
                                                            float(row["token_hit_rate"])))
-    for pts in points.values():
-        pts.sort()
-    return points
+    return {k: sorted(v) for k, v in points.items()}
 
 
 class HitCount:
@@ -321,8 +224,7 @@ class HitCount:
         self.total_blocks += len(req.hash_ids)
 
     def totals(self) -> dict[str, Any]:
-        """``requests``, ``input_tokens``, ``hit_tokens``, ``total_blocks``, ``hit_blocks``,
-        ``token_hit_rate``, ``block_hit_rate`` and ``per_request_hit_tokens`` (in order)."""
+        """The counts, both hit rates and ``per_request_hit_tokens`` (in order)."""
         return {"requests": len(self.per_request), "input_tokens": self.input_tokens,
                 "hit_tokens": self.hit_tokens, "total_blocks": self.total_blocks,
                 "hit_blocks": self.hit_blocks,
@@ -331,35 +233,13 @@ class HitCount:
                 "per_request_hit_tokens": self.per_request}
 
 
-def lru_hold(lru: OrderedDict[int, None], keep: Sequence[int], capacity: int | None) -> list[int]:
-    """The LRU model of a paged pool: a request's blocks `keep` are held (out of `lru`)
-    while room is made by evicting the least recently used others (up to `capacity`
-    blocks; None: unbounded), then released deepest first, so the root ends most recently
-    used and a chain is evicted from its tail. Returns the evicted ids, oldest first."""
-    for h in keep:
-        lru.pop(h, None)
-    evicted = []
-    while capacity is not None and lru and len(lru) + len(keep) > capacity:
-        evicted.append(lru.popitem(last=False)[0])
-    for h in reversed(keep):
-        lru[h] = None
-    return evicted
-
-
 def mooncake_lru_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None,
                         block_tokens: int = MOONCAKE_BLOCK_TOKENS, *, instances: int = 1,
                         tier_blocks: int | None = 0, write_back: bool = False) -> dict[str, Any]:
-    """Replay Mooncake rows (timestamp order, one at a time, dealt round-robin over
-    `instances`) through `lru_hold`: each instance an LRU of ``capacity_blocks`` hash ids
-    (None: unbounded), all above one shared LRU tier of ``tier_blocks`` ids (0: none, None:
-    unbounded). A row hits the longest run of its leading ids cached on its instance, then
-    in the tier (a load refreshes the id there), and keeps at most its first
-    ``capacity_blocks`` blocks. The tier is written when a row ends with the kept ids it
-    lacks, or with `write_back` with the ids its instance evicts.
-
-    Returns ``HitCount.totals`` (hits on the instance and the tier), ``evictions`` (from
-    the instances), ``tier_hit_blocks``, ``device_hit_rate`` and
-    ``per_instance_block_hit_rate``."""
+    """Replay rows in timestamp order, dealt round-robin over `instances` LRUs of
+    ``capacity_blocks`` ids (None: unbounded) above one shared LRU tier of ``tier_blocks``
+    (0: none, None: unbounded); docs/tiers.md states the model. Returns ``HitCount.totals``,
+    ``evictions``, ``tier_hit_blocks``, ``device_hit_rate``, ``per_instance_block_hit_rate``."""
     if capacity_blocks is not None and capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0 or None, got {capacity_blocks}")
     if instances < 1 or (tier_blocks is not None and tier_blocks < 0):
@@ -371,32 +251,33 @@ def mooncake_lru_replay(requests: Iterable[MooncakeRequest], capacity_blocks: in
     count = HitCount(block_tokens)
     evictions = tier_hits = 0
     per_hits, per_total = [0] * instances, [0] * instances
-
-    def put(h: int) -> None:
-        if h in tier:
-            tier.move_to_end(h)
-            return
-        while tier_blocks is not None and len(tier) >= tier_blocks:
-            tier.popitem(last=False)
-        tier[h] = None
-
     for i, req in enumerate(sorted(requests, key=lambda r: r.timestamp_ms)):
-        n = i % instances
-        ids = req.hash_ids
-        k = j = leading_run(ids, lrus[n])
+        lru, ids = lrus[i % instances], req.hash_ids
+        k = j = leading_run(ids, lru)
         while tier_blocks != 0 and j < len(ids) and ids[j] in tier:
             tier.move_to_end(ids[j])
             j += 1
         count.add(req, j)
         tier_hits += j - k
-        per_hits[n] += j
-        per_total[n] += len(ids)
+        per_hits[i % instances] += j
+        per_total[i % instances] += len(ids)
+        # The row's kept blocks are held while the least recently used others make room,
+        # then released deepest first: the root ends most recently used.
         keep = ids if cap is None else ids[:cap]
-        evicted = lru_hold(lrus[n], keep, cap)
+        for h in keep:
+            lru.pop(h, None)
+        evicted = []
+        while cap is not None and lru and len(lru) + len(keep) > cap:
+            evicted.append(lru.popitem(last=False)[0])
+        lru.update((h, None) for h in reversed(keep))
         evictions += len(evicted)
-        if tier_blocks != 0:
+        if tier_blocks != 0:  # the store takes what the instance evicts, or lacks on free
             for h in evicted if write_back else (h for h in keep if h not in tier):
-                put(h)
+                if h not in tier:
+                    while tier_blocks is not None and len(tier) >= tier_blocks:
+                        tier.popitem(last=False)
+                tier[h] = None
+                tier.move_to_end(h)
     return {"capacity_blocks": cap, "capacity_tokens": None if cap is None else cap * block_tokens,
             **count.totals(), "evictions": evictions, "tier_hit_blocks": tier_hits,
             "device_hit_rate": hit_rate(count.hit_blocks - tier_hits, count.total_blocks),

@@ -3,6 +3,7 @@ under the manager and hybrid state machines."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import pytest
@@ -14,7 +15,6 @@ from hypothesis.stateful import initialize
 from invariants import check_pool, internals
 
 from kvstore.benchmarks.replay import (
-    brute_force_best_hit_blocks,
     gap_closed,
     hybrid_replay,
     layer_specs,
@@ -23,7 +23,7 @@ from kvstore.benchmarks.replay import (
     pool_replay,
     reuse_oracle_replay,
 )
-from kvstore.benchmarks.traces import MooncakeRequest, mooncake_lru_replay
+from kvstore.benchmarks.traces import MooncakeRequest, leading_run, mooncake_lru_replay
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
 from kvstore.eviction import (
@@ -82,6 +82,26 @@ def test_lru_pool_replay_equals_oracle(paths: list[list[int]], cap: int) -> None
 
 
 # ---- MIN ---------------------------------------------------------------------------------------
+
+def brute_force_best_hit_blocks(requests: Sequence[MooncakeRequest], capacity_blocks: int) -> int:
+    """The most leading-run hit blocks any eviction schedule achieves: an exhaustive search
+    over which unheld blocks each request evicts (tiny traces only)."""
+    rows = sorted(requests, key=lambda r: r.timestamp_ms)
+
+    def best(r: int, cache: frozenset[int]) -> int:
+        if r == len(rows):
+            return 0
+        ids = rows[r].hash_ids
+        held = set(ids[:capacity_blocks])
+        need = len(cache | held) - capacity_blocks
+        k = leading_run(ids, cache)
+        if need <= 0:
+            return k + best(r + 1, cache | held)
+        return k + max(best(r + 1, (cache - set(out)) | held)
+                       for out in itertools.combinations(sorted(cache - held), need))
+
+    return best(0, frozenset())
+
 
 @settings(max_examples=150, deadline=None)
 @given(paths=paths_st, cap=st.integers(1, 4))

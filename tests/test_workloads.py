@@ -11,7 +11,6 @@ import pytest
 from kvstore.benchmarks import traces
 from kvstore.benchmarks.traces import (
     MooncakeRequest,
-    default_trace_dir,
     load_azure,
     load_mooncake,
     mooncake_lru_replay,
@@ -337,13 +336,14 @@ def test_paper_points(tmp_path: Path) -> None:
     }
 
 
-def test_default_trace_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trace_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSTORE_TRACES", str(tmp_path))
-    assert default_trace_dir() == tmp_path
-    assert traces.trace_file("azure_code").parent == tmp_path
+    assert traces.trace_file("azure_code") == tmp_path / "azure_llm_inference_2023_code.csv"
+    with pytest.raises(FileNotFoundError, match="not in .*download data/AzureLLMInference"):
+        traces.locate_trace("azure_code")
     monkeypatch.setenv("KVSTORE_TRACES", str(tmp_path / "missing"))
-    with pytest.raises(FileNotFoundError):
-        default_trace_dir()
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        traces.trace_file("azure_code")
 
 
 def _mc(t: int, ids: tuple[int, ...], n: int | None = None) -> MooncakeRequest:
