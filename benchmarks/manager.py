@@ -9,13 +9,10 @@ the standard library, so it runs with nothing but one revision's core on the pat
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
 import inspect
-import io
 import json
 import os
-import pstats
 import subprocess
 import sys
 import tempfile
@@ -80,7 +77,6 @@ class ManagerResult:
     evictions: int = -1  # -1: the side does not count them
     build_s: float = 0.0
     bytes_per_block: float = 0.0
-    profile: str = ""
 
     @property
     def manager_s(self) -> float:
@@ -205,8 +201,7 @@ class KvstoreSide(Side):
         """Admit on the hit (progress set to the hit); False when the pool cannot hold it."""
         return self.manager.allocate_slots(request, num_new, computed) is not None
 
-    def step_end(self) -> None:
-        """Take the copies the worker would run before the step."""
+    def step_end(self) -> None:  # the copies the worker would run before the step
         self.manager.take_pending_copies()
 
     def leaked(self) -> bool:
@@ -217,7 +212,6 @@ class KvstoreSide(Side):
         return bool(pool.num_free_blocks != pool.num_usable_blocks)
 
     def evictions(self) -> int:
-        """Cached blocks evicted so far."""
         return int(self.manager.stats.evictions)
 
 
@@ -281,7 +275,6 @@ class VllmSide(Side):
         return ok
 
     def step_start(self) -> None:
-        """vLLM's per-step notice to its managers."""
         self.manager.new_step_starts()
 
     def leaked(self) -> bool:
@@ -387,8 +380,7 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
 
 
 def run_scenario(kind: str, scenario: str, num_blocks: int, specs: list[Spec],
-                 options: dict[str, Any], profile_top: int = 0, scale: bool = False
-                 ) -> ManagerResult:
+                 options: dict[str, Any], scale: bool = False) -> ManagerResult:
     """One replay in this process with cyclic GC off (as timeit does); with `scale`, also
     the construction time and the bookkeeping bytes per block."""
     side_cls = VllmSide if kind == "vllm" else KvstoreSide
@@ -403,34 +395,14 @@ def run_scenario(kind: str, scenario: str, num_blocks: int, specs: list[Spec],
         per_block = tracemalloc.get_traced_memory()[1] / num_blocks
         tracemalloc.stop()
     side = side_cls(layout, num_blocks, options)
-    prof = cProfile.Profile() if profile_top else None
     gc.collect()
     gc.disable()
     try:
-        if prof:
-            prof.enable()
         res = drive(side, specs, scenario, num_blocks)
-        if prof:
-            prof.disable()
     finally:
         gc.enable()
     res.build_s, res.bytes_per_block = build_s, per_block
-    if prof:
-        res.profile = hotspots(prof, profile_top)
     return res
-
-
-def hotspots(prof: cProfile.Profile, top: int) -> str:
-    """The top functions by own time, as a text table."""
-    table = pstats.Stats(prof).stats  # type: ignore[attr-defined]  # untyped in pstats
-    rows = sorted(((tt, ct, nc, f"{fn.split('/')[-1]}:{line}({func})")
-                   for (fn, line, func), (_cc, nc, tt, ct, _callers) in table.items()
-                   if not fn.endswith("manager.py") or "kv_cache" in fn), reverse=True)[:top]
-    buf = io.StringIO()
-    buf.write(f"{'own s':>8} {'cum s':>8} {'calls':>9} {'own µs':>8}  function\n")
-    for tt, ct, nc, name in rows:
-        buf.write(f"{tt:8.3f} {ct:8.3f} {nc:9d} {1e6 * tt / nc:8.2f}  {name}\n")
-    return buf.getvalue()
 
 
 def worker_main(kind: str) -> None:
@@ -448,8 +420,7 @@ def worker_main(kind: str) -> None:
                 out = {"requests": len(specs)}
             else:
                 out = asdict(run_scenario(kind, cmd["scenario"], cmd["num_blocks"], specs,
-                                          cmd.get("options", {}), cmd.get("profile_top", 0),
-                                          cmd.get("scale", False)))
+                                          cmd.get("options", {}), cmd.get("scale", False)))
         except Exception as exc:  # reported to the parent, which decides
             out = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(out), flush=True)
@@ -592,8 +563,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "eviction=window or enable_partial_hits=false (repeatable)")
     p.add_argument("--scale", action="store_true", help="also pools of 16k, 100k and 1M "
                    "blocks (full layout, roomy): build time, bytes per block, call costs")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="cProfile each scenario of this revision and print the top N functions")
 
 
 def _fmt(x: float | None, digits: int = 1) -> str:
@@ -661,10 +630,6 @@ def run(args: argparse.Namespace) -> int:
                     r = w.result("full/roomy", n, scale=True)
                     print(f"{w.label[:24]:<24} {n:>9,} {r.build_s:>7.2f} {r.bytes_per_block:>7.0f} "
                           + " ".join(f"{_fmt(r.us(c), 2):>7}" for c in CALLS))
-        for scenario in args.scenarios if args.profile else ():
-            r = workers[0].result(scenario, profile_top=args.profile)
-            print(f"\ncProfile of {scenario} (this revision; profiling inflates every call)"
-                  f"\n{r.profile}")
         print_headline(workers[0].label, mine, {w.label: best[w.label] for w in workers[1:]},
                        time.perf_counter() - t_start)
     finally:
