@@ -1,24 +1,7 @@
-"""GPU benchmark and correctness check for the paged-attention kernel.
-
-    kvstore bench kernels [--quick] [--check] [--skip-bench] [--json PATH]
-
-* decode: achieved bandwidth = bytes of K/V the step *needs* (every visible key, K and V,
-  once) / time, over batch x context x window (none / 4096), GQA 8:1, head dim 128, bf16;
-* prefill: TFLOP/s over visible (query, key) pairs (4 * pairs * head_dim * heads), for
-  whole prompts and for chunks over a cached prefix;
-* baselines on the same K/V gathered contiguous: PyTorch ``scaled_dot_product_attention``,
-  FlashAttention (``flash_attn``) if importable; FlashInfer's paged decode on the very same
-  pool if importable;
-* device copy bandwidth (a large tensor copy, read + write bytes / time) so decode figures
-  read as a percentage of what the memory system delivers.
-
-Times are CUDA-event times of a CUDA graph holding ``iters`` x (L2 flush + call), minus the
-same graph with the flushes alone; a callable that cannot be captured is timed eagerly
-(marked ``eager``). ``--check`` first runs the kernel correctness grid compiled on this GPU
-against the reference (NaN-poisoned pages, as in the CPU tests), then the benchmark unless
-``--skip-bench``. Exit codes: 0 ok, 1 a check failed, 2 cannot run here (no CUDA device, or
-TRITON_INTERPRET set).
-"""
+"""``kvstore bench kernels``: the paged-attention kernel compiled on a GPU, checked against
+the reference and timed against SDPA on the same K/V (grid, metrics and timing:
+docs/kernels.md). Exit codes: 0 ok, 1 a check failed, 2 cannot run here (no CUDA device,
+or TRITON_INTERPRET set)."""
 
 from __future__ import annotations
 
@@ -46,8 +29,10 @@ FLUSH_BYTES = 256 << 20  # > L2 of any current GPU (H100/H200: 50 MiB)
 
 @dataclass
 class Row:
+    """One (configuration, implementation) of the sweep and its figures."""
+
     kind: str  # "decode" | "prefill"
-    impl: str  # "triton" | "sdpa" | "flash_attn" | "flashinfer"
+    impl: str  # "triton" | "sdpa"
     batch: int
     context: int  # tokens in cache per sequence (including the new queries)
     q_len: int  # new query tokens per sequence
@@ -66,57 +51,47 @@ class Row:
 # --------------------------------------------------------------------------- timing
 
 
+def _event_ms(fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def _time_graph(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> float:
-    g_all, g_flush = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()  # warm the allocator on the side stream
     torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(g_all):
-        for _ in range(iters):
-            flush.zero_()
-            fn()
-    with torch.cuda.graph(g_flush):
-        for _ in range(iters):
-            flush.zero_()
-    best_all = best_flush = math.inf
+    graphs = (torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph())  # flushes + calls, flushes
+    for g, call in zip(graphs, (fn, None), strict=True):
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                flush.zero_()
+                if call is not None:
+                    call()
+    best = [math.inf, math.inf]
     for _ in range(3):
-        for g in (g_all, g_flush):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            t = start.elapsed_time(end)
-            if g is g_all:
-                best_all = min(best_all, t)
-            else:
-                best_flush = min(best_flush, t)
-    return max(best_all - best_flush, 0.0) / iters
+        for i, g in enumerate(graphs):
+            best[i] = min(best[i], _event_ms(g.replay))
+    return max(best[0] - best[1], 0.0) / iters
 
 
 def _time_eager(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> float:
     times = []
     for _ in range(iters):
         flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+        times.append(_event_ms(fn))
+    return sorted(times)[iters // 2]
 
 
-def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor,
-            graph: bool = True) -> tuple[float, str]:
+def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> tuple[float, str]:
     """Milliseconds per call of ``fn`` with a cold L2, and how it was timed."""
     fn()  # compile / autotune / lazy init outside the timed region
     torch.cuda.synchronize()
-    if not graph:
-        return _time_eager(fn, iters, flush), "eager"
     try:
         return _time_graph(fn, iters, flush), "graph"
     except Exception:  # noqa: BLE001 - any capture failure: fall back to eager timing
@@ -124,24 +99,21 @@ def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor,
         return _time_eager(fn, iters, flush), "eager"
 
 
-def read_bandwidth_gbps(flush: torch.Tensor, nbytes: int = 4 << 30) -> float:
-    """Device read bandwidth: a max-reduction over a large tensor, bytes read / time (GB/s).
-    Decode only reads K/V, so this, not a copy, is its roof."""
-    bufs = {"src": torch.empty(nbytes // 4, dtype=torch.int32, device="cuda").random_(0, 1 << 20)}
-    ms, _ = time_ms(lambda: bufs["src"].amax(), 5, flush)
-    bufs.clear()
+def bandwidth_gbps(flush: torch.Tensor, copy: bool) -> float:
+    """Device bandwidth in GB/s (1e9): a 2 GiB copy (read + write bytes) with `copy`, else
+    a max-reduction over 4 GiB (bytes read: decode's roof)."""
+    nbytes = 2 << 30 if copy else 4 << 30
+    if copy:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        ms, _ = time_ms(lambda: dst.copy_(src), 5, flush)
+        del src, dst
+    else:
+        src = torch.empty(nbytes // 4, dtype=torch.int32, device="cuda").random_(0, 1 << 20)
+        ms, _ = time_ms(lambda: src.amax(), 5, flush)
+        del src
     torch.cuda.empty_cache()
-    return nbytes / (ms * 1e-3) / 1e9
-
-
-def copy_bandwidth_gbps(flush: torch.Tensor, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth, counting read + write bytes (GB/s, 1e9)."""
-    bufs = {"src": torch.empty(nbytes, dtype=torch.uint8, device="cuda")}
-    bufs["dst"] = torch.empty_like(bufs["src"])
-    ms, _ = time_ms(lambda: bufs["dst"].copy_(bufs["src"]), 5, flush)
-    bufs.clear()
-    torch.cuda.empty_cache()
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    return (2 if copy else 1) * nbytes / (ms * 1e-3) / 1e9
 
 
 # --------------------------------------------------------------------------- workloads
@@ -159,16 +131,20 @@ class Paged:
     first_kept: int  # first key position any query sees (pages before it: null block)
 
 
+def _first_kept(context: int, q_len: int, window: int | None) -> int:
+    return 0 if window is None else max(0, context - q_len - window + 1)
+
+
 def build_paged(batch: int, context: int, q_len: int, window: int | None,
                 gen: torch.Generator, device: str = "cuda") -> Paged:
-    first_q = context - q_len
-    first_kept = 0 if window is None else max(0, first_q - window + 1)
+    """Random K/V on pages scattered at random, dropped pages pointing at the null block."""
+    first_kept = _first_kept(context, q_len, window)
     pages = math.ceil(context / BLOCK_SIZE)
     first_page = first_kept // BLOCK_SIZE
     kept = pages - first_page
     num_blocks = 1 + batch * kept
-    ids = torch.randperm(num_blocks - 1, generator=gen) + 1  # realistic scattered pages
-    table = torch.zeros(batch, pages, dtype=torch.int32)  # dropped pages: null block 0
+    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
+    table = torch.zeros(batch, pages, dtype=torch.int32)
     table[:, first_page:] = ids.view(batch, kept).to(torch.int32)
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     kc = torch.empty(shape, dtype=DTYPE, device=device).normal_()
@@ -182,126 +158,45 @@ def build_paged(batch: int, context: int, q_len: int, window: int | None,
 
 def visible_pairs(context: int, q_len: int, window: int | None) -> int:
     """Number of (query, key) pairs that are attended, per sequence and head."""
-    total = 0
-    for qpos in range(context - q_len, context):
-        total += qpos + 1 if window is None else min(qpos + 1, window)
-    return total
+    return sum(q + 1 if window is None else min(q + 1, window)
+               for q in range(context - q_len, context))
 
 
 def needed_kv_bytes(batch: int, context: int, q_len: int, window: int | None) -> int:
-    first_kept = 0 if window is None else max(0, context - q_len - window + 1)
-    keys = context - first_kept
-    return batch * keys * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize  # K and V
-
-
-def _dense_inputs(batch: int, context: int, q_len: int, window: int | None):
-    """Contiguous q [B, H, q, D] and the visible K/V [B, Hkv, n, D] (values irrelevant)."""
-    first_kept = 0 if window is None else max(0, context - q_len - window + 1)
-    n = context - first_kept
-    q = torch.randn(batch, HEADS, q_len, HEAD_DIM, dtype=DTYPE, device="cuda")
-    k = torch.randn(batch, KV_HEADS, n, HEAD_DIM, dtype=DTYPE, device="cuda")
-    v = torch.randn_like(k)
-    return q, k, v, first_kept
-
-
-def _window_mask(context: int, q_len: int, first_kept: int, window: int | None) -> torch.Tensor:
-    qpos = torch.arange(context - q_len, context, device="cuda")
-    kpos = torch.arange(first_kept, context, device="cuda")
-    mask = kpos[None, :] <= qpos[:, None]
-    if window is not None:
-        mask &= kpos[None, :] > qpos[:, None] - window
-    return mask
+    """Bytes of K and V the step reads: each visible key's once."""
+    keys = context - _first_kept(context, q_len, window)
+    return batch * keys * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
 
 
 def sdpa_fn(batch: int, context: int, q_len: int, window: int | None) -> Callable[[], object]:
-    q, k, v, first_kept = _dense_inputs(batch, context, q_len, window)
-    n = k.shape[2]
-    causal = window is None and q_len == n and q_len > 1  # whole prompt: built-in causal
+    """SDPA on the visible K/V gathered contiguous, with a bottom-right causal/window mask."""
+    first_kept = _first_kept(context, q_len, window)
+    q = torch.randn(batch, HEADS, q_len, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k = torch.randn(batch, KV_HEADS, context - first_kept, HEAD_DIM, dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    if window is None and q_len == k.shape[2] and q_len > 1:  # whole prompt: built-in causal
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     mask = None  # a decode query sees every gathered key
-    if q_len > 1 and not causal:
-        mask = _window_mask(context, q_len, first_kept, window)  # bottom-right aligned
-    try:
-        F.scaled_dot_product_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], enable_gqa=True)
-        kw: dict[str, Any] = {"enable_gqa": True}
-    except TypeError:  # torch < 2.5: expand the KV heads instead
-        k = k.repeat_interleave(HEADS // KV_HEADS, 1)
-        v = v.repeat_interleave(HEADS // KV_HEADS, 1)
-        kw = {}
-    if causal:
-        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
-    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
-
-
-def flash_attn_fn(batch: int, context: int, q_len: int,
-                  window: int | None) -> Callable[[], object] | None:
-    try:
-        from flash_attn import flash_attn_func
-    except ImportError:
-        return None
-    q, k, v, _ = _dense_inputs(batch, context, q_len, window)
-    q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, n, H, D]
-    win = (-1, -1) if window is None else (window - 1, 0)
-    # flash-attn aligns the causal mask bottom-right (queries are the last q_len keys)
-    return lambda: flash_attn_func(q, k, v, causal=True, window_size=win)
-
-
-def flashinfer_decode_fn(p: Paged, window: int | None) -> Callable[[], object] | None:
-    try:
-        import flashinfer
-    except ImportError:
-        return None
-    batch, pages = p.metadata.block_table.shape
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-    indptr = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * pages
-    indices = p.metadata.block_table.reshape(-1).contiguous()
-    context = int(p.metadata.seq_lens[0])
-    last = torch.full((batch,), context - (pages - 1) * BLOCK_SIZE, dtype=torch.int32,
-                      device="cuda")
-    wrapper.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                 window_left=-1 if window is None else window - 1,
-                 q_data_type=DTYPE, kv_data_type=DTYPE)
-    q = p.q.view(batch, HEADS, HEAD_DIM)
-    return lambda: wrapper.run(q, (p.kc, p.vc))
+    if q_len > 1:
+        qpos = torch.arange(context - q_len, context, device="cuda")[:, None]
+        kpos = torch.arange(first_kept, context, device="cuda")[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - (window or context + 1))
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 # --------------------------------------------------------------------------- benchmark
 
 
-def _fits(nbytes: int) -> bool:
-    free, _ = torch.cuda.mem_get_info()
-    return nbytes < 0.4 * free
-
-
-def _measure(rows: list[Row], row: Row, make: Callable[[], Callable[[], object] | None],
-             iters: int, flush: torch.Tensor, nbytes: int, flops: float,
-             copy_bw: float, read_bw: float, graph: bool = True) -> None:
-    try:
-        fn = make()
-        if fn is None:
-            return  # library not installed
-        row.ms, row.timing = time_ms(fn, iters, flush, graph)
-        if row.ms > 0:
-            if row.kind == "decode":
-                row.gbps = nbytes / (row.ms * 1e-3) / 1e9
-                row.pct_copy = 100.0 * row.gbps / copy_bw
-                row.pct_read = 100.0 * row.gbps / read_bw
-            row.tflops = flops / (row.ms * 1e-3) / 1e12
-    except Exception as e:  # noqa: BLE001 - a baseline failing must not stop the sweep
-        row.note = f"error: {type(e).__name__}: {str(e)[:120]}"
-    finally:
-        torch.cuda.empty_cache()
-    rows.append(row)
-
-
 def run_bench(args: argparse.Namespace) -> dict:
+    """The decode and prefill sweep; prints a line per row and returns the JSON record."""
+    import triton
+
     from kvstore.kernels import paged_attention
     from kvstore.kernels.triton_attention import launch_plan
 
     gen = torch.Generator().manual_seed(0)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    copy_bw = copy_bandwidth_gbps(flush)
-    read_bw = read_bandwidth_gbps(flush)
+    copy_bw, read_bw = bandwidth_gbps(flush, copy=True), bandwidth_gbps(flush, copy=False)
     print(f"device copy bandwidth (read+write): {copy_bw:.0f} GB/s; read bandwidth: {read_bw:.0f} GB/s")
     rows: list[Row] = []
     scale = 1.0 / math.sqrt(HEAD_DIM)
@@ -315,58 +210,65 @@ def run_bench(args: argparse.Namespace) -> dict:
         prefill_grid = [(1, 1024, 1024), (1, 4096, 4096), (1, 16384, 16384), (4, 4096, 4096),
                         (1, 16384, 512), (1, 65536, 2048), (8, 32768, 512)]
         iters = 20
-    windows = (None, 4096)
     print(f"GQA {HEADS}:{KV_HEADS}, head_dim {HEAD_DIM}, {DTYPE}, block_size {BLOCK_SIZE}; "
           "decode: needed K/V bytes / time; prefill: 4*pairs*D*H / time")
     print(f"{'kind':7s} {'batch':6s} {'context':11s} {'q':8s} {'window':7s} {'impl':11s} "
           f"{'time':>12s}  metric")
 
-    def triton_case(kind: str, b: int, ctx: int, ql: int, w: int | None):
-        n_iter = iters if kind == "decode" else max(3, iters // 4)
-        nbytes = needed_kv_bytes(b, ctx, ql, w)
-        flops = 4.0 * b * visible_pairs(ctx, ql, w) * HEAD_DIM * HEADS
+    def measure(row: Row, make: Callable[[], Callable[[], object]]) -> None:
+        """Time `make()`'s callable into `row`; a failure is noted in the row, not raised."""
+        kind, b, ctx, ql, w = row.kind, row.batch, row.context, row.q_len, row.window
+        try:
+            row.ms, row.timing = time_ms(make(), iters if kind == "decode" else max(3, iters // 4),
+                                         flush)
+            if row.ms > 0:
+                if kind == "decode":
+                    row.gbps = needed_kv_bytes(b, ctx, ql, w) / (row.ms * 1e-3) / 1e9
+                    row.pct_copy = 100.0 * row.gbps / copy_bw
+                    row.pct_read = 100.0 * row.gbps / read_bw
+                row.tflops = 4.0 * b * visible_pairs(ctx, ql, w) * HEAD_DIM * HEADS / (
+                    row.ms * 1e-3) / 1e12
+        except Exception as e:  # noqa: BLE001 - a baseline failing must not stop the sweep
+            row.note = f"error: {type(e).__name__}: {str(e)[:120]}"
+        finally:
+            torch.cuda.empty_cache()
+        rows.append(row)
+        metric = (f"{_fmt(row.gbps, '8.0f')} GB/s {_fmt(row.pct_read, '5.1f')}% read"
+                  if kind == "decode" else f"{_fmt(row.tflops, '7.1f')} TFLOP/s")
+        split = f" splits={row.num_splits}" if row.num_splits else ""
+        print(f"{kind:7s} B={b:<4d} ctx={ctx:<7d} q={ql:<6d} W={str(w):<5s} {row.impl:11s} "
+              f"{_fmt(row.ms, '9.4f')} ms  {metric}  [{row.timing}]{split} {row.note}")
+
+    def case(kind: str, b: int, ctx: int, ql: int, w: int | None) -> None:
         row = Row(kind, "triton", b, ctx, ql, w)
         plan = launch_plan(HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, math.ceil(ctx / BLOCK_SIZE),
                            b, ql, w, torch.device("cuda"))
         row.num_splits = plan.num_splits
         row.extra = {"block_m": plan.block_m, "block_n": plan.block_n,
                      "num_warps": plan.num_warps, "q_tiles": plan.q_tiles}
-        state: dict = {}
 
-        def make():
+        def triton_fn() -> Callable[[], object]:
             p = build_paged(b, ctx, ql, w, gen)
-            state["p"] = p
             return lambda: paged_attention(p.q, p.kc, p.vc, p.metadata, scale, window=w)
 
-        _measure(rows, row, make, n_iter, flush, nbytes, flops, copy_bw, read_bw)
-        if kind == "decode" and "p" in state:
-            _measure(rows, Row(kind, "flashinfer", b, ctx, ql, w),
-                     lambda: flashinfer_decode_fn(state["p"], w), n_iter, flush, nbytes, flops,
-                     copy_bw, read_bw, graph=False)  # its plain wrapper is not made for capture
-        state.clear()
-        torch.cuda.empty_cache()
-        for impl, mk in (("sdpa", sdpa_fn), ("flash_attn", flash_attn_fn)):
-            factory: Callable[[], Callable[[], object] | None] = partial(mk, b, ctx, ql, w)
-            _measure(rows, Row(kind, impl, b, ctx, ql, w), factory, n_iter, flush, nbytes, flops,
-                     copy_bw, read_bw)
-        _print_group(rows, kind, b, ctx, ql, w)
+        measure(row, triton_fn)
+        measure(Row(kind, "sdpa", b, ctx, ql, w), partial(sdpa_fn, b, ctx, ql, w))
 
-    for w in windows:
+    for w in (None, 4096):
         for b, ctx in decode_grid:
             nbytes = needed_kv_bytes(b, ctx, 1, w)
-            if not _fits(nbytes):
+            if nbytes < 0.4 * torch.cuda.mem_get_info()[0]:
+                case("decode", b, ctx, 1, w)
+            else:
                 print(f"skip decode B={b} ctx={ctx} W={w}: {nbytes / 1e9:.0f} GB of K/V")
-                continue
-            triton_case("decode", b, ctx, 1, w)
-    for w in windows:
+    for w in (None, 4096):
         for b, ctx, ql in prefill_grid:
-            if not _fits(needed_kv_bytes(b, ctx, ql, w) + b * ql * HEADS * HEAD_DIM * 4):
+            nbytes = needed_kv_bytes(b, ctx, ql, w) + b * ql * HEADS * HEAD_DIM * 4
+            if nbytes < 0.4 * torch.cuda.mem_get_info()[0]:
+                case("prefill", b, ctx, ql, w)
+            else:
                 print(f"skip prefill B={b} ctx={ctx} q={ql} W={w}: memory")
-                continue
-            triton_case("prefill", b, ctx, ql, w)
     props = torch.cuda.get_device_properties(0)
-    import triton
-
     return {"device": props.name, "sm_count": props.multi_processor_count,
             "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(),
@@ -380,51 +282,45 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _print_group(rows: list[Row], kind: str, b: int, ctx: int, ql: int,
-                 w: int | None) -> None:
-    for r in rows:
-        if (r.kind, r.batch, r.context, r.q_len, r.window) != (kind, b, ctx, ql, w):
-            continue
-        metric = (f"{_fmt(r.gbps, '8.0f')} GB/s {_fmt(r.pct_read, '5.1f')}% read"
-                  if kind == "decode" else f"{_fmt(r.tflops, '7.1f')} TFLOP/s")
-        split = f" splits={r.num_splits}" if r.num_splits else ""
-        print(f"{kind:7s} B={b:<4d} ctx={ctx:<7d} q={ql:<6d} W={str(w):<5s} {r.impl:11s} "
-              f"{_fmt(r.ms, '9.4f')} ms  {metric}  [{r.timing}]{split} {r.note}")
-
-
 # --------------------------------------------------------------------------- check
+
+# (name, (query lengths, sequence lengths), heads, kv heads, head dim, block size, window,
+# softcap, splits, dtype, block_m, block_n): long contexts and gpt-oss shapes beside GRID.
+CHECK_CASES = [
+    ("long-dec-w4096-auto", ([1, 1], [20000, 9000]), 64, 8, 128, 16, 4096, None, None,
+     torch.bfloat16, None, None),
+    ("long-dec-full-split7", ([1, 1], [20000, 9000]), 64, 8, 128, 16, None, None, 7,
+     torch.bfloat16, None, None),
+    ("long-prefill-w4096-cap", ([300, 1, 64], [9000, 5000, 64]), 32, 8, 128, 16, 4096, 30.0,
+     None, torch.bfloat16, None, None),
+    ("long-prefill-full-f16", ([700, 5], [3000, 4100]), 32, 4, 128, 32, None, None, None,
+     torch.float16, None, None),
+    ("r32-dec", ([1, 1, 1], [513, 4096, 77]), 64, 2, 128, 16, 1000, None, None,
+     torch.bfloat16, None, None),
+    ("gptoss-dec-w128-split5", ([1, 1], [20000, 9000]), 64, 8, 64, 16, 128, None, 5,
+     torch.bfloat16, None, None),
+    ("gptoss-prefill-full", ([700, 1], [3000, 4100]), 64, 8, 64, 16, None, None, None,
+     torch.bfloat16, None, None),
+]
 
 
 def run_check() -> bool:
-    """Correctness grid compiled on this GPU against the reference; True when all pass."""
+    """Correctness grid compiled on this GPU against the reference, every case without and
+    with sinks, then write_kv and copy_blocks bitwise; True when all pass."""
     from kvstore.kernels import copy_blocks, paged_attention, paged_attention_reference, write_kv
     from kvstore.kernels.testing import GRID, make_case, tolerance
 
-    extra = [
-        # long-context decode, split heuristic and forced splits, the benchmark's shapes
-        ("long-dec-w4096-auto", ([1, 1], [20000, 9000]), 64, 8, 128, 16, 4096, None, None,
-         torch.bfloat16, None, None),
-        ("long-dec-full-split7", ([1, 1], [20000, 9000]), 64, 8, 128, 16, None, None, 7,
-         torch.bfloat16, None, None),
-        ("long-prefill-w4096-cap", ([300, 1, 64], [9000, 5000, 64]), 32, 8, 128, 16, 4096,
-         30.0, None, torch.bfloat16, None, None),
-        ("long-prefill-full-f16", ([700, 5], [3000, 4100]), 32, 4, 128, 32, None, None, None,
-         torch.float16, None, None),
-        ("r32-dec", ([1, 1, 1], [513, 4096, 77]), 64, 2, 128, 16, 1000, None, None,
-         torch.bfloat16, None, None),
-        # gpt-oss shapes: head_dim 64, GQA 8:1, window 128 (checked with sinks below)
-        ("gptoss-dec-w128-split5", ([1, 1], [20000, 9000]), 64, 8, 64, 16, 128, None, 5,
-         torch.bfloat16, None, None),
-        ("gptoss-prefill-full", ([700, 1], [3000, 4100]), 64, 8, 64, 16, None, None, None,
-         torch.bfloat16, None, None),
-    ]
     ok = True
-    # every case without and with attention sinks (per-head logits, gpt-oss)
-    cases = [(c, s) for c in [*GRID, *extra] for s in (False, True)]
-    for (name, lens, h, hkv, d, bs, w, cap, splits, dtype, bm, bn), sinks in cases:
+
+    def report(passed: bool, what: str) -> None:
+        nonlocal ok
+        ok &= passed
+        print(f"{'PASS' if passed else 'FAIL'} {what}")
+
+    for (name, lens, h, hkv, d, bs, w, cap, splits, dtype, bm, bn), sinks in (
+            (c, s) for c in [*GRID, *CHECK_CASES] for s in (False, True)):
         case = make_case(*lens, h, hkv, d, bs, w, cap, dtype, seed=1, device="cuda",
                          q_scale=3.0 if cap else 1.0, with_sinks=sinks)
-        name += "+sinks" if sinks else ""
         ref = paged_attention_reference(*case.args(), **case.kwargs())
         out = paged_attention(*case.args(), **case.kwargs(), num_splits=splits, block_m=bm,
                               block_n=bn)
@@ -432,17 +328,14 @@ def run_check() -> bool:
         atol, rtol = tolerance(dtype, "cuda")
         err = (out.float() - ref.float()).abs()
         bad = ~(err <= atol + rtol * ref.float().abs())
-        passed = not bool(bad.any()) and not bool(torch.isnan(out).any())
-        ok &= passed
-        print(f"{'PASS' if passed else 'FAIL'} {name}: max abs err {float(err.max()):.2e}")
+        report(not bool(bad.any()) and not bool(torch.isnan(out).any()),
+               f"{name}{'+sinks' if sinks else ''}: max abs err {float(err.max()):.2e}")
 
     # write path and block copy, bitwise: Triton (auto on CUDA) against the torch path
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        kc = torch.randn(64, 16, 8, 128, generator=g).to(dtype).cuda()
-        vc = torch.randn(64, 16, 8, 128, generator=g).to(dtype).cuda()
-        key = torch.randn(100, 8, 128, generator=g).to(dtype).cuda()
-        val = torch.randn(100, 8, 128, generator=g).to(dtype).cuda()
+        kc, vc = (torch.randn(64, 16, 8, 128, generator=g).to(dtype).cuda() for _ in range(2))
+        key, val = (torch.randn(100, 8, 128, generator=g).to(dtype).cuda() for _ in range(2))
         slots = torch.randperm(64 * 16, generator=g)[:100].cuda()
         slots[::7] = -1  # padding
         ek, ev = kc.clone(), vc.clone()
@@ -454,10 +347,8 @@ def run_check() -> bool:
         ek[dsts], ev[dsts] = ek[srcs], ev[srcs]
         copy_blocks([(kc, vc)], list(zip(srcs, dsts, strict=True)))
         torch.cuda.synchronize()
-        c_ok = torch.equal(kc, ek) and torch.equal(vc, ev)
-        ok &= w_ok and c_ok
-        print(f"{'PASS' if w_ok else 'FAIL'} write_kv {dtype}")
-        print(f"{'PASS' if c_ok else 'FAIL'} copy_blocks {dtype}")
+        report(w_ok, f"write_kv {dtype}")
+        report(torch.equal(kc, ek) and torch.equal(vc, ev), f"copy_blocks {dtype}")
     return ok
 
 
@@ -522,19 +413,15 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     print(f"device: {torch.cuda.get_device_name(0)}")
     if args.split_sweep:
-        results = {"device": torch.cuda.get_device_name(0), "splits": run_split_sweep()}
-        write_json(args.json, results)
+        write_json(args.json, {"device": torch.cuda.get_device_name(0), "splits": run_split_sweep()})
         return 0
     if args.check:
         t0 = time.perf_counter()
         ok = run_check()
         print(f"check: {'all passed' if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s)")
-        if not ok:
-            return 1
-        if args.skip_bench:
-            return 0
-    results = run_bench(args)
-    write_json(args.json, results)
+        if not ok or args.skip_bench:
+            return 0 if ok else 1
+    write_json(args.json, run_bench(args))
     print(f"wrote {args.json}")
     return 0
 

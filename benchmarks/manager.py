@@ -1,15 +1,6 @@
 """``kvstore bench manager``: what the cache manager's scheduler-facing calls cost, side by
-side with another git revision of kvstore and, optionally, vLLM's v1 ``KVCacheManager``.
-
-One driver replays a workload through every side: vLLM's scheduler reduced to the manager
-calls (running requests first, a prefill chunk or one decode token each, then waiting
-requests FCFS; chunked prefill under an 8192-token budget, at most 64 running, the newest
-running request preempted when an allocation fails, no admissions in a step that
-preempted). Requests join the waiting queue at their arrival on a virtual clock of 20 ms a
-step. Hashing is timed on every side. Each side runs in its own subprocess that imports
-only its revision's cache core (``kvstore/*.py``); the parent alternates the sides scenario
-by scenario and keeps each side's fastest repeat. kvstore runs in its default
-configuration unless ``--also KEY=VALUE`` adds a side with a constructor option.
+side with another git revision of kvstore and, optionally, vLLM's v1 ``KVCacheManager``
+(the driver's loop and the workloads: docs/cache_layer.md, "Hot path").
 
 This file is also the worker (``--worker kvstore|vllm``): at module level it imports only
 the standard library, so it runs with nothing but one revision's core on the path.
@@ -18,13 +9,10 @@ the standard library, so it runs with nothing but one revision's core on the pat
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
 import inspect
-import io
 import json
 import os
-import pstats
 import subprocess
 import sys
 import tempfile
@@ -55,13 +43,13 @@ SCENARIOS: tuple[str, ...] = tuple(f"{layout}/{regime}" for layout in POOLS
 LAYERS: dict[str, tuple[int, int]] = {"full": (0, 32), "hybrid": (16, 16), "gemma3": (25, 5)}
 NUM_GROUPS: dict[str, int] = {"full": 1, "hybrid": 2, "gemma3": 6}
 WORKLOADS: tuple[str, ...] = ("shared-prefix", "chat", "few-shot")
+CALLS: tuple[str, ...] = ("lookup", "admit", "decode", "free")
 REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
 class Spec:
-    """One request of the workload: its arrival (seconds), prompt and the exact tokens it
-    decodes."""
+    """One request: its arrival (seconds), prompt and the exact tokens it decodes."""
 
     request_id: str
     prompt: list[int]
@@ -83,15 +71,12 @@ class ManagerResult:
     hash_s: float = 0.0
     finished: int = 0
     steps: int = 0
-    running_sum: int = 0
     preemptions: int = 0
     first_hit_tokens: int = 0
     prompt_tokens: int = 0
     evictions: int = -1  # -1: the side does not count them
-    copies: int = 0
     build_s: float = 0.0
     bytes_per_block: float = 0.0
-    profile: str = ""
 
     @property
     def manager_s(self) -> float:
@@ -103,18 +88,13 @@ class ManagerResult:
         """Hit tokens at each request's first admission over prompt tokens."""
         return self.first_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    @property
-    def mean_running(self) -> float:
-        """Mean requests running per step."""
-        return self.running_sum / self.steps if self.steps else 0.0
-
     def add(self, call: str, seconds: float) -> None:
         """Count one call of `call` that took `seconds`."""
         self.seconds[call] = self.seconds.get(call, 0.0) + seconds
         self.calls[call] = self.calls.get(call, 0) + 1
 
     def us(self, call: str) -> float | None:
-        """Mean microseconds per call of `call` (lookup, admit, chunk, decode, free)."""
+        """Mean microseconds per call of `call`."""
         n = self.calls.get(call)
         return 1e6 * self.seconds[call] / n if n else None
 
@@ -124,31 +104,62 @@ class ManagerResult:
 
 def new_manager(config: KVCacheConfig, tiers: PlaceholderConnector | None = None,
                 **options: Any) -> KVCacheManager:
-    """A KVCacheManager of `config` (with `tiers`: the connector attached beside it);
-    `options` are `CacheConfig` fields (constructor keyword arguments in revisions before
-    `CacheConfig`), refused (TypeError) when this revision lacks one. Every benchmark builds
-    its managers here."""
+    """A KVCacheManager of `config` (with `tiers` attached beside it); `options` are
+    `CacheConfig` fields (keyword arguments in revisions before `CacheConfig`), TypeError
+    when this revision lacks one. Every benchmark builds its managers here."""
     from kvstore import kv_cache_manager
     from kvstore.kv_cache_manager import KVCacheManager
 
     cache_config = getattr(kv_cache_manager, "CacheConfig", None)
-    known = (inspect.signature(cache_config if cache_config is not None else KVCacheManager)
-             .parameters)
+    known = inspect.signature(cache_config or KVCacheManager).parameters
     missing = [k for k in options if k not in known]
     if missing:
         raise TypeError(f"this revision's KVCacheManager has no {', '.join(missing)}")
-    args = (cache_config(**options),) if cache_config is not None else ()
-    kwargs = {} if cache_config is not None else options
-    manager = KVCacheManager(config, *args, **kwargs)
+    if cache_config is not None:
+        manager = KVCacheManager(config, cache_config(**options))
+    else:
+        manager = KVCacheManager(config, **options)
     if tiers is not None:
         tiers.attach(manager)
     return manager
 
 
-class KvstoreSide:
-    """kvstore's KVCacheManager behind the driver's calls: any revision whose manager has
-    ``get_computed_blocks``, ``allocate_slots`` and ``free``; `options` are constructor
-    keyword arguments, refused when the revision lacks one."""
+class Side:
+    """A manager behind the driver's calls; a subclass builds `manager` and hashes."""
+
+    name = ""
+    manager: Any
+    hash_s = 0.0
+
+    def timed_hash(self, fn: Callable[[Any], Any], request: Any) -> Any:
+        """`fn(request)`, its time added to `hash_s`."""
+        t0 = time.perf_counter()
+        out = fn(request)
+        self.hash_s += time.perf_counter() - t0
+        return out
+
+    def grow(self, request: Any, num_new: int) -> bool:
+        """Pages for `num_new` more tokens of a running request."""
+        return self.manager.allocate_slots(request, num_new) is not None
+
+    def free(self, request: Any) -> None:
+        """Release a finished or preempted request."""
+        self.manager.free(request)
+
+    def step_start(self) -> None:
+        """The side's per-step notice to its manager, if any."""
+
+    def step_end(self) -> None:
+        """The side's work at the end of a step's scheduling, if any."""
+
+    def evictions(self) -> int:
+        """Cached blocks evicted so far; -1 when the side does not count them."""
+        return -1
+
+
+class KvstoreSide(Side):
+    """kvstore's KVCacheManager (any revision with ``get_computed_blocks``,
+    ``allocate_slots`` and ``free``); `options` are `CacheConfig` fields."""
 
     name = "kvstore"
 
@@ -165,18 +176,15 @@ class KvstoreSide:
         self.manager = new_manager(config, **options)
         self._request = Request
         self.hash_fn = getattr(self.manager, "hash_fn", hashing.hash_block)
-        self.hash_s = 0.0
+
+    def _hash(self, request: Any) -> None:
+        self.timed_hash(lambda r: r.update_block_hashes(BLOCK_SIZE, self.hash_fn), request)
 
     def new_request(self, spec: Spec) -> Any:
         """A request for `spec`, its prompt hashed (timed)."""
         r = self._request(spec.request_id, spec.prompt, None, len(spec.outputs))
         self._hash(r)
         return r
-
-    def _hash(self, request: Any) -> None:
-        t0 = time.perf_counter()
-        request.update_block_hashes(BLOCK_SIZE, self.hash_fn)
-        self.hash_s += time.perf_counter() - t0
 
     def append(self, request: Any, token: int) -> None:
         """Append a sampled token, hashing a block it fills (timed)."""
@@ -193,20 +201,8 @@ class KvstoreSide:
         """Admit on the hit (progress set to the hit); False when the pool cannot hold it."""
         return self.manager.allocate_slots(request, num_new, computed) is not None
 
-    def grow(self, request: Any, num_new: int) -> bool:
-        """Pages for `num_new` more tokens of a running request."""
-        return self.manager.allocate_slots(request, num_new) is not None
-
-    def free(self, request: Any) -> None:
-        """Release a finished or preempted request."""
-        self.manager.free(request)
-
-    def step_start(self) -> None:
-        """Nothing: kvstore has no per-step call."""
-
-    def step_end(self) -> int:
-        """The copies the worker runs before the step (count)."""
-        return len(self.manager.take_pending_copies())
+    def step_end(self) -> None:  # the copies the worker would run before the step
+        self.manager.take_pending_copies()
 
     def leaked(self) -> bool:
         """Whether any block is still held once every request is freed."""
@@ -216,13 +212,11 @@ class KvstoreSide:
         return bool(pool.num_free_blocks != pool.num_usable_blocks)
 
     def evictions(self) -> int:
-        """Cached blocks evicted so far."""
         return int(self.manager.stats.evictions)
 
 
-class VllmSide:
-    """vLLM's v1 KVCacheManager behind the driver's calls (CPU; sha256 block hashes,
-    vLLM's default)."""
+class VllmSide(Side):
+    """vLLM's v1 KVCacheManager (CPU; sha256 block hashes, vLLM's default)."""
 
     name = "vllm"
 
@@ -254,15 +248,7 @@ class VllmSide:
         hash_fn = get_hash_fn_by_name(options.get("hash_algo", "sha256"))
         init_none_hash(hash_fn)
         hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
-        self.hash_s = 0.0
-
-        def timed_hasher(request: Any) -> Any:
-            t0 = time.perf_counter()
-            out = hasher(request)
-            self.hash_s += time.perf_counter() - t0
-            return out
-
-        self._hasher = timed_hasher
+        self._hasher = lambda request: self.timed_hash(hasher, request)
         self._request = Request
         self._params = SamplingParams
 
@@ -288,30 +274,13 @@ class VllmSide:
             request.num_computed_tokens = num_hit
         return ok
 
-    def grow(self, request: Any, num_new: int) -> bool:
-        """Pages for `num_new` more tokens of a running request."""
-        return self.manager.allocate_slots(request, num_new) is not None
-
-    def free(self, request: Any) -> None:
-        """Release a finished or preempted request."""
-        self.manager.free(request)
-
     def step_start(self) -> None:
-        """vLLM's per-step notice to its managers."""
         self.manager.new_step_starts()
-
-    def step_end(self) -> int:
-        """vLLM queues no copies."""
-        return 0
 
     def leaked(self) -> bool:
         """Whether any block is still held once every request is freed."""
         pool = self.manager.block_pool
         return bool(pool.get_num_free_blocks() != pool.num_gpu_blocks - 1)
-
-    def evictions(self) -> int:
-        """Not counted on this side."""
-        return -1
 
 
 # ------------------------------------------------------------------------------ driver
@@ -319,7 +288,7 @@ class VllmSide:
 
 def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
           max_running: int = MAX_RUNNING, budget_tokens: int = TOKEN_BUDGET) -> ManagerResult:
-    """Replay `specs` through `side` with the loop of the module docstring."""
+    """Replay `specs` through `side` with vLLM's scheduler loop reduced to the manager calls."""
     perf = time.perf_counter
     res = ManagerResult(side.name, scenario, num_blocks,
                         prompt_tokens=sum(len(s.prompt) for s in specs))
@@ -386,9 +355,8 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
             running.append((spec, request))
             scheduled.append((spec, request, num_new))
             budget -= num_new
-        res.copies += timed("step", side.step_end)
+        timed("step", side.step_end)
         res.steps += 1
-        res.running_sum += len(running)
         for spec, request, num_new in scheduled:
             request.num_computed_tokens += num_new
             if request.num_computed_tokens < request.num_tokens:
@@ -411,55 +379,30 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
 # ------------------------------------------------------------------------------ worker
 
 
-def make_side(kind: str, layout: str, num_blocks: int, options: dict[str, Any]) -> Any:
-    """A fresh manager of `kind` ('kvstore' or 'vllm') for a scenario."""
-    return (VllmSide if kind == "vllm" else KvstoreSide)(layout, num_blocks, options)
-
-
 def run_scenario(kind: str, scenario: str, num_blocks: int, specs: list[Spec],
-                 options: dict[str, Any], profile_top: int = 0, scale: bool = False
-                 ) -> ManagerResult:
+                 options: dict[str, Any], scale: bool = False) -> ManagerResult:
     """One replay in this process with cyclic GC off (as timeit does); with `scale`, also
     the construction time and the bookkeeping bytes per block."""
+    side_cls = VllmSide if kind == "vllm" else KvstoreSide
     layout = scenario.split("/")[0]
     build_s = per_block = 0.0
     if scale:
         gc.collect()
         tracemalloc.start()
         t0 = time.perf_counter()
-        make_side(kind, layout, num_blocks, options)
+        side_cls(layout, num_blocks, options)
         build_s = time.perf_counter() - t0
         per_block = tracemalloc.get_traced_memory()[1] / num_blocks
         tracemalloc.stop()
-    side = make_side(kind, layout, num_blocks, options)
-    prof = cProfile.Profile() if profile_top else None
+    side = side_cls(layout, num_blocks, options)
     gc.collect()
     gc.disable()
     try:
-        if prof:
-            prof.enable()
         res = drive(side, specs, scenario, num_blocks)
-        if prof:
-            prof.disable()
     finally:
         gc.enable()
     res.build_s, res.bytes_per_block = build_s, per_block
-    if prof:
-        res.profile = hotspots(prof, profile_top)
     return res
-
-
-def hotspots(prof: cProfile.Profile, top: int) -> str:
-    """The top functions by own time, as a text table."""
-    table = pstats.Stats(prof).stats  # type: ignore[attr-defined]  # untyped in pstats
-    rows = sorted(((tt, ct, nc, f"{fn.split('/')[-1]}:{line}({func})")
-                   for (fn, line, func), (_cc, nc, tt, ct, _callers) in table.items()
-                   if not fn.endswith("manager.py") or "kv_cache" in fn), reverse=True)[:top]
-    buf = io.StringIO()
-    buf.write(f"{'own s':>8} {'cum s':>8} {'calls':>9} {'own µs':>8}  function\n")
-    for tt, ct, nc, name in rows:
-        buf.write(f"{tt:8.3f} {ct:8.3f} {nc:9d} {1e6 * tt / nc:8.2f}  {name}\n")
-    return buf.getvalue()
 
 
 def worker_main(kind: str) -> None:
@@ -477,8 +420,7 @@ def worker_main(kind: str) -> None:
                 out = {"requests": len(specs)}
             else:
                 out = asdict(run_scenario(kind, cmd["scenario"], cmd["num_blocks"], specs,
-                                          cmd.get("options", {}), cmd.get("profile_top", 0),
-                                          cmd.get("scale", False)))
+                                          cmd.get("options", {}), cmd.get("scale", False)))
         except Exception as exc:  # reported to the parent, which decides
             out = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(out), flush=True)
@@ -524,11 +466,17 @@ class Worker:
         out: dict[str, Any] = json.loads(line)
         return out
 
-    def result(self, cmd: dict[str, Any]) -> ManagerResult:
-        """Run one scenario command with this side's options; RuntimeError on its error."""
-        out = self.ask({**cmd, "options": self.options})
+    def result(self, scenario: str, num_blocks: int | None = None,
+               **extra: Any) -> ManagerResult:
+        """Replay `scenario` (on its pool unless `num_blocks`) with this side's options;
+        RuntimeError on its error."""
+        layout, _, regime = scenario.partition("/")
+        if num_blocks is None:
+            num_blocks = POOLS[layout][regime == "roomy"]
+        out = self.ask({"cmd": "scenario", "scenario": scenario, "num_blocks": num_blocks,
+                        "options": self.options, **extra})
         if "error" in out:
-            raise RuntimeError(f"{self.label}, {cmd.get('scenario')}: {out['error']}")
+            raise RuntimeError(f"{self.label}, {scenario}: {out['error']}")
         return ManagerResult(**{f.name: out[f.name] for f in fields(ManagerResult)})
 
     def close(self) -> None:
@@ -539,10 +487,8 @@ class Worker:
 
 
 def make_specs(workload: str, num_requests: int, seed: int = 0) -> list[Spec]:
-    """The named workload: ``shared-prefix`` (prompts of 500..2000 tokens opening with one of
-    8 Zipf-weighted system prompts of 200..800 tokens, 100..300 output tokens, all waiting
-    at the start), ``chat`` (multi-turn conversations quoting earlier outputs) or
-    ``few-shot`` (prefixes that do not end on block boundaries)."""
+    """The named workload (``shared-prefix``, ``chat`` or ``few-shot``: docs/cache_layer.md),
+    seeded."""
     import numpy as np
 
     from kvstore.benchmarks import workloads as wl
@@ -607,8 +553,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, help="alternated replays, fastest kept "
                    "(default: 3, 1 with --quick)")
     p.add_argument("--scenarios", type=name_list(tuple(SCENARIOS)), default=list(SCENARIOS),
-                   metavar="LIST",
-                   help=f"comma list of {', '.join(SCENARIOS)}")
+                   metavar="LIST", help=f"comma list of {', '.join(SCENARIOS)}")
     p.add_argument("--vs", metavar="REV", help="also run this git revision's kvstore/ "
                    "(a temporary worktree)")
     p.add_argument("--vllm", metavar="PYTHON",
@@ -618,9 +563,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "eviction=window or enable_partial_hits=false (repeatable)")
     p.add_argument("--scale", action="store_true", help="also pools of 16k, 100k and 1M "
                    "blocks (full layout, roomy): build time, bytes per block, call costs")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="cProfile each scenario of this revision and print the top N functions")
-    p.add_argument("--worker", choices=("kvstore", "vllm"), help=argparse.SUPPRESS)
 
 
 def _fmt(x: float | None, digits: int = 1) -> str:
@@ -634,7 +576,6 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="kvstore_manager_"))
     workers: list[Worker] = []
-    worktree: Path | None = None
     git = ["git", "-C", str(REPO)]
     try:
         this = subprocess.run([*git, "describe", "--always", "--dirty"], capture_output=True,
@@ -666,14 +607,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {w.label}: {w.where}")
         best: dict[str, list[ManagerResult]] = {w.label: [] for w in workers}
         for k, scenario in enumerate(args.scenarios, 1):
-            layout, regime = scenario.split("/")
-            cmd = {"cmd": "scenario", "scenario": scenario,
-                   "num_blocks": POOLS[layout][regime == "roomy"]}
             print(f"  [{k}/{len(args.scenarios)}] {scenario} ...", file=sys.stderr, flush=True)
             kept: dict[str, ManagerResult] = {}
             for _ in range(repeats):
                 for w in workers:
-                    r = w.result(cmd)
+                    r = w.result(scenario)
                     if w.label not in kept or r.manager_s < kept[w.label].manager_s:
                         kept[w.label] = r
             for w in workers:
@@ -685,29 +623,21 @@ def run(args: argparse.Namespace) -> int:
             print_ratios(w.label, mine, best[w.label])
         if args.scale:
             print("\nScale: full layout, roomy pools (no eviction)\n")
-            print(f"{'side':<24} {'blocks':>9} {'build s':>7} {'B/block':>7} {'lookup':>7} "
-                  f"{'admit':>7} {'decode':>7} {'free':>7}")
+            print(f"{'side':<24} {'blocks':>9} {'build s':>7} {'B/block':>7} "
+                  + " ".join(f"{c:>7}" for c in CALLS))
             for n in (16_000, 100_000) if args.quick else (16_000, 100_000, 1_000_000):
                 for w in workers:
-                    r = w.result({"cmd": "scenario", "scenario": "full/roomy", "num_blocks": n,
-                                  "scale": True})
+                    r = w.result("full/roomy", n, scale=True)
                     print(f"{w.label[:24]:<24} {n:>9,} {r.build_s:>7.2f} {r.bytes_per_block:>7.0f} "
-                          + " ".join(f"{_fmt(r.us(c), 2):>7}" for c in ("lookup", "admit",
-                                                                         "decode", "free")))
-        if args.profile:
-            for scenario in args.scenarios:
-                layout, regime = scenario.split("/")
-                r = workers[0].result({"cmd": "scenario", "scenario": scenario, "profile_top":
-                                       args.profile, "num_blocks": POOLS[layout][regime == "roomy"]})
-                print(f"\ncProfile of {scenario} (this revision; profiling inflates every call)"
-                      f"\n{r.profile}")
+                          + " ".join(f"{_fmt(r.us(c), 2):>7}" for c in CALLS))
         print_headline(workers[0].label, mine, {w.label: best[w.label] for w in workers[1:]},
                        time.perf_counter() - t_start)
     finally:
         for w in workers:
             w.close()
-        if worktree is not None:
-            subprocess.run([*git, "worktree", "remove", "--force", str(worktree)], check=False)
+        if args.vs:
+            subprocess.run([*git, "worktree", "remove", "--force", str(tmp / "vs-worktree")],
+                           check=False)
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
     return 0
 
@@ -727,8 +657,8 @@ def print_side(label: str, rows: list[ManagerResult]) -> None:
 def print_ratios(label: str, mine: list[ManagerResult], other: list[ManagerResult]) -> None:
     """Per scenario, this revision's time over `label`'s (below 1: faster here)."""
     print(f"\nthis / {label}: time per call (below 1: faster here)")
-    print(f"{'scenario':<17} {'total':>6} {'lookup':>6} {'admit':>6} {'decode':>6} {'free':>6} "
-          f"{'hit here':>8} {'there':>6}")
+    print(f"{'scenario':<17} {'total':>6} " + " ".join(f"{c:>6}" for c in CALLS)
+          + f" {'hit here':>8} {'there':>6}")
 
     def ratio(a: ManagerResult, b: ManagerResult, call: str) -> str:
         x, y = a.us(call), b.us(call)
@@ -736,7 +666,7 @@ def print_ratios(label: str, mine: list[ManagerResult], other: list[ManagerResul
 
     for a, b in zip(mine, other, strict=True):
         print(f"{a.scenario:<17} {a.manager_s / b.manager_s:>6.3f} "
-              + " ".join(f"{ratio(a, b, c):>6}" for c in ("lookup", "admit", "decode", "free"))
+              + " ".join(f"{ratio(a, b, c):>6}" for c in CALLS)
               + f" {a.hit_rate:>8.4f} {b.hit_rate:>6.4f}")
 
 
@@ -755,14 +685,5 @@ def print_headline(label: str, mine: list[ManagerResult],
         print("  run with --vs REV (a git revision) or --vllm PYTHON to compare side by side")
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="kvstore bench manager")
-    add_arguments(ap)
-    ns = ap.parse_args()
-    if ns.worker:
-        worker_main(ns.worker)
-    else:
-        ns.usage_error = ap.error
-        raise SystemExit(run(ns))
-
-
+if __name__ == "__main__":  # the worker: ``manager.py --worker kvstore|vllm``
+    worker_main(sys.argv[2])

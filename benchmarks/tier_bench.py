@@ -1,25 +1,8 @@
-"""Transfer benchmark of the tiers, each path side by side with a plain copy of the same
-bytes, measured in one run:
-
-    kvstore bench tiers [--device cpu|cuda] [--blocks 64] [--layers 8]
-                                            [--store valkey://host:port/db] [--json PATH]
-
-* offload: ``gather_blocks`` (scattered pages of one group -> one host buffer, pinned on
-  CUDA) against ``host.copy_(contiguous device tensor)`` of the same bytes;
-* restore: ``scatter_blocks`` (host buffer -> scattered freshly chosen pages) against
-  ``device_tensor.copy_(host)``;
-* the full host-tier path: ``HostTier.store_blocks`` (gather straight into the arena's
-  slots, then header, tokens and XXH3-128 written in place), and ``HostTier.load`` (views of
-  the slots) + verify + scatter, against the same plain copies; and the generic path
-  (``offload_items``: gather + encode into new ``bytes``, then ``HostTier.store`` copying
-  them into slots);
-* store put/get: ``ValkeyStore.store_now`` / ``ValkeyStore.load`` (and ``load_verified``,
-  which also decodes) against raw pipelined SET / GET of the same keys and sizes through
-  the same ``redis`` client. Without ``--store`` a throwaway valkey-server is started on
-  127.0.0.1 (``--no-store`` skips this part).
-
-Each pair runs alternately ``--reps`` times; figures are medians (GB/s of payload bytes)
-and the ratio path / baseline."""
+"""``kvstore bench tiers``: each transfer path of the tiers side by side with a plain copy of
+the same bytes (gather/scatter, the host tier's paths, store values checksummed or sealed,
+XXH3 alone by thread count, Valkey put/get against raw pipelined SET/GET), alternated
+``--reps`` times; medians in GB/s of payload bytes and the ratio path / plain
+(docs/tiers.md, "Transfer figures")."""
 
 from __future__ import annotations
 
@@ -28,9 +11,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
+import xxhash
 
 from kvstore.benchmarks.output import write_json
 from kvstore.hashing import hash_block, root_hash
@@ -51,35 +37,39 @@ from kvstore.tiers import (
     scatter_blocks,
 )
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
+CHECKSUM_THREADS = (1, 2, 4, 8, 16)
 
 
 def side_by_side(path: Callable[[], object], base: Callable[[], object], nbytes: int,
                  device: torch.device, reps: int) -> dict[str, float]:
     """Median GB/s of ``path`` and ``base`` run alternately, and their ratio."""
+
+    def seconds(fn: Callable[[], object]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
     path()
     base()
     tp, tb = [], []
     for _ in range(reps):
-        tp.append(_time(path, device))
-        tb.append(_time(base, device))
+        tp.append(seconds(path))
+        tb.append(seconds(base))
     gp, gb = nbytes / statistics.median(tp) / 1e9, nbytes / statistics.median(tb) / 1e9
     return {"path_GBps": round(gp, 3), "plain_GBps": round(gb, 3), "ratio": round(gp / gb, 3)}
 
 
+def xxh3_all(pool: ThreadPoolExecutor, views: list[memoryview]) -> list[bytes]:
+    """XXH3-128 digests of every view, spread over `pool` (the tier checksum's rate)."""
+    return list(pool.map(lambda v: xxhash.xxh3_128(v).digest(), views))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """All measurements, as a dict of rows."""
+    """All measurements: the configuration under ``config``, then one row per path."""
     device = torch.device(args.device)
     spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_dim, args.dtype)
     config = make_kv_cache_config([spec] * args.layers, num_blocks=args.pool_blocks)
@@ -102,19 +92,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "blocks_per_batch": n, "block_payload_bytes": P, "batch_bytes": nbytes,
         "torch_threads": torch.get_num_threads()}}
 
-    def plain_d2h() -> None:
+    def d2h() -> None:
         host_flat.copy_(dev_contig, non_blocking=pin)
 
-    def plain_h2d() -> None:
+    def h2d() -> None:
         dev_contig.copy_(host_flat, non_blocking=pin)
-
-    def pair(name: str, path: Callable[[], object], plain: Callable[[], object]) -> None:
-        rows[name] = side_by_side(path, plain, nbytes, device, args.reps)
-
-    pair("offload (gather pages -> host buffer)",
-         lambda: gather_blocks(cache, 0, src_ids, out=host), plain_d2h)
-    pair("restore (host buffer -> scattered pages)",
-         lambda: scatter_blocks(cache, 0, dst_ids, host), plain_h2d)
 
     layout = BlockLayout("bench-model", spec, config.groups[0].layer_ids)
     tokens = [[i * args.block_size + j for j in range(args.block_size)] for i in range(n)]
@@ -125,66 +107,79 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keys = request_keys(layout, hashes, None)
     tier = HostTier(4 * n * HostTier.slot_nbytes_for(layout), pin=pin)
 
-    def in_process(layout: BlockLayout, key: bytes, token_ids: Any, value: Any, counters: Any) -> Any:
+    def in_process(layout: BlockLayout, key: bytes, token_ids: Any, value: Any,
+                   counters: Any) -> Any:
         return decode_block(layout, key, token_ids, value, counters, trusted=True)
 
-    # The engine's path: values that stay in this process carry no checksum.
-    pair("host tier offload, engine (store_blocks, no checksum)",
-         lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens, checksum=False), plain_d2h)
-    pair("host tier restore, engine (load + check header/tokens + scatter)",
-         lambda: restore_payloads(cache, 0, dst_ids, load_verified(
-             tier, layout, keys, tokens, in_process, hashes=False)), plain_h2d)
-    k = cache.key_caches[0].view(torch.uint8)
-    assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
-    pair("host tier offload (store_blocks: gather into slots + seal)",
-         lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens), plain_d2h)
-    pair("host tier restore (load + verify + scatter)",
-         lambda: restore_payloads(cache, 0, dst_ids, load_verified(tier, layout, keys, tokens)),
-         plain_h2d)
-    assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
-    pair("host tier verify only (load + XXH3 of every value)",
-         lambda: load_verified(tier, layout, keys, tokens), plain_h2d)
-    pair("host tier offload, generic (offload_items + store)",
-         lambda: tier.store(offload_items(cache, layout, 0, src_ids, keys, tokens)), plain_d2h)
+    def restored_equal() -> None:
+        k = cache.key_caches[0].view(torch.uint8)
+        assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
 
-    sealed_rows(rows, offload_items(cache, layout, 0, src_ids, keys, tokens), layout, tokens, device,
-                args.reps, nbytes, plain_d2h)
+    # The engine's host path: values that stay in this process carry no checksum.
+    paths: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
+        ("offload (gather pages -> host buffer)",
+         lambda: gather_blocks(cache, 0, src_ids, out=host), d2h),
+        ("restore (host buffer -> scattered pages)",
+         lambda: scatter_blocks(cache, 0, dst_ids, host), h2d),
+        ("host tier offload, engine (store_blocks, no checksum)",
+         lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens, checksum=False), d2h),
+        ("host tier restore, engine (load + check header/tokens + scatter)",
+         lambda: restore_payloads(cache, 0, dst_ids, load_verified(
+             tier, layout, keys, tokens, in_process, hashes=False)), h2d),
+        ("host tier offload (store_blocks: gather into slots + seal)",
+         lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens), d2h),
+        ("host tier restore (load + verify + scatter)",
+         lambda: restore_payloads(cache, 0, dst_ids, load_verified(tier, layout, keys, tokens)),
+         h2d),
+        ("host tier verify only (load + XXH3 of every value)",
+         lambda: load_verified(tier, layout, keys, tokens), h2d),
+        ("host tier offload, generic (offload_items + store)",
+         lambda: tier.store(offload_items(cache, layout, 0, src_ids, keys, tokens)), d2h)]
+    for name, path, plain in paths:
+        rows[name] = side_by_side(path, plain, nbytes, device, args.reps)
+        if name.startswith("host tier restore"):
+            restored_equal()
+    items = offload_items(cache, layout, 0, src_ids, keys, tokens)
+    for name, path in value_paths(items, layout, tokens):
+        rows[name] = side_by_side(path, d2h, nbytes, device, args.reps)
+    views = [memoryview(host[i].numpy().data) for i in range(n)]
+    for threads in CHECKSUM_THREADS:
+        with ThreadPoolExecutor(threads) as pool:
+            rows[f"checksum only: XXH3-128 of host buffer, {threads} thread(s)"] = side_by_side(
+                partial(xxh3_all, pool, views), d2h, nbytes, device, args.reps)
     if not args.no_store:
-        rows.update(store_rows(args, offload_items(cache, layout, 0, src_ids, keys, tokens),
-                               layout, tokens, device))
+        rows.update(store_rows(args, items, layout, tokens, device))
     return rows
 
 
-def sealed_rows(rows: dict[str, Any], items: list, layout: BlockLayout, tokens: list,
-                device: torch.device, reps: int, nbytes: int, plain: Callable[[], object]) -> None:
-    """What a store value costs on this side of the socket, sealed (AES-256-GCM) or with its
-    checksum only, against the same plain copy."""
+def value_paths(items: list, layout: BlockLayout, tokens: list
+                ) -> list[tuple[str, Callable[[], object]]]:
+    """What a store value costs on this side of the socket, with its checksum only or
+    sealed (AES-256-GCM)."""
     from kvstore.tiers.seal import Sealer
 
     sealer = Sealer(b"tier bench secret, not a real one")
     root = root_hash(None)
-    keys = [k for k, _ in items]
-    values = [v for _, v in items]
+    triples = [(k, t, v) for (k, v), t in zip(items, tokens, strict=True)]
     sealed = [sealer.seal(root, k, v) for k, v in items]
 
+    def encode() -> list[bytes]:
+        return [encode_block(layout, k, t, v[-layout.payload_nbytes:]) for k, t, v in triples]
+
     def verify_checked() -> None:
-        for k, t, v in zip(keys, tokens, values, strict=True):
+        for k, t, v in triples:
             assert decode_block(layout, k, t, v) is not None
 
     def open_and_verify() -> None:
-        for k, t, v in zip(keys, tokens, sealed, strict=True):
-            assert decode_block(layout, k, t, sealer.open(root, k, v)) is not None
+        for (k, t, _), s in zip(triples, sealed, strict=True):
+            assert decode_block(layout, k, t, sealer.open(root, k, s)) is not None
 
-    rows["store value, checksum path: encode (XXH3) of gathered pages"] = side_by_side(
-        lambda: [encode_block(layout, k, t, v[-layout.payload_nbytes:])
-                 for k, t, v in zip(keys, tokens, values, strict=True)], plain, nbytes, device, reps)
-    rows["store value, sealed: encode + AES-GCM seal"] = side_by_side(
-        lambda: [sealer.seal(root, k, encode_block(layout, k, t, v[-layout.payload_nbytes:]))
-                 for k, t, v in zip(keys, tokens, values, strict=True)], plain, nbytes, device, reps)
-    rows["store value, checksum path: verify (XXH3)"] = side_by_side(
-        verify_checked, plain, nbytes, device, reps)
-    rows["store value, sealed: AES-GCM open + verify"] = side_by_side(
-        open_and_verify, plain, nbytes, device, reps)
+    return [("store value, checksum path: encode (XXH3) of gathered pages", encode),
+            ("store value, sealed: encode + AES-GCM seal",
+             lambda: [sealer.seal(root, k, encode_block(layout, k, t, v[-layout.payload_nbytes:]))
+                      for k, t, v in triples]),
+            ("store value, checksum path: verify (XXH3)", verify_checked),
+            ("store value, sealed: AES-GCM open + verify", open_and_verify)]
 
 
 def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, tokens: list,
@@ -193,13 +188,10 @@ def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, token
     from kvstore.benchmarks.valkey_server import ValkeyServer
     from kvstore.tiers.valkey_store import ValkeyStore
 
-    server = None
-    url = args.store
-    if url is None:
-        server = ValkeyServer().start()
-        url = server.url
+    server = None if args.store else ValkeyServer().start()
     try:
-        st = ValkeyStore(url, timeout_s=10.0, sync_stores=True, chunk=len(items))
+        st = ValkeyStore(args.store if server is None else server.url, timeout_s=10.0,
+                         sync_stores=True, chunk=len(items))
         assert st.ping(), f"no Valkey at {st.url}"
         client = st._get_client()
         assert client is not None, f"no client for {st.url}"
@@ -219,14 +211,12 @@ def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, token
                 pipe.get(name)
             pipe.execute()
 
-        rows = {
-            "store put (ValkeyStore.store_now vs raw pipelined SET)": side_by_side(
-                lambda: st.store_now(items), raw_set, nbytes, device, args.reps),
-            "store get (ValkeyStore.load vs raw pipelined GET)": side_by_side(
-                lambda: st.load(keys), raw_get, nbytes, device, args.reps),
-            "store get + verify (load_verified vs raw pipelined GET)": side_by_side(
-                lambda: load_verified(st, layout, keys, tokens), raw_get, nbytes, device, args.reps),
-        }
+        rows = {name: side_by_side(path, raw, nbytes, device, args.reps) for name, path, raw in (
+            ("store put (ValkeyStore.store_now vs raw pipelined SET)",
+             lambda: st.store_now(items), raw_set),
+            ("store get (ValkeyStore.load vs raw pipelined GET)", lambda: st.load(keys), raw_get),
+            ("store get + verify (load_verified vs raw pipelined GET)",
+             lambda: load_verified(st, layout, keys, tokens), raw_get))}
         assert st.stats["errors"] == 0 and len(load_verified(st, layout, keys, tokens)) == len(keys)
         st.delete(keys)
         st.close()
@@ -242,8 +232,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="kvstore bench tiers")
     add_tier_arguments(p)
+    p.set_defaults(usage_error=p.error)
     args = p.parse_args(argv)
-    args.usage_error = p.error
+    if args.engines:
+        from kvstore.benchmarks.tier_engines import run_command as run_engines
+
+        return run_engines(args)
     return run_command(args)
 
 

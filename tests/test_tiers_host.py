@@ -500,15 +500,21 @@ def test_held_slots_are_not_reused_until_released():
         [False, True, True, True]
 
 
-def test_checksum_bench_reports_every_thread_count(capsys):
-    from kvstore.benchmarks import checksum_bench
+def test_tier_bench_reports_the_checksum_at_every_thread_count(capsys):
+    from concurrent.futures import ThreadPoolExecutor
 
-    views = [memoryview(bytes(range(256)) * 16) for _ in range(4)]
-    assert checksum_bench.rate_gbps(views, 2, reps=2) > 0
-    assert checksum_bench.main(["--blocks", "4", "--block-bytes", "4096"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if "threads=" in line]
-    kinds = 2 if torch.cuda.is_available() else 1
-    assert len(lines) == 5 * kinds and all(line.endswith("GB/s") for line in lines)
+    import xxhash
+
+    from kvstore.benchmarks import tier_bench
+
+    views = [memoryview(bytes([i]) * 4096) for i in range(4)]
+    with ThreadPoolExecutor(2) as pool:
+        assert tier_bench.xxh3_all(pool, views) == [xxhash.xxh3_128(v).digest() for v in views]
+    assert tier_bench.main(["--no-store", "--reps", "1", "--blocks", "2", "--pool-blocks", "8",
+                            "--layers", "1", "--kv-heads", "1", "--head-dim", "8"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("checksum")]
+    assert [row.split(",")[1].split()[0] for row in rows] == [
+        str(t) for t in tier_bench.CHECKSUM_THREADS]
 
 
 def test_values_kept_in_process_skip_the_checksum_and_leave_it_with_their_copies():
