@@ -1,4 +1,5 @@
-"""``kvstore bench``: the prefix-reuse sweep on a workload, as a table, plots, JSON and CSV.
+"""``kvstore bench``: the parser of every benchmark question, and the sweep's table, headline,
+figures, JSON and CSV (docs/benchmarks.md).
 
 For every pool size (a KV byte budget for a model shape) and every policy (naive
 reservation, paged, full-block prefix caching, partial hits, hybrid layout) it replays
@@ -6,10 +7,6 @@ the workload through the real scheduler and cache manager and reports hit rates 
 the unbounded replay and the ideal, the cost (evictions, preemptions, recomputed
 tokens, steps) and the memory (peak in use, reserved but idle). On a Mooncake trace it
 also replays the hash-level hit-rate-vs-capacity curve next to the paper's points.
-
-Each run writes into a fresh timestamped subfolder of ``--out`` (``--in-place``: into
-``--out`` itself, as for ``docs/figures``). Ctrl-C stops the workers, keeps the replays
-that finished (JSON, CSV and tables) and exits with status 130.
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ from kvstore.benchmarks.output import (
     save_figure,
     write_csv,
     write_json,
-    write_text,
 )
-from kvstore.benchmarks.simulator import StepTime, TierOptions, open_store, parse_mem_store
+from kvstore.benchmarks.simulator import SimResult, StepTime, TierOptions, open_store, parse_mem_store
 from kvstore.benchmarks.sweep import (
     DEFAULT_POLICIES,
     MODEL_SHAPES,
@@ -44,7 +40,6 @@ from kvstore.benchmarks.sweep import (
     SweepInterrupted,
     SweepResult,
     SweepRow,
-    SweepTask,
     format_bytes,
     hybrid_layout_line,
     parse_pool_sizes,
@@ -66,9 +61,7 @@ TRACE_WORKLOADS: dict[str, str] = {
     "azure-code": "azure_code",
     "azure-conv": "azure_conv",
 }
-# Requests taken from a trace when --limit is not given (token-level replay of a whole
-# trace takes hours).
-DEFAULT_TRACE_LIMIT = 200
+DEFAULT_TRACE_LIMIT = 200  # a token-level replay of a whole trace takes hours
 QUICK_LIMIT = 60
 QUICK_POINTS = 4
 DEFAULT_POINTS = 10
@@ -78,10 +71,8 @@ EXIT_NOTHING_FITS = 1
 
 def load_bench_workload(name: str, trace: str | Path | None = None, limit: int | None = None,
                         seed: int = 0) -> Workload:
-    """A built-in workload (first `limit` requests by arrival) or a trace's first `limit`
-    rows (default ``DEFAULT_TRACE_LIMIT``) as a token-level workload.
-
-    FileNotFoundError (saying where to get it) when a trace workload's file is missing."""
+    """A built-in workload (its first `limit` requests) or a trace's first `limit` rows
+    (default ``DEFAULT_TRACE_LIMIT``); FileNotFoundError when a trace file is missing."""
     from kvstore.benchmarks import traces
 
     if name in TRACE_WORKLOADS:
@@ -98,7 +89,7 @@ def load_bench_workload(name: str, trace: str | Path | None = None, limit: int |
     return w
 
 
-# ------------------------------------------------------------------------------ output
+# ------------------------------------------------------------------------------ tables
 
 
 def _pct(x: float | None) -> str:
@@ -114,9 +105,16 @@ def _count(n: float) -> str:
     return f"{n / 1e3:.1f}k" if n >= 1e4 else f"{n:.0f}"
 
 
-# The table's columns: (name, name in the narrow table or None, justify). The narrow
-# table fits 80 terminal columns (leaving out _DROP_ORDER's columns, in order, until it
-# does); --wide shows all of them. The tier columns appear only in a sweep with tiers.
+def _seconds(x: float | None) -> str:
+    """At most 6 characters: ``0.52s``, ``12.3s``, ``1234s``, ``1.2e5s``."""
+    if x is None:
+        return "-"
+    return f"{x:.2f}s" if x < 10 else f"{x:.1f}s" if x < 100 else f"{x:.0f}s" if x < 1e4 else f"{x:.1e}s"
+
+
+# The table's columns: (name, name in the narrow table or None, justify). The narrow table
+# leaves out _DROP_ORDER's columns, in order, until it fits TABLE_WIDTH; the tier columns
+# appear only in a sweep with tiers.
 _COLUMNS: tuple[tuple[str, str | None, Literal["left", "right"]], ...] = (
     ("KV budget", "KV budget", "right"), ("policy", "policy", "left"), ("blocks", None, "right"),
     ("hit", "hit", "right"), ("device", None, "right"), ("host", "host", "right"),
@@ -150,48 +148,30 @@ def table_legend(result: SweepResult) -> str:
                if not all(r.feasible for r in result.rows) else ""))
 
 
-def _short_bytes(n: float) -> str:
-    """At most 8 characters: ``39.2 GiB``, ``1020 MiB``."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            x = n / scale
-            return f"{x:.3g} {unit}" if abs(x) < 1000 else f"{x:.0f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _seconds(x: float | None) -> str:
-    """At most 6 characters: ``0.52s``, ``12.3s``, ``1234s``, ``1.2e5s``."""
-    if x is None:
-        return "-"
-    return f"{x:.2f}s" if x < 10 else f"{x:.1f}s" if x < 100 else f"{x:.0f}s" if x < 1e4 else f"{x:.1e}s"
-
-
 def _cells(r: SweepRow, wide: bool) -> list[str]:
     """Every column's cell of one row, in ``_COLUMNS`` order."""
-    size = format_bytes if wide else _short_bytes
-    budget = r.budget_label if wide else _short_bytes(r.budget_bytes or 0)
-    if r.metrics is None:
-        return [budget or "", r.policy, str(r.num_blocks), *(["-"] * (len(_COLUMNS) - 4)),
-                "[red]does not fit[/red]" if wide else "[red]no fit[/red]"]
+    budget = format_bytes(r.budget_bytes or 0)
     m = r.metrics
+    if m is None:
+        return [budget, r.policy, str(r.num_blocks), *(["-"] * (len(_COLUMNS) - 4)),
+                "[red]does not fit[/red]" if wide else "[red]no fit[/red]"]
     policy = policy_named(r.policy)
     caching = policy.enable_caching
-    tiered = policy.tiered
 
-    def share(n: int) -> str:
-        return _pct(n / m.prompt_tokens if m.prompt_tokens else 0.0)
+    def share(n: int, shown: bool) -> str:
+        return _pct(n / m.prompt_tokens if m.prompt_tokens else 0.0) if shown else "-"
 
-    return [budget or "", r.policy, str(r.num_blocks),
+    return [budget, r.policy, str(r.num_blocks),
             _pct(m.prompt_hit_rate) if caching else "-",
-            share(m.prompt_device_hit_tokens) if caching else "-",
-            share(m.prompt_host_hit_tokens) if tiered else "-",
-            share(m.prompt_store_hit_tokens) if tiered else "-",
+            share(m.prompt_device_hit_tokens, caching), share(m.prompt_host_hit_tokens, policy.tiered),
+            share(m.prompt_store_hit_tokens, policy.tiered),
             _pct(m.total_hit_rate) if caching else "-",
             _pct(r.vs_unbounded), _pct(r.vs_ideal),
             _count(m.partial_hit_tokens) if caching else "-",
             _count(m.evictions), str(m.preemptions), _count(m.recomputed_tokens),
             _count(m.computed_tokens), str(m.steps), f"{m.mean_running:.1f}",
-            _seconds(r.model_time_s), size(m.peak_kv_bytes), size(m.mean_idle_bytes)]
+            _seconds(r.model_time_s), format_bytes(m.peak_kv_bytes),
+            format_bytes(m.mean_idle_bytes)]
 
 
 def _table(result: SweepResult, wide: bool, drop: Sequence[str] = ()) -> Any:
@@ -201,15 +181,14 @@ def _table(result: SweepResult, wide: bool, drop: Sequence[str] = ()) -> Any:
     m = result.meta
     title = (f"{m.workload} on {m.model_shape} (block {m.block_size}): ideal hit "
              f"{_pct(m.ideal_token_hit_rate)} token / {_pct(m.ideal_block_hit_rate)} block")
-    tiers = bool(m.tiers)
-    if tiers:
+    if m.tiers:
         title += "; tiers: " + TierOptions(m.tiers.get("host_bytes"), m.tiers.get("store")).describe()
     if wide:
         t = Table(title=title, show_lines=False)
     else:  # no borders or padding: one space between columns
         t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     keep = [i for i, (name, narrow, _) in enumerate(_COLUMNS)
-            if (tiers or name not in _TIER_COLUMNS) and name not in drop and (wide or narrow)]
+            if (m.tiers or name not in _TIER_COLUMNS) and name not in drop and (wide or narrow)]
     for i in keep:
         name, narrow, just = _COLUMNS[i]
         t.add_column(name if wide else narrow or name, justify=just, no_wrap=True)
@@ -225,30 +204,31 @@ def _table(result: SweepResult, wide: bool, drop: Sequence[str] = ()) -> Any:
     return t
 
 
-def _width(table: Any) -> int:
+def _render(table: Any, width: int) -> str:
+    """`table` as plain text at a console `width`."""
     import io
 
     from rich.console import Console
 
     buf = io.StringIO()
-    Console(file=buf, width=1000, color_system=None).print(table)
-    return max((len(line.rstrip()) for line in buf.getvalue().splitlines()[1:]), default=0)
+    Console(file=buf, width=width, color_system=None).print(table)
+    return buf.getvalue()
 
 
 def print_table(result: SweepResult, console: Any, wide: bool = False) -> list[str]:
-    """The sweep as a rich table, a row per (budget, policy), and the per-group table.
-
-    Narrow (the default): the columns that fit 80 terminal columns and a legend; returns
-    the columns left out. When even the fewest columns do not fit (very long policy
-    names), one line says so instead of the table (``write_wide_table`` has it all).
-    With `wide`: every column."""
+    """The sweep as a rich table (a row per budget and policy) and the per-group table.
+    Narrow (the default): the columns that fit ``TABLE_WIDTH`` and a legend, or one line
+    when even the fewest do not fit; returns the columns left out."""
     drop: list[str] = []
-    table = _table(result, wide)
-    while not wide and _width(table) > TABLE_WIDTH and len(drop) < len(_DROP_ORDER):
-        drop.append(_DROP_ORDER[len(drop)])
+    while True:
         table = _table(result, wide, drop)
-    if not wide and _width(table) > TABLE_WIDTH:
-        console.print(f"the table needs {_width(table)} columns even without "
+        width = max((len(line.rstrip()) for line in _render(table, 1000).splitlines()[1:]),
+                    default=0)
+        if wide or width <= TABLE_WIDTH or len(drop) == len(_DROP_ORDER):
+            break
+        drop.append(_DROP_ORDER[len(drop)])
+    if not wide and width > TABLE_WIDTH:
+        console.print(f"the table needs {width} columns even without "
                       f"{', '.join(drop)} (long policy names): it is in table.txt only")
         return drop
     console.print(table)
@@ -258,18 +238,9 @@ def print_table(result: SweepResult, console: Any, wide: bool = False) -> list[s
     return drop
 
 
-def write_wide_table(result: SweepResult, path: Path) -> None:
-    """Every column of the sweep's table, as text."""
-    from rich.console import Console
-
-    with open(path, "w", encoding="utf-8") as f:
-        Console(file=f, width=400, color_system=None).print(_table(result, wide=True))
-
-
 def print_group_table(result: SweepResult, console: Any) -> None:
-    """Per budget and hybrid policy (a row per replay with sliding-window groups), what its
-    full-attention and sliding-window groups kept (cached pages, mean over steps) and
-    evicted, next to the all-full partial replay at the same budget."""
+    """Per budget and hybrid policy, what its full-attention and sliding-window groups kept
+    (cached pages, mean over steps) and evicted, next to the all-full partial replay."""
     from rich import box
     from rich.table import Table
 
@@ -289,64 +260,130 @@ def print_group_table(result: SweepResult, console: Any) -> None:
         assert m is not None
         (full_kept, full_evicted), (window_kept, window_evicted) = (
             m.kept_and_evicted(kind) for kind in ("full", "window"))
-        t.add_row(_short_bytes(r.budget_bytes or 0), r.policy, _pct(m.prompt_hit_rate),
+        t.add_row(format_bytes(r.budget_bytes or 0), r.policy, _pct(m.prompt_hit_rate),
                   _count(round(full_kept)), _count(full_evicted),
                   _count(round(window_kept)) if r in rows else "-",
                   _count(window_evicted) if r in rows else "-")
     console.print(t)
 
 
-def _series(result: SweepResult, keys: Sequence[str]) -> list[dict[str, Any]]:
-    out = []
-    for r in result.rows:
-        if not r.feasible or r.budget_bytes is None:
+def markdown_tables(result: SweepResult) -> str:
+    """The sweep's two summary tables (hit rate and cost; paged vs naive) as Markdown."""
+    fit = {(r.policy, r.point): r for r in result.rows if r.metrics is not None}
+    points = sorted({r.point for r in result.rows})
+    policies = list(result.meta.policies)
+    caching = [p for p in policies if POLICIES[p].enable_caching]
+    show = [p for p in ("paged", "partial") if p in policies]
+
+    def m(policy: str, i: int) -> SimResult | None:
+        r = fit.get((policy, i))
+        return r.metrics if r else None
+
+    def size(x: float) -> str:
+        return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.0f} MiB"
+
+    lines = ["| KV budget | blocks | " + " | ".join(f"{p} hit" for p in caching)
+             + " | vs ideal | partial-hit tokens | evictions | preemptions | recomputed | computed |",
+             "|---" * (8 + len(caching)) + "|"]
+    for i in points:
+        first = next((fit[p, i] for p in policies if (p, i) in fit), None)
+        if first is None:
             continue
-        flat = r.as_dict()
-        row = {"policy": r.policy, "budget_bytes": r.budget_bytes,
-               "budget_gib": r.budget_bytes / 2**30}
-        row.update({k: flat.get(k) for k in keys})
-        out.append(row)
-    return out
+        ref = fit.get(("partial" if ("partial", i) in fit else caching[0], i)) if caching else None
+        blocks = " / ".join(str(fit[p, i].num_blocks) for p in ("partial", "hybrid")
+                            if (p, i) in fit) or str(first.num_blocks)
+        hits = " | ".join("-" if (x := m(p, i)) is None else f"{100 * x.prompt_hit_rate:.1f}%"
+                          for p in caching)
+        counts = [" / ".join("-" if (x := m(p, i)) is None else f"{getattr(x, key):,}"
+                             for p in show)
+                  for key in ("preemptions", "recomputed_tokens", "computed_tokens")]
+        r = ref.metrics if ref else None
+        lines.append(f"| {first.budget_label} | {blocks} | {hits} | "
+                     f"{_pct(ref.vs_ideal) if ref and r else '-'} | "
+                     f"{r.partial_hit_tokens if r else '-'} | {r.evictions if r else '-'} | "
+                     f"{' | '.join(counts)} |")
+    lines += ["", f"Blocks: partial / hybrid layouts. Preemptions, recomputed and computed: "
+              f"{' / '.join(show)}. vs ideal, partial-hit tokens, evictions: partial.", "",
+              "| KV budget | steps naive | steps paged | steps partial | naive / paged | idle reserved "
+              "naive (mean, % of pool) | idle reserved paged | peak in use naive / paged / partial "
+              "| computed naive / paged |", "|---" * 9 + "|"]
+    for i in points:
+        n, pa, pt = m("naive", i), m("paged", i), m("partial", i)
+        if n and pa and pt:
+            lines.append(
+                f"| {fit['partial', i].budget_label} | {n.steps} | {pa.steps} | {pt.steps} | "
+                f"{n.steps / pa.steps:.2f} | {size(n.mean_idle_bytes)} "
+                f"({100 * n.mean_idle_fraction:.1f}%) | {size(pa.mean_idle_bytes)} "
+                f"({100 * pa.mean_idle_fraction:.2f}%) | {size(n.peak_kv_bytes)} / "
+                f"{size(pa.peak_kv_bytes)} / {size(pt.peak_kv_bytes)} | "
+                f"{n.computed_tokens:,} / {pa.computed_tokens:,} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- figures
 
 
 _STYLE = {
     "naive": ("tab:red", "s"), "paged": ("tab:gray", "o"), "prefix": ("tab:blue", "^"),
     "partial": ("tab:green", "v"), "hybrid": ("tab:purple", "D"),
 }
+# A panel: (metric, title, policies, y scale divisor, log y: plot only positive values).
+Panel = tuple[str, str, Sequence[str], float, bool]
 
 
-def _plot_metric(ax: Any, data: Sequence[dict[str, Any]], key: str, policies: Sequence[str],
-                 scale: float = 1.0) -> None:
-    for p in policies:
-        pts = [(d["budget_gib"], d[key]) for d in data if d["policy"] == p and d[key] is not None]
-        if not pts:
-            continue
-        base = p.removesuffix("+tiers")  # a tiered run: its policy's color, dashed
-        color, marker = _STYLE.get(base, (None, "o"))
-        ax.plot([x for x, _ in pts], [y / scale for _, y in pts], marker=marker, color=color,
-                label=p, ms=5, ls="--" if base != p else "-")
-    mark_x(ax, [d["budget_gib"] for d in data], lambda b: _short_bytes(b * 2**30))
-    ax.invert_xaxis()
-    ax.grid(True, which="both", alpha=0.3)
+def _series(result: SweepResult, keys: Sequence[str]) -> list[dict[str, Any]]:
+    out = []
+    for r in result.rows:
+        if r.feasible and r.budget_bytes is not None:
+            flat = r.as_dict()
+            out.append({"policy": r.policy, "budget_bytes": r.budget_bytes,
+                        "budget_gib": r.budget_bytes / 2**30, **{k: flat.get(k) for k in keys}})
+    return out
 
 
-def _legend(ax: Any) -> None:
-    if ax.lines:
-        ax.legend(fontsize=8)
+def _plot_panels(axes: Sequence[Any], data: Sequence[dict[str, Any]], panels: Sequence[Panel]) -> None:
+    """Each panel's metric against the budget (log x, largest budget left), a line per policy
+    (a tiered one dashed, in its base policy's colour)."""
+    for ax, (key, title, policies, scale, log) in zip(axes, panels, strict=True):
+        shown = [d for d in data if not log or (d[key] or 0) > 0]
+        for p in policies:
+            pts = [(d["budget_gib"], d[key]) for d in shown if d["policy"] == p and d[key] is not None]
+            if pts:
+                base = p.removesuffix("+tiers")
+                color, marker = _STYLE.get(base, (None, "o"))
+                ax.plot([x for x, _ in pts], [y / scale for _, y in pts], marker=marker,
+                        color=color, label=p, ms=5, ls="--" if base != p else "-")
+        mark_x(ax, [d["budget_gib"] for d in shown], lambda b: format_bytes(b * 2**30))
+        ax.invert_xaxis()
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_title(title)
+        ax.set_xlabel("KV budget (GiB, log)")
+        if log:
+            ax.set_yscale("log")
+        if ax.lines:
+            ax.legend(fontsize=8)
 
 
 def write_figures(result: SweepResult, out: Path, run: RunInfo | None = None) -> list[Path]:
-    """The sweep's figures as PNG, each with a JSON (carrying `run` when given) and a CSV
-    of what it plots."""
+    """The sweep's three figures as PNG, each with a JSON (carrying `run` when given) and a
+    CSV of what it plots."""
     plt = pyplot()
-
     m = result.meta
     policies = list(m.policies)
     caching = [p for p in policies if POLICIES[p].enable_caching]
     sub = f"{m.workload}, {m.model_shape}, block {m.block_size}"
     written: list[Path] = []
 
-    def save(fig: Any, name: str, data: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+    def figure(name: str, keys: Sequence[str], grid: tuple[int, int], size: tuple[float, float],
+               panels: Sequence[Panel], title: str | None = None,
+               finish: Callable[[Sequence[Any]], dict[str, Any]] = lambda axes: {}) -> None:
+        data = _series(result, keys)
+        fig, axes = plt.subplots(*grid, figsize=size)
+        axes = list(getattr(axes, "flat", axes))
+        _plot_panels(axes, data, panels)
+        if title:
+            fig.suptitle(title)
+        extra = finish(axes)
         save_figure(fig, out / f"{name}.png", dpi=110)
         write_csv(out / f"{name}.csv", data)
         doc = {"figure": name, **extra, "rows": data}
@@ -355,132 +392,55 @@ def write_figures(result: SweepResult, out: Path, run: RunInfo | None = None) ->
         write_json(out / f"{name}.json", doc)
         written.extend(out / f"{name}.{ext}" for ext in ("png", "json", "csv"))
 
-    # 1. Hit rate against pool size, with the unbounded replays and the ideal bounds.
-    data = _series(result, ("prompt_hit_rate", "hit_rate", "vs_unbounded", "vs_ideal",
-                            "partial_hit_tokens"))
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    _plot_metric(ax, data, "prompt_hit_rate", caching)
-    ax.axhline(m.ideal_token_hit_rate, color="k", ls="--", lw=1, label="ideal (token)")
-    ax.axhline(m.ideal_block_hit_rate, color="k", ls=":", lw=1, label="ideal (whole blocks)")
-    ax.set_xlabel("KV budget (GiB, log; smaller to the right)")
-    ax.set_ylabel("prompt tokens served from cache (first admission)")
-    ax.set_title(f"Prefix hit rate vs KV memory\n{sub}")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
-    _plot_metric(ax2, data, "partial_hit_tokens", [p for p in caching if POLICIES[p].enable_partial_hits])
-    ax2.set_xlabel("KV budget (GiB, log)")
-    ax2.set_ylabel("tokens reused by partial hits (copy-on-write)")
-    ax2.set_title("Partial-hit reuse" if ax2.lines else "Partial-hit reuse (no partial-hit policy)")
-    _legend(ax2)
-    save(fig, "hit_rate_vs_pool", data, {
-        "ideal_token_hit_rate": m.ideal_token_hit_rate,
-        "ideal_block_hit_rate": m.ideal_block_hit_rate,
-        "unbounded": {p: r.metrics.prompt_hit_rate if r.metrics else None
-                      for p, r in result.unbounded.items()}})
+    def hit_rate(axes: Sequence[Any]) -> dict[str, Any]:
+        ax, ax2 = axes
+        ax.axhline(m.ideal_token_hit_rate, color="k", ls="--", lw=1, label="ideal (token)")
+        ax.axhline(m.ideal_block_hit_rate, color="k", ls=":", lw=1, label="ideal (whole blocks)")
+        ax.set_xlabel("KV budget (GiB, log; smaller to the right)")
+        ax.set_ylabel("prompt tokens served from cache (first admission)")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+        ax2.set_ylabel("tokens reused by partial hits (copy-on-write)")
+        if not ax2.lines:
+            ax2.set_title("Partial-hit reuse (no partial-hit policy)")
+        return {"ideal_token_hit_rate": m.ideal_token_hit_rate,
+                "ideal_block_hit_rate": m.ideal_block_hit_rate,
+                "unbounded": {p: r.metrics.prompt_hit_rate if r.metrics else None
+                              for p, r in result.unbounded.items()}}
 
-    # 2. What it costs: work, recompute, preemptions, evictions.
-    keys: tuple[str, ...] = ("computed_tokens", "recomputed_tokens", "preemptions", "evictions")
-    data = _series(result, keys + ("saved_tokens",))
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    titles = ("tokens computed (total work)", "tokens recomputed after preemption",
-              "preemptions", "cache evictions")
-    for ax, key, title in zip(axes.flat, keys, titles, strict=True):
-        _plot_metric(ax, data, key, policies)
-        ax.set_title(title)
-        ax.set_xlabel("KV budget (GiB, log)")
-        _legend(ax)
-    fig.suptitle(f"Cost vs KV memory — {sub}")
-    save(fig, "cost_vs_pool", data, {})
-
-    # 3. Paged vs naive reservation: steps to finish, idle reserved memory, peak memory.
-    keys = ("steps", "mean_idle_bytes", "peak_kv_bytes")
-    data = _series(result, keys + ("mean_idle_fraction", "peak_idle_bytes", "finish_time"))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    _plot_metric(axes[0], data, "steps", policies)
-    axes[0].set_title("steps to finish the workload")
-    axes[0].set_yscale("log")
-    _plot_metric(axes[1], [d for d in data if d["mean_idle_bytes"] > 0], "mean_idle_bytes",
-                 policies, scale=2**20)
-    axes[1].set_title("reserved but idle KV, mean per step (MiB, log)")
-    axes[1].set_yscale("log")
-    _plot_metric(axes[2], data, "peak_kv_bytes", policies, scale=2**30)
-    axes[2].set_title("peak KV in use (GiB)")
-    for ax in axes:
-        ax.set_xlabel("KV budget (GiB, log)")
-        _legend(ax)
-    fig.suptitle(f"Paged vs naive reservation — {sub}")
-    save(fig, "paged_vs_naive", data, {})
+    figure("hit_rate_vs_pool", ("prompt_hit_rate", "hit_rate", "vs_unbounded", "vs_ideal",
+                                "partial_hit_tokens"), (1, 2), (12, 4.5),
+           [("prompt_hit_rate", f"Prefix hit rate vs KV memory\n{sub}", caching, 1.0, False),
+            ("partial_hit_tokens", "Partial-hit reuse",
+             [p for p in caching if POLICIES[p].enable_partial_hits], 1.0, False)],
+           finish=hit_rate)
+    figure("cost_vs_pool", ("computed_tokens", "recomputed_tokens", "preemptions", "evictions",
+                            "saved_tokens"), (2, 2), (12, 8),
+           [("computed_tokens", "tokens computed (total work)", policies, 1.0, False),
+            ("recomputed_tokens", "tokens recomputed after preemption", policies, 1.0, False),
+            ("preemptions", "preemptions", policies, 1.0, False),
+            ("evictions", "cache evictions", policies, 1.0, False)],
+           f"Cost vs KV memory — {sub}")
+    figure("paged_vs_naive", ("steps", "mean_idle_bytes", "peak_kv_bytes", "mean_idle_fraction",
+                              "peak_idle_bytes", "finish_time"), (1, 3), (15, 4.5),
+           [("steps", "steps to finish the workload", policies, 1.0, True),
+            ("mean_idle_bytes", "reserved but idle KV, mean per step (MiB, log)", policies,
+             2**20, True),
+            ("peak_kv_bytes", "peak KV in use (GiB)", policies, 2**30, False)],
+           f"Paged vs naive reservation — {sub}")
     return written
-
-
-def _size(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.0f} MiB"
-
-
-def markdown_tables(result: SweepResult) -> str:
-    """The sweep's two summary tables (hit rate and cost; paged vs naive) as Markdown."""
-    by = {(r.policy, r.point): r.metrics for r in result.rows if r.metrics is not None}
-    rows = {(r.policy, r.point): r for r in result.rows}
-    points = sorted({r.point for r in result.rows})
-    policies = list(result.meta.policies)
-    caching = [p for p in policies if POLICIES[p].enable_caching]
-    lines = ["| KV budget | blocks | " + " | ".join(f"{p} hit" for p in caching)
-             + " | vs ideal | partial-hit tokens | evictions | preemptions | recomputed | computed |",
-             "|---" * (8 + len(caching)) + "|"]
-    show = [p for p in ("paged", "partial") if p in policies]
-    for i in points:
-        first = next((rows[(p, i)] for p in policies if (p, i) in by), None)
-        if first is None:
-            continue
-        ref_policy = ("partial" if ("partial", i) in by else caching[0]) if caching else None
-        ref = by.get((ref_policy, i)) if ref_policy else None
-        ref_row = rows.get((ref_policy, i)) if ref_policy else None
-
-        def cell(key: str, i: int = i) -> str:
-            return " / ".join("-" if (v := by.get((p, i))) is None else f"{getattr(v, key):,}"
-                              for p in show)
-
-        blocks = " / ".join(str(rows[(p, i)].num_blocks) for p in ("partial", "hybrid")
-                            if (p, i) in by) or str(first.num_blocks)
-        hits = " | ".join("-" if (m := by.get((p, i))) is None else f"{100 * m.prompt_hit_rate:.1f}%"
-                          for p in caching)
-        lines.append(
-            f"| {first.budget_label} | {blocks} | {hits} | "
-            f"{_pct(ref_row.vs_ideal) if ref and ref_row else '-'} | "
-            f"{ref.partial_hit_tokens if ref else '-'} | {ref.evictions if ref else '-'} | "
-            f"{cell('preemptions')} | {cell('recomputed_tokens')} | {cell('computed_tokens')} |")
-    lines.append("")
-    lines.append(f"Blocks: partial / hybrid layouts. Preemptions, recomputed and computed: "
-                 f"{' / '.join(show)}. vs ideal, partial-hit tokens, evictions: partial.")
-    lines.append("")
-    lines += ["| KV budget | steps naive | steps paged | steps partial | naive / paged | idle reserved "
-              "naive (mean, % of pool) | idle reserved paged | peak in use naive / paged / partial "
-              "| computed naive / paged |",
-              "|---" * 9 + "|"]
-    for i in points:
-        n, pa, pt = by.get(("naive", i)), by.get(("paged", i)), by.get(("partial", i))
-        if not (n and pa and pt):
-            continue
-        lines.append(
-            f"| {rows[('partial', i)].budget_label} | {n.steps} | {pa.steps} | {pt.steps} | "
-            f"{n.steps / pa.steps:.2f} | {_size(n.mean_idle_bytes)} "
-            f"({100 * n.mean_idle_fraction:.1f}%) | {_size(pa.mean_idle_bytes)} "
-            f"({100 * pa.mean_idle_fraction:.2f}%) | {_size(n.peak_kv_bytes)} / "
-            f"{_size(pa.peak_kv_bytes)} / {_size(pt.peak_kv_bytes)} | "
-            f"{n.computed_tokens:,} / {pa.computed_tokens:,} |")
-    return "\n".join(lines) + "\n"
 
 
 def write_results(result: SweepResult, out: Path, run: RunInfo | None = None,
                   figures: bool = True) -> list[Path]:
     """``sweep.json`` (with `run`), ``sweep.csv`` (the rows, then the unbounded replays),
-    ``tables.md`` and, with `figures`, the three figures (PNG + JSON + CSV) into `out`."""
+    ``tables.md`` and, with `figures`, the three figures into `out`."""
     doc = result.as_dict()
     if run is not None:
         doc["run"] = run.as_dict()
     write_json(out / "sweep.json", doc)
     write_csv(out / "sweep.csv", [r.as_dict() for r in [*result.rows, *result.unbounded.values()]])
-    write_text(out / "tables.md", markdown_tables(result))
+    (out / "tables.md").write_text(markdown_tables(result), encoding="utf-8")
     written = [out / "sweep.json", out / "sweep.csv", out / "tables.md"]
     if figures:
         written += write_figures(result, out, run)
@@ -490,55 +450,50 @@ def write_results(result: SweepResult, out: Path, run: RunInfo | None = None,
 # ---------------------------------------------------------------------------------- CLI
 
 
-_policy_list = name_list(tuple(POLICIES))
-_eviction_list = name_list(tuple(EVICTION_POLICIES))
+def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """argparse type: `parse`, its ValueError as a usage error."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
 
 
 def _pool_sizes(text: str) -> str:
-    try:
-        parse_pool_sizes(text, 1)  # the syntax; block counts become bytes once the shape is known
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    parse_pool_sizes(text, 1)  # the syntax; block counts become bytes once the shape is known
     return text
 
 
 def _tier_bytes(text: str) -> int:
-    """argparse type: a positive byte count, bare (bytes) or with a unit (8GiB)."""
-    try:
-        value = int(text) if text.strip().isdigit() else parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    value = int(text) if text.strip().isdigit() else parse_size(text)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+        raise ValueError(f"must be positive, got {text!r}")
     return value
 
 
 def _store_spec(text: str) -> str:
-    """argparse type: ``mem``, ``mem:SIZE`` or a Valkey URL (its syntax; reachability is
-    checked before the sweep)."""
-    from kvstore.tiers.valkey_store import parse_store_url
+    """``mem``, ``mem:SIZE`` or a Valkey URL (its syntax; reachability is checked later)."""
+    from kvstore.tiers.valkey_store import parse_store_url, redact_url
 
     text = text.strip()
     try:
         if parse_mem_store(text) is False:
             parse_store_url(text)
     except ValueError as e:
-        from kvstore.tiers.valkey_store import redact_url
-
-        message = str(e).replace(text, redact_url(text))
-        raise argparse.ArgumentTypeError(f"{message}; or mem, or mem:SIZE for an in-process "
-                                         "store") from None
+        raise ValueError(f"{str(e).replace(text, redact_url(text))}; or mem, or mem:SIZE for an "
+                         "in-process store") from None
     return text
 
 
 def _step_time(text: str) -> StepTime:
-    """argparse type: ``A,B``, a step of n tokens taking A ms + n x B us."""
+    """``A,B``: a step of n tokens takes A ms + n x B us."""
     try:
         a, b = (float(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected A,B (ms per step, us per token), got {text!r}") from None
+        raise ValueError(f"expected A,B (ms per step, us per token), got {text!r}") from None
     if not (a >= 0 and b >= 0) or a + b == 0 or math.isinf(a + b):
-        raise argparse.ArgumentTypeError(f"A and B must be finite, >= 0 and not both 0, got {text!r}")
+        raise ValueError(f"A and B must be finite, >= 0 and not both 0, got {text!r}")
     return StepTime(a / 1e3, b / 1e6)
 
 
@@ -548,7 +503,7 @@ def _out_folder(text: str) -> Path:
         if p.exists():
             if not p.is_dir():
                 what = "is a file" if p == path else f"is under {p}, which is a file"
-                raise argparse.ArgumentTypeError(f"{text} {what}; give a folder")
+                raise ValueError(f"{text} {what}; give a folder")
             break
     return path
 
@@ -556,7 +511,7 @@ def _out_folder(text: str) -> Path:
 def _trace_path(text: str) -> Path:
     path = Path(text).expanduser()
     if not path.is_file():
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
+        raise ValueError(f"{text}: no such file")
     return path
 
 
@@ -626,7 +581,7 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", action="store_true",
                    help="two engine processes sharing one store: B's store hits on A's "
                         "prefixes, and both outputs against one engine without tiers")
-    p.add_argument("--store", type=_store_spec, metavar="URL",
+    p.add_argument("--store", type=_arg_type(_store_spec), metavar="URL",
                    help="valkey:// URL (default: start a valkey-server on 127.0.0.1)")
     p.add_argument("--no-store", action="store_true", help="transfers: skip the store part")
     p.add_argument("--device", default=None, help="transfers: torch device (default: cuda if "
@@ -663,7 +618,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="mixed_default",
                    choices=sorted(WORKLOADS) + list(TRACE_WORKLOADS),
                    help="built-in workload, or a trace (the last four; see below for their files)")
-    p.add_argument("--trace", metavar="PATH", type=_trace_path,
+    p.add_argument("--trace", metavar="PATH", type=_arg_type(_trace_path),
                    help=f"trace file for a trace workload (default: ${ENV_VAR}/<file name>, "
                         "else ../shared/traces in a source checkout)")
     p.add_argument("--limit", type=positive_int, metavar="N",
@@ -672,16 +627,17 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-shape", default="llama-3-8b", choices=sorted(MODEL_SHAPES),
                    help="model whose KV bytes per token size the pools")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
-    p.add_argument("--pool-sizes", metavar="LIST", type=_pool_sizes,
+    p.add_argument("--pool-sizes", metavar="LIST", type=_arg_type(_pool_sizes),
                    help="comma list of KV budgets (1GiB,512MiB) or block counts of the all-full "
                         "layout (4000,2000) (default: --points sizes from everything-fits down "
                         "to the largest request)")
     p.add_argument("--points", type=positive_int, default=None,
                    help=f"number of default pool sizes (default: {DEFAULT_POINTS}, "
                         f"{QUICK_POINTS} with --quick)")
-    p.add_argument("--policies", type=_policy_list, default=list(DEFAULT_POLICIES),
+    p.add_argument("--policies", type=name_list(DEFAULT_POLICIES), default=list(DEFAULT_POLICIES),
                    metavar="LIST", help=f"comma list of {', '.join(POLICIES)} (default: all)")
-    p.add_argument("--eviction", type=_eviction_list, default=None, metavar="LIST",
+    p.add_argument("--eviction", type=name_list(tuple(EVICTION_POLICIES)), default=None,
+                   metavar="LIST",
                    help="comma list of eviction policies (kvstore.eviction); each caching policy "
                         "runs once per name, side by side (NAME@EVICTION; default: lru)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
@@ -696,20 +652,21 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scheduler: requests running at once")
     p.add_argument("--no-mooncake-curve", action="store_true",
                    help="on a Mooncake workload, skip the hash-level hit-rate-vs-capacity replay")
-    p.add_argument("--out", default=Path("results/bench"), type=_out_folder, metavar="DIR",
-                   help="output folder; each run writes into a fresh DIR/YYYYMMDD-HHMMSS/")
+    p.add_argument("--out", default=Path("results/bench"), type=_arg_type(_out_folder),
+                   metavar="DIR", help="output folder; each run writes into a fresh "
+                                       "DIR/YYYYMMDD-HHMMSS/")
     p.add_argument("--in-place", action="store_true",
                    help="write into --out itself, replacing files of the same names (how "
                         "docs/figures is made: --out docs/figures --in-place)")
-    p.add_argument("--step-time", type=_step_time, default=StepTime(), metavar="A,B",
+    p.add_argument("--step-time", type=_arg_type(_step_time), default=StepTime(), metavar="A,B",
                    help="the step-time model of the time column: a step that computes n tokens "
                         "takes A ms + n x B us (default: 5,40, an 8B model on one H100-class GPU)")
     p.add_argument("--wide", action="store_true",
                    help="print every column of the table (the default fits 80 columns)")
-    p.add_argument("--host-tier-bytes", type=_tier_bytes, metavar="N",
+    p.add_argument("--host-tier-bytes", type=_arg_type(_tier_bytes), metavar="N",
                    help="a host tier of N bytes (8GiB, or a byte count) below the device pool: "
                         "each caching policy also runs as NAME+tiers, side by side")
-    p.add_argument("--store", type=_store_spec, metavar="URL",
+    p.add_argument("--store", type=_arg_type(_store_spec), metavar="URL",
                    help="a shared store below the device pool (and the host tier): a Valkey URL "
                         "(valkey://host:port/db, valkey+cluster://host:port), or mem / mem:SIZE "
                         "for an in-process one; each caching policy also runs as NAME+tiers")
@@ -720,8 +677,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """The parsed options, as plain values (for the run record; a store URL without its
-    password)."""
+    """The parsed options as plain values, for the run record (a store URL redacted)."""
     from kvstore.tiers.valkey_store import redact_url
 
     out = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
@@ -732,20 +688,15 @@ def _arguments(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Run the sweep the arguments describe; print the table, write plots, JSON and CSV.
-
-    Returns 0; ``EXIT_NOTHING_FITS`` when no pool size fits the workload;
-    ``EXIT_INTERRUPTED`` after Ctrl-C (the finished replays are written). A bad argument
-    exits with status 2 and a one-line message."""
+    """Run the sweep the arguments describe; print the table and the headline, write the
+    results. Returns 0, ``EXIT_NOTHING_FITS`` or ``EXIT_INTERRUPTED``."""
     from rich.console import Console
 
     error = args.usage_error
     t0 = time.perf_counter()
     shape = MODEL_SHAPES[args.model_shape]
     policies = with_evictions(args.policies, args.eviction) if args.eviction else args.policies
-    limit = args.limit
-    if args.quick and limit is None:
-        limit = QUICK_LIMIT
+    limit = QUICK_LIMIT if args.quick and args.limit is None else args.limit
     try:
         workload = load_bench_workload(args.workload, args.trace, limit, args.seed)
     except FileNotFoundError as e:
@@ -760,12 +711,11 @@ def run_bench(args: argparse.Namespace) -> int:
     if not workload.requests:
         error(f"argument --workload: {args.workload} has no requests")
     tiers = TierOptions(args.host_tier_bytes, args.store, args.window_offload)
-    if tiers:
+    if tiers and not any(policy_named(p).enable_caching for p in policies):
         flag = "--host-tier-bytes" if tiers.host_bytes else "--store"
-        if not any(policy_named(p).enable_caching for p in policies):
-            error(f"argument {flag}: tiers need a caching policy in --policies")
-        if tiers.store:
-            _check_store(tiers.store, error)
+        error(f"argument {flag}: tiers need a caching policy in --policies")
+    if tiers.store:
+        _check_store(tiers.store, error)
     out = Path(args.out)
     points = args.points if args.points is not None else (QUICK_POINTS if args.quick else DEFAULT_POINTS)
     run = RunInfo.now(_arguments(args), seed=args.seed)
@@ -777,27 +727,27 @@ def run_bench(args: argparse.Namespace) -> int:
                   f"{workload.num_output_tokens:,} output tokens; {shape.describe()}")
     if any(policy_named(p).layout == "hybrid" for p in policies):
         console.print(hybrid_layout_line(workload, shape, args.block_size))
-    sched = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
-    jobs = args.jobs if args.jobs is not None else min(4, os.cpu_count() or 1)
     try:
-        result = _sweep_with_progress(console, workload, shape.name, args.block_size, budgets,
-                                      points, policies, sched, jobs, tiers or None,
-                                      args.step_time)
+        result = _sweep_with_progress(
+            console, workload, shape=shape.name, block_size=args.block_size, budgets=budgets,
+            num_points=points, policies=policies, tiers=tiers or None, step_time=args.step_time,
+            scheduler_config=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
+            jobs=args.jobs if args.jobs is not None else min(4, os.cpu_count() or 1))
     except SweepInterrupted as e:
         return _save_interrupted(e.partial, out, args.in_place, run)
     dropped = print_table(result, console, wide=args.wide)
     if result.nothing_fits:
-        need = result.meta.largest_request_bytes
         print(f"kvstore bench: nothing fits: every pool size is too small for some request of "
               f"{workload.name} (the largest, {result.meta.largest_request_tokens} tokens, needs "
-              f"{format_bytes(need)} of {args.model_shape} KV with every layer full attention); "
-              f"give larger --pool-sizes, or omit them", file=sys.stderr)
+              f"{format_bytes(result.meta.largest_request_bytes)} of {args.model_shape} KV with "
+              f"every layer full attention); give larger --pool-sizes, or omit them",
+              file=sys.stderr)
         return EXIT_NOTHING_FITS
     for line in headline(result):
         console.print(f"[bold]{line}[/bold]")
     folder = run_folder(out, args.in_place)
     written = write_results(result, folder, run)
-    write_wide_table(result, folder / "table.txt")
+    (folder / "table.txt").write_text(_render(_table(result, wide=True), 400), encoding="utf-8")
     if dropped:
         console.print(f"left out to fit {TABLE_WIDTH} columns: {', '.join(dropped)}; every column "
                       f"is in {folder}/table.txt (or run with --wide)", style="dim")
@@ -805,11 +755,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from kvstore.benchmarks import traces
         from kvstore.benchmarks.replay import run_mooncake_replay
 
-        name = args.workload.split("-", 1)[1]
         path = args.trace or traces.locate_trace(TRACE_WORKLOADS[args.workload])
         try:
-            run_mooncake_replay(folder, {name: path}, limit=args.limit, quick=args.quick,
-                                log=console.print)
+            run_mooncake_replay(folder, {args.workload.split("-", 1)[1]: path}, limit=args.limit,
+                                quick=args.quick, log=console.print)
         except KeyboardInterrupt:
             print(f"kvstore bench: interrupted during the Mooncake curve; the sweep's files are "
                   f"in {folder}/", file=sys.stderr)
@@ -821,28 +770,19 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep_with_progress(console: Any, workload: Workload, shape: str, block_size: int,
-                         budgets: list[int] | None, points: int, policies: Sequence[str],
-                         sched: SchedulerConfig, jobs: int, tiers: TierOptions | None,
-                         step_time: StepTime) -> SweepResult:
+def _sweep_with_progress(console: Any, workload: Workload, **options: Any) -> SweepResult:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-                  transient=False) as progress:
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("sweep", total=None)
 
-        def on_start(n: int) -> None:
-            progress.update(task, total=n)
+        def on_done(row: SweepRow) -> None:
+            where = "unbounded" if row.budget_bytes is None else format_bytes(row.budget_bytes)
+            progress.update(task, advance=1, description=f"{row.policy:>7} @ {where:>9}")
 
-        def on_done(t: SweepTask, row: SweepRow) -> None:
-            where = "unbounded" if t.budget is None else format_bytes(t.budget)
-            progress.update(task, advance=1, description=f"{t.policy:>7} @ {where:>9}")
-
-        return run_sweep(workload, shape=shape, block_size=block_size, budgets=budgets,
-                         num_points=points, policies=policies, scheduler_config=sched,
-                         jobs=jobs, progress=on_done, on_start=on_start, tiers=tiers,
-                         step_time=step_time)
+        return run_sweep(workload, progress=on_done, **options,
+                         on_start=lambda n: progress.update(task, total=n))
 
 
 def _check_store(spec: str, error: Callable[[str], NoReturn]) -> None:
@@ -861,8 +801,7 @@ def _check_store(spec: str, error: Callable[[str], NoReturn]) -> None:
 
 
 def _save_interrupted(partial: SweepResult, out: Path, in_place: bool, run: RunInfo) -> int:
-    """After Ctrl-C: write the finished replays (no figures; Ctrl-C ignored meanwhile), say
-    so in one line."""
+    """After Ctrl-C: write the finished replays (no figures; Ctrl-C ignored meanwhile)."""
     m = partial.meta
     if m.completed_replays == 0:
         print("kvstore bench: interrupted before any replay finished; nothing written",
@@ -878,9 +817,7 @@ def _save_interrupted(partial: SweepResult, out: Path, in_place: bool, run: RunI
 
 
 def headline(result: SweepResult) -> list[str]:
-    """Two or three lines a user can act on: where the reference caching policy's hit rate
-    bends, where the pool starts to preempt, and what the best caching policy saves over
-    no caching at the smallest budget, in tokens, steps and modeled time."""
+    """Two or three lines a user can act on (docs/benchmarks.md, what a run prints)."""
     f = result.findings
     caching = [p for p in result.meta.policies if policy_named(p).enable_caching]
     if not caching:
@@ -906,7 +843,7 @@ def headline(result: SweepResult) -> list[str]:
     if best is not None and base is not None:
         m, b = at[best].metrics, base.metrics
         assert m is not None and b is not None
-        lines.append(f"at the smallest budget ({_short_bytes(at[best].budget_bytes or 0)}) {best} "
+        lines.append(f"at the smallest budget ({format_bytes(at[best].budget_bytes or 0)}) {best} "
                      f"computes {m.computed_tokens / b.computed_tokens:.0%} of the tokens of no "
                      f"caching ({base.policy}), in {m.steps / max(1, b.steps):.0%} of the steps "
                      f"and {(at[best].model_time_s or 0) / (base.model_time_s or 1):.0%} of the "

@@ -1,5 +1,5 @@
-"""Writing benchmark results: CSV, JSON, Markdown and figures (matplotlib, headless), the
-record of the run that made them, and the folder each run writes into."""
+"""Benchmark results: CSV, JSON, headless figures, the record of the run that made them, the
+folder each run writes into, and the argparse types the benchmarks share."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RunInfo:
-    """What made a set of results: the package version, when, the command line, its parsed
-    arguments and the seed."""
+    """What made a set of results: version, time, command line, parsed arguments, seed."""
 
     version: str
     timestamp: str  # ISO 8601, local time with its UTC offset
@@ -53,16 +52,10 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """``obj`` as indented JSON (values JSON cannot hold are written as strings); the
-    folder is created when missing."""
+    """``obj`` as indented JSON (other values as strings), creating the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, default=str)
-
-
-def write_text(path: Path, text: str) -> None:
-    """``text`` (Markdown tables, logs) as UTF-8."""
-    path.write_text(text, encoding="utf-8")
 
 
 def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
@@ -83,8 +76,7 @@ def pyplot() -> Any:
 
 
 def mark_x(ax: Any, xs: Sequence[float], label: Callable[[float], str]) -> None:
-    """A log x axis whose ticks are exactly `xs` (the budgets or capacities a figure plots),
-    labelled by `label`."""
+    """A log x axis whose ticks are exactly `xs`, labelled by `label`."""
     ticks = sorted(set(xs))
     ax.set_xscale("log")
     ax.set_xticks(ticks, [label(x) for x in ticks], rotation=45, ha="right", fontsize=7)
@@ -101,9 +93,7 @@ def short_count(n: float) -> str:
 
 def run_folder(out: Path, in_place: bool = False, when: datetime | None = None) -> Path:
     """The folder a run writes into, created: a fresh ``out/YYYYMMDD-HHMMSS`` subfolder
-    (``-2``, ``-3``... when that name is taken), so that no run mixes its files with an
-    earlier run's; with `in_place`, `out` itself (files of the same names are replaced,
-    others are left alone)."""
+    (``-2``, ``-3``... when taken), or with `in_place` `out` itself."""
     if in_place:
         out.mkdir(parents=True, exist_ok=True)
         return out
@@ -131,21 +121,17 @@ def name_list(known: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    return _int_at_least(text, 1)
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0."""
-    return _int_at_least(text, 0)
-
-
-def _int_at_least(text: str, low: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-    return value
+positive_int = _int_at_least(1)  # argparse type: an int >= 1
+non_negative_int = _int_at_least(0)  # argparse type: an int >= 0

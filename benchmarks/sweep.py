@@ -1,12 +1,5 @@
-"""Prefix reuse and its cost against KV memory: one workload, several cache policies, a
-range of pool sizes from "everything fits" down to "barely the largest request".
-
-Pool sizes are KV byte budgets for a named model shape; each policy turns a budget into
-a pool with the page-size formula (bytes per block = 2 * block_size * kv_heads *
-head_dim * dtype_size * layer slots), so the hybrid layout gets more block ids from the
-same bytes. Every point replays the whole workload through the real scheduler and
-cache manager (:func:`kvstore.benchmarks.simulator.simulate`).
-"""
+"""The sweep behind ``kvstore bench``: one workload replayed through the real scheduler and
+cache manager under several cache policies, at KV byte budgets for a model shape."""
 
 from __future__ import annotations
 
@@ -36,18 +29,12 @@ from kvstore.specs import (
 )
 from kvstore.utils import cdiv
 
-# ----------------------------------------------------------------------------- shapes
-
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The KV-relevant shape of a model, and the hybrid layout it would have.
-
-    The hybrid layout makes every ``sliding_per_full + 1``-th layer full attention and
-    the others sliding-window layers of ``sliding_window`` tokens (Gemma 3: 5 local : 1
-    global, window 1024; 0: every layer full). With ``kv_lora_rank`` and ``rope_dim`` the
-    layers are multi-head latent attention (``MLASpec``: one latent per token, stored as
-    one head of half its size, so ``num_kv_heads`` 1 and ``head_dim`` half the latent)."""
+    """The KV-relevant shape of a model. Its hybrid layout makes every ``sliding_per_full +
+    1``-th layer full attention and the others windows of ``sliding_window`` tokens (0: all
+    full); with ``kv_lora_rank`` the layers are multi-head latent attention (``MLASpec``)."""
 
     name: str
     num_layers: int
@@ -56,19 +43,13 @@ class ModelShape:
     dtype: str = "bfloat16"
     sliding_window: int = 1024
     sliding_per_full: int = 5
-    note: str = ""
     kv_lora_rank: int = 0
     rope_dim: int = 0
 
     @property
-    def dtype_size(self) -> int:
-        """Bytes per element."""
-        return DTYPE_ITEMSIZE[self.dtype]
-
-    @property
     def bytes_per_token(self) -> int:
         """KV bytes per token with every layer full attention."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_size
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_ITEMSIZE[self.dtype]
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one block id of the all-full layout."""
@@ -105,32 +86,25 @@ class ModelShape:
 MODEL_SHAPES: dict[str, ModelShape] = {
     s.name: s
     for s in (
-        ModelShape("llama-3-8b", 32, 8, 128, note="Llama 3 8B / Mistral 7B"),
-        ModelShape("llama-3-70b", 80, 8, 128, note="Llama 3 70B"),
-        ModelShape("qwen2.5-7b", 28, 4, 128, note="Qwen2.5 7B"),
-        ModelShape("gemma-3-12b", 48, 8, 256, sliding_window=1024, sliding_per_full=5,
-                   note="Gemma 3 12B (its native layout is the hybrid one)"),
-        ModelShape("gemma-3-4b", 34, 4, 256, sliding_window=1024, sliding_per_full=5,
-                   note="Gemma 3 4B (its native layout is the hybrid one)"),
-        # DeepSeek-V3: 61 MLA layers, a latent of 512 + 64 per token (bf16), no sliding
-        # layers; beside it the same layers with grouped K/V (8 heads x 128), as a GQA
-        # model of its size would cache.
-        ModelShape("deepseek-v3", 61, 1, 288, sliding_per_full=0, kv_lora_rank=512, rope_dim=64,
-                   note="DeepSeek-V3 / Kimi K2 (MLA)"),
-        ModelShape("deepseek-v3-gqa", 61, 8, 128, sliding_per_full=0,
-                   note="DeepSeek-V3's layers with grouped K/V, 8 heads x 128"),
-        ModelShape("tiny", 6, 1, 8, dtype="float16", sliding_window=64, sliding_per_full=5,
-                   note="a toy shape for tests and demos"),
+        ModelShape("llama-3-8b", 32, 8, 128),  # also Mistral 7B
+        ModelShape("llama-3-70b", 80, 8, 128),
+        ModelShape("qwen2.5-7b", 28, 4, 128),
+        ModelShape("gemma-3-12b", 48, 8, 256),  # its native layout is the hybrid one
+        ModelShape("gemma-3-4b", 34, 4, 256),
+        # DeepSeek-V3 / Kimi K2: a latent of 512 + 64 per token; beside it the same layers
+        # with grouped K/V, as a GQA model of its size would cache.
+        ModelShape("deepseek-v3", 61, 1, 288, sliding_per_full=0, kv_lora_rank=512, rope_dim=64),
+        ModelShape("deepseek-v3-gqa", 61, 8, 128, sliding_per_full=0),
+        ModelShape("tiny", 6, 1, 8, dtype="float16", sliding_window=64),  # tests and demos
     )
 }
 
 
-# --------------------------------------------------------------------------- policies
-
-
 @dataclass(frozen=True)
 class Policy:
-    """One way to run the cache: layout, prefix caching, admission reservation."""
+    """One way to run the cache: layout, prefix caching, admission reservation, eviction
+    policy, and whether the sweep's tiers sit below the pool (``base``: the device-only
+    policy a tiered one extends)."""
 
     name: str
     label: str
@@ -138,9 +112,9 @@ class Policy:
     enable_caching: bool = True
     enable_partial_hits: bool = False
     reserve_full_output: bool = False
-    eviction: str = "lru"  # the pool's eviction policy (kvstore.eviction)
-    tiered: bool = False  # with the sweep's tiers below the device pool (NAME+tiers)
-    base: str = ""  # the device-only policy a tiered one extends
+    eviction: str = "lru"
+    tiered: bool = False
+    base: str = ""
 
     @property
     def reference(self) -> str:
@@ -168,8 +142,6 @@ POLICIES: dict[str, Policy] = {
     )
 }
 DEFAULT_POLICIES: tuple[str, ...] = tuple(POLICIES)
-
-
 TIERED_SUFFIX = "+tiers"
 
 
@@ -219,8 +191,6 @@ def with_tiers(policies: Sequence[str]) -> list[str]:
     return out
 
 
-# ------------------------------------------------------------------------------ sizes
-
 _UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -238,19 +208,16 @@ def parse_size(text: str) -> int:
 
 
 def parse_pool_sizes(text: str | Sequence[str], block_bytes: int) -> list[int]:
-    """Byte budgets from a comma list: sizes with a unit are bytes, bare integers are
-    block counts of the all-full layout (``block_bytes`` each, the null block included)."""
-    items = text.split(",") if isinstance(text, str) else list(text)
+    """Byte budgets, largest first, from a comma list: sizes with a unit are bytes, bare
+    integers are block counts of the all-full layout (``block_bytes`` each)."""
     out = []
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
+    for item in (i.strip() for i in (text.split(",") if isinstance(text, str) else text)):
         if item.isdigit():
             n = int(item)
             if n < 2:
                 raise ValueError(f"a pool needs at least 2 blocks, got {n}")
             out.append(n * block_bytes)
-        else:
+        elif item:
             out.append(parse_size(item))
     if not out:
         raise ValueError("no pool sizes given")
@@ -258,11 +225,11 @@ def parse_pool_sizes(text: str | Sequence[str], block_bytes: int) -> list[int]:
 
 
 def format_bytes(n: float) -> str:
-    """Human-readable bytes in binary units."""
+    """Bytes in binary units, three significant digits and never an exponent (at most 8
+    characters: ``39.2 GiB``, ``1023 MiB``)."""
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= scale:
             v = n / scale
-            # Three significant digits, never an exponent (1023.9 MiB is "1024 MiB").
             return f"{v:.0f} {unit}" if abs(v) >= 100 else f"{v:.3g} {unit}"
     return f"{n:.0f} B"
 
@@ -274,8 +241,8 @@ def request_blocks(workload: Workload, block_size: int) -> list[int]:
 
 
 def typical_tokens(workload: Workload) -> int:
-    """The mean length a request reaches (prompt + max output): what a hybrid layout's
-    groups are packed for (``make_kv_cache_config(typical_tokens=...)``)."""
+    """The mean length a request reaches (prompt + max output), which a hybrid layout's
+    groups are packed for."""
     lengths = [len(r.prompt_token_ids) + r.max_tokens for r in workload.requests
                if r.max_tokens >= 1]
     return max(1, round(sum(lengths) / len(lengths))) if lengths else 1
@@ -293,9 +260,8 @@ def hybrid_layout_line(workload: Workload, shape: ModelShape, block_size: int) -
 
 def default_budgets(workload: Workload, shape: ModelShape, block_size: int,
                     num_points: int = 10) -> list[int]:
-    """Geometric budgets, largest first: from every request held at once ("everything
-    fits": no eviction and no preemption is possible) down to the largest request alone
-    (plus the null block)."""
+    """Geometric budgets, largest first: from every request held at once down to the
+    largest request alone (plus the null block)."""
     need = request_blocks(workload, block_size)
     if not need:
         raise ValueError("empty workload")
@@ -307,16 +273,11 @@ def default_budgets(workload: Workload, shape: ModelShape, block_size: int,
     return [hi] + [int(hi / ratio**i) for i in range(1, num_points - 1)] + [lo]
 
 
-# ------------------------------------------------------------------------------ rows
-
-
 @dataclass
 class SweepRow:
     """One replay: a policy at one budget (``budget_bytes`` None: the unbounded reference).
-
-    ``metrics`` is None when the pool cannot hold some request (``feasible`` False, the
-    reason in ``error``). ``budget_label``, ``vs_unbounded`` and ``vs_ideal`` are filled
-    in by :func:`run_sweep` for bounded rows (the ratios stay None without caching)."""
+    ``metrics`` is None when the pool cannot hold some request (the reason in ``error``);
+    the fields after it are filled in by :func:`run_sweep`."""
 
     policy: str
     layout: str
@@ -386,8 +347,7 @@ class SweepMeta:
     total_replays: int = 0
     completed_replays: int = 0
     interrupted: bool = False  # Ctrl-C: only `completed_replays` of the rows are present
-    # Tiers of the NAME+tiers policies: host tier bytes and store (empty without tiers).
-    tiers: dict[str, Any] = field(default_factory=dict)
+    tiers: dict[str, Any] = field(default_factory=dict)  # host_bytes and store; {}: none
     step_time: StepTime = DEFAULT_STEP_TIME  # the model behind each row's model_time_s
 
     def as_dict(self) -> dict[str, Any]:
@@ -395,86 +355,9 @@ class SweepMeta:
         return asdict(self)
 
 
-# ------------------------------------------------------------------------------ sweep
-
-
-@dataclass(frozen=True)
-class SweepTask:
-    """One replay: a policy at a budget (None: the unbounded reference)."""
-
-    policy: str
-    budget: int | None
-    index: int  # position of the budget in the sweep (-1: unbounded)
-
-
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(workload: Workload, shape: ModelShape, block_size: int,
-                 sched: SchedulerConfig, tiers: TierOptions | None = None,
-                 ignore_sigint: bool = False) -> None:
-    if ignore_sigint:  # Ctrl-C is the parent's to handle: it terminates the workers
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _WORKER.update(workload=workload, shape=shape, block_size=block_size, sched=sched,
-                   tiers=tiers)
-
-
-def _run_task(task: SweepTask) -> tuple[SweepTask, SweepRow]:
-    w = _WORKER
-    return task, run_point(w["workload"], policy_named(task.policy), w["shape"], w["block_size"],
-                           task.budget, w["sched"], index=task.index, tiers=w["tiers"])
-
-
-def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size: int,
-              budget: int | None, sched: SchedulerConfig | None = None,
-              index: int = 0, tiers: TierOptions | None = None) -> SweepRow:
-    """One policy at one budget (None: a pool that never evicts); a tiered policy replays
-    with `tiers` below the pool. The row is not ``feasible`` when the budget holds fewer
-    than 2 blocks or some request can never fit the pool
-    (:class:`~kvstore.errors.RequestTooLargeError`)."""
-    if policy.tiered and not tiers:
-        raise ValueError(f"policy {policy.name} needs tiers (TierOptions)")
-    sched = sched or SchedulerConfig()
-    if policy.reserve_full_output != sched.reserve_full_output:
-        sched = SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs,
-                                policy.reserve_full_output)
-    t0 = time.perf_counter()
-    specs = policy.layer_specs(shape, block_size)
-    # A hybrid layout is packed for this workload's requests, as an engine would be set up.
-    typical = typical_tokens(workload) if policy.layout == "hybrid" else None
-    layout = make_kv_cache_config(specs, num_blocks=2, typical_tokens=typical)  # its size is unused
-    bpb = layout.bytes_per_block
-    if budget is None:
-        # Unbounded: room for every page any request ever holds, in every group, at once.
-        total = sum(request_blocks(workload, block_size)) * len(layout.groups)
-        num_blocks = total + 1
-    else:
-        num_blocks = budget // bpb
-    row = SweepRow(policy.name, policy.layout, index, budget, budget is None, num_blocks,
-                   len(layout.groups), layout.num_slots, layout.num_padding_layers,
-                   layout.num_kept_whole_layers, bpb,
-                   feasible=False, error="", wall_s=0.0)
-    if num_blocks < 2:
-        row.error = (f"{format_bytes(budget or 0)} holds {num_blocks} blocks of "
-                     f"{format_bytes(bpb)}; a pool needs at least 2 (one is the null block)")
-    else:
-        config = make_kv_cache_config(specs, num_blocks=num_blocks, typical_tokens=typical)
-        try:
-            res = simulate(workload, config, enable_caching=policy.enable_caching,
-                           enable_partial_hits=policy.enable_partial_hits, scheduler_config=sched,
-                           eviction=policy.eviction, tiers=tiers if policy.tiered else None)
-        except RequestTooLargeError as e:
-            row.error = str(e)
-        else:
-            row.feasible = True
-            row.metrics = res
-    row.wall_s = time.perf_counter() - t0
-    return row
-
-
 @dataclass
 class SweepResult:
-    """Rows of every (budget, policy) replay, the unbounded references and the bounds."""
+    """Rows of every (budget, policy) replay, the unbounded references and the findings."""
 
     meta: SweepMeta
     rows: list[SweepRow]
@@ -487,22 +370,56 @@ class SweepResult:
                 "unbounded": {p: r.as_dict() for p, r in self.unbounded.items()},
                 "findings": self.findings}
 
-    def row(self, policy: str, point: int) -> SweepRow | None:
-        """The row of `policy` at budget index `point`."""
-        for r in self.rows:
-            if r.policy == policy and r.point == point:
-                return r
-        return None
-
     @property
     def nothing_fits(self) -> bool:
         """Whether no bounded replay fitted (every budget too small for some request)."""
         return not any(r.feasible for r in self.rows)
 
 
+def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size: int,
+              budget: int | None, sched: SchedulerConfig | None = None,
+              index: int = 0, tiers: TierOptions | None = None) -> SweepRow:
+    """One policy at one budget (None: a pool that never evicts), a tiered policy with
+    `tiers` below the pool; the row is not ``feasible`` when the pool holds fewer than 2
+    blocks or some request can never fit it."""
+    if policy.tiered and not tiers:
+        raise ValueError(f"policy {policy.name} needs tiers (TierOptions)")
+    sched = sched or SchedulerConfig()
+    if policy.reserve_full_output != sched.reserve_full_output:
+        sched = SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                policy.reserve_full_output)
+    t0 = time.perf_counter()
+    specs = policy.layer_specs(shape, block_size)
+    # A hybrid layout is packed for this workload's requests, as an engine would be set up.
+    typical = typical_tokens(workload) if policy.layout == "hybrid" else None
+    layout = make_kv_cache_config(specs, num_blocks=2, typical_tokens=typical)  # its size is unused
+    bpb = layout.bytes_per_block
+    if budget is None:  # room for every page any request ever holds, in every group, at once
+        num_blocks = sum(request_blocks(workload, block_size)) * len(layout.groups) + 1
+    else:
+        num_blocks = budget // bpb
+    row = SweepRow(policy.name, policy.layout, index, budget, budget is None, num_blocks,
+                   len(layout.groups), layout.num_slots, layout.num_padding_layers,
+                   layout.num_kept_whole_layers, bpb, feasible=False, error="", wall_s=0.0)
+    if num_blocks < 2:
+        row.error = (f"{format_bytes(budget or 0)} holds {num_blocks} blocks of "
+                     f"{format_bytes(bpb)}; a pool needs at least 2 (one is the null block)")
+    else:
+        config = make_kv_cache_config(specs, num_blocks=num_blocks, typical_tokens=typical)
+        try:
+            row.metrics = simulate(
+                workload, config, enable_caching=policy.enable_caching,
+                enable_partial_hits=policy.enable_partial_hits, scheduler_config=sched,
+                eviction=policy.eviction, tiers=tiers if policy.tiered else None)
+            row.feasible = True
+        except RequestTooLargeError as e:
+            row.error = str(e)
+    row.wall_s = time.perf_counter() - t0
+    return row
+
+
 class SweepInterrupted(KeyboardInterrupt):
-    """Ctrl-C during :func:`run_sweep`: the workers were stopped; ``partial`` holds the
-    replays that had finished (``partial.meta.interrupted`` is True)."""
+    """Ctrl-C during :func:`run_sweep`: ``partial`` holds the replays that had finished."""
 
     def __init__(self, partial: SweepResult) -> None:
         super().__init__(f"sweep interrupted after {partial.meta.completed_replays} of "
@@ -523,16 +440,36 @@ def sigint_ignored() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
-def _run_parallel(tasks: Sequence[SweepTask], jobs: int, initargs: tuple[Any, ...],
-                  on_row: Callable[[SweepTask, SweepRow], None]) -> None:
-    """Run `tasks` on a pool of `jobs` processes that ignore Ctrl-C; on any exception
-    (Ctrl-C included) terminate the pool at once and re-raise."""
+Task = tuple[str, int | None, int]  # policy, budget (None: unbounded), budget index
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(workload: Workload, shape: ModelShape, block_size: int,
+                 sched: SchedulerConfig, tiers: TierOptions | None = None,
+                 ignore_sigint: bool = False) -> None:
+    if ignore_sigint:  # Ctrl-C is the parent's to handle: it terminates the workers
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _WORKER.update(workload=workload, shape=shape, block_size=block_size, sched=sched,
+                   tiers=tiers)
+
+
+def _run_task(task: Task) -> SweepRow:
+    w = _WORKER
+    policy, budget, index = task
+    return run_point(w["workload"], policy_named(policy), w["shape"], w["block_size"], budget,
+                     w["sched"], index=index, tiers=w["tiers"])
+
+
+def _run_parallel(tasks: Sequence[Task], jobs: int, initargs: tuple[Any, ...],
+                  on_row: Callable[[SweepRow], None]) -> None:
+    """Run `tasks` on `jobs` processes that ignore Ctrl-C; on any exception (Ctrl-C
+    included) terminate them at once and re-raise."""
     with sigint_ignored():  # the workers start with SIGINT ignored, before their initializer
         pool = multiprocessing.get_context().Pool(jobs, initializer=_init_worker,
                                                   initargs=(*initargs, True))
     try:
-        for task, row in pool.imap_unordered(_run_task, tasks):
-            on_row(task, row)
+        for row in pool.imap_unordered(_run_task, tasks):
+            on_row(row)
     except BaseException:
         with sigint_ignored():  # a second Ctrl-C must not interrupt the cleanup
             pool.terminate()
@@ -546,18 +483,13 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
               budgets: Sequence[int] | None = None, num_points: int = 10,
               policies: Sequence[str] = DEFAULT_POLICIES,
               scheduler_config: SchedulerConfig | None = None, jobs: int | None = None,
-              progress: Callable[[SweepTask, SweepRow], None] | None = None,
+              progress: Callable[[SweepRow], None] | None = None,
               on_start: Callable[[int], None] | None = None,
               tiers: TierOptions | None = None, step_time: StepTime = DEFAULT_STEP_TIME) -> SweepResult:
-    """Replay `workload` under every policy at every budget (bytes, largest first), plus
-    an unbounded reference per device-only caching policy, over `jobs` processes. With
-    `tiers`, each caching policy also runs as ``NAME+tiers`` (unless the list names its
-    tiered variants already).
-
-    Each row's ``model_time_s`` is its steps under `step_time`.
-    `on_start(n)` is told how many replays will run; `progress(task, row)` is called as
-    each one finishes. Ctrl-C stops the workers and raises :class:`SweepInterrupted`
-    with the replays that finished."""
+    """Replay `workload` under every policy at every budget (bytes), plus an unbounded
+    reference per device-only caching policy, over `jobs` processes; with `tiers`, each
+    caching policy also runs as ``NAME+tiers``. `on_start(n)` is told how many replays will
+    run, `progress(row)` sees each as it finishes. Ctrl-C raises :class:`SweepInterrupted`."""
     if isinstance(shape, str):
         shape = MODEL_SHAPES[shape]
     unknown = [p for p in policies if p not in POLICIES]
@@ -568,39 +500,39 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
     if not tiers and any(POLICIES[p].tiered for p in policies):
         raise ValueError("tiered policies need tiers (TierOptions)")
     sched = scheduler_config or SchedulerConfig()
-    budgets = list(budgets) if budgets is not None else default_budgets(
-        workload, shape, block_size, num_points)
-    budgets = sorted(budgets, reverse=True)
-    tasks = [SweepTask(p, b, i) for i, b in enumerate(budgets) for p in policies]
-    tasks += [SweepTask(p, None, -1) for p in policies
+    budgets = sorted(budgets if budgets is not None else default_budgets(
+        workload, shape, block_size, num_points), reverse=True)
+    tasks: list[Task] = [(p, b, i) for i, b in enumerate(budgets) for p in policies]
+    tasks += [(p, None, -1) for p in policies
               if POLICIES[p].enable_caching and not POLICIES[p].tiered]
     if on_start is not None:
         on_start(len(tasks))
     jobs = jobs if jobs is not None else min(4, os.cpu_count() or 1)
     rows: list[SweepRow] = []
 
-    def on_row(task: SweepTask, row: SweepRow) -> None:
+    def on_row(row: SweepRow) -> None:
         rows.append(row)
         if progress is not None:
-            progress(task, row)
+            progress(row)
+
+    def collect() -> SweepResult:
+        return _collect(workload, shape, block_size, budgets, policies, sched, jobs, tiers, rows,
+                        len(tasks), time.perf_counter() - t0, step_time)
 
     t0 = time.perf_counter()
     try:
         if jobs <= 1:
             _init_worker(workload, shape, block_size, sched, tiers)
             for task in tasks:
-                on_row(*_run_task(task))
-        else:
-            # Longest first (small pools run the most steps) to balance the workers.
-            _run_parallel(sorted(tasks, key=lambda t: math.inf if t.budget is None else t.budget),
+                on_row(_run_task(task))
+        else:  # longest first (small pools run the most steps) to balance the workers
+            _run_parallel(sorted(tasks, key=lambda t: math.inf if t[1] is None else t[1]),
                           jobs, (workload, shape, block_size, sched, tiers), on_row)
     except KeyboardInterrupt:
         with sigint_ignored():
-            partial = _collect(workload, shape, block_size, budgets, policies, sched, jobs, tiers,
-                               rows, len(tasks), time.perf_counter() - t0, step_time)
+            partial = collect()
         raise SweepInterrupted(partial) from None
-    return _collect(workload, shape, block_size, budgets, policies, sched, jobs, tiers, rows,
-                    len(tasks), time.perf_counter() - t0, step_time)
+    return collect()
 
 
 def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: list[int],
@@ -609,6 +541,8 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
              total: int, wall: float, step_time: StepTime) -> SweepResult:
     """The result from the rows that finished: sorted, labelled, scored against the
     unbounded replays and the ideal."""
+    from kvstore.tiers.valkey_store import redact_url
+
     order = {p: i for i, p in enumerate(policies)}
     rows = sorted(rows, key=lambda r: (r.point, order[r.policy]))
     unbounded = {r.policy: r for r in rows if r.unbounded}
@@ -621,16 +555,15 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
     for r in rows:
         assert r.budget_bytes is not None
         r.budget_label = format_bytes(r.budget_bytes)
-        if r.metrics is None:
-            continue
         policy = POLICIES[r.policy]
+        if r.metrics is None or not policy.enable_caching:
+            continue
         ref = unbounded.get(policy.reference)
         ideal = ideal_tok if policy.enable_partial_hits else ideal_blk
-        if policy.enable_caching:
-            hits = r.metrics.prompt_hit_tokens
-            r.vs_unbounded = (hits / ref.metrics.prompt_hit_tokens
-                              if ref and ref.metrics and ref.metrics.prompt_hit_tokens else None)
-            r.vs_ideal = hits / ideal.total if ideal.total else None
+        hits = r.metrics.prompt_hit_tokens
+        r.vs_unbounded = (hits / ref.metrics.prompt_hit_tokens
+                          if ref and ref.metrics and ref.metrics.prompt_hit_tokens else None)
+        r.vs_ideal = hits / ideal.total if ideal.total else None
     need = request_blocks(workload, block_size)
     blk = shape.block_bytes(block_size)
     done = len(rows) + len(unbounded)
@@ -648,21 +581,18 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
         ideal_token_hit_rate=ideal_tok.rate, ideal_block_hit_rate=ideal_blk.rate,
         ideal_token_hit_tokens=ideal_tok.total, ideal_block_hit_tokens=ideal_blk.total,
         jobs=jobs, wall_s=wall, total_replays=total, completed_replays=done,
-        interrupted=done < total,
-        tiers={"host_bytes": tiers.host_bytes, "store": _redact(tiers.store)} if tiers else {},
-        step_time=step_time)
+        interrupted=done < total, step_time=step_time,
+        tiers={"host_bytes": tiers.host_bytes,
+               "store": tiers.store and redact_url(tiers.store)} if tiers else {})
     result = SweepResult(meta, rows, unbounded)
     result.findings = find_tension(result)
     return result
 
 
-# ---------------------------------------------------------------------------- analysis
-
-
 def find_tension(result: SweepResult) -> dict[str, Any]:
-    """Where caching stops paying, read off the rows (budgets largest first), per policy:
-    the first budget with a preemption and, for a caching policy, its unbounded replay's
-    first-admission hit rate and the first budget whose hit rate is below 95% of it."""
+    """Where caching stops paying, per policy (budgets largest first): the first budget with
+    a preemption and, for a caching policy, its unbounded replay's hit rate and the first
+    budget whose hit rate is below 95% of it."""
     out: dict[str, Any] = {}
     rows = [r for r in result.rows if r.metrics is not None]
     budgets = sorted({r.budget_bytes for r in rows if r.budget_bytes is not None}, reverse=True)
@@ -681,10 +611,3 @@ def find_tension(result: SweepResult) -> dict[str, Any]:
             info["hit_below_95pct"] = first(name, lambda m: m.prompt_hit_rate < bend)  # noqa: B023
         out[name] = info
     return out
-
-
-def _redact(url: str | None) -> str | None:
-    """A store URL without its password (for output and records)."""
-    from kvstore.tiers.valkey_store import redact_url
-
-    return None if url is None else redact_url(url)

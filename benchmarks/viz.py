@@ -1,32 +1,16 @@
-"""``kvstore viz``: the pool's block layout, step by step, for a small built-in scenario.
-
-Each step prints one cell per block (block 0, the null block, is left out)::
-
-    [A][A][*][*][b][.][ ][+]
-
-- ``A``..``Z``: in use by that request alone (requests are lettered by arrival);
-- ``*``: in use by more than one request (a shared prefix);
-- ``+``: the destination of a copy-on-write queued this step (partial prefix hit);
-- ``=``: held only as the source of a pending copy;
-- ``a``..``z``: free but cached: a full block written by that request, still findable by
-  a prefix hit until it is evicted;
-- ``.``: free but cached partial block (a copy-on-write source only);
-- blank: free, holding nothing.
-
-A PNG shows the same over time: block id against step, coloured by owning request,
-hatched where a block is free but cached, marked for shared and copied blocks.
-"""
+"""``kvstore viz``: the pool's block layout after every step of a small built-in scenario, as
+an ASCII map and a PNG (the cell codes are in ``LEGEND``; docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import argparse
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.benchmarks.output import pyplot
+from kvstore.benchmarks.output import pyplot, save_figure
 from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.workloads import RequestSpec
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -37,30 +21,18 @@ LEGEND = ("A-Z in use by one request | * shared | + copy destination (CoW) | = p
           "blank free")
 
 
-def _letter(i: int) -> str:
-    return string.ascii_uppercase[i % 26]
-
-
 @dataclass
 class PoolSnapshot:
-    """The pool after one step was scheduled: one cell code per block id 1..N-1."""
+    """The pool after one step was scheduled, per block id 1..N-1: its cell code, its owning
+    request's letter ('' when none or shared) and its writer's ('' when none)."""
 
     step: int
     cells: list[str]
-    owners: list[str]  # owning request letter per block ('' when none or shared)
-    writers: list[str]  # letter of the request that wrote the block's content ('' if none)
+    owners: list[str]
+    writers: list[str]
     running: list[str]
     waiting: list[str]
-    events: list[str] = field(default_factory=list)
-
-    def render(self) -> str:
-        """The ASCII map of this step."""
-        return render_row(self.cells)
-
-
-def render_row(cells: Sequence[str]) -> str:
-    """Cells as ``[A][ ][*]...``."""
-    return "".join(f"[{c}]" for c in cells)
+    events: list[str]
 
 
 class PoolRecorder:
@@ -73,6 +45,9 @@ class PoolRecorder:
         self._seen: set[str] = set()
         self._prev_running: set[str] = set()
 
+    def _letter(self, request_id: str) -> str:
+        return self.letters.get(request_id, "?")
+
     def __call__(self, scheduler: Scheduler, output: SchedulerOutput) -> None:
         """Record the state right after `output` was scheduled."""
         manager = scheduler.manager
@@ -81,7 +56,7 @@ class PoolRecorder:
             for table in manager.block_table(rid):
                 for bid in table:
                     if bid:
-                        owners.setdefault(bid, set()).add(self.letters.get(rid, "?"))
+                        owners.setdefault(bid, set()).add(self._letter(rid))
         copy_dst = {dst for _, dst in output.copies}
         cells, own, wrote = [], [], []
         for block in manager.block_states():
@@ -94,7 +69,7 @@ class PoolRecorder:
                 c = "+"
             elif len(who) > 1:
                 c = "*"
-            elif len(who) == 1:
+            elif who:
                 c = next(iter(who))
             elif block.ref_cnt > 0:
                 c = "="
@@ -108,37 +83,30 @@ class PoolRecorder:
         events = []
         for item in output.scheduled:
             r = item.request
-            rid = r.request_id
-            if rid not in self._seen:
-                self._seen.add(rid)
-                events.append(f"{self.letters.get(rid, '?')} admitted, hit {r.num_computed_tokens}")
-        running = {self.letters.get(r.request_id, "?") for r in scheduler.running}
-        for p in output.preempted:
-            events.append(f"{self.letters.get(p.request_id, '?')} preempted")
-        for src, dst in output.copies:
-            events.append(f"copy {src}->{dst}")
-        done = sorted(self._prev_running - running - {
-            self.letters.get(p.request_id, "?") for p in output.preempted})
+            if r.request_id not in self._seen:
+                self._seen.add(r.request_id)
+                events.append(f"{self._letter(r.request_id)} admitted, hit {r.num_computed_tokens}")
+        running = {self._letter(r.request_id) for r in scheduler.running}
+        preempted = {self._letter(p.request_id) for p in output.preempted}
+        events += [f"{self._letter(p.request_id)} preempted" for p in output.preempted]
+        events += [f"copy {src}->{dst}" for src, dst in output.copies]
+        done = sorted(self._prev_running - running - preempted)
         if done:
             events.append("finished " + ",".join(done))
         self._prev_running = running
         self.snapshots.append(PoolSnapshot(
-            step=len(self.snapshots) + 1, cells=cells, owners=own, writers=wrote,
-            running=sorted(running),
-            waiting=[self.letters.get(r.request_id, "?") for r in scheduler.waiting],
-            events=events))
+            len(self.snapshots) + 1, cells, own, wrote, sorted(running),
+            [self._letter(r.request_id) for r in scheduler.waiting], events))
 
 
 def demo_scenario(block_size: int = 4) -> list[RequestSpec]:
-    """A handful of requests that show sharing, a partial hit, evictions and a re-hit.
-
-    A and B share a two-block system prompt S; C repeats A's prompt but diverges inside
-    A's last prompt block (a partial hit, so a copy); D is long and unique, so it evicts
-    cached blocks; E comes back to S after D."""
+    """A handful of requests that show sharing, a partial hit, evictions and a re-hit: A and
+    B share a two-block system prompt S; C repeats A's prompt but diverges inside A's last
+    prompt block; D is long and unique; E comes back to S after D."""
     bs = block_size
-    s = tuple(range(100, 100 + 2 * bs))  # two full blocks
-    a = (s + tuple(range(200, 200 + bs - 1)))
-    b = (s + tuple(range(300, 300 + bs + 1)))
+    s = tuple(range(100, 100 + 2 * bs))
+    a = s + tuple(range(200, 200 + bs - 1))
+    b = s + tuple(range(300, 300 + bs + 1))
     c = a[: 2 * bs + bs // 2] + tuple(range(400, 400 + bs))
     d = tuple(range(500, 500 + 7 * bs))
     e = s + tuple(range(600, 600 + 2))
@@ -151,7 +119,7 @@ def run_viz(num_blocks: int = 13, block_size: int = 4, max_num_batched_tokens: i
             requests: Sequence[RequestSpec] | None = None) -> tuple[PoolRecorder, SimResult]:
     """Replay the scenario (one full-attention layer) and record the pool at every step."""
     reqs = list(requests) if requests is not None else demo_scenario(block_size)
-    letters = {r.request_id: _letter(i)
+    letters = {r.request_id: string.ascii_uppercase[i % 26]
                for i, r in enumerate(sorted(reqs, key=lambda r: r.arrival))}
     config = make_kv_cache_config([FullAttentionSpec(block_size, 1, 8)], num_blocks=num_blocks)
     recorder = PoolRecorder(letters)
@@ -199,12 +167,7 @@ def plot_layout(snapshots: Sequence[PoolSnapshot], path: str | Path, title: str 
     handles += [Patch(color="0.35", label="shared (*) / copy (+)"),
                 Patch(facecolor="0.8", hatch="///", edgecolor="0.3", label="free, cached")]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------- CLI
+    save_figure(fig, Path(path))
 
 
 def add_viz_parser(subparsers: Any) -> None:
@@ -237,7 +200,7 @@ def run_viz_command(args: argparse.Namespace) -> int:
     print(f"legend: {LEGEND}")
     print(f"{'step':>4}  {'blocks 1..' + str(args.num_blocks - 1):<{width}}  running / waiting  events")
     for s in recorder.snapshots:
-        print(f"{s.step:>4}  {s.render()}  {''.join(s.running) or '-':>7} / "
+        print(f"{s.step:>4}  {''.join(f'[{c}]' for c in s.cells)}  {''.join(s.running) or '-':>7} / "
               f"{''.join(s.waiting) or '-':<7} {'; '.join(s.events)}")
     print(f"hits {result.hit_tokens} of {result.queried_tokens} tokens ({result.partial_hit_tokens} "
           f"by partial hits, {result.copies} copies), {result.evictions} evictions, "
