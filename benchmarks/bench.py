@@ -5,8 +5,7 @@ For every pool size (a KV byte budget for a model shape) and every policy (naive
 reservation, paged, full-block prefix caching, partial hits, hybrid layout) it replays
 the workload through the real scheduler and cache manager and reports hit rates against
 the unbounded replay and the ideal, the cost (evictions, preemptions, recomputed
-tokens, steps) and the memory (peak in use, reserved but idle). On a Mooncake trace it
-also replays the hash-level hit-rate-vs-capacity curve next to the paper's points.
+tokens, steps) and the memory (peak in use, reserved but idle).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 from kvstore.benchmarks.output import (
     RunInfo,
@@ -32,7 +31,7 @@ from kvstore.benchmarks.output import (
     write_csv,
     write_json,
 )
-from kvstore.benchmarks.simulator import SimResult, StepTime, TierOptions, open_store, parse_mem_store
+from kvstore.benchmarks.simulator import StepTime, TierOptions, open_store, parse_mem_store
 from kvstore.benchmarks.sweep import (
     DEFAULT_POLICIES,
     MODEL_SHAPES,
@@ -112,18 +111,15 @@ def _seconds(x: float | None) -> str:
     return f"{x:.2f}s" if x < 10 else f"{x:.1f}s" if x < 100 else f"{x:.0f}s" if x < 1e4 else f"{x:.1e}s"
 
 
-# The table's columns: (name, name in the narrow table or None, justify). The narrow table
-# leaves out _DROP_ORDER's columns, in order, until it fits TABLE_WIDTH; the tier columns
-# appear only in a sweep with tiers.
-_COLUMNS: tuple[tuple[str, str | None, Literal["left", "right"]], ...] = (
-    ("KV budget", "KV budget", "right"), ("policy", "policy", "left"), ("blocks", None, "right"),
-    ("hit", "hit", "right"), ("device", None, "right"), ("host", "host", "right"),
-    ("store", "store", "right"), ("total hit", None, "right"),
-    ("vs unbnd", "vs unb", "right"), ("vs ideal", None, "right"),
-    ("partial tok", None, "right"), ("evict", "evict", "right"), ("preempt", "preempt", "right"),
-    ("recompute", "recomp", "right"), ("computed", "computed", "right"),
-    ("steps", "steps", "right"), ("conc", "conc", "right"), ("time", "time", "right"),
-    ("peak KV", "peak KV", "right"), ("idle KV", None, "right"),
+# The table's columns: (name, name in the narrow table or None); all but policy right-aligned.
+# The narrow table leaves out _DROP_ORDER's columns, in order, until it fits TABLE_WIDTH; the
+# tier columns appear only in a sweep with tiers.
+_COLUMNS: tuple[tuple[str, str | None], ...] = (
+    ("KV budget", "KV budget"), ("policy", "policy"), ("blocks", None), ("hit", "hit"),
+    ("device", None), ("host", "host"), ("store", "store"), ("total hit", None),
+    ("vs unbnd", "vs unb"), ("vs ideal", None), ("partial tok", None), ("evict", "evict"),
+    ("preempt", "preempt"), ("recompute", "recomp"), ("computed", "computed"), ("steps", "steps"),
+    ("conc", "conc"), ("time", "time"), ("peak KV", "peak KV"), ("idle KV", None),
 )
 _TIER_COLUMNS = frozenset({"device", "host", "store", "total hit"})
 _DROP_ORDER = ("peak KV", "vs unbnd", "recompute", "evict", "store", "preempt")
@@ -187,11 +183,12 @@ def _table(result: SweepResult, wide: bool, drop: Sequence[str] = ()) -> Any:
         t = Table(title=title, show_lines=False)
     else:  # no borders or padding: one space between columns
         t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
-    keep = [i for i, (name, narrow, _) in enumerate(_COLUMNS)
+    keep = [i for i, (name, narrow) in enumerate(_COLUMNS)
             if (m.tiers or name not in _TIER_COLUMNS) and name not in drop and (wide or narrow)]
     for i in keep:
-        name, narrow, just = _COLUMNS[i]
-        t.add_column(name if wide else narrow or name, justify=just, no_wrap=True)
+        name, narrow = _COLUMNS[i]
+        t.add_column(name if wide else narrow or name, no_wrap=True,
+                     justify="left" if name == "policy" else "right")
     last = None
     for r in result.rows:
         cells = _cells(r, wide)
@@ -234,20 +231,22 @@ def print_table(result: SweepResult, console: Any, wide: bool = False) -> list[s
     console.print(table)
     if not wide:
         console.print(table_legend(result), style="dim")
-    print_group_table(result, console)
+    if (group := _group_table(result)) is not None:
+        console.print(group)
     return drop
 
 
-def print_group_table(result: SweepResult, console: Any) -> None:
+def _group_table(result: SweepResult) -> Any:
     """Per budget and hybrid policy, what its full-attention and sliding-window groups kept
-    (cached pages, mean over steps) and evicted, next to the all-full partial replay."""
+    (cached pages, mean over steps) and evicted, next to the all-full partial replay; None
+    without sliding-window groups."""
     from rich import box
     from rich.table import Table
 
     rows = [r for r in result.rows if r.metrics is not None and any(
         r.metrics.kept_and_evicted("window"))]
     if not rows:
-        return
+        return None
     points = {r.point for r in rows}
     full = {r.point: r for r in result.rows  # the all-full reference: partial, LRU
             if r.point in points and r.metrics is not None and r.policy == "partial"}
@@ -264,59 +263,18 @@ def print_group_table(result: SweepResult, console: Any) -> None:
                   _count(round(full_kept)), _count(full_evicted),
                   _count(round(window_kept)) if r in rows else "-",
                   _count(window_evicted) if r in rows else "-")
-    console.print(t)
+    return t
 
 
-def markdown_tables(result: SweepResult) -> str:
-    """The sweep's two summary tables (hit rate and cost; paged vs naive) as Markdown."""
-    fit = {(r.policy, r.point): r for r in result.rows if r.metrics is not None}
-    points = sorted({r.point for r in result.rows})
-    policies = list(result.meta.policies)
-    caching = [p for p in policies if POLICIES[p].enable_caching]
-    show = [p for p in ("paged", "partial") if p in policies]
+def _markdown(table: Any) -> str:
+    """A rich table as Markdown: its title, then its header and rows (markup dropped)."""
+    from rich.text import Text
 
-    def m(policy: str, i: int) -> SimResult | None:
-        r = fit.get((policy, i))
-        return r.metrics if r else None
-
-    def size(x: float) -> str:
-        return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.0f} MiB"
-
-    lines = ["| KV budget | blocks | " + " | ".join(f"{p} hit" for p in caching)
-             + " | vs ideal | partial-hit tokens | evictions | preemptions | recomputed | computed |",
-             "|---" * (8 + len(caching)) + "|"]
-    for i in points:
-        first = next((fit[p, i] for p in policies if (p, i) in fit), None)
-        if first is None:
-            continue
-        ref = fit.get(("partial" if ("partial", i) in fit else caching[0], i)) if caching else None
-        blocks = " / ".join(str(fit[p, i].num_blocks) for p in ("partial", "hybrid")
-                            if (p, i) in fit) or str(first.num_blocks)
-        hits = " | ".join("-" if (x := m(p, i)) is None else f"{100 * x.prompt_hit_rate:.1f}%"
-                          for p in caching)
-        counts = [" / ".join("-" if (x := m(p, i)) is None else f"{getattr(x, key):,}"
-                             for p in show)
-                  for key in ("preemptions", "recomputed_tokens", "computed_tokens")]
-        r = ref.metrics if ref else None
-        lines.append(f"| {first.budget_label} | {blocks} | {hits} | "
-                     f"{_pct(ref.vs_ideal) if ref and r else '-'} | "
-                     f"{r.partial_hit_tokens if r else '-'} | {r.evictions if r else '-'} | "
-                     f"{' | '.join(counts)} |")
-    lines += ["", f"Blocks: partial / hybrid layouts. Preemptions, recomputed and computed: "
-              f"{' / '.join(show)}. vs ideal, partial-hit tokens, evictions: partial.", "",
-              "| KV budget | steps naive | steps paged | steps partial | naive / paged | idle reserved "
-              "naive (mean, % of pool) | idle reserved paged | peak in use naive / paged / partial "
-              "| computed naive / paged |", "|---" * 9 + "|"]
-    for i in points:
-        n, pa, pt = m("naive", i), m("paged", i), m("partial", i)
-        if n and pa and pt:
-            lines.append(
-                f"| {fit['partial', i].budget_label} | {n.steps} | {pa.steps} | {pt.steps} | "
-                f"{n.steps / pa.steps:.2f} | {size(n.mean_idle_bytes)} "
-                f"({100 * n.mean_idle_fraction:.1f}%) | {size(pa.mean_idle_bytes)} "
-                f"({100 * pa.mean_idle_fraction:.2f}%) | {size(n.peak_kv_bytes)} / "
-                f"{size(pa.peak_kv_bytes)} / {size(pt.peak_kv_bytes)} | "
-                f"{n.computed_tokens:,} / {pa.computed_tokens:,} |")
+    cols = table.columns
+    lines = [str(table.title), "", "| " + " | ".join(str(c.header) for c in cols) + " |",
+             "|" + "|".join("---:" if c.justify == "right" else "---" for c in cols) + "|"]
+    lines += ["| " + " | ".join(Text.from_markup(str(cell)).plain for cell in row) + " |"
+              for row in zip(*(c.cells for c in cols), strict=True)]
     return "\n".join(lines) + "\n"
 
 
@@ -434,13 +392,15 @@ def write_figures(result: SweepResult, out: Path, run: RunInfo | None = None) ->
 def write_results(result: SweepResult, out: Path, run: RunInfo | None = None,
                   figures: bool = True) -> list[Path]:
     """``sweep.json`` (with `run`), ``sweep.csv`` (the rows, then the unbounded replays),
-    ``tables.md`` and, with `figures`, the three figures into `out`."""
+    ``tables.md`` (the wide and per-group tables) and, with `figures`, the figures."""
     doc = result.as_dict()
     if run is not None:
         doc["run"] = run.as_dict()
     write_json(out / "sweep.json", doc)
     write_csv(out / "sweep.csv", [r.as_dict() for r in [*result.rows, *result.unbounded.values()]])
-    (out / "tables.md").write_text(markdown_tables(result), encoding="utf-8")
+    group = _group_table(result)
+    tables = _markdown(_table(result, wide=True)) + ("" if group is None else "\n" + _markdown(group))
+    (out / "tables.md").write_text(tables, encoding="utf-8")
     written = [out / "sweep.json", out / "sweep.csv", out / "tables.md"]
     if figures:
         written += write_figures(result, out, run)
@@ -499,12 +459,10 @@ def _step_time(text: str) -> StepTime:
 
 def _out_folder(text: str) -> Path:
     path = Path(text).expanduser()
-    for p in (path, *path.parents):
-        if p.exists():
-            if not p.is_dir():
-                what = "is a file" if p == path else f"is under {p}, which is a file"
-                raise ValueError(f"{text} {what}; give a folder")
-            break
+    found = next((p for p in (path, *path.parents) if p.exists()), path)
+    if found.exists() and not found.is_dir():
+        what = "is a file" if found == path else f"is under {found}, which is a file"
+        raise ValueError(f"{text} {what}; give a folder")
     return path
 
 
@@ -628,9 +586,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model whose KV bytes per token size the pools")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     p.add_argument("--pool-sizes", metavar="LIST", type=_arg_type(_pool_sizes),
-                   help="comma list of KV budgets (1GiB,512MiB) or block counts of the all-full "
-                        "layout (4000,2000) (default: --points sizes from everything-fits down "
-                        "to the largest request)")
+                   help="comma list of KV budgets (1GiB,512MiB) or all-full block counts "
+                        "(4000,2000) (default: --points sizes down to the largest request)")
     p.add_argument("--points", type=positive_int, default=None,
                    help=f"number of default pool sizes (default: {DEFAULT_POINTS}, "
                         f"{QUICK_POINTS} with --quick)")
@@ -638,42 +595,35 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="LIST", help=f"comma list of {', '.join(POLICIES)} (default: all)")
     p.add_argument("--eviction", type=name_list(tuple(EVICTION_POLICIES)), default=None,
                    metavar="LIST",
-                   help="comma list of eviction policies (kvstore.eviction); each caching policy "
-                        "runs once per name, side by side (NAME@EVICTION; default: lru)")
+                   help="comma list of eviction policies: each caching policy runs once per "
+                        "name, as NAME@EVICTION (default: lru)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
     p.add_argument("--quick", action="store_true",
-                   help=f"{QUICK_POINTS} pool sizes, the first {QUICK_LIMIT} requests, "
-                        "paper capacities only for the Mooncake curve")
+                   help=f"{QUICK_POINTS} pool sizes, the first {QUICK_LIMIT} requests")
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="worker processes (default: the CPU count, at most 4)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                    help="scheduler: tokens per step")
     p.add_argument("--max-num-seqs", type=positive_int, default=256,
                    help="scheduler: requests running at once")
-    p.add_argument("--no-mooncake-curve", action="store_true",
-                   help="on a Mooncake workload, skip the hash-level hit-rate-vs-capacity replay")
     p.add_argument("--out", default=Path("results/bench"), type=_arg_type(_out_folder),
-                   metavar="DIR", help="output folder; each run writes into a fresh "
-                                       "DIR/YYYYMMDD-HHMMSS/")
+                   metavar="DIR", help="each run writes into a fresh DIR/YYYYMMDD-HHMMSS/")
     p.add_argument("--in-place", action="store_true",
-                   help="write into --out itself, replacing files of the same names (how "
-                        "docs/figures is made: --out docs/figures --in-place)")
+                   help="write into --out itself, replacing files of the same names")
     p.add_argument("--step-time", type=_arg_type(_step_time), default=StepTime(), metavar="A,B",
-                   help="the step-time model of the time column: a step that computes n tokens "
-                        "takes A ms + n x B us (default: 5,40, an 8B model on one H100-class GPU)")
+                   help="the time column's model: a step computing n tokens takes A ms + n x B "
+                        "us (default: 5,40)")
     p.add_argument("--wide", action="store_true",
                    help="print every column of the table (the default fits 80 columns)")
     p.add_argument("--host-tier-bytes", type=_arg_type(_tier_bytes), metavar="N",
-                   help="a host tier of N bytes (8GiB, or a byte count) below the device pool: "
-                        "each caching policy also runs as NAME+tiers, side by side")
+                   help="a host tier of N bytes (8GiB, or a byte count) below the device pool; "
+                        "each caching policy also runs as NAME+tiers")
     p.add_argument("--store", type=_arg_type(_store_spec), metavar="URL",
-                   help="a shared store below the device pool (and the host tier): a Valkey URL "
-                        "(valkey://host:port/db, valkey+cluster://host:port), or mem / mem:SIZE "
-                        "for an in-process one; each caching policy also runs as NAME+tiers")
+                   help="a shared store below the pool (and the host tier): valkey://host:port/db, "
+                        "valkey+cluster://host:port, mem or mem:SIZE; as --host-tier-bytes")
     p.add_argument("--window-offload", choices=("none", "ends", "all"), default="ends",
                    help="with tiers, which pages a sliding-window group drops mid-request are "
-                        "offloaded: none (only those held at free), ends (those before a likely "
-                        "hit end), all")
+                        "offloaded (docs/tiers.md)")
 
 
 def _arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -751,19 +701,6 @@ def run_bench(args: argparse.Namespace) -> int:
     if dropped:
         console.print(f"left out to fit {TABLE_WIDTH} columns: {', '.join(dropped)}; every column "
                       f"is in {folder}/table.txt (or run with --wide)", style="dim")
-    if args.workload.startswith("mooncake") and not args.no_mooncake_curve:
-        from kvstore.benchmarks import traces
-        from kvstore.benchmarks.replay import run_mooncake_replay
-
-        path = args.trace or traces.locate_trace(TRACE_WORKLOADS[args.workload])
-        try:
-            run_mooncake_replay(folder, {args.workload.split("-", 1)[1]: path}, limit=args.limit,
-                                quick=args.quick, log=console.print)
-        except KeyboardInterrupt:
-            print(f"kvstore bench: interrupted during the Mooncake curve; the sweep's files are "
-                  f"in {folder}/", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        written += [folder / f"mooncake_hit_rate.{ext}" for ext in ("png", "json", "csv")]
     pngs = ", ".join(sorted(p.name for p in written if p.suffix == ".png"))
     console.print(f"wrote {len(written)} files to {folder}/ (sweep.json, sweep.csv, tables.md, "
                   f"{pngs} ...) in {time.perf_counter() - t0:.1f}s with {result.meta.jobs} jobs")

@@ -26,14 +26,12 @@ class RunInfo:
     seed: int | None
 
     @classmethod
-    def now(cls, arguments: Mapping[str, Any], seed: int | None = None,
-            argv: Sequence[str] | None = None) -> RunInfo:
-        """The record of a run starting now; `argv` defaults to this process's."""
+    def now(cls, arguments: Mapping[str, Any], seed: int | None = None) -> RunInfo:
+        """The record of this process's run, starting now."""
         from kvstore import __version__
 
-        argv = list(sys.argv) if argv is None else list(argv)
         return cls(__version__, datetime.now().astimezone().isoformat(timespec="seconds"),
-                   shlex.join(argv), dict(arguments), seed)
+                   shlex.join(sys.argv), dict(arguments), seed)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""

@@ -102,9 +102,7 @@ MODEL_SHAPES: dict[str, ModelShape] = {
 
 @dataclass(frozen=True)
 class Policy:
-    """One way to run the cache: layout, prefix caching, admission reservation, eviction
-    policy, and whether the sweep's tiers sit below the pool (``base``: the device-only
-    policy a tiered one extends)."""
+    """One way to run the cache (``base``: the device-only policy a tiered one extends)."""
 
     name: str
     label: str
@@ -120,12 +118,6 @@ class Policy:
     def reference(self) -> str:
         """The policy whose unbounded replay this one is scored against."""
         return self.base or self.name
-
-    def layer_specs(self, shape: ModelShape, block_size: int) -> list[KVCacheSpec]:
-        """The layer list this policy's pool is built for."""
-        if self.layout == "hybrid":
-            return shape.hybrid_specs(block_size)
-        return shape.full_specs(block_size)
 
 
 POLICIES: dict[str, Policy] = {
@@ -171,14 +163,9 @@ def policy_named(name: str) -> Policy:
 def with_evictions(policies: Sequence[str], evictions: Sequence[str]) -> list[str]:
     """The caching policies once per eviction policy (``BASE@EVICTION``; LRU keeps the bare
     name), uncached ones once."""
-    out: list[str] = []
-    for p in policies:
-        if not POLICIES[p].enable_caching:
-            out.append(p)
-            continue
-        for e in evictions:
-            out.append(p if e == "lru" else policy_named(f"{p}@{e}").name)
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(
+        p if e == "lru" or not POLICIES[p].enable_caching else policy_named(f"{p}@{e}").name
+        for p in policies for e in evictions))
 
 
 def with_tiers(policies: Sequence[str]) -> list[str]:
@@ -350,10 +337,6 @@ class SweepMeta:
     tiers: dict[str, Any] = field(default_factory=dict)  # host_bytes and store; {}: none
     step_time: StepTime = DEFAULT_STEP_TIME  # the model behind each row's model_time_s
 
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-friendly form."""
-        return asdict(self)
-
 
 @dataclass
 class SweepResult:
@@ -366,7 +349,7 @@ class SweepResult:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
-        return {"meta": self.meta.as_dict(), "rows": [r.as_dict() for r in self.rows],
+        return {"meta": asdict(self.meta), "rows": [r.as_dict() for r in self.rows],
                 "unbounded": {p: r.as_dict() for p, r in self.unbounded.items()},
                 "findings": self.findings}
 
@@ -379,9 +362,8 @@ class SweepResult:
 def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size: int,
               budget: int | None, sched: SchedulerConfig | None = None,
               index: int = 0, tiers: TierOptions | None = None) -> SweepRow:
-    """One policy at one budget (None: a pool that never evicts), a tiered policy with
-    `tiers` below the pool; the row is not ``feasible`` when the pool holds fewer than 2
-    blocks or some request can never fit it."""
+    """One policy at one budget (None: a pool that never evicts); not ``feasible`` when the
+    pool holds fewer than 2 blocks or some request can never fit it."""
     if policy.tiered and not tiers:
         raise ValueError(f"policy {policy.name} needs tiers (TierOptions)")
     sched = sched or SchedulerConfig()
@@ -389,9 +371,10 @@ def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size:
         sched = SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs,
                                 policy.reserve_full_output)
     t0 = time.perf_counter()
-    specs = policy.layer_specs(shape, block_size)
+    hybrid = policy.layout == "hybrid"
+    specs = shape.hybrid_specs(block_size) if hybrid else shape.full_specs(block_size)
     # A hybrid layout is packed for this workload's requests, as an engine would be set up.
-    typical = typical_tokens(workload) if policy.layout == "hybrid" else None
+    typical = typical_tokens(workload) if hybrid else None
     layout = make_kv_cache_config(specs, num_blocks=2, typical_tokens=typical)  # its size is unused
     bpb = layout.bytes_per_block
     if budget is None:  # room for every page any request ever holds, in every group, at once
@@ -486,10 +469,8 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
               progress: Callable[[SweepRow], None] | None = None,
               on_start: Callable[[int], None] | None = None,
               tiers: TierOptions | None = None, step_time: StepTime = DEFAULT_STEP_TIME) -> SweepResult:
-    """Replay `workload` under every policy at every budget (bytes), plus an unbounded
-    reference per device-only caching policy, over `jobs` processes; with `tiers`, each
-    caching policy also runs as ``NAME+tiers``. `on_start(n)` is told how many replays will
-    run, `progress(row)` sees each as it finishes. Ctrl-C raises :class:`SweepInterrupted`."""
+    """Replay `workload` under every policy at every budget (bytes) and unbounded, over `jobs`
+    processes (`on_start(n)`: n replays; `progress(row)`: one finished; Ctrl-C: SweepInterrupted)."""
     if isinstance(shape, str):
         shape = MODEL_SHAPES[shape]
     unknown = [p for p in policies if p not in POLICIES]
@@ -590,9 +571,8 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
 
 
 def find_tension(result: SweepResult) -> dict[str, Any]:
-    """Where caching stops paying, per policy (budgets largest first): the first budget with
-    a preemption and, for a caching policy, its unbounded replay's hit rate and the first
-    budget whose hit rate is below 95% of it."""
+    """Per policy, the first budget (largest first) with a preemption and, with caching, the
+    unbounded hit rate and the first budget below 95% of it."""
     out: dict[str, Any] = {}
     rows = [r for r in result.rows if r.metrics is not None]
     budgets = sorted({r.budget_bytes for r in rows if r.budget_bytes is not None}, reverse=True)
