@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -666,7 +665,7 @@ def run_bench(args: argparse.Namespace) -> int:
         error(f"argument {flag}: tiers need a caching policy in --policies")
     if tiers.store:
         _check_store(tiers.store, error)
-    out = Path(args.out)
+    out: Path = args.out
     points = args.points if args.points is not None else (QUICK_POINTS if args.quick else DEFAULT_POINTS)
     run = RunInfo.now(_arguments(args), seed=args.seed)
     console = Console()
@@ -682,7 +681,7 @@ def run_bench(args: argparse.Namespace) -> int:
             console, workload, shape=shape.name, block_size=args.block_size, budgets=budgets,
             num_points=points, policies=policies, tiers=tiers or None, step_time=args.step_time,
             scheduler_config=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
-            jobs=args.jobs if args.jobs is not None else min(4, os.cpu_count() or 1))
+            jobs=args.jobs)
     except SweepInterrupted as e:
         return _save_interrupted(e.partial, out, args.in_place, run)
     dropped = print_table(result, console, wide=args.wide)
