@@ -3,7 +3,6 @@ cache manager under several cache policies, at KV byte budgets for a model shape
 
 from __future__ import annotations
 
-import functools
 import math
 import multiprocessing
 import os
@@ -425,24 +424,34 @@ def sigint_ignored() -> Iterator[None]:
 
 
 Task = tuple[str, int | None, int]  # policy, budget (None: unbounded), budget index
+_WORKER: dict[str, Any] = {}
 
 
-def _run_task(workload: Workload, shape: ModelShape, block_size: int, sched: SchedulerConfig,
-              tiers: TierOptions | None, task: Task) -> SweepRow:
+def _init_worker(workload: Workload, shape: ModelShape, block_size: int,
+                 sched: SchedulerConfig, tiers: TierOptions | None = None,
+                 ignore_sigint: bool = False) -> None:
+    if ignore_sigint:  # Ctrl-C is the parent's to handle: it terminates the workers
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _WORKER.update(workload=workload, shape=shape, block_size=block_size, sched=sched,
+                   tiers=tiers)
+
+
+def _run_task(task: Task) -> SweepRow:
+    w = _WORKER
     policy, budget, index = task
-    return run_point(workload, policy_named(policy), shape, block_size, budget, sched,
-                     index=index, tiers=tiers)
+    return run_point(w["workload"], policy_named(policy), w["shape"], w["block_size"], budget,
+                     w["sched"], index=index, tiers=w["tiers"])
 
 
-def _run_parallel(replay: Callable[[Task], SweepRow], tasks: Sequence[Task], jobs: int,
+def _run_parallel(tasks: Sequence[Task], jobs: int, initargs: tuple[Any, ...],
                   on_row: Callable[[SweepRow], None]) -> None:
     """Run `tasks` on `jobs` processes that ignore Ctrl-C; on any exception (Ctrl-C
     included) terminate them at once and re-raise."""
-    with sigint_ignored():  # the workers start with SIGINT ignored, and keep it so
-        pool = multiprocessing.get_context().Pool(jobs, initializer=signal.signal,
-                                                  initargs=(signal.SIGINT, signal.SIG_IGN))
+    with sigint_ignored():  # the workers start with SIGINT ignored, before their initializer
+        pool = multiprocessing.get_context().Pool(jobs, initializer=_init_worker,
+                                                  initargs=(*initargs, True))
     try:
-        for row in pool.imap_unordered(replay, tasks):
+        for row in pool.imap_unordered(_run_task, tasks):
             on_row(row)
     except BaseException:
         with sigint_ignored():  # a second Ctrl-C must not interrupt the cleanup
@@ -480,7 +489,6 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
     if on_start is not None:
         on_start(len(tasks))
     jobs = jobs if jobs is not None else min(4, os.cpu_count() or 1)
-    replay = functools.partial(_run_task, workload, shape, block_size, sched, tiers)
     rows: list[SweepRow] = []
 
     def on_row(row: SweepRow) -> None:
@@ -495,11 +503,12 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
     t0 = time.perf_counter()
     try:
         if jobs <= 1:
+            _init_worker(workload, shape, block_size, sched, tiers)
             for task in tasks:
-                on_row(replay(task))
+                on_row(_run_task(task))
         else:  # longest first (small pools run the most steps) to balance the workers
-            _run_parallel(replay, sorted(tasks, key=lambda t: math.inf if t[1] is None else t[1]),
-                          jobs, on_row)
+            _run_parallel(sorted(tasks, key=lambda t: math.inf if t[1] is None else t[1]),
+                          jobs, (workload, shape, block_size, sched, tiers), on_row)
     except KeyboardInterrupt:
         with sigint_ignored():
             partial = collect()
