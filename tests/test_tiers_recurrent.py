@@ -10,8 +10,15 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+import xxhash
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from invariants import internals
+from test_recurrent_pool import check_two_size_pool
 
 from kvstore.hashing import root_hash
+from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import BlockIds, KVCacheManager
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.request import Request
@@ -249,6 +256,145 @@ def test_recurrent_layouts_and_transfers_check_their_input() -> None:
     assert torch.equal(gather_blocks(cache, g, [page]), before)
     restore_payloads(cache, g, [page + 1], [before[0].numpy().tobytes()])
     assert torch.equal(gather_blocks(cache, g, [page + 1]), before)
+
+
+# ---------------------------------------------------------------- a machine, simulated device
+
+PREFIXES = [list(range(100, 112)), list(range(100, 106)) + [7, 7, 7], list(range(200, 209))]
+CHUNK = 6  # tokens a step computes at most
+
+
+def content(salt: str | None, token_ids: Sequence[int]) -> float:
+    """What a from-scratch run holds for a prefix: an int exact in float16 and float32."""
+    return float(xxhash.xxh64_intdigest(repr((salt, tuple(token_ids))).encode()) % 2000 + 1)
+
+
+def gather_state(cache: PagedKVCache, g: int, page: int) -> list[torch.Tensor]:
+    """The state tensors of every layer of group g in a large page."""
+    return [t for layer in cache.config.groups[g].layer_ids
+            for t in cache.state_views(layer, page)]
+
+
+class TieredRecurrentMachine(RuleBasedStateMachine):
+    """Requests served one after the other on a small pool (prompt chunks stopped at
+    checkpoint positions, decodes, preemption) with a host tier (and a store) beside it,
+    and device resets, on a CPU device cache whose forward checks, before each step, that
+    the working state and every attention page before the computed count hold what a
+    from-scratch run has there: every hit, from the device or a tier, restored exactly."""
+
+    with_store = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = make_kv_cache_config([FULL, STATE], num_blocks=24)  # 8 large pages of 3
+        layouts = [BlockLayout.for_group("m", cfg, g) for g in range(len(cfg.groups))]
+        slot = max(HostTier.slot_nbytes_for(layout) for layout in layouts)
+        self.host = HostTier(10 * slot, slot_nbytes=slot, pin=False)  # 10 values
+        self.store = DictStore() if self.with_store else None
+        self.tiers = TierConnector(cfg, "m", host=self.host, store=self.store)
+        self.manager = KVCacheManager(cfg)
+        self.tiers.attach(self.manager)
+        self.cache = PagedKVCache(cfg)
+        self.g = state_group(cfg)
+        self.n = 0
+
+    def worker(self) -> None:
+        """The worker's part of a step before its forward: tier transfers, then copies."""
+        self.tiers.take_transfers().run(self.cache)
+        self.cache.copy_blocks(self.manager.take_pending_copies())
+
+    def forward(self, req: Request, n: int) -> None:
+        """Check what the step reads, then write what computing n tokens leaves."""
+        rid, nc, bs = req.request_id, req.num_computed_tokens, BS
+        full, state = self.manager.block_table(rid)[0], self.manager.block_table(rid)[self.g]
+        layer = self.cache.config.groups[0].layer_ids[0]
+        keys = self.cache.layer_caches(layer)[0]
+        for i in range(nc // bs):
+            assert full[i] != 0
+            want = content(req.cache_salt, req.token_ids[:(i + 1) * bs])
+            assert bool((keys[full[i]] == want).all()), f"block {i} of {rid}"
+        if nc:
+            want = content(req.cache_salt, req.token_ids[:nc])
+            for t in gather_state(self.cache, self.g, state[0]):
+                assert bool((t == want).all()), f"state of {rid} at {nc}"
+        end = nc + n
+        for i in range(nc // bs, end // bs):
+            keys[full[i]].fill_(content(req.cache_salt, req.token_ids[:(i + 1) * bs]))
+        value = content(req.cache_salt, req.token_ids[:end])
+        for layer in self.cache.config.groups[self.g].layer_ids:
+            for t in self.cache.state_views(layer, state[0]):
+                t.fill_(value)
+        req.num_computed_tokens = end
+
+    def chunk(self, req: Request, start: int, computed: ComputedBlocks | None = None,
+              hit: int = -1) -> int:
+        """The next chunk, stopped at the first checkpoint position (as the scheduler)."""
+        n = min(req.num_tokens - (start if hit < 0 else hit), CHUNK)
+        base = start if hit < 0 else hit
+        stops = [p for p in self.manager.next_checkpoints(req, base - start + n, computed)
+                 if p > base]
+        return stops[0] - base if stops else n
+
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1),
+          suffix=st.lists(st.integers(0, 50), max_size=6), max_tokens=st.integers(1, 8),
+          salt=st.sampled_from([None, "tenant"]), preempt_at=st.integers(1, 12))
+    def serve(self, prefix: int, suffix: list[int], max_tokens: int, salt: str | None,
+              preempt_at: int) -> None:
+        rid = f"r{self.n}"
+        self.n += 1
+        req = Request(rid, PREFIXES[prefix] + suffix, max_tokens=max_tokens, cache_salt=salt)
+        m, tiers = self.manager, self.tiers
+        computed = m.get_computed_blocks(req)
+        external = tiers.lookup(req, computed)
+        hit = computed.num_full_hit_tokens + external if external else computed.num_computed_tokens
+        num_new = self.chunk(req, computed.num_computed_tokens, computed, hit)
+        ids = m.admit(req, num_new, computed, num_external_tokens=external)
+        if ids is None:
+            assert tiers.drop_lookup(req) == bool(external)
+            m.drop_lookup(req)
+            return
+        tiers.admitted(req, computed, external)
+        assert req.num_computed_tokens == hit
+        if external:
+            event("a hit through the tiers")
+        self.worker()
+        self.forward(req, num_new)
+        for _ in range(preempt_at):
+            if req.num_computed_tokens == req.num_tokens:
+                if req.num_output_tokens >= max_tokens:
+                    break
+                req.append_token_ids(int(content(salt, req.token_ids)) % 50)
+            n = self.chunk(req, req.num_computed_tokens)
+            if m.grow(req, n) is None:
+                break
+            self.worker()
+            self.forward(req, n)
+        m.free(req)
+        self.worker()
+
+    @rule()
+    def reset_device_cache(self) -> None:
+        assert self.manager.reset_prefix_cache()
+
+    @invariant()
+    def pool_is_consistent(self) -> None:
+        check_two_size_pool(internals(self.manager).pool)
+        assert not self.tiers.hits and not self.host._held
+
+    def teardown(self) -> None:
+        for _ in range(2):  # the last batch ran: taking again releases its pins
+            self.manager.take_pending_copies()
+        assert self.manager.num_free_blocks == self.manager.num_usable_blocks
+
+
+class TieredRecurrentStoreMachine(TieredRecurrentMachine):
+    with_store = True
+
+
+TestTieredRecurrentMachine = TieredRecurrentMachine.TestCase
+TestTieredRecurrentStoreMachine = TieredRecurrentStoreMachine.TestCase
+for case in (TestTieredRecurrentMachine, TestTieredRecurrentStoreMachine):
+    case.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 
 
 # ------------------------------------------------------------------------ through the engine
