@@ -1023,21 +1023,20 @@ class RecurrentManager(SingleTypeKVCacheManager):
         output's last block boundary, and the checkpoints it hit or took that still hold
         theirs. A page that a queued copy has yet to fill is left out."""
         rid = request.request_id
-        bs = self.block_size
-        copies = self._copies
-        found: dict[int, int] = {}
         nc = request.num_computed_tokens
-        working = self._req_to_blocks[rid][0]
-        if nc and nc % bs == 0:
-            found[nc // bs - 1] = working.block_id
+        candidates: list[tuple[int, KVCacheBlock]] = []
+        if nc and nc % self.block_size == 0:
+            candidates.append((nc, self._req_to_blocks[rid][0]))
         rolling = self._rolling.get(rid)
         if rolling is not None:
-            found.setdefault(rolling[1] // bs - 1, rolling[0].block_id)
-        for page, serial, at in self._passed[rid]:
-            if page.serial == serial and page.token_ids is not None:
-                found.setdefault(at // bs - 1, page.block_id)
-        return tuple(sorted((i, b) for i, b in found.items()
-                            if not copies.queued_into(b)))
+            candidates.append((rolling[1], rolling[0]))
+        candidates += [(at, page) for page, serial, at in self._passed[rid]
+                       if page.serial == serial and page.token_ids is not None]
+        found: dict[int, int] = {}
+        for at, page in candidates:
+            if not self._copies.queued_into(page.block_id):
+                found.setdefault(at // self.block_size - 1, page.block_id)
+        return tuple(sorted(found.items()))
 
     def note_hit_ends(self, request: Request, ends: Sequence[int]) -> None:
         """Plan a checkpoint at the lookup's branch point (the verified chain's end) when it

@@ -238,6 +238,30 @@ def test_a_checkpoint_value_of_another_layout_is_refused() -> None:
     assert tiers.stats.rejected_values == 1
 
 
+def test_released_checkpoints_leave_out_pages_a_queued_copy_fills() -> None:
+    cfg = config()
+    g = state_group(cfg)
+    manager = KVCacheManager(cfg)
+    released: dict[str, tuple[tuple[int, int], ...]] = {}
+    manager.set_release_listener(
+        lambda r: released.update({r.request.request_id: r.pages}) if r.group_id == g else None)
+    a = Request("a", list(range(1, 11)))
+    manager.admit(a, 8)
+    a.num_computed_tokens = 8
+    assert manager.allocate_slots(a, 2) is not None  # queues the checkpoint at 8
+    (working_a, checkpoint), = manager.take_pending_copies()  # the worker runs it
+    a.num_computed_tokens = 10
+    manager.free(a)
+    assert released["a"] == ((1, checkpoint),)  # the checkpoint it took, not its working state
+    b = Request("b", list(range(1, 11)) + [5])
+    computed = manager.get_computed_blocks(b)
+    assert computed.num_computed_tokens == 8
+    assert manager.admit(b, 3, computed) is not None  # queues checkpoint -> working state
+    working_b = manager.block_table("b")[g][0]
+    manager.free(b)  # before the worker ran that copy: its working state holds nothing yet
+    assert released["b"] == ((1, checkpoint),) and working_b != checkpoint
+
+
 def test_recurrent_layouts_and_transfers_check_their_input() -> None:
     cfg = config()
     g = state_group(cfg)
