@@ -204,8 +204,7 @@ class Scheduler:
                 num_hit = (computed.num_full_hit_tokens + external if external
                            else computed.num_computed_tokens)
                 num_new = min(request.num_tokens - num_hit, budget)
-                if not external:
-                    num_new = self._stop_at_checkpoint(request, num_new, computed)
+                num_new = self._stop_at_checkpoint(request, num_new, computed, num_hit)
                 lookahead = self._lookahead(request, num_hit + num_new)
                 if self._admit(request, num_new, computed, lookahead, external) is None:
                     break
@@ -318,14 +317,17 @@ class Scheduler:
         self.stats.preemptions += 1
 
     def _stop_at_checkpoint(self, request: Request, num_new: int,
-                            computed: ComputedBlocks | None = None) -> int:
+                            computed: ComputedBlocks | None = None, num_hit: int = -1) -> int:
         """`num_new` cut at the first position where a recurrent group takes a checkpoint
-        (`KVCacheManager.next_checkpoints`), so the model's state there is written out."""
-        stops = self.manager.next_checkpoints(request, num_new, computed)
-        if not stops:
-            return num_new
+        (`KVCacheManager.next_checkpoints`), so the model's state there is written out. For
+        a waiting request, `computed` is its lookup and `num_hit` the tokens it is admitted
+        with (past the lookup's when a connector's tiers add some)."""
         start = request.num_computed_tokens if computed is None else computed.num_computed_tokens
-        return stops[0] - start
+        if num_hit < 0:
+            num_hit = start
+        stops = [p for p in self.manager.next_checkpoints(request, num_hit - start + num_new,
+                                                          computed) if p > num_hit]
+        return stops[0] - num_hit if stops else num_new
 
     def _lookahead(self, request: Request, num_tokens_after: int) -> int:
         if not self.config.reserve_full_output:

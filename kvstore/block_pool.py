@@ -636,6 +636,10 @@ class PendingCopies:
             copies.append((src, dst))
         return copies
 
+    def queued_into(self, block_id: int) -> bool:
+        """Whether a queued copy (not handed out yet) writes page `block_id`."""
+        return any(dst == block_id for _, dst in self._copies)
+
     @property
     def pinned_block_ids(self) -> tuple[int, ...]:
         """Ids of the pinned blocks, queued batch then handed-out batch (one entry per pin)."""

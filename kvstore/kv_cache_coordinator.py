@@ -13,6 +13,7 @@ from kvstore.single_type_kv_cache_manager import (
     HitSearch,
     RecurrentManager,
     SingleTypeKVCacheManager,
+    agreed_hit,
     make_manager,
 )
 from kvstore.specs import FullAttentionSpec, KVCacheConfig
@@ -154,14 +155,7 @@ class KVCacheCoordinator:
                                         spine_blocks))
         for managers in self._search_sets:
             searches.append(managers[0].hit_search(managers, request, parents))
-        changed = True
-        while changed:
-            changed = False
-            for search in searches:
-                n = search.longest(num_blocks)
-                if n < num_blocks:
-                    num_blocks = n
-                    changed = True
+        num_blocks = agreed_hit(num_blocks, [search.longest for search in searches])
         # Every group's last answer was exactly num_blocks.
         per_group: list[list[KVCacheBlock]] = [[] for _ in self.managers]
         for search in searches:

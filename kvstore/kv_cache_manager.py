@@ -19,7 +19,7 @@ from kvstore.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, EvictionPolicy
 from kvstore.hashing import HashFn, hash_block
 from kvstore.kv_cache_coordinator import AllocationPlan, ComputedBlocks, KVCacheCoordinator
 from kvstore.request import Request, as_count
-from kvstore.single_type_kv_cache_manager import SlidingWindowManager
+from kvstore.single_type_kv_cache_manager import RecurrentManager, SlidingWindowManager
 from kvstore.specs import FullAttentionSpec, KVCacheConfig
 from kvstore.utils import cdiv
 
@@ -41,7 +41,10 @@ class ReleasedPages:
       pages it held past its window (see `KVCacheManager`).
 
     `pages` are (table index, page id) pairs by table index; for window drops, `near_end[i]`
-    says whether page i lies in the window before one of the request's likely hit ends."""
+    says whether page i lies in the window before one of the request's likely hit ends. For
+    a recurrent group they are the large pages holding a state of the request's prefix at a
+    block boundary (`RecurrentManager.held_checkpoints`), each with the index of the block
+    that prefix ends with."""
 
     request: Request
     group_id: int
@@ -321,7 +324,9 @@ class KVCacheManager:
         caller fills before the next forward, the hit's partial block is not taken, and
         they count as computed. A sliding-window group keeps only the window before the
         hit's end: its entries below it are null (those the tokens would have filled take
-        no page), as for a device hit that long. `RequestTooLargeError` when those pages
+        no page), as for a device hit that long. A recurrent group takes no device
+        checkpoint: the caller loads the state at the hit's end into its working state
+        (the table's one large page). `RequestTooLargeError` when those pages
         and the new tokens' exceed the whole pool; then nothing has changed."""
         self._check_request(request)
         return self._admit(request, num_new_tokens, computed, num_lookahead_tokens,
@@ -410,6 +415,8 @@ class KVCacheManager:
                                                                  first + k)
             out.append(group_ids[k:])
         request.num_computed_tokens = end
+        for recurrent in self._coordinator.recurrent:  # its working state is loaded
+            recurrent.loaded_state(request)
         return tuple(out)
 
     def _grow(self, request: Request, num_new_tokens: int,
@@ -588,9 +595,12 @@ class KVCacheManager:
         self._quiet.pop(request.request_id, None)
         listener = self._listener
         if listener is not None:
+            managers = self._coordinator.managers
             for g, table in enumerate(self._coordinator.block_ids(request.request_id)):
-                listener(ReleasedPages(request, g, "free",
-                                       tuple((i, b) for i, b in enumerate(table) if b)))
+                manager = managers[g]
+                pages = (manager.held_checkpoints(request) if isinstance(manager, RecurrentManager)
+                         else tuple((i, b) for i, b in enumerate(table) if b))
+                listener(ReleasedPages(request, g, "free", pages))
         self._coordinator.free(request)
         del self._requests[request.request_id]
 

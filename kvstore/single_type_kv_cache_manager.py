@@ -780,13 +780,17 @@ class CheckpointSearch(HitSearch):
             return self.answer
         probe_row, groups = self.pool.hash_index.probe_row, self.group_ids
         hashes, tokens, parents = self.hashes, self.tokens, self.parents
-        for n in range(cap, 0, -1):
+
+        def has_checkpoint(n: int) -> bool:
             row = probe_row(groups, hashes[n - 1], tokens[n - 1], parents[n - 1])
             if row is not None:
-                self.answer, self.row = n, row
-                return n
-        self.answer, self.row = 0, []
-        return 0
+                self.row = row
+            return row is not None
+
+        self.answer = longest_checkpoint_hit(cap, has_checkpoint)
+        if not self.answer:
+            self.row = []
+        return self.answer
 
     def blocks(self, num_blocks: int) -> list[list[KVCacheBlock]]:
         """Per group: null entries, then the checkpoint of the first `num_blocks` blocks."""
@@ -795,6 +799,37 @@ class CheckpointSearch(HitSearch):
         assert num_blocks == self.answer
         null = self.pool.null_block
         return [[null] * (num_blocks - 1) + [page] for page in self.row]
+
+
+def _checkpoint_of(hit_blocks: Sequence[KVCacheBlock]) -> KVCacheBlock | None:
+    """The checkpoint a recurrent group's hit copies (its last entry), None for no hit or
+    one whose entries are all null (the state comes from outside the pool)."""
+    if hit_blocks and hit_blocks[-1].block_id != 0:
+        return hit_blocks[-1]
+    return None
+
+
+def longest_checkpoint_hit(cap: int, has_checkpoint: Callable[[int], bool]) -> int:
+    """The largest n <= `cap` such that `has_checkpoint(n)` (a checkpoint of exactly the
+    first n blocks exists), asked from `cap` down; 0 when none does."""
+    for n in range(cap, 0, -1):
+        if has_checkpoint(n):
+            return n
+    return 0
+
+
+def agreed_hit(cap: int, searches: Sequence[Callable[[int], int]]) -> int:
+    """The longest hit of at most `cap` blocks that every search serves: each
+    (`HitSearch.longest`-like: the longest hit it serves of at most its argument) lowers the
+    candidate in turn until none does."""
+    changed = True
+    while changed:
+        changed = False
+        for longest in searches:
+            n = longest(cap)
+            if n < cap:
+                cap, changed = n, True
+    return cap
 
 
 #: Where a recurrent group finds the cached attention block at a table index of a request
@@ -878,7 +913,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         state, and the hit's checkpoint when it is free."""
         if hit_blocks is None:
             return 0
-        return 1 + (bool(hit_blocks) and hit_blocks[-1].ref_cnt == 0)
+        return 1 + (_checkpoint_of(hit_blocks) is not None and hit_blocks[-1].ref_cnt == 0)
 
     def _due(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int) -> bool:
         """Whether a checkpoint is due at this computed count."""
@@ -948,31 +983,60 @@ class RecurrentManager(SingleTypeKVCacheManager):
     def take_hit(self, hit_blocks: list[KVCacheBlock], partial_src: KVCacheBlock | None,
                  num_computed_tokens: int) -> None:
         """Reference and pin the hit's checkpoint (the source of the working state's copy)."""
-        if hit_blocks:
-            checkpoint = hit_blocks[-1]
+        checkpoint = _checkpoint_of(hit_blocks)
+        if checkpoint is not None:
             self.pool.touch((checkpoint,))
             self._copies.pin(checkpoint)
 
     def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
               partial_src: KVCacheBlock | None, parent_serial: int) -> None:
         """Give the request its working state: a copy of the hit's checkpoint, or a fresh
-        state (the model starts it from zero)."""
+        state (the model starts it from zero, or a tier's checkpoint is loaded into it: the
+        hit's entries are then all null, see `loaded_state`)."""
         rid = request.request_id
         pool = self.two_size_pool
         working = pool.get_large_pages(1, self.group_id)[0]
-        if hit_blocks:
+        checkpoint = _checkpoint_of(hit_blocks)
+        if checkpoint is not None:
             pool.touch((working,))
             self._copies.pin(working)
-            self._copies.queue(hit_blocks[-1], working)
-            self.hit_kinds[rid] = self._kinds.get(hit_blocks[-1].block_id, "")
+            self._copies.queue(checkpoint, working)
+            self.hit_kinds[rid] = self._kinds.get(checkpoint.block_id, "")
             pool.stats.checkpoints_used += 1
         self._req_to_blocks[rid] = [working]
         self._num_cached_blocks[rid] = 0
         self._last_serial[rid] = parent_serial
         self._plan[rid] = self._positions(request, request.num_computed_tokens, 0)
-        self._known[rid] = request.num_computed_tokens if hit_blocks else 0
-        self._passed[rid] = ([(hit_blocks[-1], hit_blocks[-1].serial,
-                               request.num_computed_tokens)] if hit_blocks else [])
+        self._known[rid] = request.num_computed_tokens if checkpoint is not None else 0
+        self._passed[rid] = ([(checkpoint, checkpoint.serial, request.num_computed_tokens)]
+                             if checkpoint is not None else [])
+
+    def loaded_state(self, request: Request) -> None:
+        """The request's working state was loaded from outside the pool (a tier's
+        checkpoint) at its computed count: the last checkpoint it knows on its chain."""
+        self._known[request.request_id] = request.num_computed_tokens
+
+    def held_checkpoints(self, request: Request) -> tuple[tuple[int, int], ...]:
+        """The large pages of a live request that hold a state of its prefix at a block
+        boundary, as (index of the block that prefix ends with, page id), by index: its
+        working state when its computed count is a block boundary, the state kept at its
+        output's last block boundary, and the checkpoints it hit or took that still hold
+        theirs. A page that a queued copy has yet to fill is left out."""
+        rid = request.request_id
+        nc = request.num_computed_tokens
+        candidates: list[tuple[int, KVCacheBlock]] = []
+        if nc and nc % self.block_size == 0:
+            candidates.append((nc, self._req_to_blocks[rid][0]))
+        rolling = self._rolling.get(rid)
+        if rolling is not None:
+            candidates.append((rolling[1], rolling[0]))
+        candidates += [(at, page) for page, serial, at in self._passed[rid]
+                       if page.serial == serial and page.token_ids is not None]
+        found: dict[int, int] = {}
+        for at, page in candidates:
+            if not self._copies.queued_into(page.block_id):
+                found.setdefault(at // self.block_size - 1, page.block_id)
+        return tuple(sorted(found.items()))
 
     def note_hit_ends(self, request: Request, ends: Sequence[int]) -> None:
         """Plan a checkpoint at the lookup's branch point (the verified chain's end) when it
@@ -1124,8 +1188,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._passed[child_id] = []
 
     def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
-        """Refused: tiers do not serve recurrent groups."""
-        raise NotImplementedError("tiers do not serve recurrent groups")
+        """Nothing: a recurrent group has no per-token entries (a tier's checkpoint is
+        loaded into the working state)."""
 
 
 MANAGER_TYPES: dict[type, type[SingleTypeKVCacheManager]] = {

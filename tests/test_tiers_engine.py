@@ -507,6 +507,36 @@ def test_hybrid_window_dropped_mid_request_is_offloaded_for_a_later_hit(hybrid):
         e.close()
 
 
+def test_recurrent_hybrid_second_engine_loads_the_first_engines_checkpoint(shared_url):
+    """A tiny Qwen3-Next hybrid (Gated DeltaNet beside full attention): the second engine's
+    turn starts at the first engine's output-end checkpoint, read from the store with the
+    attention blocks before it; its tokens and logits are transformers'."""
+    pytest.importorskip("transformers")
+    from test_recurrent_models import build, check, make_engine, run_one
+    from test_recurrent_models import tokens as vocab_tokens
+
+    from kvstore.engine.engine import TierConfig
+
+    ref, model = build("qwen3_next")
+    gen = torch.Generator().manual_seed(7)
+    first = vocab_tokens(gen, 13)
+    tiers = TierConfig(store_url=shared_url, model_name=f"recurrent-{RUN}")
+    a, b = make_engine(model, tiers=tiers), make_engine(model, tiers=tiers)
+    try:
+        out, _ = run_one(a, first)
+        assert a.flush_tiers(5.0)
+        turn = first + out.outputs[0].token_ids + vocab_tokens(gen, 3)
+        got, computed = run_one(b, turn)
+        check(ref, got, 4)
+        # 13 prompt tokens + 3 computed outputs: the checkpoint at 16 and blocks 0..3
+        assert got.num_cached_tokens == 16 and b.stats.store_hit_tokens == 16
+        assert b.stats.hit_tokens == 0 and computed == len(turn) - 16 + 3
+        assert b.stats.tier_loaded_blocks == 4 + 1 and b.stats.tier_rejected_values == 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_restarted_store_gets_the_blocks_written_again(model):
     prompt = tokens(44, seed=1100) + tokens(3, 1101)
     other = tokens(20, seed=1102) + tokens(3, 1103)

@@ -1,5 +1,6 @@
-"""Tier keys and values: what identifies one block of one group outside device memory, and
-the self-checking byte format it is stored in. Imports no torch."""
+"""Tier keys and values: what identifies one block of one group (or, for a recurrent group,
+one checkpoint) outside device memory, and the self-checking byte format it is stored in.
+Imports no torch."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ from typing import TypeAlias, TypeVar
 import xxhash
 
 from kvstore.hashing import BlockHash, root_hash
-from kvstore.specs import DTYPE_ITEMSIZE, FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from kvstore.specs import (
+    DTYPE_ITEMSIZE,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    RecurrentStateSpec,
+    SlidingWindowSpec,
+)
 
 #: What a tier hands back: anything exposing the buffer protocol.
 Buffer: TypeAlias = bytes | bytearray | memoryview
@@ -64,19 +72,23 @@ class BlockLayout:
     """What the bytes of one block of one group mean: the model, the group's spec (window
     included), the model layers the group holds (two groups with equal specs hold different
     layers), the page shape and dtype. ``extra`` separates anything else that changes the
-    bytes (tensor-parallel rank, quantization recipe)."""
+    bytes (tensor-parallel rank, quantization recipe).
+
+    For a recurrent group (a ``RecurrentStateSpec``) the unit is one checkpoint: the state
+    tensors of every layer of the group at a block boundary, stored under the key of the
+    block its prefix ends with, with that block's token ids."""
 
     model: str
-    spec: KVCacheSpec
+    spec: KVCacheSpec | RecurrentStateSpec
     layer_ids: tuple[int, ...]
     extra: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"BlockLayout.model must be a non-empty str, got {self.model!r}")
-        if not isinstance(self.spec, (FullAttentionSpec, SlidingWindowSpec)):
-            raise TypeError(f"BlockLayout.spec must be a FullAttentionSpec or SlidingWindowSpec, "
-                            f"got {type(self.spec).__name__}")
+        if not isinstance(self.spec, (FullAttentionSpec, SlidingWindowSpec, RecurrentStateSpec)):
+            raise TypeError(f"BlockLayout.spec must be a FullAttentionSpec, SlidingWindowSpec or "
+                            f"RecurrentStateSpec, got {type(self.spec).__name__}")
         layers = tuple(self.layer_ids)
         if not layers or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in layers):
             raise ValueError(f"BlockLayout.layer_ids must be non-negative ints, at least one, got "
@@ -94,9 +106,14 @@ class BlockLayout:
             raise ValueError(f"group_id must be in [0, {len(config.groups)}), got {group_id!r}")
         group = config.groups[group_id]
         spec = group.spec
-        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
-            raise ValueError(f"group {group_id} is recurrent: tiers do not hold checkpoints")
+        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, RecurrentStateSpec)):
+            raise ValueError(f"group {group_id} has a {type(spec).__name__}: tiers do not hold it")
         return cls(model, spec, group.layer_ids, extra)
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether a value holds a checkpoint (a recurrent group's states), not K/V pages."""
+        return isinstance(self.spec, RecurrentStateSpec)
 
     @property
     def block_size(self) -> int:
@@ -110,14 +127,18 @@ class BlockLayout:
 
     @cached_property
     def page_nbytes(self) -> int:
-        """Bytes of one K (or one V) page of one layer."""
+        """Bytes of one K (or one V) page of one layer; for a recurrent group, of one
+        layer's state (every state tensor)."""
         s = self.spec
+        if isinstance(s, RecurrentStateSpec):
+            return s.state_bytes
         return s.block_size * s.num_kv_heads * s.head_dim * DTYPE_ITEMSIZE[s.dtype]
 
     @cached_property
     def payload_nbytes(self) -> int:
-        """Bytes of the packed K and V pages of every layer of one block."""
-        return 2 * self.num_layers * self.page_nbytes
+        """Bytes of the packed K and V pages of every layer of one block; for a recurrent
+        group, of the states of every layer."""
+        return (1 if self.is_recurrent else 2) * self.num_layers * self.page_nbytes
 
     @cached_property
     def value_nbytes(self) -> int:
@@ -128,10 +149,18 @@ class BlockLayout:
     def digest(self) -> bytes:
         """16-byte BLAKE2b digest of everything that gives the payload its meaning."""
         s = self.spec
-        desc = {"codec": CODEC_VERSION, "model": self.model, "kind": type(s).__name__,
-                "block_size": s.block_size, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
-                "dtype": s.dtype, "window": s.sliding_window, "layer_ids": list(self.layer_ids),
-                "packing": "block,layer,kv,token,head,dim", "extra": self.extra}
+        desc: dict[str, object]
+        if isinstance(s, RecurrentStateSpec):
+            desc = {"codec": CODEC_VERSION, "model": self.model, "kind": type(s).__name__,
+                    "block_size": s.block_size, "shapes": [list(x) for x in s.shapes],
+                    "dtypes": list(s.dtypes), "layer_ids": list(self.layer_ids),
+                    "packing": "layer,state", "extra": self.extra}
+        else:
+            desc = {"codec": CODEC_VERSION, "model": self.model, "kind": type(s).__name__,
+                    "block_size": s.block_size, "num_kv_heads": s.num_kv_heads,
+                    "head_dim": s.head_dim, "dtype": s.dtype, "window": s.sliding_window,
+                    "layer_ids": list(self.layer_ids),
+                    "packing": "block,layer,kv,token,head,dim", "extra": self.extra}
         text = json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(text, digest_size=DIGEST_NBYTES, person=b"kvstore-layout").digest()
 

@@ -20,9 +20,12 @@ worker runs before a forward.
 
 Hybrid layouts: sliding-window groups load only their window before the hit's end (null
 entries below) and offload the pages they hold at free, and the pages they drop
-mid-request that lie in the window before a likely hit end (``window_offload``). A layout
-needs a full-attention group (the verified chain): :class:`TierConnector` refuses
-window-only configs.
+mid-request that lie in the window before a likely hit end (``window_offload``). A
+recurrent group's unit is a checkpoint (keyed like the block its prefix ends with): a hit
+ends only where every recurrent group has one in a tier, which is loaded into the
+request's working state; a freed request's checkpoints are offloaded with its blocks. The
+hit length is agreed as on the device (``agreed_hit``). A layout needs a full-attention
+group (the verified chain): :class:`TierConnector` refuses window-only configs.
 
 Imports no torch; the worker-side functions import it when called."""
 
@@ -41,7 +44,11 @@ from kvstore.hashing import root_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import BlockIds, KVCacheManager, ReleasedPages
 from kvstore.request import Request
-from kvstore.single_type_kv_cache_manager import longest_window_hit
+from kvstore.single_type_kv_cache_manager import (
+    agreed_hit,
+    longest_checkpoint_hit,
+    longest_window_hit,
+)
 from kvstore.specs import AttentionSpec, FullAttentionSpec, KVCacheConfig
 from kvstore.tiers.base import StoreItem, Tier, load_verified
 from kvstore.tiers.codec import REJECT_REASONS, BlockLayout, Buffer, decode_block, request_keys
@@ -93,7 +100,8 @@ class TierHit:
     per_tier: tuple[int, ...]
     payloads: tuple[tuple[memoryview, ...], ...]
     # Per group, the first block (counted from ``start``) it loads: 0 for full attention;
-    # a sliding-window group loads only its window before the hit's end.
+    # a sliding-window group loads only its window before the hit's end; a recurrent group
+    # the checkpoint at the hit's end (stored under its last block).
     first_loaded: tuple[int, ...] = ()
     request_id: str = ""
     # The host tier's hold on the slots the payloads view (released once loaded or dropped).
@@ -154,7 +162,7 @@ class TierConnector:
     is a miss, counted ``bad_seal``."""
 
     def _spec(self, g: int) -> AttentionSpec:
-        """The attention spec of group g (a connector serves no recurrent group)."""
+        """The attention spec of attention group g."""
         spec = self.config.groups[g].spec
         assert isinstance(spec, AttentionSpec)
         return spec
@@ -168,9 +176,6 @@ class TierConnector:
         if window_offload not in WINDOW_OFFLOADS:
             raise ValueError(f"window_offload must be one of {WINDOW_OFFLOADS}, got {window_offload!r}")
         self.window_offload = window_offload
-        if config.has_recurrent:
-            raise ValueError("tiers do not serve layouts with recurrent groups yet; run this "
-                             "model without host_tier_bytes / store_url")
         full = tuple(g for g, group in enumerate(config.groups)
                      if isinstance(group.spec, FullAttentionSpec))
         if not full:
@@ -190,7 +195,10 @@ class TierConnector:
         self.store = store
         self.tiers: tuple[Tier, ...] = tuple(t for t in (host, store) if t is not None)
         self._full_groups = full
-        self._window_groups = tuple(g for g in range(len(config.groups)) if g not in full)
+        self._recurrent_groups = tuple(g for g, group in enumerate(config.groups)
+                                       if group.is_recurrent)
+        self._window_groups = tuple(g for g in range(len(config.groups))
+                                    if g not in full and g not in self._recurrent_groups)
         self.stats = TierHitStats()
         self.sealer = sealer
         self._key_secret = sealer.key_secret if sealer is not None else None
@@ -317,6 +325,9 @@ class TierConnector:
             tables = manager.block_table(rid)
             stop = hit.start + hit.num_blocks
             for g, table in enumerate(tables):
+                if g in self._recurrent_groups:  # the checkpoint, into the working state
+                    self._loads.append(PendingLoad(g, (table[0],), hit.payloads[g]))
+                    continue
                 first = hit.start + (hit.first_loaded[g] if hit.first_loaded else 0)
                 self._loads.append(PendingLoad(g, tuple(table[first:stop]), hit.payloads[g]))
             hit_end = stop * bs
@@ -404,8 +415,9 @@ class TierConnector:
         """The run of blocks ``[start, ...)`` (at most up to ``max_blocks``) that the tiers
         hold and that verify in every group, or None for none. A sliding-window group needs
         only the blocks of its window before the run's end (the others stay null in its
-        table, as a device hit leaves them). Bounded by the store's timeout; never raises
-        for a tier that fails."""
+        table, as a device hit leaves them); a recurrent group, a checkpoint of exactly the
+        prefix the run ends. Bounded by the store's timeout; never raises for a tier that
+        fails."""
         if start >= max_blocks:
             return None
         self._check_store()
@@ -470,7 +482,32 @@ class TierConnector:
                     j = stop
             return missing
 
-        end = longest_window_hit(pos, first_missing) if windowed else pos
+        # Recurrent groups: a checkpoint of exactly the hit's prefix, in some tier.
+        checkpoints: dict[int, dict[int, memoryview | None]] = {
+            g: {} for g in self._recurrent_groups}
+
+        def checkpoint(g: int, n: int) -> memoryview | None:
+            """Group g's checkpoint of the first ``start + n`` blocks, or None."""
+            if n not in checkpoints[g]:
+                checkpoints[g][n] = None
+                for tier in self.tiers:
+                    if not tier.contains(keys[g][n - 1:n]):
+                        continue
+                    got = self._load(tier, g, keys[g][n - 1:n], tokens[n - 1:n], salt_root)
+                    if tier is self.store:
+                        (self._remember if got else self._forget)(keys[g][n - 1:n])
+                    if got:
+                        checkpoints[g][n] = got[0]
+                        break
+            return checkpoints[g][n]
+
+        searches = []
+        if windowed:
+            searches.append(lambda cap: longest_window_hit(cap, first_missing))
+        if self._recurrent_groups:
+            searches.append(lambda cap: longest_checkpoint_hit(
+                cap, lambda n: all(checkpoint(g, n) is not None for g in self._recurrent_groups)))
+        end = agreed_hit(pos, searches)
         host_keys, self._host_keys = self._host_keys, []
         if end == 0:
             return None
@@ -488,6 +525,10 @@ class TierConnector:
             payloads[g] = [found[g][j] for j in range(first[g], end)]
         for g in full:
             payloads[g] = payloads[g][:end]
+        for g in self._recurrent_groups:
+            state = checkpoints[g][end]
+            assert state is not None
+            first[g], payloads[g] = end - 1, [state]
         return TierHit(start, request.num_tokens, tuple(per_tier),
                        tuple(tuple(p) for p in payloads), tuple(first), request.request_id, held)
 

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvstore.specs import RecurrentStateSpec
 from kvstore.tiers.base import StoreItem, TierStats, check_items, check_keys, leading_run
 from kvstore.tiers.codec import (
     HEADER_NBYTES,
@@ -266,7 +267,7 @@ class HostTier:
         if P != layout.payload_nbytes:
             raise ValueError(f"layout packs {layout.payload_nbytes} bytes per block, group {group_id} "
                              f"of this cache holds {P}")
-        _block_index(cache, block_ids, unique=False)
+        _block_index(cache, block_ids, unique=False, group_id=group_id)
         start = _payload_offset(layout)
         off = start + HEADER_NBYTES + 8 * layout.block_size
         V = layout.value_nbytes
@@ -376,22 +377,91 @@ def _group_slots(cache: PagedKVCache, group_id: int) -> int:
     return len(groups[group_id].layer_ids)
 
 
+def _is_recurrent(cache: PagedKVCache, group_id: int) -> bool:
+    _group_slots(cache, group_id)
+    return cache.config.groups[group_id].is_recurrent
+
+
 def block_payload_nbytes(cache: PagedKVCache, group_id: int) -> int:
-    """Bytes of one block of one group packed: K and V of each of its layers."""
+    """Bytes of one block of one group packed: K and V of each of its layers; for a
+    recurrent group, the states of each of its layers in one large page."""
+    if _is_recurrent(cache, group_id):
+        spec = cache.config.groups[group_id].spec
+        assert isinstance(spec, RecurrentStateSpec)
+        return _group_slots(cache, group_id) * spec.state_bytes
     page = cache.key_caches[0][0]
     return 2 * _group_slots(cache, group_id) * page.numel() * page.element_size()
 
 
-def _block_index(cache: PagedKVCache, block_ids: Sequence[int], unique: bool) -> list[int]:
+def _block_index(cache: PagedKVCache, block_ids: Sequence[int], unique: bool,
+                 group_id: int | None = None) -> list[int]:
     ids = list(block_ids)
     nb = cache.config.num_blocks
-    for b in ids:
-        if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b < nb:
-            raise ValueError(f"block ids must be ints in [1, {nb}) (0 is the null block), got {b!r}")
+    if group_id is not None and _is_recurrent(cache, group_id):
+        top = nb + nb // cache.config.large_page_blocks
+        for b in ids:
+            if not isinstance(b, int) or isinstance(b, bool) or not nb < b < top:
+                raise ValueError(f"group {group_id} is recurrent: its page ids are large pages "
+                                 f"in ({nb}, {top}), got {b!r}")
+    else:
+        for b in ids:
+            if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b < nb:
+                raise ValueError(f"block ids must be ints in [1, {nb}) (0 is the null block), "
+                                 f"got {b!r}")
     if unique and len(set(ids)) != len(ids):
         dup = sorted({b for b in ids if ids.count(b) > 1})
         raise ValueError(f"block ids repeat: {dup}")
     return ids
+
+
+def _state_bytes(cache: PagedKVCache, group_id: int, page_id: int) -> list[torch.Tensor]:
+    """The state tensors of every layer of recurrent group ``group_id`` in large page
+    ``page_id``, as flat uint8 views, in the order a payload packs them (layer, state)."""
+    import torch
+
+    return [v.reshape(-1).view(torch.uint8)
+            for layer in cache.config.groups[group_id].layer_ids
+            for v in cache.state_views(layer, page_id)]
+
+
+def _gather_states(cache: PagedKVCache, group_id: int, page_ids: Sequence[int],
+                   rows: torch.Tensor, off: int) -> None:
+    """Pack large pages of a recurrent group into ``rows[i, off:]``, one row per page."""
+    for i, page in enumerate(page_ids):
+        o = off
+        for piece in _state_bytes(cache, group_id, page):
+            rows[i, o:o + piece.numel()].copy_(piece, non_blocking=True)
+            o += piece.numel()
+    if cache.device.type != "cpu":
+        import torch
+
+        torch.cuda.current_stream(cache.device).synchronize()
+
+
+def _scatter_states(cache: PagedKVCache, group_id: int, page_ids: Sequence[int],
+                    payloads: Sequence[Buffer], nbytes: int) -> None:
+    """Write packed payloads into large pages of a recurrent group (queued on the current
+    stream on an accelerator)."""
+    import numpy as np
+    import torch
+
+    for i, (page, payload) in enumerate(zip(page_ids, payloads, strict=True)):
+        view = memoryview(payload).cast("B")
+        if view.nbytes != nbytes:
+            raise ValueError(f"payload {i} is {view.nbytes} bytes, expected {nbytes}")
+        src = np.frombuffer(view, dtype=np.uint8)
+        if cache.device.type != "cpu":
+            staged = torch.empty(nbytes, dtype=torch.uint8, device=cache.device)
+            staged.copy_(torch.from_numpy(src.copy()), non_blocking=False)
+            src_t: Any = staged
+        o = 0
+        for piece in _state_bytes(cache, group_id, page):
+            n = piece.numel()
+            if cache.device.type == "cpu":
+                piece.numpy()[:] = src[o:o + n]
+            else:
+                piece.copy_(src_t[o:o + n])
+            o += n
 
 
 def host_buffer(num_blocks: int, nbytes_per_block: int, *, pin: bool | None = None) -> torch.Tensor:
@@ -419,10 +489,12 @@ def gather_blocks(cache: PagedKVCache, group_id: int, block_ids: Sequence[int],
     """Pack blocks of one group into host memory: row i of the returned uint8 tensor
     ``[len(block_ids), block_payload_nbytes]`` is block ``block_ids[i]``, laid out as layer
     (in the group's order), then K before V, then the page ``[block_size, heads, dim]``.
+    For a recurrent group the ids are large pages and a row is the states of each layer
+    (in the group's order), each state tensor's bytes in the spec's order.
     Writes into ``out`` when given; a new buffer is pinned when the cache is on CUDA."""
     import torch
 
-    ids = _block_index(cache, block_ids, unique=False)
+    ids = _block_index(cache, block_ids, unique=False, group_id=group_id)
     L = _group_slots(cache, group_id)
     P = block_payload_nbytes(cache, group_id)
     n = len(ids)
@@ -431,6 +503,9 @@ def gather_blocks(cache: PagedKVCache, group_id: int, block_ids: Sequence[int],
     else:
         _check_buffer(out, n, P, "out")
     if n == 0:
+        return out
+    if _is_recurrent(cache, group_id):
+        _gather_states(cache, group_id, ids, out, 0)
         return out
     nb = cache.config.num_blocks
     dst = out.view(cache.dtype).view(n, L, 2, -1)
@@ -459,6 +534,9 @@ def _gather_rows(cache: PagedKVCache, group_id: int, block_ids: Sequence[int], r
     tensor, one row per block), laid out as ``gather_blocks`` lays out a row."""
     import torch
 
+    if _is_recurrent(cache, group_id):
+        _gather_states(cache, group_id, block_ids, rows, off)
+        return
     L = _group_slots(cache, group_id)
     n = len(block_ids)
     nb = cache.config.num_blocks
@@ -490,12 +568,16 @@ def scatter_blocks(cache: PagedKVCache, group_id: int, block_ids: Sequence[int],
     the current stream (a forward queued after them sees the pages)."""
     import torch
 
-    ids = _block_index(cache, block_ids, unique=True)
+    ids = _block_index(cache, block_ids, unique=True, group_id=group_id)
     L = _group_slots(cache, group_id)
     P = block_payload_nbytes(cache, group_id)
     n = len(ids)
     _check_buffer(packed, n, P, "packed")
     if n == 0:
+        return
+    if _is_recurrent(cache, group_id):
+        rows = packed.numpy()
+        _scatter_states(cache, group_id, ids, [rows[i] for i in range(n)], P)
         return
     nb = cache.config.num_blocks
     if cache.device.type == "cpu":
@@ -560,6 +642,10 @@ def restore_payloads(cache: PagedKVCache, group_id: int, block_ids: Sequence[int
     if len(block_ids) != len(payloads):
         raise ValueError(f"{len(block_ids)} block ids but {len(payloads)} payloads")
     P = block_payload_nbytes(cache, group_id)
+    if _is_recurrent(cache, group_id):
+        ids = _block_index(cache, block_ids, unique=True, group_id=group_id)
+        _scatter_states(cache, group_id, ids, payloads, P)
+        return
     if cache.device.type != "cpu":
         _restore_on_device(cache, group_id, block_ids, payloads, P)
         return
