@@ -1,18 +1,5 @@
-"""Payload-free tiers, for replaying workloads without device tensors (``kvstore bench``).
-
-- A placeholder value stands for one block of one group: the layout digest, the key, the
-  size of the real value it stands for and the block's token ids, under an XXH3-64
-  checksum, without K/V bytes (about 200 bytes for 16-token blocks).
-  ``decode_placeholder`` verifies it as ``decode_block`` verifies a real value, counting the
-  same reasons.
-- ``ModelTier``: an in-process LRU of placeholder values whose byte capacity is charged the
-  real value sizes, so a host tier of N bytes holds as many blocks as the real one.
-- ``PlaceholderConnector``: a ``TierConnector`` that looks up, admits and offloads exactly as
-  the engine's does (the same lookup, the same offload decisions) and writes placeholder
-  values instead of gathering pages; loads write nothing.
-
-Any ``Tier`` can hold placeholder values; a ``ValkeyStore`` then holds small values, so a
-server's ``maxmemory`` does not bound it as it would bound real ones. Imports no torch."""
+"""Payload-free tiers for replaying workloads without device tensors (``kvstore bench``):
+placeholder values, ``ModelTier`` and ``PlaceholderConnector``. Imports no torch."""
 
 from __future__ import annotations
 
@@ -177,11 +164,9 @@ class ModelTier:
 
 
 class PlaceholderConnector(TierConnector):
-    """A ``TierConnector`` over placeholder values: the same lookup (leading runs, the
-    window of each sliding group, verification) and the same offload decisions, with
-    nothing to gather or scatter (``cache`` may be None). Keys written to the store are
-    listed in ``stored_keys``, and each admitted hit's tokens per tier by request id in
-    ``admitted_tokens``, for the replay to read."""
+    """A ``TierConnector`` over placeholder values: the engine's lookup and offload
+    decisions, with nothing to gather or scatter (``cache`` may be None). Each admitted
+    hit's tokens per tier are noted by request id in ``admitted_tokens``."""
 
     def __init__(self, config: KVCacheConfig, model_name: str, *, host: Tier | None = None,
                  store: Tier | None = None, extra: str = "", recent_keys: int = 1 << 16,
@@ -199,23 +184,25 @@ class PlaceholderConnector(TierConnector):
     def offload_values(self, cache: PagedKVCache | None, off: PendingOffload) -> list[StoreItem]:
         """Placeholder values for the blocks of one offload (``cache`` is not read)."""
         layout = self.layouts[off.group_id]
-        items: list[StoreItem] = [(k, encode_placeholder(layout, k, t))
-                                  for k, t in zip(off.keys, off.token_ids, strict=True)]
         self.stored_keys.extend(k for k, s in zip(off.keys, off.to_store, strict=True) if s)
-        return items
+        return [(k, encode_placeholder(layout, k, t))
+                for k, t in zip(off.keys, off.token_ids, strict=True)]
 
     def run_loads(self, cache: PagedKVCache | None, loads: Sequence[PendingLoad]) -> None:
         """Count the loads; there are no pages to write."""
-        for load in loads:
-            self.stats.loaded_blocks += len(load.block_ids)
+        self.stats.loaded_blocks += sum(len(load.block_ids) for load in loads)
 
     def record_admission(self, hit: TierHit) -> None:
         """Count a hit's tokens per tier, and note them under its request id."""
+        host, store = self.stats.host_hit_tokens, self.stats.store_hit_tokens
         super().record_admission(hit)
-        host = store = 0
-        for i, n in enumerate(hit.per_tier):
-            if self.tier_name(i) == "host":
-                host += n * self.block_size
-            else:
-                store += n * self.block_size
-        self.admitted_tokens[hit.request_id] = (host, store)
+        self.admitted_tokens[hit.request_id] = (self.stats.host_hit_tokens - host,
+                                                self.stats.store_hit_tokens - store)
+
+    def close(self) -> None:
+        """Delete the keys this connector wrote to a store that can delete, then close."""
+        delete = getattr(self.store, "delete", None)
+        if delete is not None:
+            for s in range(0, len(self.stored_keys), 1024):
+                delete(self.stored_keys[s:s + 1024])
+        super().close()

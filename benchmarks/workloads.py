@@ -1,13 +1,5 @@
-"""Seeded, token-level request workloads for the prefix-cache benchmarks.
-
-Every generator returns a :class:`Workload`: requests sorted by arrival, each carrying
-the exact prompt token ids, so a simulator or a real cache sees the same prefix
-structure the generator intended (shared system prompts, multi-turn chats, few-shot
-prefixes, unique prompts). Everything is deterministic for a given ``seed``.
-
-:func:`ideal_hit_tokens` gives the infinite-cache upper bound on prefix reuse for any
-list of requests, token-exact or rounded to whole blocks.
-"""
+"""Seeded, token-level request workloads for the prefix-cache benchmarks, and the
+infinite-cache bound on their prefix reuse (:func:`ideal_hit_tokens`)."""
 
 from __future__ import annotations
 
@@ -16,27 +8,22 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, NamedTuple, TypedDict
+from typing import Literal, NamedTuple
 
 import numpy as np
 
 from kvstore.utils import common_prefix_len, hit_rate
 
 DEFAULT_VOCAB_SIZE = 32000
+_INTERN_MAX_VOCAB = 1 << 18
 
 ArrivalProcess = Literal["poisson", "fixed"]
 
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
-    """One request of a workload.
-
-    ``arrival`` is in seconds from the start of the workload. ``max_tokens`` is the
-    exact number of tokens the request decodes. ``output_token_ids``, when not None,
-    are the tokens the request is scripted to produce (``len == max_tokens``); a
-    simulator that feeds them as the decoded tokens makes later requests that quote
-    them (the next turn of a chat) hit on the blocks they fill.
-    """
+    """One request: arrival in seconds, the exact prompt, the exact number of tokens it
+    decodes and, when scripted, those tokens (a later turn that quotes them hits on them)."""
 
     request_id: str
     arrival: float
@@ -64,16 +51,6 @@ class Workload:
         """Total tokens to decode over all requests."""
         return sum(r.max_tokens for r in self.requests)
 
-    @property
-    def duration(self) -> float:
-        """Arrival time of the last request, in seconds."""
-        return self.requests[-1].arrival if self.requests else 0.0
-
-
-# --------------------------------------------------------------------------- helpers
-
-_INTERN_MAX_VOCAB = 1 << 18
-
 
 @lru_cache(maxsize=4)
 def _int_table(vocab_size: int) -> np.ndarray:
@@ -81,11 +58,8 @@ def _int_table(vocab_size: int) -> np.ndarray:
 
 
 def tokens_to_tuple(tokens: np.ndarray, vocab_size: int | None = None) -> tuple[int, ...]:
-    """Token ids as a tuple of Python ints.
-
-    With ``vocab_size`` given (and not huge), equal token ids share one int object, so
-    a long prompt costs one pointer per token instead of one int object per token.
-    """
+    """Token ids as a tuple of Python ints; with a (not huge) ``vocab_size``, equal ids
+    share one int object."""
     arr = np.asarray(tokens, dtype=np.int64)
     if vocab_size is not None and vocab_size <= _INTERN_MAX_VOCAB:
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
@@ -103,7 +77,7 @@ def _random_tokens(rng: np.random.Generator, n: int, vocab_size: int) -> np.ndar
 
 
 def _uniform_lengths(rng: np.random.Generator, n: int, bounds: tuple[int, int], what: str
-) -> np.ndarray:
+                     ) -> np.ndarray:
     lo, hi = int(bounds[0]), int(bounds[1])
     if lo < 0 or hi < lo:
         raise ValueError(f"{what} must be (low, high) with 0 <= low <= high, got {bounds}")
@@ -119,12 +93,8 @@ def _check_common(num: int, vocab_size: int, what: str) -> None:
 
 def arrival_times(seed: int | np.random.Generator, n: int, rate: float,
                   process: ArrivalProcess = "poisson") -> np.ndarray:
-    """``n`` non-decreasing arrival times in seconds, the first at 0.
-
-    ``rate`` is requests per second; ``math.inf`` puts every request at time 0.
-    ``"poisson"`` draws exponential gaps of mean ``1/rate``; ``"fixed"`` spaces
-    requests exactly ``1/rate`` apart.
-    """
+    """``n`` non-decreasing arrival times in seconds from 0, at ``rate`` per second
+    (``math.inf``: all at 0): exponential gaps (``poisson``) or exactly ``1/rate`` apart."""
     if not rate > 0:
         raise ValueError(f"rate must be > 0, got {rate}")
     if n <= 0:
@@ -141,12 +111,8 @@ def arrival_times(seed: int | np.random.Generator, n: int, rate: float,
 
 def heavy_tailed_lengths(seed: int | np.random.Generator, n: int, *, median: float = 128,
                          sigma: float = 1.2, low: int = 1, high: int = 2048) -> np.ndarray:
-    """``n`` integer lengths from a lognormal of the given median and log-sigma,
-    clipped to ``[low, high]``.
-
-    With the defaults, roughly 1 draw in 10 is over 4x the median and 1 in 100 over
-    16x, as in chat-style output lengths.
-    """
+    """``n`` integer lengths from a lognormal of the given median and log-sigma, clipped
+    to ``[low, high]``."""
     if median <= 0 or sigma < 0:
         raise ValueError(f"need median > 0 and sigma >= 0, got {median}, {sigma}")
     if low < 0 or high < low:
@@ -160,28 +126,27 @@ def _finish(name: str, description: str, requests: list[RequestSpec]) -> Workloa
     return Workload(name=name, requests=requests, description=description)
 
 
-# ------------------------------------------------------------------------ generators
+def _outputs(median: float, sigma: float, high: int) -> str:
+    return f"lognormal outputs (median {median}, sigma {sigma}, max {high})"
 
 
-def _prefixed_requests(id_prefix: str, prefixes: Sequence[np.ndarray], which: np.ndarray,
-                       suffixes: Sequence[np.ndarray], outs: np.ndarray, arrivals: np.ndarray,
-                       vocab_size: int) -> list[RequestSpec]:
-    """Request i = prefixes[which[i]] + suffixes[i], decoding outs[i] tokens."""
-    return [RequestSpec(f"{id_prefix}-{i:05d}", float(arrivals[i]), tokens_to_tuple(
-        np.concatenate((prefixes[which[i]], suffixes[i])), vocab_size), int(outs[i]))
-        for i in range(len(suffixes))]
-
-
-def _tails(rng: np.random.Generator, n: int, lens: tuple[int, int], what: str,
-           output_median: float, output_sigma: float, output_max: int, rate: float,
-           arrival_process: ArrivalProcess, vocab_size: int,
-           ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """`n` random token runs with lengths uniform in `lens`, their output lengths and
-    arrival times, drawn in that order."""
-    tl = _uniform_lengths(rng, n, lens, what)
-    parts = np.split(_random_tokens(rng, tl.sum(), vocab_size), np.cumsum(tl)[:-1])
-    outs = heavy_tailed_lengths(rng, n, median=output_median, sigma=output_sigma, high=output_max)
-    return parts, outs, arrival_times(rng, n, rate, arrival_process)
+def _prefixed(rng: np.random.Generator, name: str, id_prefix: str,
+              prefixes: Sequence[np.ndarray], which: np.ndarray, tail_len: tuple[int, int],
+              what: str, outputs: tuple[float, float, int], rate: float,
+              process: ArrivalProcess, vocab_size: int, head: str, seed: int) -> Workload:
+    """Request i = prefixes[which[i]] + a random tail of a length uniform in `tail_len`;
+    tail lengths, tail tokens, output lengths and arrivals drawn from `rng` in that order."""
+    n = len(which)
+    lens = _uniform_lengths(rng, n, tail_len, what)
+    tails = np.split(_random_tokens(rng, lens.sum(), vocab_size), np.cumsum(lens)[:-1])
+    median, sigma, high = outputs
+    outs = heavy_tailed_lengths(rng, n, median=median, sigma=sigma, high=high)
+    arrivals = arrival_times(rng, n, rate, process)
+    requests = [RequestSpec(f"{id_prefix}-{i:05d}", float(arrivals[i]), tokens_to_tuple(
+        np.concatenate((prefixes[which[i]], tails[i])), vocab_size), int(outs[i]))
+        for i in range(n)]
+    desc = f"{head}; {_outputs(*outputs)}; {process} arrivals at {rate}/s; seed {seed}"
+    return _finish(name, desc, requests)
 
 
 def shared_system_prompts(num_requests: int = 200, *, num_prompts: int = 4,
@@ -191,11 +156,8 @@ def shared_system_prompts(num_requests: int = 200, *, num_prompts: int = 4,
                           arrival_process: ArrivalProcess = "poisson",
                           vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0,
                           name: str = "shared_system_prompts") -> Workload:
-    """Requests that each start with one of ``num_prompts`` shared system prompts
-    (chosen uniformly) followed by a unique user message.
-
-    System prompt ``i`` has length ``system_lens[i % len(system_lens)]``.
-    """
+    """Requests that each open with one of ``num_prompts`` shared system prompts (prompt
+    ``i`` of length ``system_lens[i % len(system_lens)]``), then a unique user message."""
     _check_common(num_requests, vocab_size, "num_requests")
     if num_prompts < 1 or not system_lens:
         raise ValueError("need num_prompts >= 1 and at least one system length")
@@ -203,14 +165,11 @@ def shared_system_prompts(num_requests: int = 200, *, num_prompts: int = 4,
     lens = [int(system_lens[i % len(system_lens)]) for i in range(num_prompts)]
     systems = [_random_tokens(rng, n, vocab_size) for n in lens]
     which = rng.integers(0, num_prompts, size=num_requests)
-    users, outs, arrivals = _tails(rng, num_requests, user_len, "user_len", output_median,
-                                   output_sigma, output_max, rate, arrival_process, vocab_size)
-    requests = _prefixed_requests("sys", systems, which, users, outs, arrivals, vocab_size)
-    desc = (f"{num_requests} requests over {num_prompts} shared system prompts of lengths {lens} "
-            f"+ unique user messages of {user_len[0]}..{user_len[1]} tokens; lognormal outputs "
-            f"(median {output_median}, sigma {output_sigma}, max {output_max}); "
-            f"{arrival_process} arrivals at {rate}/s; seed {seed}")
-    return _finish(name, desc, requests)
+    head = (f"{num_requests} requests over {num_prompts} shared system prompts of lengths {lens} "
+            f"+ unique user messages of {user_len[0]}..{user_len[1]} tokens")
+    return _prefixed(rng, name, "sys", systems, which, user_len, "user_len",
+                     (output_median, output_sigma, output_max), rate, arrival_process,
+                     vocab_size, head, seed)
 
 
 def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 4, *,
@@ -220,16 +179,10 @@ def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 
                     think_time: float = 5.0, seconds_per_output_token: float = 0.02,
                     vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0,
                     name: str = "multi_turn_chat") -> Workload:
-    """Multi-turn conversations: the prompt of turn k+1 is the full prompt of turn k,
-    then turn k's output tokens, then a new user message.
-
-    Output tokens are scripted (``RequestSpec.output_token_ids``) so the next turn
-    literally contains them. ``turns`` is a count or an inclusive (low, high) range
-    drawn per conversation. Conversations start at ``rate`` per second; turn k+1
-    arrives ``max_tokens_k * seconds_per_output_token`` plus an exponential think
-    time of mean ``think_time`` after turn k. All conversations share one system
-    prompt of ``system_len`` tokens (none when 0).
-    """
+    """Conversations (``turns``: a count or an inclusive range drawn per conversation)
+    whose turn k+1 is turn k's prompt, its scripted output and a new user message,
+    arriving after that output and an exponential think time; ``system_len`` tokens of
+    shared system prompt open every conversation."""
     _check_common(num_conversations, vocab_size, "num_conversations")
     lo_t, hi_t = (turns, turns) if isinstance(turns, int) else (int(turns[0]), int(turns[1]))
     if lo_t < 1 or hi_t < lo_t:
@@ -265,9 +218,9 @@ def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 
                                                                vocab_size)))
     desc = (f"{num_conversations} conversations of {turns} turns; each turn = previous prompt + "
             f"previous output + new user message ({user_len[0]}..{user_len[1]} tokens); shared "
-            f"system prompt of {system_len} tokens; lognormal outputs (median {output_median}, "
-            f"sigma {output_sigma}, max {output_max}); conversations start at {rate}/s "
-            f"({arrival_process}), think time {think_time}s; seed {seed}")
+            f"system prompt of {system_len} tokens; "
+            f"{_outputs(output_median, output_sigma, output_max)}; conversations start at "
+            f"{rate}/s ({arrival_process}), think time {think_time}s; seed {seed}")
     return _finish(name, desc, requests)
 
 
@@ -276,74 +229,44 @@ def few_shot(num_requests: int = 100, num_examples: int = 8, *, num_tasks: int =
              output_median: float = 64, output_sigma: float = 1.2, output_max: int = 1024,
              rate: float = 10.0, arrival_process: ArrivalProcess = "poisson",
              vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0, name: str = "few_shot"
-) -> Workload:
-    """Requests that share a prefix of ``num_examples`` worked examples, then ask a
-    unique question.
-
-    Each of ``num_tasks`` tasks has its own example prefix; requests pick a task
-    uniformly. Every prefix has an odd length, so it never ends on a block boundary
-    for any power-of-two block size and the block after it is shared only in part.
-    """
+             ) -> Workload:
+    """Requests that open with one of ``num_tasks`` prefixes of ``num_examples`` worked
+    examples (of odd length: never block-aligned), then ask a unique question."""
     _check_common(num_requests, vocab_size, "num_requests")
     if num_examples < 1 or num_tasks < 1:
         raise ValueError("need num_examples >= 1 and num_tasks >= 1")
     rng = np.random.default_rng(seed)
     prefixes: list[np.ndarray] = []
     for _ in range(num_tasks):
-        elens = _uniform_lengths(rng, num_examples, example_len, "example_len")
-        n = int(elens.sum())
-        n += 1 - n % 2  # odd: a trailing separator token when the examples sum to even
-        prefixes.append(_random_tokens(rng, n, vocab_size))
+        n = int(_uniform_lengths(rng, num_examples, example_len, "example_len").sum())
+        prefixes.append(_random_tokens(rng, n + 1 - n % 2, vocab_size))
     task = rng.integers(0, num_tasks, size=num_requests)
-    qs, outs, arrivals = _tails(rng, num_requests, question_len, "question_len", output_median,
-                                output_sigma, output_max, rate, arrival_process, vocab_size)
-    requests = _prefixed_requests("fewshot", prefixes, task, qs, outs, arrivals, vocab_size)
-    desc = (f"{num_requests} requests over {num_tasks} few-shot prefixes of {num_examples} examples "
-            f"(prefix lengths {[len(p) for p in prefixes]}, not block-aligned) + unique questions "
-            f"of {question_len[0]}..{question_len[1]} tokens; lognormal outputs (median "
-            f"{output_median}, sigma {output_sigma}, max {output_max}); {arrival_process} arrivals "
-            f"at {rate}/s; seed {seed}")
-    return _finish(name, desc, requests)
+    head = (f"{num_requests} requests over {num_tasks} few-shot prefixes of {num_examples} "
+            f"examples (prefix lengths {[len(p) for p in prefixes]}, not block-aligned) + unique "
+            f"questions of {question_len[0]}..{question_len[1]} tokens")
+    return _prefixed(rng, name, "fewshot", prefixes, task, question_len, "question_len",
+                     (output_median, output_sigma, output_max), rate, arrival_process,
+                     vocab_size, head, seed)
 
 
 def unique_prompts(num_requests: int = 100, *, prompt_len: tuple[int, int] = (64, 2048),
                    output_median: float = 128, output_sigma: float = 1.2, output_max: int = 2048,
                    rate: float = 10.0, arrival_process: ArrivalProcess = "poisson",
                    vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0, name: str = "unique_prompts"
-) -> Workload:
-    """Requests with independent random prompts: no intended sharing (two prompts
-    agree on their first token only by chance, about 1 in ``vocab_size``)."""
+                   ) -> Workload:
+    """Requests with independent random prompts: no intended sharing."""
     _check_common(num_requests, vocab_size, "num_requests")
-    rng = np.random.default_rng(seed)
-    ps, outs, arrivals = _tails(rng, num_requests, prompt_len, "prompt_len", output_median,
-                                output_sigma, output_max, rate, arrival_process, vocab_size)
-    requests = [
-        RequestSpec(request_id=f"unique-{i:05d}", arrival=float(arrivals[i]),
-                    prompt_token_ids=tokens_to_tuple(ps[i], vocab_size), max_tokens=int(outs[i]))
-        for i in range(num_requests)
-    ]
-    desc = (f"{num_requests} unique prompts of {prompt_len[0]}..{prompt_len[1]} tokens; lognormal "
-            f"outputs (median {output_median}, sigma {output_sigma}, max {output_max}); "
-            f"{arrival_process} arrivals at {rate}/s; seed {seed}")
-    return _finish(name, desc, requests)
-
-
-class _OutputLengths(TypedDict):
-    """The lognormal output-length keywords every generator takes."""
-
-    output_median: float
-    output_sigma: float
-    output_max: int
+    head = f"{num_requests} unique prompts of {prompt_len[0]}..{prompt_len[1]} tokens"
+    return _prefixed(np.random.default_rng(seed), name, "unique", [np.zeros(0, np.int64)],
+                     np.zeros(num_requests, np.int64), prompt_len, "prompt_len",
+                     (output_median, output_sigma, output_max), rate, arrival_process,
+                     vocab_size, head, seed)
 
 
 def mixed_default(seed: int = 0, num_requests: int = 300, *, rate: float = 10.0,
                   vocab_size: int = DEFAULT_VOCAB_SIZE) -> Workload:
-    """The classic comparison workload: about 1/3 shared-system-prompt requests, 27%
-    four-turn chats, 20% few-shot, 20% unique prompts, interleaved over
-    ``num_requests / rate`` seconds, with heavy-tailed outputs.
-
-    At the default size it holds under 300k prompt tokens.
-    """
+    """About 1/3 shared-system-prompt requests, 27% four-turn chats, 20% few-shot and 20%
+    unique prompts, interleaved over ``num_requests / rate`` seconds."""
     if num_requests < 0:
         raise ValueError(f"num_requests must be >= 0, got {num_requests}")
     turns = 4
@@ -354,15 +277,13 @@ def mixed_default(seed: int = 0, num_requests: int = 300, *, rate: float = 10.0,
     n_uni = rest - n_few
     span = max(num_requests / rate, 1e-9)
     seeds = [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(4)]
-    out: _OutputLengths = {"output_median": 100, "output_sigma": 1.2, "output_max": 2048}
-    parts = [
-        shared_system_prompts(n_sys, rate=max(n_sys, 1) / span, vocab_size=vocab_size,
-                              seed=seeds[0], **out),
-        multi_turn_chat(n_conv, turns, rate=max(n_conv, 1) / span, vocab_size=vocab_size,
-                        seed=seeds[1], **out),
-        few_shot(n_few, rate=max(n_few, 1) / span, vocab_size=vocab_size, seed=seeds[2], **out),
-        unique_prompts(n_uni, prompt_len=(64, 1280), rate=max(n_uni, 1) / span,
-                       vocab_size=vocab_size, seed=seeds[3], **out)]
+    parts = [gen(n, rate=max(n, 1) / span, vocab_size=vocab_size, seed=s, output_median=100,
+                 output_sigma=1.2, output_max=2048, **kw)
+             for (gen, n, kw), s in zip([(shared_system_prompts, n_sys, {}),
+                                         (multi_turn_chat, n_conv, {"turns": turns}),
+                                         (few_shot, n_few, {}),
+                                         (unique_prompts, n_uni, {"prompt_len": (64, 1280)})],
+                                        seeds, strict=True)]
     requests = [r for w in parts for r in w.requests]
     desc = (f"mixed: {n_sys} shared-system-prompt requests, {n_conv} chats x {turns} turns, "
             f"{n_few} few-shot, {n_uni} unique; ~{rate} req/s overall; seed {seed}")
@@ -379,8 +300,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 
 
 def make_workload(name: str, seed: int = 0, **kw: object) -> Workload:
-    """Build the registered workload ``name`` with ``seed`` and generator keyword
-    arguments ``kw``."""
+    """The registered workload ``name`` built with ``seed`` and generator keywords ``kw``."""
     try:
         factory = WORKLOADS[name]
     except KeyError:
@@ -388,12 +308,9 @@ def make_workload(name: str, seed: int = 0, **kw: object) -> Workload:
     return factory(seed=seed, **kw)
 
 
-# ----------------------------------------------------------------------- ideal bound
-
-
 class IdealHits(NamedTuple):
-    """Infinite-cache prefix reuse: total hit tokens, hit tokens per request (in the
-    order the requests were given) and total prompt tokens."""
+    """Infinite-cache prefix reuse: total hit tokens, hit tokens per request (in the given
+    order) and total prompt tokens."""
 
     total: int
     per_request: list[int]
@@ -401,27 +318,21 @@ class IdealHits(NamedTuple):
 
     @property
     def rate(self) -> float:
-        """Hit tokens / prompt tokens (0 for an empty workload)."""
+        """Hit tokens over prompt tokens (0 for an empty workload)."""
         return hit_rate(self.total, self.prompt_tokens)
 
 
 def ideal_hit_tokens(requests: Sequence[RequestSpec], block_size: int | None = None, *,
                      include_outputs: bool = False) -> IdealHits:
-    """Upper bound on prefix-cache hits with an infinite cache.
-
-    Requests are taken in arrival order (ties in the given order). A request's hit is
-    its longest common token prefix with any earlier request of the same
-    ``cache_salt``, capped at ``len(prompt) - 1`` (the last prompt token is always
-    computed). With ``block_size``, each hit is then rounded down to whole blocks (the
-    full-block caching ideal). With ``include_outputs``, an earlier request's cached
-    sequence is its prompt followed by its ``output_token_ids`` (when it has them).
-    """
+    """Prefix-cache hits with an infinite cache: in arrival order, each request's longest
+    common prefix with an earlier one of its ``cache_salt`` (with ``include_outputs``:
+    an earlier prompt followed by its scripted outputs), at most its prompt less one
+    token, rounded down to whole blocks with ``block_size``."""
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     per = [0] * len(requests)
     seen: dict[str | None, list[tuple[int, ...]]] = {}
-    total = 0
     for i in order:
         r = requests[i]
         p = r.prompt_token_ids
@@ -432,13 +343,9 @@ def ideal_hit_tokens(requests: Sequence[RequestSpec], block_size: int | None = N
         if pos > 0:
             lcp = max(lcp, common_prefix_len(p, earlier[pos - 1]))
         hit = max(0, min(lcp, len(p) - 1))
-        if block_size is not None:
-            hit -= hit % block_size
-        per[i] = hit
-        total += hit
+        per[i] = hit - hit % block_size if block_size is not None else hit
         if include_outputs and r.output_token_ids:
             insort(earlier, p + r.output_token_ids)
         else:
             earlier.insert(pos, p)
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-    return IdealHits(total=total, per_request=per, prompt_tokens=prompt_tokens)
+    return IdealHits(sum(per), per, sum(len(r.prompt_token_ids) for r in requests))
