@@ -1,23 +1,6 @@
-"""``kvstore bench recurrent``: prefix hits of linear-attention and state-space hybrids,
-kvstore's checkpoints against a model of vLLM's policy, at one byte budget each.
-
-Two layouts with their real state sizes (`LAYOUTS`). Beside kvstore (16-token attention
-blocks, large pages for states, checkpoints at prompt ends, output ends and branch points,
-the ``worth`` eviction policy) each budget runs:
-
-- ``vllm-align``: vLLM's policy on the same manager: the attention block inflated by
-  vLLM's rule (16 * ceil(state bytes / (16 * attention bytes per token)), per layer, so one
-  attention page holds at least one state), and ``align`` checkpoints: the state at the
-  last block boundary of each scheduler step (prefill steps of `CHUNK_TOKENS`, decode
-  steps of one token), LRU eviction;
-- ``oracle``: a checkpoint at every block boundary at no memory cost (the attention layers
-  alone, with the whole budget);
-- ``all-full``: every layer full attention, against its ideal (an infinite cache).
-
-Requests are served one at a time through the real ``KVCacheManager`` (a scheduler that
-stops a chunk at each checkpoint position the manager names); the prompt hit rate is the
-tokens a request's admission found cached over its prompt tokens.
-"""
+"""``kvstore bench recurrent``: prefix hits of linear-attention and state-space hybrids at
+one byte budget each: kvstore's checkpoints against a model of vLLM's policy (``vllm-align``),
+an ``oracle`` (a free checkpoint at every block boundary) and ``all-full`` attention."""
 
 from __future__ import annotations
 
@@ -58,8 +41,8 @@ BLOCK_SIZE = 16
 
 @dataclass(frozen=True)
 class Layout:
-    """A hybrid model's cache layers: `pattern` has one letter per cached layer (``A``
-    full attention, ``R`` recurrent); `state` the recurrent layer's state tensors."""
+    """A hybrid model's cache layers: `pattern` has one letter per cached layer (``A`` full
+    attention, ``R`` recurrent); `state` the recurrent layer's state tensors."""
 
     name: str
     pattern: str
@@ -91,8 +74,8 @@ class Layout:
 
     @property
     def vllm_block_size(self) -> int:
-        """vLLM's attention block for this layout: the fewest multiples of 16 tokens whose
-        page per layer holds one layer's state."""
+        """vLLM's attention block: the fewest multiples of 16 tokens whose page per layer
+        holds one layer's state."""
         return 16 * cdiv(self.state_bytes, 16 * self.kv_bytes_per_token)
 
     def budget_of_tokens(self, tokens: int) -> int:
@@ -132,17 +115,12 @@ class System:
 
 
 def systems(layout: Layout, eviction: str = "worth") -> list[System]:
-    """kvstore (with `eviction`), the vLLM-align model, the oracle and all-full attention
-    for `layout`."""
-    vbs = layout.vllm_block_size
-    return [
-        System("kvstore", layout.specs(BLOCK_SIZE), BLOCK_SIZE, eviction, "checkpoints"),
-        System("vllm-align", layout.specs(vbs), vbs, "lru", "align", checkpoint_every_blocks=1),
-        System("oracle", layout.specs(BLOCK_SIZE, recurrent=False), BLOCK_SIZE, "worth",
-               "chunks"),
-        System("all-full", layout.specs(BLOCK_SIZE, all_full=True), BLOCK_SIZE, "lru",
-               "chunks"),
-    ]
+    """kvstore (with `eviction`), vllm-align, the oracle and all-full for `layout`."""
+    vbs, bs = layout.vllm_block_size, BLOCK_SIZE
+    return [System("kvstore", layout.specs(bs), bs, eviction, "checkpoints"),
+            System("vllm-align", layout.specs(vbs), vbs, "lru", "align", checkpoint_every_blocks=1),
+            System("oracle", layout.specs(bs, recurrent=False), bs, "worth", "chunks"),
+            System("all-full", layout.specs(bs, all_full=True), bs, "lru", "chunks")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,54 +159,49 @@ class Row:
 def _step_end(m: KVCacheManager, req: Request, nc: int, end: int, stops: Stops, bs: int,
               computed: ComputedBlocks | None) -> int:
     """Where a step from `nc` computed tokens towards `end` stops (`computed`: the lookup,
-    before admission). Decoding runs one token a step: every system's steps end at each
-    block boundary there (the steps between change nothing in the cache)."""
+    before admission); a decode step stops at the next block boundary."""
     if nc >= req.num_prompt_tokens:
         return min(end, (nc // bs + 1) * bs)
     if stops == "checkpoints":
         positions = m.next_checkpoints(req, end - nc, computed)
         return positions[0] if positions else end
-    if stops == "align":
-        last = end // bs * bs  # the state at the step's last block boundary is kept
-        return last if nc < last < end else end
-    return end
+    last = end // bs * bs  # align: the state at the step's last block boundary is kept
+    return last if stops == "align" and nc < last < end else end
 
 
 def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
           clock: list[float]) -> tuple[int, int]:
-    """Serve one request alone (prefill in chunks, then its outputs), stopping steps as
-    `stops` says; returns its admission's hit tokens and the manager calls made (their
-    time is added to `clock[0]`)."""
+    """Serve one request alone (prefill in chunks, then its outputs); returns its
+    admission's hit tokens and the manager calls made (their time added to `clock[0]`)."""
     req = Request(spec.request_id, spec.prompt_token_ids, spec.cache_salt,
                   max(1, spec.max_tokens))
     n = req.num_prompt_tokens
     t0 = time.perf_counter()
-    computed = m.get_computed_blocks(req)
+    lookup = m.get_computed_blocks(req)
     clock[0] += time.perf_counter() - t0
-    hit = nc = computed.num_computed_tokens
-    calls, target, first = 1, n, True
+    hit = nc = lookup.num_computed_tokens
+    computed: ComputedBlocks | None = lookup  # None once admitted
+    calls, target = 3, n  # the lookup, the free and its copies
     while nc < target:
         t0 = time.perf_counter()
-        end = _step_end(m, req, nc, min(nc + CHUNK_TOKENS, target), stops, bs,
-                        computed if first else None)
-        ids = m.admit(req, end - nc, computed) if first else m.grow(req, end - nc)
+        end = _step_end(m, req, nc, min(nc + CHUNK_TOKENS, target), stops, bs, computed)
+        ids = m.admit(req, end - nc, computed) if computed is not None else m.grow(req, end - nc)
         m.take_pending_copies()
         clock[0] += time.perf_counter() - t0
         calls += 2 + (stops == "checkpoints")
         if ids is None:
             raise RuntimeError(f"{spec.request_id} ({n} prompt tokens) does not fit the pool")
-        first = False
+        computed = None
         req.num_computed_tokens = nc = end
         if end == n and spec.max_tokens > 1:  # the outputs, decoded (all but the last fed)
-            out = spec.output_token_ids or [fake_token(req.request_id, n + i)
-                                             for i in range(spec.max_tokens)]
-            req.append_token_ids(list(out))
+            req.append_token_ids(list(spec.output_token_ids or [
+                fake_token(req.request_id, n + i) for i in range(spec.max_tokens)]))
             target = n + spec.max_tokens - 1
     t0 = time.perf_counter()
     m.free(req)
     m.take_pending_copies()
     clock[0] += time.perf_counter() - t0
-    return hit, calls + 2
+    return hit, calls
 
 
 def run_system(requests: Sequence[RequestSpec], system: System, budget: int, layout: str,
@@ -239,26 +212,25 @@ def run_system(requests: Sequence[RequestSpec], system: System, budget: int, lay
     m = new_manager(config, eviction=system.eviction, enable_partial_hits=False,
                     checkpoint_every_blocks=system.checkpoint_every_blocks)
     clock = [0.0]
-    hits = calls = prompt = 0
+    hits = calls = 0
     fragmented = 0.0
     for spec in sorted(requests, key=lambda r: r.arrival):
         hit, c = serve(m, spec, system.stops, system.block_size, clock)
         hits += hit
         calls += c
-        prompt += len(spec.prompt_token_ids)
         fragmented += m.fragmented_bytes
     if m.num_free_blocks != m.num_usable_blocks:
         raise RuntimeError(f"{system.name}: pages leaked")
     s = m.stats
-    return Row(layout, workload, system.name, budget, system.block_size, prompt, hits,
-               s.checkpoints_taken, s.checkpoints_used, s.checkpoints_evicted,
-               fragmented / max(1, len(requests)), calls, clock[0])
+    return Row(layout, workload, system.name, budget, system.block_size,
+               sum(len(r.prompt_token_ids) for r in requests), hits, s.checkpoints_taken,
+               s.checkpoints_used, s.checkpoints_evicted, fragmented / max(1, len(requests)),
+               calls, clock[0])
 
 
 def mooncake_requests(name: str, limit: int | None) -> list[RequestSpec]:
-    """A Mooncake trace's rows as prompts: each 512-token block starts with its hash id + 1,
-    zeros after (as the hybrid replay builds them); no outputs (the trace has no content
-    for them)."""
+    """A Mooncake trace's rows as prompts without outputs: each 512-token block starts with
+    its hash id + 1, zeros after."""
     out = []
     for i, row in enumerate(load_mooncake(locate_trace(name), limit)):
         n = min(row.input_length, len(row.hash_ids) * MOONCAKE_BLOCK_TOKENS)
@@ -269,7 +241,6 @@ def mooncake_requests(name: str, limit: int | None) -> list[RequestSpec]:
     return out
 
 
-# ---- the goals ---------------------------------------------------------------------------------
 def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[str]:
     """Each goal, per layout, workload and budget: its figures and whether it holds."""
     by = {(r.layout, r.workload, r.budget_bytes, r.system): r for r in rows}
@@ -277,20 +248,19 @@ def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[str]:
     for (layout, workload, budget, system), r in sorted(by.items()):
         if system != "kvstore":
             continue
-        v = by.get((layout, workload, budget, "vllm-align"))
-        o = by.get((layout, workload, budget, "oracle"))
-        f = by.get((layout, workload, budget, "all-full"))
+        v, o, f = (by.get((layout, workload, budget, s)) for s in ("vllm-align", "oracle",
+                                                                  "all-full"))
         where = f"{layout} {workload} {budget / GiB:.3g} GiB:"
         if v is not None:
             ok = r.hit_rate >= 2 * v.hit_rate if v.hit_rate > 0 else r.hit_rate > 0
             lines.append(f"{where} kvstore {r.hit_rate:.3f} vs vllm-align {v.hit_rate:.3f} "
                          f"(goal >= 2x, > 0 where 0): {'met' if ok else 'MISSED'}")
-        if o is not None and f is not None and workload in ideal:
-            if f.hit_rate >= 0.8 * ideal[workload]:
-                ok = r.hit_rate >= 0.8 * o.hit_rate
-                lines.append(f"{where} kvstore {r.hit_rate:.3f} vs oracle {o.hit_rate:.3f} "
-                             f"(all-full {f.hit_rate:.3f} of ideal {ideal[workload]:.3f}; "
-                             f"goal >= 80%): {'met' if ok else 'MISSED'}")
+        if (o is not None and f is not None and workload in ideal
+                and f.hit_rate >= 0.8 * ideal[workload]):
+            ok = r.hit_rate >= 0.8 * o.hit_rate
+            lines.append(f"{where} kvstore {r.hit_rate:.3f} vs oracle {o.hit_rate:.3f} "
+                         f"(all-full {f.hit_rate:.3f} of ideal {ideal[workload]:.3f}; "
+                         f"goal >= 80%): {'met' if ok else 'MISSED'}")
         if o is not None and o.calls:
             ratio = r.us_per_call / max(o.us_per_call, 1e-9)
             total = r.manager_seconds / max(o.manager_seconds, 1e-9)
@@ -301,7 +271,6 @@ def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[str]:
     return lines
 
 
-# ---- command line ------------------------------------------------------------------------------
 WORKLOADS = ("shared_system_prompts", "multi_turn_chat", "mixed_default")
 
 
@@ -334,48 +303,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("results/recurrent"), help="output folder")
 
 
-def _table(rows: Sequence[Row], title: str) -> Table:
-    t = Table(title=title)
-    for col in ("layout", "workload", "GiB", "system", "block", "hit rate", "ckpt taken/used/"
-                "evicted", "frag MiB", "us/call"):
-        t.add_column(col)
-    for r in rows:
-        t.add_row(r.layout, r.workload, f"{r.budget_bytes / GiB:.3g}", r.system,
-                  str(r.block_size), f"{r.hit_rate:.3f}",
-                  f"{r.checkpoints_taken}/{r.checkpoints_used}/{r.checkpoints_evicted}",
-                  f"{r.fragmented_bytes_mean / (1 << 20):.1f}", f"{r.us_per_call:.1f}")
-    return t
-
-
 def run(args: argparse.Namespace) -> int:
     """Every layout x workload x budget x system, the Mooncake rows, then the goals."""
     console = Console()
     rows: list[Row] = []
     ideal: dict[str, float] = {}
-
-    def progress(r: Row) -> None:
-        console.print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {r.system}: "
-                      f"{r.hit_rate:.3f} ({r.manager_seconds:.1f} s)")
-
+    runs: list[tuple[list[RequestSpec], Layout, int, str, list[System]]] = []
     for name in args.workloads:
-        specs = make_workload(name, seed=0, **({"num_conversations": args.requests // 4}
-                                               if name == "multi_turn_chat"
-                                               else {"num_requests": args.requests}))
-        ideal[name] = ideal_hit_tokens(specs.requests, BLOCK_SIZE, include_outputs=True).rate
-        for layout in (LAYOUTS[n] for n in args.layouts):
-            for gib in args.budgets:
-                for system in systems(layout, args.eviction):
-                    rows.append(run_system(specs.requests, system, int(gib * GiB), layout.name,
-                                           name))
-                    progress(rows[-1])
+        size = ({"num_conversations": args.requests // 4} if name == "multi_turn_chat"
+                else {"num_requests": args.requests})
+        specs = make_workload(name, seed=0, **size).requests
+        ideal[name] = ideal_hit_tokens(specs, BLOCK_SIZE, include_outputs=True).rate
+        runs += [(specs, layout, int(gib * GiB), name, systems(layout, args.eviction))
+                 for layout in (LAYOUTS[n] for n in args.layouts) for gib in args.budgets]
     if args.mooncake:
         trace = mooncake_requests("mooncake_conversation", args.limit)
         layout = LAYOUTS["qwen3-next"]
-        for tokens in args.mooncake:
-            for system in systems(layout, args.eviction)[:2]:
-                rows.append(run_system(trace, system, layout.budget_of_tokens(int(tokens)),
-                                       layout.name, "mooncake_conversation"))
-                progress(rows[-1])
+        runs += [(trace, layout, layout.budget_of_tokens(int(tokens)), "mooncake_conversation",
+                  systems(layout, args.eviction)[:2]) for tokens in args.mooncake]
+    for specs, layout, budget, workload, row_systems in runs:
+        for system in row_systems:
+            r = run_system(specs, system, budget, layout.name, workload)
+            rows.append(r)
+            console.print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {r.system}: "
+                          f"{r.hit_rate:.3f} ({r.manager_seconds:.1f} s)")
     args.out.mkdir(parents=True, exist_ok=True)
     lines = goals(rows, ideal)
     write_json(args.out / "recurrent.json", {
@@ -384,7 +335,16 @@ def run(args: argparse.Namespace) -> int:
                         "vllm_block_size": LAYOUTS[n].vllm_block_size} for n in args.layouts},
         "ideal": ideal, "rows": [r.as_dict() for r in rows], "goals": lines})
     write_csv(args.out / "recurrent.csv", [r.as_dict() for r in rows])
-    console.print(_table(rows, "Recurrent hybrids: prompt hit rate at one byte budget"))
+    t = Table(title="Recurrent hybrids: prompt hit rate at one byte budget")
+    for col in ("layout", "workload", "GiB", "system", "block", "hit rate",
+                "ckpt taken/used/evicted", "frag MiB", "us/call"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r.layout, r.workload, f"{r.budget_bytes / GiB:.3g}", r.system,
+                  str(r.block_size), f"{r.hit_rate:.3f}",
+                  f"{r.checkpoints_taken}/{r.checkpoints_used}/{r.checkpoints_evicted}",
+                  f"{r.fragmented_bytes_mean / (1 << 20):.1f}", f"{r.us_per_call:.1f}")
+    console.print(t)
     for line in lines:
         console.print(line)
     return 0

@@ -38,10 +38,12 @@ class TierOptions:
         from kvstore.benchmarks.sweep import format_bytes
         from kvstore.tiers.valkey_store import redact_url
 
-        return ", ".join(([f"host tier {format_bytes(self.host_bytes)}"] if self.host_bytes else [])
-                         + ([f"store {redact_url(self.store)}"] if self.store else [])
-                         + ([f"window offload {self.window_offload}"]
-                            if self.window_offload != "ends" else []))
+        parts = [f"host tier {format_bytes(self.host_bytes)}"] if self.host_bytes else []
+        if self.store:
+            parts.append(f"store {redact_url(self.store)}")
+        if self.window_offload != "ends":
+            parts.append(f"window offload {self.window_offload}")
+        return ", ".join(parts)
 
 
 def parse_mem_store(text: str) -> int | None | bool:
@@ -130,7 +132,6 @@ class SimResult:
     group_kinds: list[str] = field(default_factory=list)
     cached_by_group: list[float] = field(default_factory=list)
     evicted_by_group: list[int] = field(default_factory=list)
-    timeline: list[dict[str, float]] = field(default_factory=list)
 
     # Derived from the above (the pool's usable blocks exclude the null block).
     full_cached_pages: float = field(init=False)
@@ -185,7 +186,7 @@ class SimResult:
         return getattr(self, f"{kind}_cached_pages"), getattr(self, f"{kind}_evictions")
 
     def summary(self) -> dict[str, Any]:
-        """Every counter and derived figure, flat (no per-group lists, no timeline)."""
+        """Every counter and derived figure, flat (no per-group lists)."""
         return {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
 
 
@@ -211,15 +212,13 @@ def _idle_slots(scheduler: Scheduler, output: SchedulerOutput) -> int:
 
 
 def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
-             enable_caching: bool = True, enable_partial_hits: bool = True,
              scheduler_config: SchedulerConfig | None = None, step_time: float = 0.02,
-             record_timeline: bool = False,
              on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
-             eviction: str = "lru", tiers: TierOptions | None = None,
-             hold_window_pages: bool = True) -> SimResult:
+             tiers: TierOptions | None = None, **cache_options: Any) -> SimResult:
     """Replay requests in arrival order on a virtual clock (each step lasts `step_time`
     seconds; an idle system jumps to the next arrival) until all have finished.
 
+    `cache_options` are ``CacheConfig`` fields (``enable_caching``, ``eviction``, ...).
     Decoded tokens are the requests' scripted outputs, else `fake_token`. `on_step` sees
     the scheduler after each step was scheduled and before it is applied. With `tiers`,
     each step's offloads and loads run right after it is scheduled, and a server's keys
@@ -235,9 +234,7 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
             host=ModelTier(tiers.host_bytes, name="host") if tiers.host_bytes else None,
             store=open_store(tiers.store) if tiers.store else None)
     try:
-        manager = new_manager(config, tiers=connector, enable_caching=enable_caching,
-                              enable_partial_hits=enable_partial_hits, eviction=eviction,
-                              hold_window_pages=hold_window_pages)
+        manager = new_manager(config, tiers=connector, **cache_options)
         scheduler = Scheduler(manager, scheduler_config, connector)
         scripted = {s.request_id: s.output_token_ids for s in specs if s.output_token_ids}
         pending = sorted(specs, key=lambda s: s.arrival)[::-1]  # pop(): the earliest arrival
@@ -245,7 +242,6 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
         idle_slot_steps = peak_idle = running_steps = 0
         prompt_tokens = expected_tokens = output_tokens = 0
         cached_sum = [0] * len(config.groups)  # per group, cached pages summed over steps
-        timeline: list[dict[str, float]] = []
         first_hit: dict[str, int] = {}
         first_tiers: dict[str, tuple[int, int]] = {}
         while pending or scheduler.has_unfinished:
@@ -288,11 +284,6 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
             idle = _idle_slots(scheduler, output)
             idle_slot_steps += idle
             peak_idle = max(peak_idle, idle)
-            if record_timeline:
-                timeline.append({"step": scheduler.stats.steps, "time": clock,
-                                 "blocks_in_use": in_use, "running": len(scheduler.running),
-                                 "waiting": len(scheduler.waiting), "tokens": output.num_tokens,
-                                 "idle_slots": idle})
             scheduler.update(output, sampled)
             clock += step_time
         # The worker has run the last batch of copies: release the pins on their sources.
@@ -325,6 +316,6 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
         expected_tokens=expected_tokens, num_blocks=config.num_blocks,
         bytes_per_block=config.bytes_per_block, block_size=config.block_size,
         peak_idle_slots=peak_idle, finish_time=clock, free_blocks_at_end=manager.num_free_blocks,
-        timeline=timeline, group_kinds=[_group_kind(group.spec) for group in config.groups],
+        group_kinds=[_group_kind(group.spec) for group in config.groups],
         cached_by_group=[n / max(1, sstats.steps) for n in cached_sum],
         evicted_by_group=list(manager.evictions_by_group()), **tier_figures)

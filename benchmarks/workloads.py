@@ -8,7 +8,7 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -16,8 +16,7 @@ from kvstore.utils import common_prefix_len, hit_rate
 
 DEFAULT_VOCAB_SIZE = 32000
 _INTERN_MAX_VOCAB = 1 << 18
-
-ArrivalProcess = Literal["poisson", "fixed"]
+SECONDS_PER_OUTPUT_TOKEN = 0.02  # a chat's next turn waits for the previous output
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,22 +90,17 @@ def _check_common(num: int, vocab_size: int, what: str) -> None:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
 
 
-def arrival_times(seed: int | np.random.Generator, n: int, rate: float,
-                  process: ArrivalProcess = "poisson") -> np.ndarray:
-    """``n`` non-decreasing arrival times in seconds from 0, at ``rate`` per second
-    (``math.inf``: all at 0): exponential gaps (``poisson``) or exactly ``1/rate`` apart."""
+def arrival_times(seed: int | np.random.Generator, n: int, rate: float) -> np.ndarray:
+    """``n`` Poisson arrival times in seconds from 0, at ``rate`` per second (``math.inf``:
+    all at 0)."""
     if not rate > 0:
         raise ValueError(f"rate must be > 0, got {rate}")
     if n <= 0:
         return np.zeros(0, dtype=np.float64)
     if math.isinf(rate):
         return np.zeros(n, dtype=np.float64)
-    if process == "fixed":
-        return np.arange(n, dtype=np.float64) / rate
-    if process == "poisson":
-        gaps = _rng(seed).exponential(1.0 / rate, size=n - 1)
-        return np.concatenate(([0.0], np.cumsum(gaps)))
-    raise ValueError(f"unknown arrival process {process!r} (use 'poisson' or 'fixed')")
+    gaps = _rng(seed).exponential(1.0 / rate, size=n - 1)
+    return np.concatenate(([0.0], np.cumsum(gaps)))
 
 
 def heavy_tailed_lengths(seed: int | np.random.Generator, n: int, *, median: float = 128,
@@ -132,8 +126,8 @@ def _outputs(median: float, sigma: float, high: int) -> str:
 
 def _prefixed(rng: np.random.Generator, name: str, id_prefix: str,
               prefixes: Sequence[np.ndarray], which: np.ndarray, tail_len: tuple[int, int],
-              what: str, outputs: tuple[float, float, int], rate: float,
-              process: ArrivalProcess, vocab_size: int, head: str, seed: int) -> Workload:
+              what: str, outputs: tuple[float, float, int], rate: float, vocab_size: int,
+              head: str, seed: int) -> Workload:
     """Request i = prefixes[which[i]] + a random tail of a length uniform in `tail_len`;
     tail lengths, tail tokens, output lengths and arrivals drawn from `rng` in that order."""
     n = len(which)
@@ -141,11 +135,11 @@ def _prefixed(rng: np.random.Generator, name: str, id_prefix: str,
     tails = np.split(_random_tokens(rng, lens.sum(), vocab_size), np.cumsum(lens)[:-1])
     median, sigma, high = outputs
     outs = heavy_tailed_lengths(rng, n, median=median, sigma=sigma, high=high)
-    arrivals = arrival_times(rng, n, rate, process)
+    arrivals = arrival_times(rng, n, rate)
     requests = [RequestSpec(f"{id_prefix}-{i:05d}", float(arrivals[i]), tokens_to_tuple(
         np.concatenate((prefixes[which[i]], tails[i])), vocab_size), int(outs[i]))
         for i in range(n)]
-    desc = f"{head}; {_outputs(*outputs)}; {process} arrivals at {rate}/s; seed {seed}"
+    desc = f"{head}; {_outputs(*outputs)}; poisson arrivals at {rate}/s; seed {seed}"
     return _finish(name, desc, requests)
 
 
@@ -153,9 +147,7 @@ def shared_system_prompts(num_requests: int = 200, *, num_prompts: int = 4,
                           system_lens: Sequence[int] = (200, 500, 1000, 2000),
                           user_len: tuple[int, int] = (16, 256), output_median: float = 128,
                           output_sigma: float = 1.2, output_max: int = 2048, rate: float = 10.0,
-                          arrival_process: ArrivalProcess = "poisson",
-                          vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0,
-                          name: str = "shared_system_prompts") -> Workload:
+                          vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> Workload:
     """Requests that each open with one of ``num_prompts`` shared system prompts (prompt
     ``i`` of length ``system_lens[i % len(system_lens)]``), then a unique user message."""
     _check_common(num_requests, vocab_size, "num_requests")
@@ -167,18 +159,15 @@ def shared_system_prompts(num_requests: int = 200, *, num_prompts: int = 4,
     which = rng.integers(0, num_prompts, size=num_requests)
     head = (f"{num_requests} requests over {num_prompts} shared system prompts of lengths {lens} "
             f"+ unique user messages of {user_len[0]}..{user_len[1]} tokens")
-    return _prefixed(rng, name, "sys", systems, which, user_len, "user_len",
-                     (output_median, output_sigma, output_max), rate, arrival_process,
-                     vocab_size, head, seed)
+    return _prefixed(rng, "shared_system_prompts", "sys", systems, which, user_len, "user_len",
+                     (output_median, output_sigma, output_max), rate, vocab_size, head, seed)
 
 
 def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 4, *,
                     system_len: int = 0, user_len: tuple[int, int] = (32, 256),
                     output_median: float = 128, output_sigma: float = 1.2, output_max: int = 2048,
-                    rate: float = 1.0, arrival_process: ArrivalProcess = "poisson",
-                    think_time: float = 5.0, seconds_per_output_token: float = 0.02,
-                    vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0,
-                    name: str = "multi_turn_chat") -> Workload:
+                    rate: float = 1.0, think_time: float = 5.0,
+                    vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> Workload:
     """Conversations (``turns``: a count or an inclusive range drawn per conversation)
     whose turn k+1 is turn k's prompt, its scripted output and a new user message,
     arriving after that output and an exponential think time; ``system_len`` tokens of
@@ -187,11 +176,11 @@ def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 
     lo_t, hi_t = (turns, turns) if isinstance(turns, int) else (int(turns[0]), int(turns[1]))
     if lo_t < 1 or hi_t < lo_t:
         raise ValueError(f"turns must be >= 1 (or a (low, high) range), got {turns}")
-    if think_time < 0 or seconds_per_output_token < 0:
-        raise ValueError("think_time and seconds_per_output_token must be >= 0")
+    if think_time < 0:
+        raise ValueError(f"think_time must be >= 0, got {think_time}")
     rng = np.random.default_rng(seed)
     system = _random_tokens(rng, system_len, vocab_size)
-    starts = arrival_times(rng, num_conversations, rate, arrival_process)
+    starts = arrival_times(rng, num_conversations, rate)
     n_turns = rng.integers(lo_t, hi_t + 1, size=num_conversations)
     requests: list[RequestSpec] = []
     for c in range(num_conversations):
@@ -210,7 +199,7 @@ def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 
             if k > 0:
                 pieces.append(out_toks[o_off[k - 1] : o_off[k]])
                 # Strictly after the previous turn, even with zero think time.
-                t += max(outs[k - 1] * seconds_per_output_token + gaps[k], 1e-3)
+                t += max(outs[k - 1] * SECONDS_PER_OUTPUT_TOKEN + gaps[k], 1e-3)
             pieces.append(user_toks[u_off[k] : u_off[k + 1]])
             requests.append(RequestSpec(
                 f"chat-c{c:04d}-t{k:02d}", t, tokens_to_tuple(np.concatenate(pieces), vocab_size),
@@ -220,16 +209,14 @@ def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 
             f"previous output + new user message ({user_len[0]}..{user_len[1]} tokens); shared "
             f"system prompt of {system_len} tokens; "
             f"{_outputs(output_median, output_sigma, output_max)}; conversations start at "
-            f"{rate}/s ({arrival_process}), think time {think_time}s; seed {seed}")
-    return _finish(name, desc, requests)
+            f"{rate}/s (poisson), think time {think_time}s; seed {seed}")
+    return _finish("multi_turn_chat", desc, requests)
 
 
 def few_shot(num_requests: int = 100, num_examples: int = 8, *, num_tasks: int = 1,
              example_len: tuple[int, int] = (40, 200), question_len: tuple[int, int] = (16, 128),
              output_median: float = 64, output_sigma: float = 1.2, output_max: int = 1024,
-             rate: float = 10.0, arrival_process: ArrivalProcess = "poisson",
-             vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0, name: str = "few_shot"
-             ) -> Workload:
+             rate: float = 10.0, vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> Workload:
     """Requests that open with one of ``num_tasks`` prefixes of ``num_examples`` worked
     examples (of odd length: never block-aligned), then ask a unique question."""
     _check_common(num_requests, vocab_size, "num_requests")
@@ -244,23 +231,21 @@ def few_shot(num_requests: int = 100, num_examples: int = 8, *, num_tasks: int =
     head = (f"{num_requests} requests over {num_tasks} few-shot prefixes of {num_examples} "
             f"examples (prefix lengths {[len(p) for p in prefixes]}, not block-aligned) + unique "
             f"questions of {question_len[0]}..{question_len[1]} tokens")
-    return _prefixed(rng, name, "fewshot", prefixes, task, question_len, "question_len",
-                     (output_median, output_sigma, output_max), rate, arrival_process,
-                     vocab_size, head, seed)
+    return _prefixed(rng, "few_shot", "fewshot", prefixes, task, question_len, "question_len",
+                     (output_median, output_sigma, output_max), rate, vocab_size, head, seed)
 
 
 def unique_prompts(num_requests: int = 100, *, prompt_len: tuple[int, int] = (64, 2048),
                    output_median: float = 128, output_sigma: float = 1.2, output_max: int = 2048,
-                   rate: float = 10.0, arrival_process: ArrivalProcess = "poisson",
-                   vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0, name: str = "unique_prompts"
+                   rate: float = 10.0, vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0
                    ) -> Workload:
     """Requests with independent random prompts: no intended sharing."""
     _check_common(num_requests, vocab_size, "num_requests")
     head = f"{num_requests} unique prompts of {prompt_len[0]}..{prompt_len[1]} tokens"
-    return _prefixed(np.random.default_rng(seed), name, "unique", [np.zeros(0, np.int64)],
-                     np.zeros(num_requests, np.int64), prompt_len, "prompt_len",
-                     (output_median, output_sigma, output_max), rate, arrival_process,
-                     vocab_size, head, seed)
+    return _prefixed(np.random.default_rng(seed), "unique_prompts", "unique",
+                     [np.zeros(0, np.int64)], np.zeros(num_requests, np.int64), prompt_len,
+                     "prompt_len", (output_median, output_sigma, output_max), rate, vocab_size,
+                     head, seed)
 
 
 def mixed_default(seed: int = 0, num_requests: int = 300, *, rate: float = 10.0,
@@ -277,26 +262,20 @@ def mixed_default(seed: int = 0, num_requests: int = 300, *, rate: float = 10.0,
     n_uni = rest - n_few
     span = max(num_requests / rate, 1e-9)
     seeds = [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(4)]
+    jobs: list[tuple[Callable[..., Workload], int, dict[str, Any]]] = [
+        (shared_system_prompts, n_sys, {}), (multi_turn_chat, n_conv, {"turns": turns}),
+        (few_shot, n_few, {}), (unique_prompts, n_uni, {"prompt_len": (64, 1280)})]
     parts = [gen(n, rate=max(n, 1) / span, vocab_size=vocab_size, seed=s, output_median=100,
                  output_sigma=1.2, output_max=2048, **kw)
-             for (gen, n, kw), s in zip([(shared_system_prompts, n_sys, {}),
-                                         (multi_turn_chat, n_conv, {"turns": turns}),
-                                         (few_shot, n_few, {}),
-                                         (unique_prompts, n_uni, {"prompt_len": (64, 1280)})],
-                                        seeds, strict=True)]
+             for (gen, n, kw), s in zip(jobs, seeds, strict=True)]
     requests = [r for w in parts for r in w.requests]
     desc = (f"mixed: {n_sys} shared-system-prompt requests, {n_conv} chats x {turns} turns, "
             f"{n_few} few-shot, {n_uni} unique; ~{rate} req/s overall; seed {seed}")
     return _finish("mixed_default", desc, requests)
 
 
-WORKLOADS: dict[str, Callable[..., Workload]] = {
-    "shared_system_prompts": shared_system_prompts,
-    "multi_turn_chat": multi_turn_chat,
-    "few_shot": few_shot,
-    "unique_prompts": unique_prompts,
-    "mixed_default": mixed_default,
-}
+WORKLOADS: dict[str, Callable[..., Workload]] = {f.__name__: f for f in (
+    shared_system_prompts, multi_turn_chat, few_shot, unique_prompts, mixed_default)}
 
 
 def make_workload(name: str, seed: int = 0, **kw: object) -> Workload:
