@@ -240,7 +240,6 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
         pending = sorted(specs, key=lambda s: s.arrival)[::-1]  # pop(): the earliest arrival
         clock = usage_sum = 0.0
         idle_slot_steps = peak_idle = running_steps = 0
-        prompt_tokens = expected_tokens = output_tokens = 0
         cached_sum = [0] * len(config.groups)  # per group, cached pages summed over steps
         first_hit: dict[str, int] = {}
         first_tiers: dict[str, tuple[int, int]] = {}
@@ -249,12 +248,9 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
                 clock = float(pending[-1].arrival)
             while pending and pending[-1].arrival <= clock:
                 spec = pending.pop()
-                if spec.max_tokens >= 1:
+                if spec.max_tokens >= 1:  # a request with nothing to decode is dropped
                     scheduler.add_request(Request(spec.request_id, spec.prompt_token_ids,
                                                   spec.cache_salt, spec.max_tokens))
-                    prompt_tokens += len(spec.prompt_token_ids)
-                    output_tokens += spec.max_tokens
-                    expected_tokens += len(spec.prompt_token_ids) + spec.max_tokens - 1
             output = scheduler.schedule()
             running_steps += len(scheduler.running)
             if connector is not None:  # the worker's part: offloads, then loads
@@ -302,6 +298,9 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
         if connector is not None:
             connector.close()
     stats, sstats = manager.stats, scheduler.stats
+    live = [s for s in specs if s.max_tokens >= 1]
+    prompt_tokens = sum(len(s.prompt_token_ids) for s in live)
+    output_tokens = sum(s.max_tokens for s in live)
     if manager.num_free_blocks != manager.num_usable_blocks:
         raise RuntimeError("blocks leaked: the pool is not empty after every request finished")
     return SimResult(
@@ -313,7 +312,7 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
         evictions=stats.evictions, steps=sstats.steps, peak_blocks=sstats.peak_blocks_in_use,
         copies=stats.copies_queued, idle_slot_steps=idle_slot_steps, running_steps=running_steps,
         mean_usage=usage_sum / max(1, sstats.steps), prompt_hit_tokens=sum(first_hit.values()),
-        expected_tokens=expected_tokens, num_blocks=config.num_blocks,
+        expected_tokens=prompt_tokens + output_tokens - len(live), num_blocks=config.num_blocks,
         bytes_per_block=config.bytes_per_block, block_size=config.block_size,
         peak_idle_slots=peak_idle, finish_time=clock, free_blocks_at_end=manager.num_free_blocks,
         group_kinds=[_group_kind(group.spec) for group in config.groups],

@@ -32,7 +32,7 @@ def encode_placeholder(layout: BlockLayout, key: bytes, token_ids: Sequence[int]
     if not isinstance(key, bytes) or len(key) != KEY_NBYTES:
         raise ValueError(f"key must be {KEY_NBYTES} bytes (from block_key), got {key!r:.60}")
     if len(token_ids) != layout.block_size:
-        raise ValueError(f"a block holds {layout.block_size} tokens, got {len(token_ids)} token ids")
+        raise ValueError(f"a block holds {layout.block_size} tokens, got {len(token_ids)}")
     body = _HEAD.pack(PLACEHOLDER_MAGIC, layout.digest, key, layout.value_nbytes,
                       layout.block_size) + array("q", token_ids).tobytes()
     return body + xxhash.xxh3_64_digest(body)
@@ -47,7 +47,8 @@ def placeholder_nbytes(value: Buffer) -> int:
 
 
 def decode_placeholder(layout: BlockLayout, key: bytes, token_ids: Sequence[int],
-                       value: Buffer | None, counters: dict[str, int] | None = None) -> memoryview | None:
+                       value: Buffer | None, counters: dict[str, int] | None = None
+                       ) -> memoryview | None:
     """An empty payload when ``value`` is this key's placeholder for this layout holding
     exactly ``token_ids`` with a matching checksum; otherwise None and one count under the
     reason (``decode_block``'s names). Never raises for a bad value."""
@@ -59,7 +60,8 @@ def decode_placeholder(layout: BlockLayout, key: bytes, token_ids: Sequence[int]
     return None
 
 
-def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None) -> str | None:
+def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None
+            ) -> str | None:
     if value is None:
         return "miss"
     view = memoryview(value).cast("B")
@@ -93,7 +95,8 @@ class ModelTier:
     def __init__(self, capacity_bytes: int | None, *, name: str = "model") -> None:
         if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or isinstance(
                 capacity_bytes, bool) or capacity_bytes < 0):
-            raise ValueError(f"capacity_bytes must be a non-negative int or None, got {capacity_bytes!r}")
+            raise ValueError("capacity_bytes must be a non-negative int or None, got "
+                             f"{capacity_bytes!r}")
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
