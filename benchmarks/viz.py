@@ -183,7 +183,7 @@ def add_viz_parser(subparsers: Any) -> None:
     p.add_argument("--no-partial-hits", action="store_true")
     p.add_argument("--out", default="results/viz/pool_layout.png", help="PNG path")
     p.add_argument("--no-png", action="store_true", help="print the ASCII map only")
-    p.set_defaults(func=run_viz_command)
+    p.set_defaults(func=run_viz_command, usage_error=p.error)
 
 
 def run_viz_command(args: argparse.Namespace) -> int:
@@ -192,8 +192,7 @@ def run_viz_command(args: argparse.Namespace) -> int:
         recorder, result = run_viz(args.num_blocks, args.block_size, args.max_num_batched_tokens,
                                    not args.no_prefix_caching, not args.no_partial_hits)
     except ValueError as e:
-        print(f"error: {e}")
-        return 2
+        args.usage_error(str(e))
     width = len(recorder.snapshots[0].cells) * 3 if recorder.snapshots else 0
     print(f"pool of {args.num_blocks - 1} blocks x {args.block_size} tokens (block 0, the null "
           "block, not shown)")

@@ -367,6 +367,15 @@ def test_viz_prints_ascii_map(tmp_path, capsys):
     assert png.stat().st_size > 0
 
 
+def test_viz_bad_pool_is_a_usage_error(capsys):
+    args = _parser().parse_args(["viz", "--num-blocks", "1", "--no-png"])
+    with pytest.raises(SystemExit) as exc:
+        args.func(args)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "num_blocks must be an int >= 2" in err
+
+
 def test_viz_snapshots():
     recorder, result = run_viz()
     letters = {c for s in recorder.snapshots for c in s.cells}
