@@ -450,13 +450,19 @@ def test_events_name_the_group_and_its_kind_and_stats_count_checkpoints() -> Non
         1 for p in internals(m).pool.large_blocks if p.token_ids is not None)  # type: ignore[attr-defined]
 
 
-def test_a_checkpoint_is_worth_the_tokens_since_the_last_one_its_request_knew() -> None:
+def worth_manager() -> tuple[KVCacheManager, WorthCheckpoints, int]:
+    """A full + recurrent manager evicting by worth, its pool's checkpoint order, and the
+    blocks a large page spans."""
     m = make([FULL, STATE], num_blocks=90, eviction="worth")
     pool = internals(m).pool
     assert isinstance(pool, TwoSizeBlockPool)
     order = pool._large_cached
     assert isinstance(order, WorthCheckpoints)
-    k = pool.large_page_blocks
+    return m, order, pool.large_page_blocks
+
+
+def test_a_checkpoint_is_worth_the_tokens_since_the_last_one_its_request_knew() -> None:
+    m, order, k = worth_manager()
     a = Request("a", list(range(20)))
     run(m, a, [16, 4])  # the prompt's end: 16 (from 0), then 20 at its end (from 16)
     m.free(a)
@@ -475,11 +481,7 @@ def test_a_checkpoint_is_worth_the_tokens_since_the_last_one_its_request_knew() 
 
 
 def test_a_checkpoint_its_request_computed_past_is_worth_nothing_until_hit() -> None:
-    m = make([FULL, STATE], num_blocks=90, eviction="worth")
-    pool = internals(m).pool
-    assert isinstance(pool, TwoSizeBlockPool)
-    order = pool._large_cached
-    assert isinstance(order, WorthCheckpoints)
+    m, order, k = worth_manager()
     a = Request("a", list(range(8)))
     run(m, a, [8])  # prompt end 8: taken at the next step's start
     a.append_token_ids([40, 41, 42, 43, 44])
@@ -488,7 +490,6 @@ def test_a_checkpoint_its_request_computed_past_is_worth_nothing_until_hit() -> 
     a.num_computed_tokens = 12
     m.free(a)  # its output's end, 12, is indexed: 8 is an interior point of one chain now
     m.take_pending_copies()
-    k = pool.large_page_blocks
     assert {p.block_hash: order.priority(p) for p in order} == {
         a.block_hashes[1]: 0.0, a.block_hashes[2]: 4 / k}
     # A hit on it makes it worth its tokens again once freed.
