@@ -398,16 +398,14 @@ def _block_index(cache: PagedKVCache, block_ids: Sequence[int], unique: bool,
     ids = list(block_ids)
     nb = cache.config.num_blocks
     if group_id is not None and _is_recurrent(cache, group_id):
-        top = nb + nb // cache.config.large_page_blocks
-        for b in ids:
-            if not isinstance(b, int) or isinstance(b, bool) or not nb < b < top:
-                raise ValueError(f"group {group_id} is recurrent: its page ids are large pages "
-                                 f"in ({nb}, {top}), got {b!r}")
+        lo, hi = nb + 1, nb + nb // cache.config.large_page_blocks
+        what = f"group {group_id} is recurrent: its page ids are large pages in ({nb}, {hi})"
     else:
-        for b in ids:
-            if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b < nb:
-                raise ValueError(f"block ids must be ints in [1, {nb}) (0 is the null block), "
-                                 f"got {b!r}")
+        lo, hi = 1, nb
+        what = f"block ids must be ints in [1, {nb}) (0 is the null block)"
+    for b in ids:
+        if not isinstance(b, int) or isinstance(b, bool) or not lo <= b < hi:
+            raise ValueError(f"{what}, got {b!r}")
     if unique and len(set(ids)) != len(ids):
         dup = sorted({b for b in ids if ids.count(b) > 1})
         raise ValueError(f"block ids repeat: {dup}")
