@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from kvstore.block_pool import BlockPool
+from kvstore.block import KVCacheBlock
+from kvstore.block_pool import BlockPool, TwoSizeBlockPool
 from kvstore.kv_cache_coordinator import KVCacheCoordinator
 from kvstore.kv_cache_manager import KVCacheManager
-from kvstore.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from kvstore.single_type_kv_cache_manager import (
+    RecurrentManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+)
 
 
 @dataclass(frozen=True)
@@ -101,3 +108,127 @@ def check_manager(manager: KVCacheManager) -> None:
                 assert block.token_ids == tuple(request.token_ids[i * bs:(i + 1) * bs])
     pin_refs = Counter(manager.pinned_blocks)
     check_pool(internals(manager).pool, table_refs, pin_refs)
+
+
+# ---- reads of private parts, each for an invariant or a "changes nothing" snapshot ----------
+def checkpoint_order(pool: TwoSizeBlockPool) -> Any:
+    """The two-size pool's order over its free checkpoints (the eviction policy's)."""
+    return pool._large_cached
+
+
+def group_state(sub: SingleTypeKVCacheManager) -> tuple[Any, ...]:
+    """A group manager's per-request bookkeeping: cached counts, last serials, table ids."""
+    return (dict(sub._num_cached_blocks), dict(sub._last_serial),
+            {rid: [b.block_id for b in t] for rid, t in sub._req_to_blocks.items()})
+
+
+def window_held(sub: SingleTypeKVCacheManager, request_id: str, i: int) -> bool:
+    """Whether a sliding group keeps table entry ``i`` of a request past its window."""
+    return isinstance(sub, SlidingWindowManager) and sub._held(request_id, i)
+
+
+def working_state(sub: SingleTypeKVCacheManager, request_id: str) -> KVCacheBlock | None:
+    """A recurrent group's working-state page of a request (None: it has none)."""
+    rolling = sub._rolling.get(request_id) if isinstance(sub, RecurrentManager) else None
+    return None if rolling is None else rolling[0]
+
+
+def queued_events(pool: BlockPool) -> list[Any]:
+    """The pool's events not yet taken, without taking them."""
+    return list(pool._events)
+
+
+def spy_evictions(pool: BlockPool, check: Callable[[KVCacheBlock], None]) -> None:
+    """Call ``check`` on each block the pool is about to evict, before it is evicted."""
+    evict = pool._evict
+
+    def checked(block: KVCacheBlock) -> None:
+        check(block)
+        evict(block)
+
+    pool._evict = checked  # type: ignore[method-assign]
+
+
+def check_two_size_pool(pool: TwoSizeBlockPool, small_refs: Counter[int] | None = None,
+                        large_refs: Counter[int] | None = None) -> None:
+    """Every page of either size in exactly one state (no memory owned twice across sizes: a
+    block in use lies in a split page, a large page in use is not split), the free counts per
+    size, the split pages' use counts, the fragmentation and (given) the ref counts."""
+    k = pool.large_page_blocks
+    queued = [b.block_id for b in pool.free_queue]
+    assert len(queued) == len(set(queued)) == len(pool.free_queue), "a block queued twice"
+    queued_set = set(queued)
+    empty_large = {p.block_id for p in pool._large_empty}
+    cached_large = [p.block_id for p in checkpoint_order(pool)]
+    assert len(cached_large) == len(set(cached_large))
+    assert not empty_large & set(cached_large), "a large page in two free lists"
+    assert len(empty_large) == len(pool._large_empty), "a large page on the empty stack twice"
+    fragmented = 0
+    free_small = 0
+    for j, page in enumerate(pool.large_blocks):
+        blocks = pool.blocks[j * k:(j + 1) * k]
+        in_use = sum(1 for b in blocks if b.ref_cnt > 0 or b.block_id == 0)
+        if pool._split[j]:
+            assert page.ref_cnt == 0 and page.token_ids is None, f"split page {j} in use whole"
+            assert page.block_id not in empty_large and page.block_id not in cached_large
+            assert pool._used[j] == in_use, f"page {j}: {pool._used[j]} used, {in_use} counted"
+            for b in blocks:
+                if b.block_id == 0:
+                    assert b.block_id not in queued_set
+                elif b.ref_cnt > 0:
+                    assert b.block_id not in queued_set, f"block {b.block_id} in use and free"
+                else:
+                    assert b.block_id in queued_set, f"free block {b.block_id} not queued"
+                    free_small += 1
+            assert (j in pool._empty_split) == (in_use == 0)
+            if in_use == 0:
+                # Returned whole unless some block holds cached content.
+                assert any(b.token_ids is not None for b in blocks), \
+                    f"page {j}: every block free and empty but the page is still split"
+            else:
+                fragmented += k - in_use
+        else:
+            assert j not in pool._empty_split
+            for b in blocks:
+                assert b.ref_cnt == 0 and b.block_id not in queued_set and b.token_ids is None, \
+                    f"block {b.block_id} of whole page {j} is in use, queued or cached"
+            if page.ref_cnt > 0:
+                assert page.block_id not in empty_large and page.block_id not in cached_large
+            elif page.token_ids is None:
+                assert page.block_id in empty_large, f"free empty large page {j} not listed"
+            else:
+                assert page.block_id in cached_large, f"free checkpoint {j} not listed"
+    assert free_small == len(pool.free_queue)
+    assert pool.num_free_blocks == len(pool.free_queue) + k * (len(empty_large) + len(cached_large))
+    assert pool.num_fragmented_blocks == fragmented
+    assert pool._free_cached == sum(1 for b in pool.free_queue if b.token_ids is not None)
+    assert pool.num_free_large_pages == (len(empty_large) + len(cached_large)
+                                         + len(pool._empty_split))
+    # Free checkpoints whose chain is gone come first in an order that tracks chains.
+    demoted = getattr(checkpoint_order(pool), "_demoted", {})
+    ranks = [0 if p.orphan or p.block_id in demoted else 1 for p in checkpoint_order(pool)]
+    assert ranks == sorted(ranks), "a checkpoint with a chain before an orphan"
+    if not checkpoint_order(pool).tracks_chains:
+        assert not any(p.orphan for p in pool.large_blocks)
+    # Index agreement, both sizes.
+    for block_id, group, h in pool.hash_entries():
+        page = (pool.blocks[block_id] if block_id < pool.num_blocks
+                else pool.large_blocks[block_id - pool.num_blocks])
+        assert page.block_hash == h and page.group_id == group
+    indexed = {bid for bid, _, _ in pool.hash_entries()}
+    for page in pool.blocks[1:] + pool.large_blocks:
+        assert (page.block_hash is not None) == (page.block_id in indexed)
+    in_use_units: Counter[int] = Counter()
+    for b in pool.blocks[1:]:
+        if b.ref_cnt:
+            in_use_units[b.group_id] += 1
+    for page in pool.large_blocks:
+        if page.ref_cnt:
+            in_use_units[page.group_id] += k
+    assert {g: n for g, n in pool.in_use_by_group.items() if n} == dict(in_use_units)
+    if small_refs is not None:
+        for b in pool.blocks[1:]:
+            assert b.ref_cnt == small_refs.get(b.block_id, 0), f"block {b.block_id} refs"
+    if large_refs is not None:
+        for page in pool.large_blocks:
+            assert page.ref_cnt == large_refs.get(page.block_id, 0), f"page {page.block_id} refs"

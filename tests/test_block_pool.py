@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from invariants import check_pool
+from invariants import check_pool, queued_events
 
 from kvstore.block import FreeBlockQueue, KVCacheBlock
 from kvstore.block_pool import (
@@ -40,7 +40,7 @@ def pool_snapshot(pool: BlockPool) -> dict[str, Any]:
         "index_entries": sorted(pool.index_entries()),
         "in_use_by_group": {g: n for g, n in pool.in_use_by_group.items() if n},
         "stats": pool.stats.as_dict(),
-        "events": list(pool._events),
+        "events": queued_events(pool),
     }
 
 

@@ -12,7 +12,7 @@ import test_kv_cache_manager as tm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
-from invariants import check_pool, internals
+from invariants import check_pool, internals, spy_evictions
 
 from kvstore.benchmarks.replay import (
     gap_closed,
@@ -159,17 +159,14 @@ def test_orphans_go_before_reachable_pages(name: str, paths: list[list[int]], ca
     rows = trie_trace(paths)
     pool = BlockPool(cap + 1, eviction=name)
     roots = {pool.root_serial(None)}
-    evict = pool._evict
-
-    def checked_evict(block: KVCacheBlock) -> None:
+    def check(block: KVCacheBlock) -> None:
         assert block.ref_cnt == 0 and block.pin_cnt == 0
         if reachable(pool, block, roots):
             for other in pool.free_queue:
                 if other.token_ids is not None and other is not block:
                     assert reachable(pool, other, roots), "an orphan kept over a reachable page"
-        evict(block)
 
-    pool._evict = checked_evict  # type: ignore[method-assign]
+    spy_evictions(pool, check)
     for req in rows:
         keep = req.hash_ids[:cap]
         table: list[KVCacheBlock | None] = []

@@ -37,7 +37,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from invariants import check_manager, internals
+from invariants import check_manager, group_state, internals, window_held
 
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
@@ -45,7 +45,6 @@ from kvstore.hashing import hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.request import Request
-from kvstore.single_type_kv_cache_manager import SlidingWindowManager
 from kvstore.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -270,8 +269,7 @@ def check_hit(manager: KVCacheManager, req: Request, computed: ComputedBlocks, c
 
 def held(manager: KVCacheManager, g: int, rid: str, i: int) -> bool:
     """Whether group g keeps table entry i of request rid past its window (held)."""
-    sub = internals(manager).groups[g]
-    return isinstance(sub, SlidingWindowManager) and sub._held(rid, i)
+    return window_held(internals(manager).groups[g], rid, i)
 
 
 def check_tables_after_allocate(manager: KVCacheManager, req: Request, num_tokens: int) -> None:
@@ -299,9 +297,7 @@ def snapshot(manager: KVCacheManager) -> tuple[Any, ...]:
     pool = internals(manager).pool
     blocks = tuple((b.ref_cnt, b.pin_cnt, b.group_id, b.block_hash, b.token_ids, b.serial,
                     b.parent_serial) for b in pool.blocks)
-    subs = tuple((dict(m._num_cached_blocks), dict(m._last_serial),
-                  {rid: [b.block_id for b in t] for rid, t in m._req_to_blocks.items()})
-                 for m in internals(manager).groups)
+    subs = tuple(group_state(m) for m in internals(manager).groups)
     return (
         blocks,
         tuple(queue_ids(pool)),

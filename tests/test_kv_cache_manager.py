@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from invariants import check_manager, internals
+from invariants import check_manager, group_state, internals
 
 from kvstore.block import KVCacheBlock
 from kvstore.errors import RequestTooLargeError
@@ -64,8 +64,7 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
         "stats": m.stats.as_dict(),
         "requests": {rid: (id(r), r.num_computed_tokens, m.block_table(rid))
                      for rid, r in m.requests.items()},
-        "cached": [(dict(s._num_cached_blocks), dict(s._last_serial))
-                   for s in internals(m).groups],
+        "cached": [group_state(s) for s in internals(m).groups],
         "pending": list(internals(m).pending_copies),
         "pins": list(m.pinned_blocks),
     }

@@ -10,8 +10,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from invariants import internals
-from test_recurrent_pool import check_two_size_pool
+from invariants import check_two_size_pool, checkpoint_order, internals, working_state
 
 from kvstore.block_pool import TwoSizeBlockPool
 from kvstore.eviction import EVICTION_POLICIES, WorthCheckpoints
@@ -275,9 +274,9 @@ class RecurrentMachine(RuleBasedStateMachine):
                         small[i] += 1
         rec = internals(self.m).coordinator.recurrent[0]
         for rid in self.m.requests:
-            rolling = rec._rolling.get(rid)
-            if rolling is not None:
-                large[rolling[0].block_id] += 1
+            page = working_state(rec, rid)
+            if page is not None:
+                large[page.block_id] += 1
         for i in self.m.pinned_blocks:
             (large if i >= n else small)[i] += 1
         check_two_size_pool(self.pool, small, large)
@@ -456,7 +455,7 @@ def worth_manager() -> tuple[KVCacheManager, WorthCheckpoints, int]:
     m = make([FULL, STATE], num_blocks=90, eviction="worth")
     pool = internals(m).pool
     assert isinstance(pool, TwoSizeBlockPool)
-    order = pool._large_cached
+    order = checkpoint_order(pool)
     assert isinstance(order, WorthCheckpoints)
     return m, order, pool.large_page_blocks
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from invariants import check_two_size_pool, checkpoint_order
 
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import TwoSizeBlockPool
@@ -22,90 +23,6 @@ from kvstore.specs import (
 )
 
 RECURRENT = 1  # the recurrent group's id in these pools
-
-
-def check_two_size_pool(pool: TwoSizeBlockPool, small_refs: Counter[int] | None = None,
-                        large_refs: Counter[int] | None = None) -> None:
-    """Every page of either size in exactly one state, the free counts per size, the split
-    pages' use counts, the fragmentation and (given) the ref counts."""
-    k = pool.large_page_blocks
-    queued = [b.block_id for b in pool.free_queue]
-    assert len(queued) == len(set(queued)) == len(pool.free_queue), "a block queued twice"
-    queued_set = set(queued)
-    empty_large = {p.block_id for p in pool._large_empty}
-    cached_large = [p.block_id for p in pool._large_cached]
-    assert len(cached_large) == len(set(cached_large))
-    assert not empty_large & set(cached_large), "a large page in two free lists"
-    assert len(empty_large) == len(pool._large_empty), "a large page on the empty stack twice"
-    fragmented = 0
-    free_small = 0
-    for j, page in enumerate(pool.large_blocks):
-        blocks = pool.blocks[j * k:(j + 1) * k]
-        in_use = sum(1 for b in blocks if b.ref_cnt > 0 or b.block_id == 0)
-        if pool._split[j]:
-            assert page.ref_cnt == 0 and page.token_ids is None, f"split page {j} in use whole"
-            assert page.block_id not in empty_large and page.block_id not in cached_large
-            assert pool._used[j] == in_use, f"page {j}: {pool._used[j]} used, {in_use} counted"
-            for b in blocks:
-                if b.block_id == 0:
-                    assert b.block_id not in queued_set
-                elif b.ref_cnt > 0:
-                    assert b.block_id not in queued_set, f"block {b.block_id} in use and free"
-                else:
-                    assert b.block_id in queued_set, f"free block {b.block_id} not queued"
-                    free_small += 1
-            assert (j in pool._empty_split) == (in_use == 0)
-            if in_use == 0:
-                # Returned whole unless some block holds cached content.
-                assert any(b.token_ids is not None for b in blocks), \
-                    f"page {j}: every block free and empty but the page is still split"
-            else:
-                fragmented += k - in_use
-        else:
-            assert j not in pool._empty_split
-            for b in blocks:
-                assert b.ref_cnt == 0 and b.block_id not in queued_set and b.token_ids is None, \
-                    f"block {b.block_id} of whole page {j} is in use, queued or cached"
-            if page.ref_cnt > 0:
-                assert page.block_id not in empty_large and page.block_id not in cached_large
-            elif page.token_ids is None:
-                assert page.block_id in empty_large, f"free empty large page {j} not listed"
-            else:
-                assert page.block_id in cached_large, f"free checkpoint {j} not listed"
-    assert free_small == len(pool.free_queue)
-    assert pool.num_free_blocks == len(pool.free_queue) + k * (len(empty_large) + len(cached_large))
-    assert pool.num_fragmented_blocks == fragmented
-    assert pool._free_cached == sum(1 for b in pool.free_queue if b.token_ids is not None)
-    assert pool.num_free_large_pages == (len(empty_large) + len(cached_large)
-                                         + len(pool._empty_split))
-    # Free checkpoints whose chain is gone come first in an order that tracks chains.
-    demoted = getattr(pool._large_cached, "_demoted", {})
-    ranks = [0 if p.orphan or p.block_id in demoted else 1 for p in pool._large_cached]
-    assert ranks == sorted(ranks), "a checkpoint with a chain before an orphan"
-    if not pool._large_cached.tracks_chains:
-        assert not any(p.orphan for p in pool.large_blocks)
-    # Index agreement, both sizes.
-    for block_id, group, h in pool.hash_entries():
-        page = (pool.blocks[block_id] if block_id < pool.num_blocks
-                else pool.large_blocks[block_id - pool.num_blocks])
-        assert page.block_hash == h and page.group_id == group
-    indexed = {bid for bid, _, _ in pool.hash_entries()}
-    for page in pool.blocks[1:] + pool.large_blocks:
-        assert (page.block_hash is not None) == (page.block_id in indexed)
-    in_use_units: Counter[int] = Counter()
-    for b in pool.blocks[1:]:
-        if b.ref_cnt:
-            in_use_units[b.group_id] += 1
-    for page in pool.large_blocks:
-        if page.ref_cnt:
-            in_use_units[page.group_id] += k
-    assert {g: n for g, n in pool.in_use_by_group.items() if n} == dict(in_use_units)
-    if small_refs is not None:
-        for b in pool.blocks[1:]:
-            assert b.ref_cnt == small_refs.get(b.block_id, 0), f"block {b.block_id} refs"
-    if large_refs is not None:
-        for page in pool.large_blocks:
-            assert page.ref_cnt == large_refs.get(page.block_id, 0), f"page {page.block_id} refs"
 
 
 class TwoSizePoolMachine(RuleBasedStateMachine):
@@ -145,7 +62,7 @@ class TwoSizePoolMachine(RuleBasedStateMachine):
                 self.p.get_new_blocks(n, 0)
             assert self.snapshot() == before
             return
-        uncached_free = len(self.p.free_queue) - self.p._free_cached
+        uncached_free = sum(1 for b in self.p.free_queue if b.token_ids is None)
         split_before = self.p.num_split_pages
         blocks = self.p.get_new_blocks(n, 0)
         assert len({b.block_id for b in blocks}) == n
@@ -247,16 +164,9 @@ class TwoSizePoolMachine(RuleBasedStateMachine):
         small_refs = Counter(b.block_id for b in self.small)
         large_refs = Counter(p.block_id for p in self.large)
         check_two_size_pool(self.p, small_refs, large_refs)
-        # No memory owned twice across sizes: a block held on its own lies in a split page,
-        # a large page held whole is not split.
-        k = self.p.large_page_blocks
-        for b in self.small:
-            assert self.p._split[b.block_id // k]
-        for page in self.large:
-            assert not self.p._split[page.block_id - self.p.num_blocks]
         assert self.p.fragmented_bytes == 10 * self.p.num_fragmented_blocks
         # A checkpoint order that tracks chains knows every checkpoint whose chain is gone.
-        tracks = self.p._large_cached.tracks_chains
+        tracks = checkpoint_order(self.p).tracks_chains
         live = []
         for page, block_hash, serial in self.twins:
             if page.block_hash != block_hash or page.serial != serial:
@@ -290,7 +200,7 @@ def test_checkpoints_without_their_chain_go_first_then_the_least_worth() -> None
     pool.cache_checkpoint(pages[0], 11, (1,), 7, 5, worth=8)  # the prefix block 1 ends
     pool.cache_checkpoint(pages[1], 12, (2,), 5, 6, worth=1)  # the one block 2 ends
     pool.free_blocks(pages)
-    order = pool._large_cached
+    order = checkpoint_order(pool)
     assert isinstance(order, WorthCheckpoints)
     assert list(order) == [pages[1], pages[0]]  # the least worth first
     pool.free_blocks(blocks)

@@ -14,8 +14,7 @@ import xxhash
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from invariants import internals
-from test_recurrent_pool import check_two_size_pool
+from invariants import check_two_size_pool, internals
 
 from kvstore.hashing import root_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
