@@ -488,16 +488,21 @@ class BlockPool:
                     self._orphan_children(block, siblings)
             if not siblings:
                 del self._children[key]
+        self._drop_content(block)
+
+    def _drop_content(self, block: KVCacheBlock) -> None:
+        """Remove a page's hash-index entry (announced as removed) and its content, counted as
+        an eviction of its group."""
+        block_hash, group = block.block_hash, block.group_id
         if block_hash is not None:
-            self.hash_index.remove(block.group_id, block_hash, block)
+            self.hash_index.remove(group, block_hash, block)
             if self.enable_events:
-                self._events.append(BlockRemoved(block_hash, block.group_id,
-                                                 self.group_kind(block.group_id)))
+                self._events.append(BlockRemoved(block_hash, group, self.group_kind(group)))
         block.block_hash = block.token_ids = None
         block.serial = block.parent_serial = 0
         block.orphan = False
-        self.cached_by_group[block.group_id] -= 1
-        self.evicted_by_group[block.group_id] += 1
+        self.cached_by_group[group] -= 1
+        self.evicted_by_group[group] += 1
         self.stats.evictions += 1
         self.cache_epoch += 1
 
@@ -968,22 +973,11 @@ class TwoSizeBlockPool(BlockPool):
             self._large_cached.demote(page)
 
     def _evict_large(self, page: KVCacheBlock) -> None:
-        """Drop a checkpoint's index entry."""
-        block_hash = page.block_hash
-        assert block_hash is not None
-        self.hash_index.remove(page.group_id, block_hash, page)
-        if self.enable_events:
-            self._events.append(BlockRemoved(block_hash, page.group_id,
-                                             self.group_kind(page.group_id)))
-        page.block_hash = page.token_ids = None
-        page.serial = page.parent_serial = 0
-        page.orphan = False
+        """Drop a checkpoint's index entry and content."""
+        assert page.block_hash is not None
+        self._drop_content(page)
         self._large_cached.forget(page)
-        self.cached_by_group[page.group_id] -= 1
-        self.evicted_by_group[page.group_id] += 1
-        self.stats.evictions += 1
         self.stats.checkpoints_evicted += 1
-        self.cache_epoch += 1
 
     def _evict(self, block: KVCacheBlock) -> None:
         """See BlockPool._evict; evicting the last block of a chain position also leaves the
