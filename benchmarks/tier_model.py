@@ -118,6 +118,12 @@ class ModelTier:
         with self._lock:
             return leading_run([k in self._values for k in keys])
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is held (order unchanged)."""
+        check_keys(keys)
+        with self._lock:
+            return [k in self._values for k in keys]
+
     def load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """The held value of each key (None where absent); a hit becomes most recent."""
         check_keys(keys)

@@ -227,6 +227,7 @@ def test_host_tier_contains_is_the_leading_run():
     assert tier.contains(keys[3:]) == 1
     assert tier.contains(keys[2:]) == 0
     assert tier.contains([]) == 0
+    assert tier.present(keys) == [True, True, False, True, False]
     assert [v is not None for v in tier.load(keys)] == [True, True, False, True, False]
 
 
@@ -253,6 +254,8 @@ def test_host_tier_refuses_bad_input():
     tier = HostTier(100)
     with pytest.raises(ValueError, match="key"):
         tier.contains([b"k"])
+    with pytest.raises(ValueError, match="key"):
+        tier.present([b"k"])
     with pytest.raises(ValueError, match="pair"):
         tier.store([b"k"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="bytes-like"):

@@ -37,6 +37,7 @@ def test_mooncake_round_trip_contains_and_verification():
         st.store([items[i] for i in (0, 1, 2, 4)])
         assert st.flush(10)
         assert st.contains(keys) == 3 and st.contains(keys[4:]) == 1
+        assert st.present(keys) == [True, True, True, False, True, False]
         assert [bytes(v) if v is not None else None for v in st.load(keys)] == [
             items[0][1], items[1][1], items[2][1], None, items[4][1], None]
         assert len(load_verified(st, LAYOUT, keys, tokens)) == 3

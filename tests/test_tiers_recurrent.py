@@ -43,10 +43,15 @@ class DictStore:
         self.values: dict[bytes, bytes] = {}
 
     def contains(self, keys: Sequence[bytes]) -> int:
+        self.stats.add("asks")
         n = 0
         while n < len(keys) and keys[n] in self.values:
             n += 1
         return n
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        self.stats.add("asks")
+        return [k in self.values for k in keys]
 
     def load(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return [self.values.get(k) for k in keys]
@@ -188,6 +193,26 @@ def test_checkpoint_offloads_and_a_cleared_device_loads_it(where: str) -> None:
     assert not manager.take_pending_copies()  # no device checkpoint was copied
     kind = "host_hit_tokens" if where == "host" else "store_hit_tokens"
     assert getattr(tiers.stats, kind) == 8
+
+
+def test_a_lookup_asks_each_tier_once_which_checkpoints_it_holds() -> None:
+    """The store lost every checkpoint of a long prompt: the lookup misses after one question
+    for the attention run and one for the checkpoints, not one per candidate position."""
+    cfg = config()
+    store = DictStore()
+    tiers = TierConnector(cfg, "m", store=store)
+    prompt = list(range(1, 41))  # 10 full blocks, a checkpoint at the end
+    serve_first(tiers, prompt)
+    manager, _ = device(tiers)
+    req = Request("b", prompt + [7, 7])
+    computed = manager.get_computed_blocks(req)
+    layout = tiers.layouts[state_group(cfg)]
+    lost = {block_key(layout, h, root_hash(req.cache_salt)) for h in req.block_hashes}
+    assert lost & set(store.values)  # checkpoints were offloaded
+    store.values = {k: v for k, v in store.values.items() if k not in lost}
+    asked = store.stats["asks"]
+    assert not tiers.lookup(req, computed)
+    assert store.stats["asks"] - asked == 2
 
 
 def test_output_end_checkpoint_gives_the_whole_turn() -> None:

@@ -140,6 +140,8 @@ def test_contains_is_the_longest_leading_run(server):
     assert st.contains(keys[6:]) == 4
     assert st.contains(keys[5:]) == 0
     assert st.contains([]) == 0
+    assert st.present(keys) == [True] * 5 + [False] + [True] * 4  # across chunks of 3
+    assert st.present([]) == []
     st.store([items[5]])
     assert st.contains(keys) == 10
     st.close()
@@ -253,6 +255,7 @@ def test_unreachable_store_from_the_start_is_all_misses():
     keys = [k for k, _ in items]
     t0 = time.monotonic()
     assert st.contains(keys) == 0 and st.load(keys) == [None, None]
+    assert st.present(keys) == [False, False]
     st.store(items)
     assert st.flush(2) and not st.ping()
     assert time.monotonic() - t0 < 2 * TIMEOUT + 1

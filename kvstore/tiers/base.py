@@ -64,6 +64,10 @@ class Tier(Protocol):
         """How many of ``keys``, from the first, are present without a gap."""
         ...
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is present (all False when unreachable)."""
+        ...
+
     def load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """The value of each key, None where absent or unreachable."""
         ...

@@ -485,13 +485,16 @@ class TierConnector:
         # Recurrent groups: a checkpoint of exactly the hit's prefix, in some tier.
         checkpoints: dict[int, dict[int, memoryview | None]] = {
             g: {} for g in self._recurrent_groups}
+        tiered: dict[int, list[list[bool]]] = {}  # per group and tier: which checkpoints it holds
 
         def checkpoint(g: int, n: int) -> memoryview | None:
             """Group g's checkpoint of the first ``start + n`` blocks, or None."""
             if n not in checkpoints[g]:
                 checkpoints[g][n] = None
-                for tier in self.tiers:
-                    if not tier.contains(keys[g][n - 1:n]):
+                if g not in tiered:
+                    tiered[g] = [tier.present(keys[g][:pos]) for tier in self.tiers]
+                for tier, held in zip(self.tiers, tiered[g], strict=True):
+                    if not held[n - 1]:
                         continue
                     got = self._load(tier, g, keys[g][n - 1:n], tokens[n - 1:n], salt_root)
                     if tier is self.store:

@@ -210,6 +210,12 @@ class HostTier:
         with self._lock:
             return leading_run([k in self._index for k in keys])
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is held (order unchanged)."""
+        check_keys(keys)
+        with self._lock:
+            return [k in self._index for k in keys]
+
     def load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """A view of each key's value (None where absent); a hit becomes most recent. A view
         stays valid until its slot is reused: ``hold`` the keys to use it later."""

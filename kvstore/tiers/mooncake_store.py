@@ -80,17 +80,21 @@ class MooncakeStore:
 
     def contains(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, the store holds without a gap."""
+        return leading_run(self.present(keys))
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the store holds each of ``keys`` (all False on failure)."""
         check_keys(keys)
         if not keys:
-            return 0
+            return []
         try:
             flags = self._store.batch_is_exist(self._names(keys))
         except Exception as exc:
             self._failed(f"{type(exc).__name__}: {exc}")
-            return 0
+            return [False] * len(keys)
         if any(f < 0 for f in flags):
             self._failed("batch_is_exist reported an error")
-        return leading_run([f == 1 for f in flags])
+        return [f == 1 for f in flags]
 
     def load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """The value of each key, None where absent or on failure."""

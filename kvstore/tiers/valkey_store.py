@@ -538,6 +538,19 @@ class ValkeyStore:
                 break
         return found
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the store holds each of ``keys`` (False where unreachable): one pipelined
+        round trip per ``chunk`` keys."""
+        check_keys(keys)
+        out: list[bool] = []
+        for s in range(0, len(keys), self.chunk):
+            part = keys[s:s + self.chunk]
+            results = self._call("exists", [self.namespace + k for k in part])
+            if results is None:
+                return out + [False] * (len(keys) - len(out))
+            out.extend(r is not _FAIL and bool(r) for r in results)
+        return out
+
     def load(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """The value of each key, None where absent (all None when unreachable; in a cluster,
         None for the keys of a master that is down)."""
