@@ -62,6 +62,7 @@ __all__ = [
     "WorthCheckpoints",
     "EVICTION_POLICIES",
     "DEFAULT_EVICTION",
+    "RECURRENT_EVICTION",
     "make_policy",
 ]
 
@@ -643,6 +644,8 @@ EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "worth": WorthPolicy,
 }
 DEFAULT_EVICTION = "lru"
+#: The default for a layout with recurrent groups.
+RECURRENT_EVICTION = "worth"
 
 
 def make_policy(eviction: str | EvictionPolicy) -> EvictionPolicy:

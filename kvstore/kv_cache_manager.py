@@ -15,7 +15,7 @@ from kvstore.block_pool import (
     TwoSizeBlockPool,
 )
 from kvstore.errors import RequestTooLargeError
-from kvstore.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, EvictionPolicy
+from kvstore.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, RECURRENT_EVICTION, EvictionPolicy
 from kvstore.hashing import HashFn, hash_block
 from kvstore.kv_cache_coordinator import AllocationPlan, ComputedBlocks, KVCacheCoordinator
 from kvstore.request import Request, as_count
@@ -67,7 +67,9 @@ class CacheConfig:
     - `hash_fn`: the block hash, (parent hash, token ids) -> hash; `make_keyed_hash(secret)`
       where prompts come from untrusted users. Every request a manager sees is hashed with it.
     - `eviction`: the policy ordering free cached pages for reuse, by name (see
-      `kvstore.eviction.EVICTION_POLICIES`) or a policy object used by one manager only.
+      `kvstore.eviction.EVICTION_POLICIES`) or a policy object used by one manager only;
+      None: `lru`, or `worth` for a layout with recurrent groups (checkpoints evicted by
+      the compute they save).
     - `hold_window_pages`: sliding-window groups keep the pages past the window that likely
       hits need until the request ends (see `KVCacheManager`); off, windows drop every page
       as they pass it, as vLLM does.
@@ -80,7 +82,7 @@ class CacheConfig:
     enable_partial_hits: bool = True
     enable_events: bool = False
     hash_fn: HashFn = hash_block
-    eviction: str | EvictionPolicy = DEFAULT_EVICTION
+    eviction: str | EvictionPolicy | None = None
     hold_window_pages: bool = True
     checkpoint_every_blocks: int = 0
 
@@ -100,8 +102,9 @@ class CacheConfig:
             if self.eviction not in EVICTION_POLICIES:
                 raise ValueError(f"unknown eviction policy {self.eviction!r}; known: "
                                  f"{', '.join(sorted(EVICTION_POLICIES))}")
-        elif not isinstance(self.eviction, EvictionPolicy):
-            raise TypeError(f"CacheConfig.eviction must be a policy name or an EvictionPolicy, "
+        elif self.eviction is not None and not isinstance(self.eviction, EvictionPolicy):
+            raise TypeError(f"CacheConfig.eviction must be a policy name, an EvictionPolicy or "
+                            f"None, "
                             f"got {type(self.eviction).__name__}")
 
 
@@ -129,7 +132,7 @@ class KVCacheManager:
     `cache_config` (a `CacheConfig`; its defaults if None) says how it caches: block hashes
     are computed with its `hash_fn` (XXH3-128 by default), and every request this manager
     sees must be hashed with it; its `eviction` policy orders free cached pages for reuse
-    (see kvstore.eviction; LRU by default).
+    (see kvstore.eviction; LRU by default, `worth` with recurrent groups).
 
     With `hold_window_pages` (default), a sliding-window group keeps, until the request
     ends, the pages past its window that likely hits need: those of its first W tokens (any
@@ -163,6 +166,9 @@ class KVCacheManager:
         self._hash_fn = cache_config.hash_fn
         chained = frozenset(g for g, group in enumerate(config.groups)
                             if isinstance(group.spec, FullAttentionSpec))
+        eviction = cache_config.eviction
+        if eviction is None:
+            eviction = RECURRENT_EVICTION if config.has_recurrent else DEFAULT_EVICTION
         if config.has_recurrent:
             # A recurrent state never sits inside a block: no partial hits.
             self.enable_partial_hits = False
@@ -170,13 +176,13 @@ class KVCacheManager:
                 config.num_blocks, config.large_page_blocks,
                 frozenset(g for g, group in enumerate(config.groups) if group.is_recurrent),
                 enable_caching, cache_config.enable_events, index_partial_blocks=False,
-                eviction=cache_config.eviction, chained_groups=chained,
+                eviction=eviction, chained_groups=chained,
                 num_groups=len(config.groups), bytes_per_block=config.bytes_per_block,
                 group_kinds=tuple(group.kind for group in config.groups))
         else:
             self._pool = BlockPool(config.num_blocks, enable_caching, cache_config.enable_events,
                                    index_partial_blocks=self.enable_partial_hits,
-                                   eviction=cache_config.eviction, chained_groups=chained,
+                                   eviction=eviction, chained_groups=chained,
                                    num_groups=len(config.groups),
                                    group_kinds=tuple(group.kind for group in config.groups))
         # Copies queued for the worker and the pins that keep their pages alive.

@@ -449,6 +449,17 @@ def test_events_name_the_group_and_its_kind_and_stats_count_checkpoints() -> Non
         1 for p in internals(m).pool.large_blocks if p.token_ids is not None)  # type: ignore[attr-defined]
 
 
+def test_by_default_a_recurrent_layout_evicts_by_worth_and_others_by_lru() -> None:
+    assert CacheConfig().eviction is None
+    recurrent = internals(make([FULL, STATE], num_blocks=90)).pool
+    assert recurrent.free_queue.name == "worth"
+    assert isinstance(checkpoint_order(recurrent), WorthCheckpoints)
+    assert internals(make([FULL, FULL], num_blocks=90)).pool.free_queue.name == "lru"
+    chosen = internals(make([FULL, STATE], num_blocks=90, eviction="lru")).pool
+    assert chosen.free_queue.name == "lru"
+    assert not isinstance(checkpoint_order(chosen), WorthCheckpoints)
+
+
 def worth_manager() -> tuple[KVCacheManager, WorthCheckpoints, int]:
     """A full + recurrent manager evicting by worth, its pool's checkpoint order, and the
     blocks a large page spans."""
