@@ -600,7 +600,7 @@ def run(args: argparse.Namespace) -> int:
         for w in workers:
             w.ask({"cmd": "load", "path": str(spec_file)})
         print(f"Manager + hashing cost: {args.workload}, {len(specs)} requests, best of "
-              f"{repeats} alternated replays; ideal first-admission hit rate "
+              f"{repeats} alternated replays\nideal first-admission hit rate "
               f"{ideal_hit_rate(specs):.4f} whole blocks, {ideal_hit_rate(specs, None):.4f} "
               f"token-exact")
         for w in workers:
@@ -644,20 +644,20 @@ def run(args: argparse.Namespace) -> int:
 
 def print_side(label: str, rows: list[ManagerResult]) -> None:
     """One side's table: µs per call, seconds in all, hit rate, preemptions, evictions."""
-    print(f"\n{label}: µs per call (mean), manager + hashing s, first-admission hit rate")
-    print(f"{'scenario':<17} {'lookup':>6} {'admit':>6} {'chunk':>6} {'decode':>6} {'free':>6} "
-          f"{'total s':>7} {'hit':>6} {'preempt':>7} {'evict':>6}")
+    print(f"\n{label}: µs/call (mean), s in all, first-admission hit rate")
+    print(f"{'scenario':<16} {'lookup':>6} {'admit':>6} {'chunk':>6} {'decode':>6} {'free':>6} "
+          f"{'s':>6} {'hit':>6} {'preempt':>7} {'evict':>6}")
     for r in rows:
-        print(f"{r.scenario:<17} {_fmt(r.us('lookup')):>6} {_fmt(r.us('admit')):>6} "
+        print(f"{r.scenario:<16} {_fmt(r.us('lookup')):>6} {_fmt(r.us('admit')):>6} "
               f"{_fmt(r.us('chunk')):>6} {_fmt(r.us('decode'), 2):>6} {_fmt(r.us('free')):>6} "
-              f"{r.manager_s:>7.3f} {r.hit_rate:>6.4f} {r.preemptions:>7} "
+              f"{r.manager_s:>6.3f} {r.hit_rate:>6.4f} {r.preemptions:>7} "
               f"{r.evictions if r.evictions >= 0 else '-':>6}")
 
 
 def print_ratios(label: str, mine: list[ManagerResult], other: list[ManagerResult]) -> None:
     """Per scenario, this revision's time over `label`'s (below 1: faster here)."""
     print(f"\nthis / {label}: time per call (below 1: faster here)")
-    print(f"{'scenario':<17} {'total':>6} " + " ".join(f"{c:>6}" for c in CALLS)
+    print(f"{'scenario':<16} {'total':>6} " + " ".join(f"{c:>6}" for c in CALLS)
           + f" {'hit here':>8} {'there':>6}")
 
     def ratio(a: ManagerResult, b: ManagerResult, call: str) -> str:
@@ -665,7 +665,7 @@ def print_ratios(label: str, mine: list[ManagerResult], other: list[ManagerResul
         return f"{x / y:.2f}" if x is not None and y else "-"
 
     for a, b in zip(mine, other, strict=True):
-        print(f"{a.scenario:<17} {a.manager_s / b.manager_s:>6.3f} "
+        print(f"{a.scenario:<16} {a.manager_s / b.manager_s:>6.3f} "
               + " ".join(f"{ratio(a, b, c):>6}" for c in CALLS)
               + f" {a.hit_rate:>8.4f} {b.hit_rate:>6.4f}")
 
@@ -674,9 +674,9 @@ def print_headline(label: str, mine: list[ManagerResult],
                    others: dict[str, list[ManagerResult]], wall_s: float) -> None:
     """Two or three lines: how fast this revision is, and against what."""
     total = sum(r.manager_s for r in mine)
-    print(f"\n{label}: {total:.2f} s of manager + hashing over {len(mine)} scenarios, hit rate "
-          f"{min(r.hit_rate for r in mine):.4f}..{max(r.hit_rate for r in mine):.4f} "
-          f"({wall_s:.0f} s wall)")
+    print(f"\n{label}: {total:.2f} s of manager + hashing over {len(mine)} scenarios "
+          f"({wall_s:.0f} s wall),\n  first-admission hit rate "
+          f"{min(r.hit_rate for r in mine):.4f}..{max(r.hit_rate for r in mine):.4f}")
     for name, rows in others.items():
         ratios = [a.manager_s / b.manager_s for a, b in zip(mine, rows, strict=True)]
         print(f"  vs {name}: {min(ratios):.2f}x to {max(ratios):.2f}x its time "
