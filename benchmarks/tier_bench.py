@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -252,10 +253,15 @@ def run_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     rows = run(args)
     cfg = rows.pop("config")
-    print("config: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
-    print(f"{'path':58s} {'path GB/s':>10s} {'plain GB/s':>11s} {'ratio':>6s}")
+    print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in cfg.items()), 80,
+                        subsequent_indent="  "))
+    print(f"{'path':48s} {'path GB/s':>10s} {'plain GB/s':>11s} {'ratio':>6s}")
     for name, r in rows.items():
-        print(f"{name:58s} {r['path_GBps']:10.3f} {r['plain_GBps']:11.3f} {r['ratio']:6.2f}")
+        if len(name) > 48:  # a long path name gets a line of its own
+            print(name)
+            name = ""
+        print(f"{name:48s} {r['path_GBps']:10.3f} {r['plain_GBps']:11.3f} {r['ratio']:6.2f}")
+    print("ratio: the path's speed over a plain copy of the same bytes (above 1: faster)")
     if args.json:
         write_json(args.json, {"config": cfg, "rows": rows})
     return 0
