@@ -502,7 +502,7 @@ def add_bench_parser(subparsers: Any) -> None:
          replay.add_arguments, replay.run),
         ("tiers", "host tier and store: transfer speeds, two engines sharing a store",
          add_tier_arguments, _run_tiers),
-        ("kernels", "the paged-attention kernels against SDPA and FlashAttention (GPU)",
+        ("kernels", "the paged-attention kernels against SDPA (GPU)",
          add_kernel_arguments, _run_kernels),
         ("recurrent", "recurrent hybrids: kvstore's checkpoints against vLLM's inflated block",
          recurrent.add_arguments, recurrent.run))
