@@ -41,9 +41,11 @@ from kvstore.tiers import (
 CHECKSUM_THREADS = (1, 2, 4, 8, 16)
 
 
-def side_by_side(path: Callable[[], object], base: Callable[[], object], nbytes: int,
+def side_by_side(name: str, path: Callable[[], object], base: Callable[[], object], nbytes: int,
                  device: torch.device, reps: int) -> dict[str, float]:
-    """Median GB/s of ``path`` and ``base`` run alternately, and their ratio."""
+    """Median GB/s of ``path`` and ``base`` run alternately, and their ratio (``name`` is
+    shown on stderr while it runs)."""
+    print(f"  {name} ...", file=sys.stderr, flush=True)
 
     def seconds(fn: Callable[[], object]) -> float:
         if device.type == "cuda":
@@ -137,17 +139,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("host tier offload, generic (offload_items + store)",
          lambda: tier.store(offload_items(cache, layout, 0, src_ids, keys, tokens)), d2h)]
     for name, path, plain in paths:
-        rows[name] = side_by_side(path, plain, nbytes, device, args.reps)
+        rows[name] = side_by_side(name, path, plain, nbytes, device, args.reps)
         if name.startswith("host tier restore"):
             restored_equal()
     items = offload_items(cache, layout, 0, src_ids, keys, tokens)
     for name, path in value_paths(items, layout, tokens):
-        rows[name] = side_by_side(path, d2h, nbytes, device, args.reps)
+        rows[name] = side_by_side(name, path, d2h, nbytes, device, args.reps)
     views = [memoryview(host[i].numpy().data) for i in range(n)]
     for threads in CHECKSUM_THREADS:
         with ThreadPoolExecutor(threads) as pool:
-            rows[f"checksum only: XXH3-128 of host buffer, {threads} thread(s)"] = side_by_side(
-                partial(xxh3_all, pool, views), d2h, nbytes, device, args.reps)
+            name = f"checksum only: XXH3-128 of host buffer, {threads} thread(s)"
+            rows[name] = side_by_side(name, partial(xxh3_all, pool, views), d2h, nbytes, device,
+                                      args.reps)
     if not args.no_store:
         rows.update(store_rows(args, items, layout, tokens, device))
     return rows
@@ -212,7 +215,8 @@ def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, token
                 pipe.get(name)
             pipe.execute()
 
-        rows = {name: side_by_side(path, raw, nbytes, device, args.reps) for name, path, raw in (
+        rows = {name: side_by_side(name, path, raw, nbytes, device, args.reps)
+                for name, path, raw in (
             ("store put (ValkeyStore.store_now vs raw pipelined SET)",
              lambda: st.store_now(items), raw_set),
             ("store get (ValkeyStore.load vs raw pipelined GET)", lambda: st.load(keys), raw_get),
