@@ -1,4 +1,5 @@
-"""The allocator invariants of docs/design.md, checked from outside after every operation in the tests."""
+"""The allocator invariants of docs/design.md, and the host tier's arena, checked from outside
+after every operation in the tests."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvstore.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
+from kvstore.tiers.host import HostTier
 
 
 @dataclass(frozen=True)
@@ -232,3 +234,43 @@ def check_two_size_pool(pool: TwoSizeBlockPool, small_refs: Counter[int] | None 
     if large_refs is not None:
         for page in pool.large_blocks:
             assert page.ref_cnt == large_refs.get(page.block_id, 0), f"page {page.block_id} refs"
+
+
+def check_host_tier(tier: HostTier) -> None:
+    """A host tier's arena at rest (no store under way): every slot taken once, by a value
+    in the index or a held view of a replaced one; every page free or carved for one slot
+    size, its free slots listed exactly when it has some; slot bytes within the capacity."""
+    ids, classes, per_page = tier._ids, tier._classes, tier._per_page
+    pages = len(tier._page_class)
+    assert tier.arena_bytes == pages * (tier.slot_nbytes or 0) <= tier.capacity_bytes
+    owner: dict[int, bytes | None] = {}
+    for key, slot in tier._index.items():
+        assert slot not in owner, f"slot {slot} owned twice"
+        owner[slot] = key
+        assert tier._key[slot] == key
+    for slot in tier._retired:
+        assert slot in tier._held and slot not in owner, f"retired slot {slot}"
+        owner[slot] = None
+    assert set(tier._held) <= set(owner) and all(n > 0 for n in tier._held.values())
+    assert tier.num_bytes == sum(tier._len[s] for s in tier._index.values())
+    free_pages = Counter(tier._free_pages)
+    assert all(n == 1 for n in free_pages.values()), "a page is free twice"
+    slot_bytes = 0
+    for page in range(pages):
+        c = tier._page_class[page]
+        taken = [s for s in range(page * ids, (page + 1) * ids) if s in owner]
+        assert tier._page_used[page] == len(taken)
+        if c < 0:
+            assert not taken and page in free_pages and not tier._page_free[page]
+            continue
+        assert page not in free_pages and taken, f"page {page} carved and empty"
+        n = per_page[c]
+        free = tier._page_free[page] if n > 1 else []
+        assert sorted(free + [s - page * ids for s in taken]) == list(range(n))
+        assert (page in tier._partial[c]) == bool(free)
+        for s in taken:
+            assert tier._start[s] + tier._len[s] <= classes[c]
+        slot_bytes += len(taken) * classes[c]
+    for c, partial in enumerate(tier._partial):
+        assert all(tier._page_class[p] == c for p in partial)
+    assert tier.num_bytes <= slot_bytes <= tier.arena_bytes

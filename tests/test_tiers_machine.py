@@ -11,7 +11,7 @@ import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from invariants import check_manager
+from invariants import check_host_tier, check_manager
 
 from kvstore.benchmarks.tier_model import PlaceholderConnector
 from kvstore.errors import RequestTooLargeError
@@ -167,6 +167,7 @@ class TieredManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def host_holds_are_the_outstanding_hits(self) -> None:
+        check_host_tier(self.host)
         outstanding = sum(len(hit.held) for hit in self.tiers.hits.values())
         assert sum(self.host._held.values()) == outstanding
         assert set(self.tiers.hits) <= set(self.waiting)

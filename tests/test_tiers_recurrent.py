@@ -14,7 +14,7 @@ import xxhash
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from invariants import check_two_size_pool, internals
+from invariants import check_host_tier, check_two_size_pool, internals
 
 from kvstore.hashing import root_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
@@ -71,10 +71,9 @@ def config() -> KVCacheConfig:
 
 
 def host_tier(cfg: KVCacheConfig) -> HostTier:
-    """A host tier whose slots hold a checkpoint (the largest value), as `create` sizes it."""
-    slot = max(HostTier.slot_nbytes_for(BlockLayout.for_group("m", cfg, g))
-               for g in range(len(cfg.groups)))
-    return HostTier(1 << 20, slot_nbytes=slot)
+    """A host tier with a slot size per layout (checkpoints and blocks), as `create` sizes it."""
+    return HostTier(1 << 20, slot_nbytes=[HostTier.slot_nbytes_for(BlockLayout.for_group("m", cfg, g))
+                                          for g in range(len(cfg.groups))])
 
 
 def state_group(cfg: KVCacheConfig) -> int:
@@ -336,8 +335,8 @@ class TieredRecurrentMachine(RuleBasedStateMachine):
         super().__init__()
         cfg = make_kv_cache_config([FULL, STATE], num_blocks=24)  # 8 large pages of 3
         layouts = [BlockLayout.for_group("m", cfg, g) for g in range(len(cfg.groups))]
-        slot = max(HostTier.slot_nbytes_for(layout) for layout in layouts)
-        self.host = HostTier(10 * slot, slot_nbytes=slot, pin=False)  # 10 values
+        slots = [HostTier.slot_nbytes_for(layout) for layout in layouts]
+        self.host = HostTier(10 * max(slots), slot_nbytes=slots, pin=False)  # 10 pages
         self.store = DictStore() if self.with_store else None
         self.tiers = TierConnector(cfg, "m", host=self.host, store=self.store)
         self.manager = KVCacheManager(cfg)
@@ -427,6 +426,7 @@ class TieredRecurrentMachine(RuleBasedStateMachine):
     @invariant()
     def pool_is_consistent(self) -> None:
         check_two_size_pool(internals(self.manager).pool)
+        check_host_tier(self.host)
         assert not self.tiers.hits and not self.host._held
 
     def teardown(self) -> None:

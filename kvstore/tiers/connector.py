@@ -243,9 +243,11 @@ class TierConnector:
             sealer = Sealer(store_key)
         from kvstore.tiers.host import HostTier
 
-        slot = max(HostTier.slot_nbytes_for(BlockLayout.for_group(model_name, config, g, extra))
-                   for g in range(len(config.groups)))
-        host = HostTier(host_tier_bytes, slot_nbytes=slot) if host_tier_bytes else None
+        # One slot size per layout: checkpoints and attention blocks share the capacity,
+        # each in a slot of about its own size.
+        slots = [HostTier.slot_nbytes_for(BlockLayout.for_group(model_name, config, g, extra))
+                 for g in range(len(config.groups))]
+        host = HostTier(host_tier_bytes, slot_nbytes=slots) if host_tier_bytes else None
         store: Tier | None = None
         if store_url:
             from kvstore.tiers.valkey_store import ValkeyStore

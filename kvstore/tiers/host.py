@@ -1,6 +1,6 @@
-"""The host tier (encoded values in fixed-size slots of a preallocated CPU arena, with its
-own byte capacity and LRU order) and the batched transfers between device pages and packed
-host buffers.
+"""The host tier (encoded values in slots of a few sizes carved from the pages of a
+preallocated CPU arena, with its own byte capacity and LRU order) and the batched transfers
+between device pages and packed host buffers.
 
 Importing this module imports no torch; the arena and the transfer functions import it
 when first used."""
@@ -8,6 +8,7 @@ when first used."""
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -46,15 +47,29 @@ class HostTier:
     """Encoded block values in CPU memory, least recently loaded or stored evicted first.
     Thread-safe.
 
-    Values live in fixed-size slots of a preallocated uint8 arena (pinned when ``pin``,
-    default: when CUDA is available), which grows in chunks up to ``capacity_bytes //
-    slot_nbytes`` slots and then reuses the least recent slot. ``slot_nbytes`` is
-    ``slot_nbytes_for(layout)`` of the largest layout stored (by default, fixed by the first
-    value stored); a larger value is dropped and counted. ``store_blocks`` gathers device
-    pages straight into slots and seals them in place; ``load`` returns views of the slots
-    (no copy), valid until the slot is reused: ``hold`` keeps slots from reuse until
-    ``release``. ``on_evict`` receives copies of what is evicted (a write-back hook, e.g.
-    into a shared store's ``store``).
+    Values live in slots of a preallocated uint8 arena (pinned when ``pin``, default: when
+    CUDA is available) made of pages of the largest slot size; the arena grows in chunks up
+    to ``capacity_bytes // largest`` pages, then reuses them. ``slot_nbytes`` gives the slot
+    sizes: one int, or several (``slot_nbytes_for(layout)`` of each layout stored: attention
+    blocks and recurrent checkpoints); by default the size of the first value stored. A
+    value takes a slot of the smallest size that holds it. A page holds one slot of the
+    largest size or is carved into ``largest // size`` slots of a smaller one, so values of
+    every size share one byte budget, each in a slot of about its own size (pages rather than
+    a general allocator: O(1) bookkeeping, and views that stay put, as values are never
+    moved; the price is that a large value needs a whole page). A value larger than every slot is
+    dropped and counted by ``store``; ``store_blocks`` raises ValueError for its layout.
+
+    Room for a value: a free slot of its size in a carved page, else a free page (carved for
+    it), else eviction in LRU order: the least recent unheld value whose slot has that size
+    is evicted and its slot reused; one of another size is evicted with every value of its
+    page (pages fill in store order, so those are values of about its age) and the page is
+    carved anew. A page with a held slot, or one a ``store_blocks`` under way is filling, is
+    not carved anew.
+
+    ``store_blocks`` gathers device pages straight into slots and seals them in place;
+    ``load`` returns views of the slots (no copy), valid until the slot is reused: ``hold``
+    keeps slots from reuse until ``release``. ``on_evict`` receives copies of what is
+    evicted (a write-back hook, e.g. into a shared store's ``store``).
 
     Its order is its own LRU: the device pool's eviction policies do not reach it.
 
@@ -67,28 +82,40 @@ class HostTier:
     in_process = True
 
     def __init__(self, capacity_bytes: int, *, on_evict: EvictFn | None = None,
-                 slot_nbytes: int | None = None, pin: bool | None = None) -> None:
+                 slot_nbytes: int | Sequence[int] | None = None, pin: bool | None = None) -> None:
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
-        if slot_nbytes is not None and (not isinstance(slot_nbytes, int) or slot_nbytes < 1):
-            raise ValueError(f"slot_nbytes must be a positive int or None, got {slot_nbytes!r}")
+        classes = _slot_classes(slot_nbytes)
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
         self._on_evict = on_evict
         self._pin = pin
         self._lock = threading.RLock()
-        self.slot_nbytes: int | None = slot_nbytes
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, LRU first
-        self._start: list[int] = []  # per slot: where its value starts
-        self._len: list[int] = []  # per slot: its value's length (0: free)
+        #: The largest slot size: the page the arena is made of (None until known).
+        self.slot_nbytes: int | None = None
+        self._classes: tuple[int, ...] = ()  # slot sizes, ascending
+        self._per_page: tuple[int, ...] = ()  # slots of each size a page holds
+        self._ids = 1  # slot ids per page: slot id = page * self._ids + index in the page
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot id, LRU first
+        # Per slot id:
+        self._start: list[int] = []  # where its value starts in the slot
+        self._len: list[int] = []  # its value's length (0: free)
+        self._key: list[bytes | None] = []  # the key it holds in the index
+        # Per page:
+        self._page_class: list[int] = []  # the size (index into _classes) it is carved for; -1: free
+        self._page_used: list[int] = []  # slots taken: values, retired views, stores under way
+        self._page_free: list[list[int]] = []  # its free slots, when carved into several
+        self._free_pages: list[int] = []
+        self._partial: list[OrderedDict[int, None]] = []  # per size: carved pages with a free slot
         self._held: dict[int, int] = {}  # slot -> holds
         self._retired: set[int] = set()  # held slots whose key was replaced or dropped
-        self._free: list[int] = []
         self._unchecked: set[int] = set()  # slots sealed without their checksum
-        self._chunks: list[Any] = []  # uint8 tensors [slots, slot_nbytes]
+        self._chunks: list[Any] = []  # uint8 tensors [pages, page bytes]
         self._rows: list[Any] = []  # their numpy views
         self._per_chunk = 0
         self._nbytes = 0
+        if classes:
+            self._set_classes(classes)
 
     @staticmethod
     def slot_nbytes_for(layout: BlockLayout) -> int:
@@ -97,8 +124,14 @@ class HostTier:
         return -(-n // _ALIGN) * _ALIGN
 
     @property
+    def slot_classes(self) -> tuple[int, ...]:
+        """The slot sizes, ascending (empty until known); the last is the page."""
+        return self._classes
+
+    @property
     def num_slots(self) -> int:
-        """Slots the capacity allows (0 until the slot size is known)."""
+        """Pages the capacity allows, each one slot of the largest size (0 until the slot
+        sizes are known)."""
         return self.capacity_bytes // self.slot_nbytes if self.slot_nbytes else 0
 
     @property
@@ -109,16 +142,39 @@ class HostTier:
     @property
     def arena_bytes(self) -> int:
         """Bytes of arena allocated so far."""
-        return len(self._start) * (self.slot_nbytes or 0)
+        return len(self._page_class) * (self.slot_nbytes or 0)
 
     def __len__(self) -> int:
         return len(self._index)
 
     # ---- slots ---------------------------------------------------------------------------------
+    def _set_classes(self, classes: tuple[int, ...]) -> None:
+        page = classes[-1]
+        self.slot_nbytes = page
+        self._classes = classes
+        self._per_page = tuple(page // c for c in classes)
+        self._ids = self._per_page[0]
+        self._partial = [OrderedDict() for _ in classes]
+
+    def _class_of(self, nbytes: int) -> int | None:
+        """The smallest slot size (its index) that holds ``nbytes``; None if none does."""
+        classes = self._classes
+        if len(classes) == 1:
+            return 0 if nbytes <= classes[0] else None
+        i = bisect_left(classes, nbytes)
+        return i if i < len(classes) else None
+
+    def _base(self, slot: int) -> tuple[Any, int]:
+        """A slot's page (a numpy view of the arena) and where the slot starts in it."""
+        page, i = divmod(slot, self._ids)
+        row = self._rows[page // self._per_chunk][page % self._per_chunk]
+        return row, i * self._classes[self._page_class[page]] if i else 0
+
     def _view(self, slot: int) -> memoryview:
         """The value held in a slot (a view of the arena)."""
-        row = self._rows[slot // self._per_chunk][slot % self._per_chunk]
-        start = self._start[slot]
+        page, i = divmod(slot, self._ids)
+        row = self._rows[page // self._per_chunk][page % self._per_chunk]
+        start = self._start[slot] + (i * self._classes[self._page_class[page]] if i else 0)
         return memoryview(row[start:start + self._len[slot]]).cast("B")
 
     def _copy(self, slot: int) -> bytes:
@@ -126,18 +182,15 @@ class HostTier:
         view = self._view(slot)
         return checked_copy(view) if slot in self._unchecked else bytes(view)
 
-    def _row(self, slot: int) -> Any:
-        return self._rows[slot // self._per_chunk][slot % self._per_chunk]
-
     def _grow(self) -> bool:
-        """Allocate the next chunk of slots; False at the capacity."""
+        """Allocate the next chunk of pages; False at the capacity."""
+        total = self.num_slots
+        have = len(self._page_class)
+        if have >= total:
+            return False
         import torch
 
         assert self.slot_nbytes is not None
-        total = self.num_slots
-        have = len(self._start)
-        if have >= total:
-            return False
         if not self._per_chunk:
             self._per_chunk = max(1, min(total, _CHUNK_BYTES // self.slot_nbytes))
         n = min(self._per_chunk, total - have)  # the last chunk stops at the capacity
@@ -145,27 +198,96 @@ class HostTier:
         chunk = torch.empty((n, self.slot_nbytes), dtype=torch.uint8, pin_memory=bool(pin))
         self._chunks.append(chunk)
         self._rows.append(chunk.numpy())
-        self._start.extend([0] * n)
-        self._len.extend([0] * n)
-        self._free.extend(range(have + n - 1, have - 1, -1))
+        ids = n * self._ids
+        self._start.extend([0] * ids)
+        self._len.extend([0] * ids)
+        self._key.extend([None] * ids)
+        self._page_class.extend([-1] * n)
+        self._page_used.extend([0] * n)
+        self._page_free.extend([] for _ in range(n))
+        self._free_pages.extend(range(have + n - 1, have - 1, -1))
         return True
 
-    def _take_slot(self, evicted: list[StoreItem]) -> int | None:
-        """A free slot: a fresh one, else the least recent unheld value's (evicted)."""
-        if self._free or self._grow():
-            return self._free.pop()
-        victim = next((k for k, slot in self._index.items() if slot not in self._held), None)
-        if victim is None:
-            return None  # every slot is held
-        key = victim
-        slot = self._index.pop(key)
-        if self._on_evict is not None:
-            evicted.append((key, self._copy(slot)))
-        else:
-            evicted.append((key, b""))
-        self._nbytes -= self._len[slot]
+    def _take(self, c: int) -> int | None:
+        """A free slot of size ``c``: in a carved page, else in a free page carved for it."""
+        partial = self._partial[c]
+        if partial:
+            page = next(reversed(partial))
+            free = self._page_free[page]
+            i = free.pop()
+            if not free:
+                del partial[page]
+            self._page_used[page] += 1
+            return page * self._ids + i
+        if not self._free_pages and not self._grow():
+            return None
+        page = self._free_pages.pop()
+        self._page_class[page] = c
+        self._page_used[page] = 1
+        n = self._per_page[c]
+        if n > 1:
+            self._page_free[page] = list(range(n - 1, 0, -1))
+            partial[page] = None
+        return page * self._ids
+
+    def _free_slot(self, slot: int) -> None:
+        """Return an unheld slot whose value left the index; a page left empty is free again."""
         self._len[slot] = 0
+        page, i = divmod(slot, self._ids)
+        used = self._page_used[page] - 1
+        self._page_used[page] = used
+        c = self._page_class[page]
+        if used:
+            self._page_free[page].append(i)
+            self._partial[c][page] = None
+            return
+        self._page_class[page] = -1
+        if self._per_page[c] > 1:
+            self._page_free[page] = []
+            self._partial[c].pop(page, None)
+        self._free_pages.append(page)
+
+    def _evict(self, key: bytes, evicted: list[StoreItem]) -> int:
+        """Drop an unheld key's value, handed to ``evicted``; returns its slot, still taken."""
+        slot = self._index.pop(key)
+        evicted.append((key, self._copy(slot) if self._on_evict is not None else b""))
+        self._nbytes -= self._len[slot]
+        self._key[slot] = None
         return slot
+
+    def _take_slot(self, c: int, evicted: list[StoreItem]) -> int | None:
+        """A free slot of size ``c``, evicting in LRU order when there is none."""
+        slot = self._take(c)
+        if slot is not None:
+            return slot
+        ids, held = self._ids, self._held
+        for key, s in self._index.items():  # the least recent unheld value that makes room
+            if s in held:
+                continue
+            page = s // ids
+            if self._page_class[page] == c:
+                return self._evict(key, evicted)  # its slot, reused
+            values = self._page_values(page)
+            if values is not None:
+                break
+        else:
+            return None  # every slot is held
+        for k in values:
+            self._free_slot(self._evict(k, evicted))
+        return self._take(c)
+
+    def _page_values(self, page: int) -> list[bytes] | None:
+        """The keys of a page's values, in slot order; None when the page cannot be carved
+        anew (a slot held, or taken by a store under way)."""
+        first = page * self._ids
+        keys = []
+        for s in range(first, first + self._per_page[self._page_class[page]]):
+            if s in self._held:
+                return None
+            k = self._key[s]
+            if k is not None:
+                keys.append(k)
+        return keys if len(keys) == self._page_used[page] else None
 
     def _unlink(self, key: bytes) -> None:
         """Drop a key's value (its slot is freed, or retired while held)."""
@@ -173,20 +295,21 @@ class HostTier:
         if slot is None:
             return
         self._nbytes -= self._len[slot]
+        self._key[slot] = None
         if slot in self._held:
             self._retired.add(slot)
         else:
-            self._len[slot] = 0
-            self._free.append(slot)
+            self._free_slot(slot)
 
     def _place(self, key: bytes, nbytes: int, start: int, evicted: list[StoreItem]) -> int | None:
         """A slot for a new value of ``key`` (the old one dropped), or None when it cannot fit."""
         self._unlink(key)
         if self.slot_nbytes is None:
-            self.slot_nbytes = start + nbytes
-        if start + nbytes > self.slot_nbytes or not self.num_slots:
+            self._set_classes((max(1, start + nbytes),))
+        c = self._class_of(start + nbytes)
+        if c is None or not self.num_slots:
             return None
-        slot = self._take_slot(evicted)
+        slot = self._take_slot(c, evicted)
         if slot is None:
             return None
         self._start[slot] = start
@@ -196,6 +319,7 @@ class HostTier:
 
     def _publish(self, key: bytes, slot: int) -> None:
         self._index[key] = slot
+        self._key[slot] = key
         self._nbytes += self._len[slot]
 
     def _finish_store(self, stored: int, dropped: int, evicted: list[StoreItem]) -> None:
@@ -242,7 +366,7 @@ class HostTier:
 
     def store(self, items: Sequence[StoreItem]) -> None:
         """Copy the values into slots as most recent, evicting the least recent to make room;
-        a value larger than a slot (or than the capacity) is dropped and counted."""
+        a value larger than every slot (or than the capacity) is dropped and counted."""
         check_items(items)
         evicted: list[StoreItem] = []
         dropped = 0
@@ -253,7 +377,8 @@ class HostTier:
                 if slot is None:
                     dropped += 1
                     continue
-                self._row(slot)[:view.nbytes] = view
+                row, base = self._base(slot)
+                row[base:base + view.nbytes] = view
                 self._publish(key, slot)
         self._finish_store(len(items) - dropped, dropped, evicted)
 
@@ -264,7 +389,7 @@ class HostTier:
         ``encode_block`` would make (no intermediate buffer); returns how many were stored.
         Without ``checksum`` the values are sealed unchecked (``seal_block``): for readers in
         this process (``decode_block(..., trusted=True)``); ``peek`` and ``on_evict`` still
-        hand out checked copies."""
+        hand out checked copies. ValueError for a layout whose values no slot holds."""
         if not len(block_ids) == len(keys) == len(token_ids):
             raise ValueError(f"got {len(block_ids)} block ids, {len(keys)} keys, "
                              f"{len(token_ids)} token lists")
@@ -280,7 +405,10 @@ class HostTier:
         evicted: list[StoreItem] = []
         with self._lock:
             if self.slot_nbytes is None:
-                self.slot_nbytes = self.slot_nbytes_for(layout)
+                self._set_classes((self.slot_nbytes_for(layout),))
+            elif self._class_of(start + V) is None:
+                raise ValueError(f"values of this layout need slots of {self.slot_nbytes_for(layout)} "
+                                 f"bytes; this host tier's largest slot is {self.slot_nbytes}")
             placed: list[tuple[int, int]] = []  # (slot, i)
             last = {key: i for i, key in enumerate(keys)}
             for i, key in enumerate(keys):
@@ -290,21 +418,22 @@ class HostTier:
                 if slot is not None:
                     placed.append((slot, i))
             placed.sort()
-            # Runs of consecutive slots in one chunk: one gather each.
+            # Runs of slots lying back to back in one chunk: one gather each.
+            where = [self._where(slot) for slot, _ in placed]
             s = 0
             while s < len(placed):
+                c, o, size = where[s]
                 e = s + 1
-                c = placed[s][0] // self._per_chunk
-                while (e < len(placed) and placed[e][0] == placed[e - 1][0] + 1
-                       and placed[e][0] // self._per_chunk == c):
+                while e < len(placed) and where[e] == (c, o + (e - s) * size, size):
                     e += 1
-                r0 = placed[s][0] % self._per_chunk
-                rows = self._chunks[c][r0:r0 + e - s]
+                rows = self._chunks[c].view(-1)[o:o + (e - s) * size].view(e - s, size)
                 _gather_rows(cache, group_id, [block_ids[i] for _, i in placed[s:e]], rows, off, P)
                 s = e
+
             def seal(item: tuple[int, int]) -> None:
                 slot, i = item
-                value = memoryview(self._row(slot)[start:start + V]).cast("B")
+                row, base = self._base(slot)
+                value = memoryview(row[base + start:base + start + V]).cast("B")
                 seal_block(layout, keys[i], token_ids[i], value, checksum)
 
             if checksum:
@@ -317,6 +446,14 @@ class HostTier:
                 self._publish(keys[i], slot)
         self._finish_store(len(placed), len(keys) - len(placed), evicted)
         return len(placed)
+
+    def _where(self, slot: int) -> tuple[int, int, int]:
+        """A slot's chunk, its offset in the chunk's bytes, and its size."""
+        page, i = divmod(slot, self._ids)
+        c, row = divmod(page, self._per_chunk)
+        assert self.slot_nbytes is not None
+        size = self._classes[self._page_class[page]]
+        return c, row * self.slot_nbytes + i * size, size
 
     def hold(self, keys: Sequence[bytes]) -> tuple[int, ...]:
         """Keep the slots of these keys (those held) from reuse until ``release`` of the
@@ -339,8 +476,7 @@ class HostTier:
                 self._held.pop(slot, None)
                 if slot in self._retired:
                     self._retired.discard(slot)
-                    self._len[slot] = 0
-                    self._free.append(slot)
+                    self._free_slot(slot)
 
     def discard(self, keys: Sequence[bytes]) -> int:
         """Drop these keys; returns how many were held."""
@@ -361,13 +497,28 @@ class HostTier:
             self._index.clear()
             self._chunks.clear()
             self._rows.clear()
-            self._start.clear()
-            self._len.clear()
-            self._free.clear()
+            for per_slot in (self._start, self._len, self._key):
+                per_slot.clear()
+            for per_page in (self._page_class, self._page_used, self._page_free, self._free_pages):
+                per_page.clear()
+            for partial in self._partial:
+                partial.clear()
             self._held.clear()
             self._retired.clear()
             self._unchecked.clear()
             self._nbytes = 0
+
+
+def _slot_classes(slot_nbytes: int | Sequence[int] | None) -> tuple[int, ...]:
+    """The distinct slot sizes, ascending (empty for None); ValueError unless positive ints."""
+    if slot_nbytes is None:
+        return ()
+    sizes = [slot_nbytes] if isinstance(slot_nbytes, int) else slot_nbytes
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes or any(
+            not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+        raise ValueError(f"slot_nbytes must be a positive int, a non-empty sequence of them, or "
+                         f"None, got {slot_nbytes!r}")
+    return tuple(sorted(set(sizes)))
 
 
 # --- device pages <-> packed host buffers -------------------------------------------------
