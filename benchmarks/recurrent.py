@@ -1,6 +1,7 @@
 """``kvstore bench recurrent``: prefix hits of linear-attention and state-space hybrids at
 one byte budget each: kvstore's checkpoints against a model of vLLM's policy (``vllm-align``),
-an ``oracle`` (a free checkpoint at every block boundary) and ``all-full`` attention."""
+an ``oracle`` (a free checkpoint at every block boundary) and ``all-full`` attention; and
+kvstore with a host tier below the pool (``kvstore+host``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from rich.table import Table
 from kvstore.benchmarks.manager import new_manager
 from kvstore.benchmarks.output import name_list, write_csv, write_json
 from kvstore.benchmarks.simulator import fake_token
+from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
 from kvstore.benchmarks.traces import MOONCAKE_BLOCK_TOKENS, load_mooncake, locate_trace
 from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, make_workload
 from kvstore.eviction import EVICTION_POLICIES
@@ -113,6 +115,8 @@ class System:
     eviction: str
     stops: Stops
     checkpoint_every_blocks: int = 0
+    #: A host tier of this many bytes below the pool (0: none).
+    host_tier_bytes: int = 0
 
 
 def systems(layout: Layout, eviction: str = "worth") -> list[System]:
@@ -122,6 +126,13 @@ def systems(layout: Layout, eviction: str = "worth") -> list[System]:
             System("vllm-align", layout.specs(vbs), vbs, "lru", "align", checkpoint_every_blocks=1),
             System("oracle", layout.specs(bs, recurrent=False), bs, "worth", "chunks"),
             System("all-full", layout.specs(bs, all_full=True), bs, "lru", "chunks")]
+
+
+def host_systems(layout: Layout, host_gib: Sequence[float], eviction: str = "worth"
+                 ) -> list[System]:
+    """kvstore (with `eviction`) with a host tier of each size in `host_gib` below the pool."""
+    return [System("kvstore+host", layout.specs(BLOCK_SIZE), BLOCK_SIZE, eviction, "checkpoints",
+                   host_tier_bytes=int(gib * GiB)) for gib in host_gib]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +152,13 @@ class Row:
     fragmented_bytes_mean: float
     calls: int
     manager_seconds: float
+    host_tier_bytes: int = 0
+    host_hit_tokens: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens computed: those not hit on the device or in the host tier."""
+        return self.prompt_tokens - self.hit_tokens
 
     @property
     def hit_rate(self) -> float:
@@ -153,45 +171,57 @@ class Row:
         return 1e6 * self.manager_seconds / max(1, self.calls)
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields plus the hit rate and the time per call."""
-        return {**asdict(self), "hit_rate": self.hit_rate, "us_per_call": self.us_per_call}
+        """The fields plus the hit rate, the tokens computed and the time per call."""
+        return {**asdict(self), "hit_rate": self.hit_rate, "computed_tokens": self.computed_tokens,
+                "us_per_call": self.us_per_call}
 
 
 def _step_end(m: KVCacheManager, req: Request, nc: int, end: int, stops: Stops, bs: int,
               computed: ComputedBlocks | None) -> int:
-    """Where a step from `nc` computed tokens towards `end` stops (`computed`: the lookup,
-    before admission); a decode step stops at the next block boundary."""
+    """Where a step from `nc` computed tokens (before admission: the device and tier hit)
+    towards `end` stops (`computed`: the lookup, before admission); a decode step stops at
+    the next block boundary."""
     if nc >= req.num_prompt_tokens:
         return min(end, (nc // bs + 1) * bs)
-    if stops == "checkpoints":
-        positions = m.next_checkpoints(req, end - nc, computed)
+    if stops == "checkpoints":  # counted from the device hit; a tier hit may lie past some
+        base = computed.num_computed_tokens if computed is not None else nc
+        positions = [p for p in m.next_checkpoints(req, end - base, computed) if p > nc]
         return positions[0] if positions else end
     last = end // bs * bs  # align: the state at the step's last block boundary is kept
     return last if stops == "align" and nc < last < end else end
 
 
 def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
-          clock: list[float]) -> tuple[int, int]:
+          clock: list[float], tiers: PlaceholderConnector | None = None) -> tuple[int, int]:
     """Serve one request alone (prefill in chunks, then its outputs); returns its
-    admission's hit tokens and the manager calls made (their time added to `clock[0]`)."""
+    admission's hit tokens (device and tiers) and the manager calls made (their time added
+    to `clock[0]`; the connector's is not counted)."""
     req = Request(spec.request_id, spec.prompt_token_ids, spec.cache_salt,
                   max(1, spec.max_tokens))
     n = req.num_prompt_tokens
     t0 = time.perf_counter()
     lookup = m.get_computed_blocks(req)
     clock[0] += time.perf_counter() - t0
-    hit = nc = lookup.num_computed_tokens
+    external = tiers.lookup(req, lookup) if tiers is not None else 0
+    hit = nc = lookup.num_full_hit_tokens + external if external else lookup.num_computed_tokens
     computed: ComputedBlocks | None = lookup  # None once admitted
     calls, target = 3, n  # the lookup, the free and its copies
     while nc < target:
         t0 = time.perf_counter()
         end = _step_end(m, req, nc, min(nc + CHUNK_TOKENS, target), stops, bs, computed)
-        ids = m.admit(req, end - nc, computed) if computed is not None else m.grow(req, end - nc)
+        if computed is None:
+            ids = m.grow(req, end - nc)
+        else:
+            ids = m.admit(req, end - nc, computed, num_external_tokens=external)
         m.take_pending_copies()
         clock[0] += time.perf_counter() - t0
         calls += 2 + (stops == "checkpoints")
         if ids is None:
             raise RuntimeError(f"{spec.request_id} ({n} prompt tokens) does not fit the pool")
+        if tiers is not None:
+            if computed is not None:
+                tiers.admitted(req, computed, external)
+            tiers.take_transfers().run(None)
         computed = None
         req.num_computed_tokens = nc = end
         if end == n and spec.max_tokens > 1:  # the outputs, decoded (all but the last fed)
@@ -202,6 +232,8 @@ def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
     m.free(req)
     m.take_pending_copies()
     clock[0] += time.perf_counter() - t0
+    if tiers is not None:
+        tiers.take_transfers().run(None)  # its blocks and checkpoints, into the host tier
     return hit, calls
 
 
@@ -212,11 +244,16 @@ def run_system(requests: Sequence[RequestSpec], system: System, budget: int, lay
     # Whole blocks only, as a recurrent state has no value inside one.
     m = new_manager(config, eviction=system.eviction, enable_partial_hits=False,
                     checkpoint_every_blocks=system.checkpoint_every_blocks)
+    tiers = None
+    if system.host_tier_bytes:
+        tiers = PlaceholderConnector(config, layout, host=ModelTier(system.host_tier_bytes,
+                                                                    name="host"))
+        tiers.attach(m)
     clock = [0.0]
     hits = calls = 0
     fragmented = 0.0
     for spec in sorted(requests, key=lambda r: r.arrival):
-        hit, c = serve(m, spec, system.stops, system.block_size, clock)
+        hit, c = serve(m, spec, system.stops, system.block_size, clock, tiers)
         hits += hit
         calls += c
         fragmented += m.fragmented_bytes
@@ -226,7 +263,8 @@ def run_system(requests: Sequence[RequestSpec], system: System, budget: int, lay
     return Row(layout, workload, system.name, budget, system.block_size,
                sum(len(r.prompt_token_ids) for r in requests), hits, s.checkpoints_taken,
                s.checkpoints_used, s.checkpoints_evicted, fragmented / max(1, len(requests)),
-               calls, clock[0])
+               calls, clock[0], system.host_tier_bytes,
+               tiers.stats.host_hit_tokens if tiers is not None else 0)
 
 
 def mooncake_requests(name: str, limit: int | None) -> list[RequestSpec]:
@@ -332,6 +370,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="budgets for the Mooncake conversation trace with the qwen3-next "
                         "layout, in tokens of its attention K/V (empty: skip)")
     p.add_argument("--limit", type=int, default=None, help="first N rows of the trace")
+    p.add_argument("--host-tier-gib", type=_sizes, default=[16], metavar="GIB",
+                   help="host tiers below kvstore's pool for the qwen3-next layout, in GiB: a "
+                        "kvstore+host row each (empty: none)")
     p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="worth",
                    help="kvstore's eviction policy")
     p.add_argument("--out", type=Path, default=Path("results/recurrent"), help="output folder")
@@ -348,7 +389,9 @@ def run(args: argparse.Namespace) -> int:
                 else {"num_requests": args.requests})
         specs = make_workload(name, seed=0, **size).requests
         ideal[name] = ideal_hit_tokens(specs, BLOCK_SIZE, include_outputs=True).rate
-        runs += [(specs, layout, int(gib * GiB), name, systems(layout, args.eviction))
+        runs += [(specs, layout, int(gib * GiB), name, systems(layout, args.eviction) + (
+                     host_systems(layout, args.host_tier_gib, args.eviction)
+                     if layout.name == "qwen3-next" else []))
                  for layout in (LAYOUTS[n] for n in args.layouts) for gib in args.budgets]
     if args.mooncake:
         trace = mooncake_requests("mooncake_conversation", args.limit)
@@ -359,8 +402,9 @@ def run(args: argparse.Namespace) -> int:
         for system in row_systems:
             r = run_system(specs, system, budget, layout.name, workload)
             rows.append(r)
-            console.print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {r.system}: "
-                          f"{r.hit_rate:.3f} ({r.manager_seconds:.1f} s)")
+            host = f" {r.host_tier_bytes / GiB:.3g} GiB" if r.host_tier_bytes else ""
+            console.print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {r.system}"
+                          f"{host}: {r.hit_rate:.3f} ({r.manager_seconds:.1f} s)")
     args.out.mkdir(parents=True, exist_ok=True)
     checked = goals(rows, ideal)
     write_json(args.out / "recurrent.json", {
@@ -371,15 +415,20 @@ def run(args: argparse.Namespace) -> int:
         "goals": [asdict(g) for g in checked]})
     write_csv(args.out / "recurrent.csv", [r.as_dict() for r in rows])
     for layout_name, workload in dict.fromkeys((r.layout, r.workload) for r in rows):
+        hosted = any(r.host_tier_bytes for r in rows if (r.layout, r.workload) == (layout_name,
+                                                                                  workload))
         t = Table(title=f"{layout_name}, {workload}: prompt hit rate at one byte budget",
-                  box=box.SIMPLE_HEAD)
+                  box=box.SIMPLE_HEAD,
+                  caption="+host NG: kvstore with an N GiB host tier below the pool" if hosted
+                  else None)
         for col in ("GiB", "system", "block", "hit rate", "checkpoints taken/used/evicted",
                     "frag MiB", "us/call"):
             t.add_column(col, justify="left" if col == "system" else "right",
                          min_width=len(col.split()[-1]))
         for r in rows:
             if (r.layout, r.workload) == (layout_name, workload):
-                t.add_row(f"{r.budget_bytes / GiB:.3g}", r.system, str(r.block_size),
+                name = f"+host {r.host_tier_bytes / GiB:.3g}G" if r.host_tier_bytes else r.system
+                t.add_row(f"{r.budget_bytes / GiB:.3g}", name, str(r.block_size),
                           f"{r.hit_rate:.3f}",
                           f"{r.checkpoints_taken}/{r.checkpoints_used}/{r.checkpoints_evicted}",
                           f"{r.fragmented_bytes_mean / (1 << 20):.1f}", f"{r.us_per_call:.1f}")

@@ -3,8 +3,17 @@ replay driver on a tiny workload."""
 
 from __future__ import annotations
 
-from kvstore.benchmarks.recurrent import GOALS, LAYOUTS, GiB, goals, run_system, summary, systems
-from kvstore.benchmarks.workloads import shared_system_prompts
+from kvstore.benchmarks.recurrent import (
+    GOALS,
+    LAYOUTS,
+    GiB,
+    goals,
+    host_systems,
+    run_system,
+    summary,
+    systems,
+)
+from kvstore.benchmarks.workloads import multi_turn_chat, shared_system_prompts
 from kvstore.cli import build_parser
 
 
@@ -37,5 +46,20 @@ def test_a_prefix_shorter_than_vllms_block_hits_in_kvstore_only() -> None:
 
 def test_bench_recurrent_is_a_bench_question() -> None:
     args = build_parser().parse_args(["bench", "recurrent", "--layouts", "nemotron-h",
-                                      "--budgets", "1,2", "--mooncake", ""])
+                                      "--budgets", "1,2", "--mooncake", "", "--host-tier-gib", ""])
     assert args.layouts == ["nemotron-h"] and args.budgets == [1.0, 2.0] and args.mooncake == []
+    assert args.host_tier_gib == []
+
+
+def test_a_host_tier_serves_what_the_pool_evicted() -> None:
+    """Chat turns on a pool too small to keep the conversations: the host tier below it
+    brings back their blocks and checkpoints, so fewer prompt tokens are computed."""
+    work = multi_turn_chat(num_conversations=6, turns=3, seed=1)
+    layout = LAYOUTS["qwen3-next"]
+    plain = run_system(work.requests, systems(layout)[0], GiB // 2, layout.name, work.name)
+    tiered = run_system(work.requests, host_systems(layout, [4])[0], GiB // 2, layout.name,
+                        work.name)
+    assert plain.host_hit_tokens == 0 and plain.host_tier_bytes == 0
+    assert tiered.host_tier_bytes == 4 * GiB and tiered.host_hit_tokens > 0
+    assert tiered.computed_tokens < plain.computed_tokens
+    assert tiered.computed_tokens + tiered.hit_tokens == tiered.prompt_tokens
