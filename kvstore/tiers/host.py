@@ -54,10 +54,11 @@ class HostTier:
     blocks and recurrent checkpoints); by default the size of the first value stored. A
     value takes a slot of the smallest size that holds it. A page holds one slot of the
     largest size or is carved into ``largest // size`` slots of a smaller one, so values of
-    every size share one byte budget, each in a slot of about its own size (pages rather than
-    a general allocator: O(1) bookkeeping, and views that stay put, as values are never
-    moved; the price is that a large value needs a whole page). A value larger than every slot is
-    dropped and counted by ``store``; ``store_blocks`` raises ValueError for its layout.
+    every size share one byte budget, each in a slot of about its own size. Pages rather
+    than a general allocator: O(1) bookkeeping, and views that stay put, as values are
+    never moved; the price is that a large value needs a whole page. A value larger than
+    every slot is dropped and counted by ``store``; ``store_blocks`` raises ValueError for
+    its layout.
 
     Room for a value: a free slot of its size in a carved page, else a free page (carved for
     it), else eviction in LRU order: the least recent unheld value whose slot has that size
