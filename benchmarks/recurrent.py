@@ -114,7 +114,7 @@ class System:
     block_size: int
     eviction: str
     stops: Stops
-    checkpoint_every_blocks: int = 0
+    checkpoint_every_blocks: int | None = None  # None: CacheConfig's default
     #: A host tier of this many bytes below the pool (0: none).
     host_tier_bytes: int = 0
 
@@ -242,8 +242,10 @@ def run_system(requests: Sequence[RequestSpec], system: System, budget: int, lay
     """Serve `requests` in arrival order through `system` at `budget` bytes."""
     config = make_kv_cache_config(system.specs, memory_bytes=budget)
     # Whole blocks only, as a recurrent state has no value inside one.
-    m = new_manager(config, eviction=system.eviction, enable_partial_hits=False,
-                    checkpoint_every_blocks=system.checkpoint_every_blocks)
+    options: dict[str, Any] = {"eviction": system.eviction, "enable_partial_hits": False}
+    if system.checkpoint_every_blocks is not None:
+        options["checkpoint_every_blocks"] = system.checkpoint_every_blocks
+    m = new_manager(config, **options)
     tiers = None
     if system.host_tier_bytes:
         tiers = PlaceholderConnector(config, layout, host=ModelTier(system.host_tier_bytes,

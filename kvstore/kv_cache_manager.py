@@ -74,8 +74,10 @@ class CacheConfig:
       hits need until the request ends (see `KVCacheManager`); off, windows drop every page
       as they pass it, as vLLM does.
     - `checkpoint_every_blocks`: recurrent groups also take a checkpoint every that many
-      blocks (0: only at prompt ends, output ends and branch points; 1: at every block
-      boundary a step ends on).
+      blocks (default 512: 8,192 tokens of 16-token blocks, vLLM's default step budget, so
+      a long prompt has no fewer checkpoints than vLLM's `align` mode takes in it; 0: only
+      at prompt ends, output ends and branch points; 1: at every block boundary a step ends
+      on).
     """
 
     enable_caching: bool = True
@@ -84,7 +86,7 @@ class CacheConfig:
     hash_fn: HashFn = hash_block
     eviction: str | EvictionPolicy | None = None
     hold_window_pages: bool = True
-    checkpoint_every_blocks: int = 0
+    checkpoint_every_blocks: int = 512
 
     def __post_init__(self) -> None:
         for f in fields(self):
