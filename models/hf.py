@@ -46,6 +46,8 @@ ATTENTION_NAME = "kvstore_paged"
 _BATCH_KWARG = "kvstore_attention"  # the keyword that carries a step's PagedAttention
 _FULL, _SLIDING, _CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 _INDEXED = "indexed_attention"  # DeepSeek sparse attention: full attention over a top-k
+# Tensor keywords of an attention call that kvstore applies (position_ids: the runner's own).
+_APPLIED_TENSORS = ("position_ids", "s_aux", "sinks")
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,11 @@ class HFModelConfig:
 
 
 def _get(hf_config: Any, key: str, default: Any = None) -> Any:
-    return getattr(hf_config, key, default)
+    try:
+        return getattr(hf_config, key, default)
+    except RuntimeError as e:  # transformers refuses a global read of a per-layer setting
+        raise ValueError(f"{getattr(hf_config, 'model_type', '?')}: {key} is set per layer "
+                         f"(per_layer_config): kvstore serves one {key} for every layer") from e
 
 
 def _positive_int(hf_config: Any, key: str, value: Any) -> int:
@@ -334,6 +340,16 @@ def paged_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
         raise ValueError(f"{type(module).__name__} has no int layer_idx")
+    if attention_mask is not None:
+        raise ValueError(f"layer {layer}: attention_mask: {type(module).__name__} brings a mask "
+                         "or bias of its own (no mask is built for kvstore's attention), which "
+                         "the paged kernel does not apply")
+    if kwargs.get("is_causal") is False:
+        raise ValueError(f"layer {layer}: is_causal is False: only causal attention is served")
+    for name, arg in kwargs.items():
+        if isinstance(arg, torch.Tensor) and name not in _APPLIED_TENSORS:
+            raise ValueError(f"layer {layer}: {name}: {type(module).__name__} passes a tensor "
+                             "to the attention function that the paged kernel does not apply")
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if "sliding_window" in kwargs or hasattr(module, "sliding_window"):
         if window != paged.window(layer):
@@ -408,6 +424,7 @@ class _Probe:
     def __init__(self, config: HFModelConfig) -> None:
         self.config = config
         self.calls: dict[int, tuple[int, int, int, int]] = {}
+        self.repeated: set[int] = set()
         self.positions = torch.zeros(1, dtype=torch.long)
 
     def window(self, layer: int) -> int | None:
@@ -416,12 +433,16 @@ class _Probe:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None
                ) -> torch.Tensor:
+        if layer in self.calls:
+            self.repeated.add(layer)
         self.calls[layer] = (int(k.shape[1]), int(k.shape[2]), int(v.shape[1]), int(v.shape[2]))
-        return torch.zeros_like(q)
+        return q.new_zeros(*q.shape[:2], v.shape[2])
 
     def attend_latent(self, layer: int, latent: torch.Tensor, q_latent: torch.Tensor,
                       q_rope: torch.Tensor, *, scale: float) -> torch.Tensor:
         half = latent.shape[-1] // 2
+        if layer in self.calls:
+            self.repeated.add(layer)
         self.calls[layer] = (1, half, 1, half)
         return torch.zeros_like(q_latent)
 
@@ -437,8 +458,9 @@ class _Probe:
 
 
 def _probe(model: nn.Module, config: HFModelConfig) -> None:
-    """ValueError unless a one-token forward calls the registered attention of every layer
-    once, with the keyword arguments passed through and K/V shaped as the config says."""
+    """ValueError unless a one-token forward runs without transformers' mask and cache and
+    calls the registered attention of every layer exactly once, with the keyword arguments
+    passed through, no mask or bias of the model's own, and K/V shaped as the config says."""
     probe = _Probe(config)
     device = next(model.parameters()).device
     one = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -449,11 +471,21 @@ def _probe(model: nn.Module, config: HFModelConfig) -> None:
     except _MissingBatch as e:
         raise ValueError(f"{config.model_type}: its attention modules do not pass keyword "
                          f"arguments through to the attention function") from e
+    except ValueError:
+        raise
+    except Exception as e:  # the model's own code needs what kvstore's attention lacks
+        raise ValueError(f"{config.model_type}: its forward fails under attn_implementation "
+                         f"{ATTENTION_NAME!r}, which builds no attention mask and no "
+                         f"transformers cache ({type(e).__name__}: {e})") from e
     missing = sorted(config.attention_layers() - set(probe.calls))
     if missing:
         raise ValueError(f"{config.model_type}: layers {missing} do not call the attention "
                          f"function of attn_implementation (num_hidden_layers "
                          f"{config.num_layers})")
+    if probe.repeated:
+        raise ValueError(f"{config.model_type}: layers {sorted(probe.repeated)} call the "
+                         "attention function more than once a forward: kvstore keeps one "
+                         "K/V per layer and token")
     want = (config.num_kv_heads, config.head_dim, config.num_kv_heads, config.head_dim)
     for layer, got in sorted(probe.calls.items()):
         if got != want:
@@ -541,9 +573,28 @@ def load_hf_model(source: Any, dtype: torch.dtype = torch.float32,
     ``seed`` when given), a local checkpoint directory (``config.json`` + safetensors), or
     a local GGUF file (read by transformers' GGUF loader, dequantized). Nothing is
     downloaded. ValueError naming the key for a config kvstore does not serve."""
+    name = register_attention()
+    try:
+        model = _build_hf_model(source, name, dtype, seed)
+    except KeyError as e:
+        if e.args != (name,):
+            raise
+        raise ValueError(f"{_source_model_type(source)}: attn_implementation {name!r}: its "
+                         "modeling code picks attention classes from a table of its own, "
+                         "not from transformers' AttentionInterface") from e
+    return HFCausalLM(model.to(device=device, dtype=dtype))
+
+
+def _source_model_type(source: Any) -> str:
+    model_type = getattr(source, "model_type", None)
+    return str(model_type) if model_type else str(source)
+
+
+def _build_hf_model(source: Any, name: str, dtype: torch.dtype, seed: int | None) -> Any:
+    """transformers' ``*ForCausalLM`` of :func:`load_hf_model`'s ``source``, built with
+    ``attn_implementation`` ``name``."""
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
-    name = register_attention()
     if isinstance(source, PretrainedConfig):
         hf_model_config(source, dtype)  # refuse before building anything
         if seed is not None:
@@ -566,4 +617,4 @@ def load_hf_model(source: Any, dtype: torch.dtype = torch.float32,
     else:
         raise ValueError(f"source must be a transformers config or a path, got "
                          f"{type(source).__name__}")
-    return HFCausalLM(model.to(device=device, dtype=dtype))
+    return model
