@@ -186,7 +186,6 @@ def hf_model_config(hf_config: Any, dtype: torch.dtype,
         states=states, index_dim=_index_dim(hf_config, latent))
 
 
-_MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
 _INDEXED_MODEL_TYPES = ("deepseek_v32",)
 
 
@@ -209,15 +208,18 @@ def _index_dim(hf_config: Any, latent: tuple[int, int] | None) -> int | None:
 
 def _mla_latent(hf_config: Any) -> tuple[int, int] | None:
     """``(kv_lora_rank, qk_rope_head_dim)`` of a multi-head latent attention config, None
-    without ``kv_lora_rank``. ValueError naming the key for an MLA model kvstore does not
-    run, or a latent that does not fill two equal page halves."""
+    without ``kv_lora_rank``. Latent attention is served in DeepSeek-V3's form: a config
+    that chooses its RoPE by ``rope_interleave``, or DeepSeek-V3.2's (always interleaved).
+    ValueError naming the key for another MLA config, or a latent that does not fill two
+    equal page halves."""
     rank = _get(hf_config, "kv_lora_rank")
     if rank is None:
         return None
     model_type = _get(hf_config, "model_type", "?")
-    if model_type not in _MLA_MODEL_TYPES:
-        raise ValueError(f"{model_type}: kv_lora_rank is set: multi-head latent attention is "
-                         f"served for {_MLA_MODEL_TYPES} only")
+    if model_type not in _INDEXED_MODEL_TYPES and not hasattr(hf_config, "rope_interleave"):
+        raise ValueError(f"{model_type}: kv_lora_rank is set without rope_interleave: "
+                         "multi-head latent attention is served in DeepSeek-V3's form, whose "
+                         "config chooses its RoPE by rope_interleave")
     rank = _positive_int(hf_config, "kv_lora_rank", rank)
     rope = _positive_int(hf_config, "qk_rope_head_dim", _get(hf_config, "qk_rope_head_dim"))
     if (rank + rope) % 2:

@@ -81,6 +81,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "apertus": {},
     "phi": {},
     "ernie4_5": {},
+    "gpt2": dict(num_key_value_heads=4),  # learned absolute positions, no RoPE, fused QKV
 }
 FAST = ["llama", "gemma2", "gpt_oss"]
 
