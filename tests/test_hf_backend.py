@@ -223,7 +223,8 @@ def test_published_config_shapes_match_transformers(name: str) -> None:
 @pytest.mark.parametrize(("model_type", "keys", "named"), [
     ("llama", dict(attention_chunk_size=16), "attention_chunk_size"),
     ("llama", dict(layer_types=["full_attention", "linear_attention", "full_attention"]),
-     "layer_types"),
+     "linear_attention"),
+    ("llama", dict(layer_types=["full_attention", "conv", "full_attention"]), "layer_types"),
     ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("mistral", dict(sliding_window=0), "sliding_window"),
 ])
