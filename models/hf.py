@@ -46,6 +46,8 @@ ATTENTION_NAME = "kvstore_paged"
 _BATCH_KWARG = "kvstore_attention"  # the keyword that carries a step's PagedAttention
 _FULL, _SLIDING, _CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 _INDEXED = "indexed_attention"  # DeepSeek sparse attention: full attention over a top-k
+# Tensor keywords of an attention call that kvstore applies (position_ids: the runner's own).
+_APPLIED_TENSORS = ("position_ids", "s_aux", "sinks")
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,11 @@ class HFModelConfig:
 
 
 def _get(hf_config: Any, key: str, default: Any = None) -> Any:
-    return getattr(hf_config, key, default)
+    try:
+        return getattr(hf_config, key, default)
+    except RuntimeError as e:  # transformers refuses a global read of a per-layer setting
+        raise ValueError(f"{getattr(hf_config, 'model_type', '?')}: {key} is set per layer "
+                         f"(per_layer_config): kvstore serves one {key} for every layer") from e
 
 
 def _positive_int(hf_config: Any, key: str, value: Any) -> int:
@@ -180,7 +186,6 @@ def hf_model_config(hf_config: Any, dtype: torch.dtype,
         states=states, index_dim=_index_dim(hf_config, latent))
 
 
-_MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
 _INDEXED_MODEL_TYPES = ("deepseek_v32",)
 
 
@@ -203,15 +208,18 @@ def _index_dim(hf_config: Any, latent: tuple[int, int] | None) -> int | None:
 
 def _mla_latent(hf_config: Any) -> tuple[int, int] | None:
     """``(kv_lora_rank, qk_rope_head_dim)`` of a multi-head latent attention config, None
-    without ``kv_lora_rank``. ValueError naming the key for an MLA model kvstore does not
-    run, or a latent that does not fill two equal page halves."""
+    without ``kv_lora_rank``. Latent attention is served in DeepSeek-V3's form: a config
+    that chooses its RoPE by ``rope_interleave``, or DeepSeek-V3.2's (always interleaved).
+    ValueError naming the key for another MLA config, or a latent that does not fill two
+    equal page halves."""
     rank = _get(hf_config, "kv_lora_rank")
     if rank is None:
         return None
     model_type = _get(hf_config, "model_type", "?")
-    if model_type not in _MLA_MODEL_TYPES:
-        raise ValueError(f"{model_type}: kv_lora_rank is set: multi-head latent attention is "
-                         f"served for {_MLA_MODEL_TYPES} only")
+    if model_type not in _INDEXED_MODEL_TYPES and not hasattr(hf_config, "rope_interleave"):
+        raise ValueError(f"{model_type}: kv_lora_rank is set without rope_interleave: "
+                         "multi-head latent attention is served in DeepSeek-V3's form, whose "
+                         "config chooses its RoPE by rope_interleave")
     rank = _positive_int(hf_config, "kv_lora_rank", rank)
     rope = _positive_int(hf_config, "qk_rope_head_dim", _get(hf_config, "qk_rope_head_dim"))
     if (rank + rope) % 2:
@@ -334,6 +342,16 @@ def paged_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
         raise ValueError(f"{type(module).__name__} has no int layer_idx")
+    if attention_mask is not None:
+        raise ValueError(f"layer {layer}: attention_mask: {type(module).__name__} brings a mask "
+                         "or bias of its own (no mask is built for kvstore's attention), which "
+                         "the paged kernel does not apply")
+    if kwargs.get("is_causal") is False:
+        raise ValueError(f"layer {layer}: is_causal is False: only causal attention is served")
+    for name, arg in kwargs.items():
+        if isinstance(arg, torch.Tensor) and name not in _APPLIED_TENSORS:
+            raise ValueError(f"layer {layer}: {name}: {type(module).__name__} passes a tensor "
+                             "to the attention function that the paged kernel does not apply")
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if "sliding_window" in kwargs or hasattr(module, "sliding_window"):
         if window != paged.window(layer):
@@ -408,6 +426,7 @@ class _Probe:
     def __init__(self, config: HFModelConfig) -> None:
         self.config = config
         self.calls: dict[int, tuple[int, int, int, int]] = {}
+        self.repeated: set[int] = set()
         self.positions = torch.zeros(1, dtype=torch.long)
 
     def window(self, layer: int) -> int | None:
@@ -416,12 +435,16 @@ class _Probe:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None
                ) -> torch.Tensor:
+        if layer in self.calls:
+            self.repeated.add(layer)
         self.calls[layer] = (int(k.shape[1]), int(k.shape[2]), int(v.shape[1]), int(v.shape[2]))
-        return torch.zeros_like(q)
+        return q.new_zeros(*q.shape[:2], v.shape[2])
 
     def attend_latent(self, layer: int, latent: torch.Tensor, q_latent: torch.Tensor,
                       q_rope: torch.Tensor, *, scale: float) -> torch.Tensor:
         half = latent.shape[-1] // 2
+        if layer in self.calls:
+            self.repeated.add(layer)
         self.calls[layer] = (1, half, 1, half)
         return torch.zeros_like(q_latent)
 
@@ -437,8 +460,9 @@ class _Probe:
 
 
 def _probe(model: nn.Module, config: HFModelConfig) -> None:
-    """ValueError unless a one-token forward calls the registered attention of every layer
-    once, with the keyword arguments passed through and K/V shaped as the config says."""
+    """ValueError unless a one-token forward runs without transformers' mask and cache and
+    calls the registered attention of every layer exactly once, with the keyword arguments
+    passed through, no mask or bias of the model's own, and K/V shaped as the config says."""
     probe = _Probe(config)
     device = next(model.parameters()).device
     one = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -449,11 +473,21 @@ def _probe(model: nn.Module, config: HFModelConfig) -> None:
     except _MissingBatch as e:
         raise ValueError(f"{config.model_type}: its attention modules do not pass keyword "
                          f"arguments through to the attention function") from e
+    except ValueError:
+        raise
+    except Exception as e:  # the model's own code needs what kvstore's attention lacks
+        raise ValueError(f"{config.model_type}: its forward fails under attn_implementation "
+                         f"{ATTENTION_NAME!r}, which builds no attention mask and no "
+                         f"transformers cache ({type(e).__name__}: {e})") from e
     missing = sorted(config.attention_layers() - set(probe.calls))
     if missing:
         raise ValueError(f"{config.model_type}: layers {missing} do not call the attention "
                          f"function of attn_implementation (num_hidden_layers "
                          f"{config.num_layers})")
+    if probe.repeated:
+        raise ValueError(f"{config.model_type}: layers {sorted(probe.repeated)} call the "
+                         "attention function more than once a forward: kvstore keeps one "
+                         "K/V per layer and token")
     want = (config.num_kv_heads, config.head_dim, config.num_kv_heads, config.head_dim)
     for layer, got in sorted(probe.calls.items()):
         if got != want:
@@ -541,9 +575,28 @@ def load_hf_model(source: Any, dtype: torch.dtype = torch.float32,
     ``seed`` when given), a local checkpoint directory (``config.json`` + safetensors), or
     a local GGUF file (read by transformers' GGUF loader, dequantized). Nothing is
     downloaded. ValueError naming the key for a config kvstore does not serve."""
+    name = register_attention()
+    try:
+        model = _build_hf_model(source, name, dtype, seed)
+    except KeyError as e:
+        if e.args != (name,):
+            raise
+        raise ValueError(f"{_source_model_type(source)}: attn_implementation {name!r}: its "
+                         "modeling code picks attention classes from a table of its own, "
+                         "not from transformers' AttentionInterface") from e
+    return HFCausalLM(model.to(device=device, dtype=dtype))
+
+
+def _source_model_type(source: Any) -> str:
+    model_type = getattr(source, "model_type", None)
+    return str(model_type) if model_type else str(source)
+
+
+def _build_hf_model(source: Any, name: str, dtype: torch.dtype, seed: int | None) -> Any:
+    """transformers' ``*ForCausalLM`` of :func:`load_hf_model`'s ``source``, built with
+    ``attn_implementation`` ``name``."""
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
-    name = register_attention()
     if isinstance(source, PretrainedConfig):
         hf_model_config(source, dtype)  # refuse before building anything
         if seed is not None:
@@ -566,4 +619,4 @@ def load_hf_model(source: Any, dtype: torch.dtype = torch.float32,
     else:
         raise ValueError(f"source must be a transformers config or a path, got "
                          f"{type(source).__name__}")
-    return HFCausalLM(model.to(device=device, dtype=dtype))
+    return model

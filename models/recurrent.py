@@ -42,10 +42,14 @@ __all__ = [
     "wrap_hybrid",
 ]
 
-#: transformers ``model_type`` -> what its recurrent layers are (the families kvstore runs).
+#: transformers ``model_type`` -> what its recurrent layers are (the families checked
+#: against transformers; any config whose ``layer_types`` name ``linear_attention`` layers
+#: is run as a hybrid, see :func:`is_hybrid`).
 FAMILIES: dict[str, str] = {
     "qwen3_next": "Gated DeltaNet",
     "qwen3_5_text": "Gated DeltaNet",
+    "qwen3_5_moe_text": "Gated DeltaNet",
+    "olmo_hybrid": "Gated DeltaNet",
     "nemotron_h": "Mamba2",
     "granitemoehybrid": "Mamba2",
     "bamba": "Mamba2",
@@ -85,19 +89,19 @@ class HybridLayout:
 
 
 def is_hybrid(hf_config: Any) -> bool:
-    """Whether a transformers config is one of the hybrid families kvstore runs."""
-    return getattr(hf_config, "model_type", None) in FAMILIES
+    """Whether a transformers config has recurrent layers: a ``layer_types`` entry
+    ``linear_attention`` (whether kvstore can drive them is checked by :func:`hybrid_layout`
+    and :func:`wrap_hybrid`)."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    return isinstance(layer_types, (list, tuple)) and _RECURRENT in layer_types
 
 
 def hybrid_layout(hf_config: Any) -> HybridLayout:
-    """The :class:`HybridLayout` of a hybrid family's config. ValueError naming the key
-    for what kvstore does not serve: another model type, a layer type other than full
-    attention, ``linear_attention`` (the family's recurrent mixer), ``mlp`` or ``moe``,
-    a sliding window, multi-token-prediction layers."""
+    """The :class:`HybridLayout` of a hybrid's config. ValueError naming the key for what
+    kvstore does not serve: a layer type other than full attention, ``linear_attention``
+    (the family's recurrent mixer), ``mlp`` or ``moe``, a sliding window,
+    multi-token-prediction layers."""
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not a hybrid family kvstore runs "
-                         f"({', '.join(sorted(FAMILIES))})")
     layer_types = getattr(hf_config, "layer_types", None)
     if not isinstance(layer_types, (list, tuple)) or not layer_types:
         raise ValueError(f"{model_type}: layer_types must list every layer's type, got "

@@ -12,6 +12,7 @@ to preempt and evict.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -25,7 +26,13 @@ from engines import tokens as _tokens  # noqa: E402
 
 from kvstore.engine.engine import EngineConfig, LLMEngine, RequestOutput  # noqa: E402
 from kvstore.kv_cache_manager import CacheConfig  # noqa: E402
-from kvstore.models.hf import ATTENTION_NAME, HFCausalLM, layer_windows, load_hf_model  # noqa: E402
+from kvstore.models.hf import (  # noqa: E402
+    ATTENTION_NAME,
+    HFCausalLM,
+    layer_windows,
+    load_hf_model,
+    paged_attention_forward,
+)
 from kvstore.models.presets import randomize_weights_  # noqa: E402
 
 BLOCK = 4
@@ -74,6 +81,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "apertus": {},
     "phi": {},
     "ernie4_5": {},
+    "gpt2": dict(num_key_value_heads=4),  # learned absolute positions, no RoPE, fused QKV
 }
 FAST = ["llama", "gemma2", "gpt_oss"]
 
@@ -215,7 +223,8 @@ def test_published_config_shapes_match_transformers(name: str) -> None:
 @pytest.mark.parametrize(("model_type", "keys", "named"), [
     ("llama", dict(attention_chunk_size=16), "attention_chunk_size"),
     ("llama", dict(layer_types=["full_attention", "linear_attention", "full_attention"]),
-     "layer_types"),
+     "linear_attention"),
+    ("llama", dict(layer_types=["full_attention", "conv", "full_attention"]), "layer_types"),
     ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("mistral", dict(sliding_window=0), "sliding_window"),
 ])
@@ -224,6 +233,36 @@ def test_unsupported_config_is_refused_naming_the_key(model_type: str, keys: dic
     cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **keys})
     with pytest.raises(ValueError, match=named):
         load_hf_model(cfg)
+
+
+@pytest.mark.parametrize(("model_type", "named"), [
+    ("doge", "attention_mask"),  # a dynamic mask of its own, passed to the attention call
+    ("diffllama", "more than once"),  # two attention calls a layer (differential attention)
+    ("falcon", "attn_implementation"),  # its own table of attention classes
+    ("mpt", "attn_implementation"),  # its forward needs transformers' mask
+    ("gemma4_text", "head_dim"),  # a head_dim per layer
+    ("mimo_v2_flash", "head_dim"),  # values wider than keys
+])
+def test_unsupported_modeling_is_refused_naming_it(model_type: str, named: str) -> None:
+    cls = transformers.CONFIG_MAPPING[model_type]
+    declared = {f.name for f in dataclasses.fields(cls)} | set(cls.attribute_map)
+    cfg = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in BASE.items()
+                                                           if k in declared})
+    with pytest.raises(ValueError, match=named):
+        load_hf_model(cfg)
+
+
+def test_attention_call_with_a_tensor_it_cannot_apply_is_refused() -> None:
+    """A tensor keyword (a block selection, a bias) the paged kernel would ignore."""
+    module = torch.nn.Module().eval()
+    module.layer_idx = 0
+    q, kv = torch.zeros(1, 4, 2, 16), torch.zeros(1, 2, 2, 16)
+    with pytest.raises(ValueError, match="block_indices"):
+        paged_attention_forward(module, q, kv, kv, None, kvstore_attention=object(),
+                                block_indices=torch.zeros(1, 1, 2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="attention_mask"):
+        paged_attention_forward(module, q, kv, kv, torch.zeros(1, 1, 2, 2),
+                                kvstore_attention=object())
 
 
 def test_model_whose_attention_drops_the_batch_is_refused() -> None:

@@ -81,3 +81,15 @@ def test_triton_decode_kernel_through_deepseek_v3() -> None:
     assert engine.stats.hit_tokens > 0
     for out in outs:
         hb.check_against_hf(ref, out)
+
+
+@pytest.mark.slow
+def test_another_family_with_deepseek_v3_attention_matches_transformers() -> None:
+    """GLM-4.7-Flash's config chooses its RoPE by rope_interleave as DeepSeek-V3's does."""
+    hb.run_family("glm4_moe_lite", 0, DEEPSEEK)
+
+
+def test_latent_attention_of_another_form_is_refused_naming_the_key() -> None:
+    """DeepSeek-V2's config has no rope_interleave (its RoPE is another form)."""
+    with pytest.raises(ValueError, match="rope_interleave"):
+        load_hf_model(hb.hf_config("deepseek_v2", DEEPSEEK))

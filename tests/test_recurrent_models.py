@@ -45,7 +45,10 @@ ATOL = 1e-4
 def build(family: str, seed: int = 0, **overrides: Any) -> tuple[Any, HFCausalLM]:
     """(transformers' eager model, a copy of it wrapped for kvstore) with random weights
     large enough that attention and states matter."""
-    config = tiny_hybrid_config(family, **overrides)
+    return build_from(tiny_hybrid_config(family, **overrides), seed)
+
+
+def build_from(config: Any, seed: int = 0) -> tuple[Any, HFCausalLM]:
     torch.manual_seed(seed)
     ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                         dtype=torch.float32).eval()
@@ -154,6 +157,32 @@ def test_packed_batch_and_fork_match_generate(family: str) -> None:
         assert all(s.token_ids == want[0, len(prompt):].tolist() for s in out.outputs)
 
 
+@pytest.mark.slow
+def test_a_hybrid_without_a_preset_is_read_from_its_layer_types() -> None:
+    """OLMo's hybrid (Gated DeltaNet): run because its layer_types name linear_attention
+    layers, with no family list; a checkpoint hit, a packed batch and a fork."""
+    config = transformers.AutoConfig.for_model(
+        "olmo_hybrid", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+        max_position_embeddings=256, eos_token_id=None, pad_token_id=None,
+        layer_types=["linear_attention", "full_attention", "linear_attention"])
+    ref, model = build_from(config, seed=1)
+    engine = make_engine(model, max_num_batched_tokens=8)
+    gen = torch.Generator().manual_seed(7)
+    a = tokens(gen, 13)
+    first, _ = run_one(engine, a)
+    check(ref, first, 4)
+    again, computed = run_one(engine, a[:12] + tokens(gen, 5, avoid=a[12]))
+    check(ref, again, 4)
+    assert again.num_cached_tokens == 12 and computed == 17 - 12 + 3
+    prompts = [tokens(gen, n) for n in (11, 5)]
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=4, return_logits=True, n=2),
+                                      SamplingParams(max_tokens=4, return_logits=True)])
+    assert engine.stats.fork_copies > 0
+    for out in outs:
+        check(ref, out, 4)
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "bamba"])
 def test_eviction_and_preemption_in_a_small_pool(family: str) -> None:
     """A pool of few large pages: checkpoints are evicted and requests preempted, and every
@@ -235,7 +264,7 @@ def test_unserved_settings_are_refused() -> None:
     config.sliding_window = 8
     with pytest.raises(ValueError, match="sliding_window"):
         hybrid_layout(config)
-    with pytest.raises(ValueError, match="not a hybrid family"):
+    with pytest.raises(ValueError, match="layer_types"):
         hybrid_layout(transformers.AutoConfig.for_model("llama"))
 
 
