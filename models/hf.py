@@ -330,18 +330,23 @@ def paged_attention_forward(
 
     ``query`` is ``[1, heads, T, head_dim]`` (``key``/``value`` with the K/V heads) for the
     step's packed tokens; the step's :class:`~kvstore.engine.runner.PagedAttention` comes as
-    the ``kvstore_attention`` keyword. Returns ``([1, T, heads, head_dim], None)``."""
+    the ``kvstore_attention`` keyword. Returns ``([1, T, heads, head_dim], None)``. The
+    module's ``layer_idx`` and window are checked once per layer by the wrap-time probe
+    (:func:`_check_call`), not at every step."""
     paged: PagedAttention | None = kwargs.get(_BATCH_KWARG)
     if paged is None:
         raise _MissingBatch(f"attn_implementation {ATTENTION_NAME!r} runs only inside kvstore's "
                            f"engine (no {_BATCH_KWARG!r} keyword argument)")
     if query.shape[0] != 1:
         raise ValueError(f"kvstore runs a packed batch as one row, got batch size {query.shape[0]}")
-    if module.training and dropout:
+    # The module's own attributes, read from its __dict__: a name missing from an nn.Module
+    # costs an AttributeError in nn.Module.__getattr__ on every call.
+    attrs = module.__dict__
+    if dropout and attrs["training"]:
         raise ValueError("dropout: kvstore's attention is for inference (call model.eval())")
-    layer = getattr(module, "layer_idx", None)
-    if not isinstance(layer, int):
-        raise ValueError(f"{type(module).__name__} has no int layer_idx")
+    if isinstance(paged, _Probe):
+        _check_call(module, kwargs, paged)
+    layer = attrs["layer_idx"]
     if attention_mask is not None:
         raise ValueError(f"layer {layer}: attention_mask: {type(module).__name__} brings a mask "
                          "or bias of its own (no mask is built for kvstore's attention), which "
@@ -352,21 +357,29 @@ def paged_attention_forward(
         if isinstance(arg, torch.Tensor) and name not in _APPLIED_TENSORS:
             raise ValueError(f"layer {layer}: {name}: {type(module).__name__} passes a tensor "
                              "to the attention function that the paged kernel does not apply")
-    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    if "sliding_window" in kwargs or hasattr(module, "sliding_window"):
-        if window != paged.window(layer):
-            raise ValueError(f"layer {layer}: the module's sliding_window {window!r} is not the "
-                             f"cache's window {paged.window(layer)!r}")
-    softcap = kwargs.get("softcap")
-    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1).contiguous()
-    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+    q = query[0].transpose(0, 1)
+    if attrs.get("attn_temperature_tuning", False) and not attrs.get("use_rope", True):
         q = _retune_temperature(module, q, paged.positions)
     out = paged.attend(layer, q, key[0].transpose(0, 1), value[0].transpose(0, 1),
-                       scale=float(scaling), softcap=softcap, sinks=sinks)
+                       scale=float(scaling), softcap=kwargs.get("softcap"),
+                       sinks=kwargs.get("s_aux", kwargs.get("sinks")))
     return out.unsqueeze(0), None
+
+
+def _check_call(module: nn.Module, kwargs: dict[str, Any], probe: _Probe) -> None:
+    """ValueError unless an attention call's module has an int ``layer_idx`` and its
+    ``sliding_window`` (the keyword, else the module's attribute) is the cache's window for
+    the layer. Run by the wrap-time probe: these are fixed per module."""
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise ValueError(f"{type(module).__name__} has no int layer_idx")
+    if "sliding_window" in kwargs or hasattr(module, "sliding_window"):
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        if window != probe.window(layer):
+            raise ValueError(f"layer {layer}: the module's sliding_window {window!r} is not the "
+                             f"cache's window {probe.window(layer)!r}")
 
 
 def _temperature(module: Any, positions: torch.Tensor) -> torch.Tensor:
