@@ -205,8 +205,10 @@ class ModelRunner:
             return ModelRunnerOutput([], torch.empty(0, vocab, device=self.cache.device))
         batch = build_batch(output, manager, self.cache.block_size, self.num_groups,
                             self.cache.device)
+        # Every row samples (a step of decodes): keep them all rather than index each.
+        every_row = len(batch.sample_request_ids) == batch.num_tokens
         logits = self.model(batch.input_ids, batch.positions, PagedAttention(self, batch),
-                            batch.logits_indices)
+                            None if every_row else batch.logits_indices)
         return ModelRunnerOutput(batch.sample_request_ids, logits)
 
 
@@ -219,10 +221,6 @@ class PagedAttention:
     def __init__(self, runner: ModelRunner, batch: BatchInputs) -> None:
         self.runner = runner
         self.batch = batch
-
-    def window(self, layer: int) -> int | None:
-        """The window the cache serves for ``layer`` (None: full attention)."""
-        return self.runner._windows[layer]
 
     @property
     def positions(self) -> torch.Tensor:
