@@ -279,6 +279,21 @@ def test_kv_heads_that_differ_from_the_config_are_refused() -> None:
         load_hf_model(cfg)
 
 
+@pytest.mark.parametrize(("change", "named"), [
+    (lambda attn: setattr(attn, "sliding_window", WINDOW + 1), "sliding_window"),
+    (lambda attn: delattr(attn, "layer_idx"), "layer"),
+])
+def test_attention_modules_that_do_not_fit_the_cache_are_refused_at_wrap(change: Any, named: str
+                                                                        ) -> None:
+    """A module whose window differs from the config's, or one without its layer_idx, is
+    refused when wrapped, before any step runs."""
+    cfg = transformers.AutoConfig.for_model("mistral", **{**BASE, **SLIDING})
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    change(model.model.layers[1].self_attn)
+    with pytest.raises(ValueError, match=named):
+        HFCausalLM(model)
+
+
 def test_windows_from_the_config() -> None:
     assert layer_windows(hf_config("gemma2")) == (WINDOW, None, WINDOW)
     assert layer_windows(hf_config("mistral")) == (WINDOW,) * 3
