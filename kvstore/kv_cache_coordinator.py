@@ -71,8 +71,14 @@ class KVCacheCoordinator:
         self.pool = pool
         self.block_size = config.block_size
         n = len(config.groups)
+        full = [g for g, group in enumerate(config.groups)
+                if isinstance(group.spec, FullAttentionSpec)]
+        # Full-attention groups cache their blocks first: a sliding group's null entries
+        # below a tier hit's window take their serials from them.
+        cache_order = tuple(full) + tuple(g for g in range(n) if g not in full)
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            make_manager(pool, group.spec, g, copies, n, hold_window_pages, checkpoint_every)
+            make_manager(pool, group.spec, g, copies, cache_order, hold_window_pages,
+                         checkpoint_every)
             for g, group in enumerate(config.groups))
         # Recurrent groups (their pages are large; they index no per-token page).
         self.recurrent: tuple[RecurrentManager, ...] = tuple(
@@ -81,8 +87,6 @@ class KVCacheCoordinator:
             recurrent.chain_block_at = self._chain_block_at
         # Where the lookup verifies the prompt's prefix block by block: the first
         # full-attention group (which needs every block anyway), else every attention group.
-        full = [g for g, group in enumerate(config.groups)
-                if isinstance(group.spec, FullAttentionSpec)]
         self._full_group = full[0] if full else -1
         self._spine_groups: tuple[int, ...] = (full[0],) if full else tuple(
             g for g, group in enumerate(config.groups) if not group.is_recurrent)
@@ -92,10 +96,7 @@ class KVCacheCoordinator:
             if g != self._full_group:
                 sets.setdefault(manager.spec, []).append(manager)
         self._search_sets = tuple(tuple(ms) for ms in sets.values())
-        # Full-attention groups cache their blocks first: a sliding group's null entries
-        # below a tier hit's window take their serials from them.
-        self._cache_order = tuple(self.managers[g] for g in full) + tuple(
-            m for g, m in enumerate(self.managers) if g not in full)
+        self._cache_order = tuple(self.managers[g] for g in cache_order)
         # Branch points matter where window groups hold pages for them.
         self._learns_branches = hold_window_pages and bool(full) and len(full) < n
         # Freeing lists a position's window pages before its full-attention ones.
