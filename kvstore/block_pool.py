@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -102,20 +102,34 @@ class HashIndex:
     parent, so it never returns another prefix's content."""
 
     def __init__(self) -> None:
-        # The first block indexed under each key; `_more` holds the others, rare, so the
-        # common probe is one dict lookup.
-        self._first: dict[tuple[int, BlockHash], KVCacheBlock] = {}
+        # Per group, the first block indexed under each hash; `_more` holds the others,
+        # rare, so the common probe is one dict lookup (by the hash alone: no key tuple).
+        self._first: defaultdict[int, dict[BlockHash, KVCacheBlock]] = defaultdict(dict)
         self._more: dict[tuple[int, BlockHash], list[KVCacheBlock]] = {}
 
     def probe(self, group_id: int, block_hash: BlockHash, token_ids: Sequence[int],
               parent_serial: int) -> KVCacheBlock | None:
         """A block indexed under (group, hash) that holds these tokens under this parent
         serial, or None."""
-        block = self._first.get((group_id, block_hash))
+        block = self._first[group_id].get(block_hash)
         if block is None or (block.parent_serial == parent_serial
                              and block.token_ids == token_ids):
             return block
         return self._probe_all(group_id, block_hash, token_ids, parent_serial)
+
+    def probe_any(self, group_ids: Iterable[int], block_hash: BlockHash,
+                  token_ids: Sequence[int], parent_serial: int) -> KVCacheBlock | None:
+        """`probe` in each of these groups in turn: the first block found, or None."""
+        first = self._first
+        for g in group_ids:
+            block = first[g].get(block_hash)
+            if block is not None:
+                if block.parent_serial == parent_serial and block.token_ids == token_ids:
+                    return block
+                block = self._probe_all(g, block_hash, token_ids, parent_serial)
+                if block is not None:
+                    return block
+        return None
 
     def probe_row(self, group_ids: Sequence[int], block_hash: BlockHash,
                   token_ids: Sequence[int], parent_serial: int) -> list[KVCacheBlock] | None:
@@ -123,7 +137,7 @@ class HashIndex:
         first = self._first
         row = []
         for g in group_ids:
-            block = first.get((g, block_hash))
+            block = first[g].get(block_hash)
             if block is None:
                 return None
             if block.parent_serial != parent_serial or block.token_ids != token_ids:
@@ -139,10 +153,10 @@ class HashIndex:
         """The longest run of blocks 0, 1, ... (at most `max_blocks`) that `probe` finds in
         the group, block 0 under `parent_serial` and each next one under the serial of the
         block found before it."""
-        first = self._first
+        first = self._first[group_id]
         out: list[KVCacheBlock] = []
         for i in range(max_blocks):
-            block = first.get((group_id, block_hashes[i]))
+            block = first.get(block_hashes[i])
             if block is None:
                 break
             if block.parent_serial != parent_serial or block.token_ids != block_tokens[i]:
@@ -166,38 +180,38 @@ class HashIndex:
 
     def blocks(self, group_id: int, block_hash: BlockHash) -> list[KVCacheBlock]:
         """Every block indexed under (group, hash), oldest first."""
-        key = (group_id, block_hash)
-        first = self._first.get(key)
+        first = self._first[group_id].get(block_hash)
         if first is None:
             return []
-        more = self._more.get(key)
+        more = self._more.get((group_id, block_hash))
         return [first] if more is None else [first, *more]
 
     def add(self, group_id: int, block_hash: BlockHash, block: KVCacheBlock) -> None:
         """Index a block under (group, hash), after those indexed there already."""
-        key = (group_id, block_hash)
-        if key in self._first:
+        first = self._first[group_id]
+        if block_hash in first:
+            key = (group_id, block_hash)
             more = self._more.get(key)
             if more is None:
                 self._more[key] = [block]
             else:
                 more.append(block)
         else:
-            self._first[key] = block
+            first[block_hash] = block
 
     def remove(self, group_id: int, block_hash: BlockHash, block: KVCacheBlock) -> None:
         """Drop an indexed block's entry (the oldest of the others becomes the first)."""
-        key = (group_id, block_hash)
-        more = self._more.get(key) if self._more else None
+        first = self._first[group_id]
+        more = self._more.get((group_id, block_hash)) if self._more else None
         if more is None:
-            del self._first[key]
+            del first[block_hash]
             return
-        if self._first[key] is block:
-            self._first[key] = more.pop(0)
+        if first[block_hash] is block:
+            first[block_hash] = more.pop(0)
         else:
             more.remove(block)
         if not more:
-            del self._more[key]
+            del self._more[(group_id, block_hash)]
 
     def clear(self) -> None:
         """Drop every entry."""
@@ -205,11 +219,12 @@ class HashIndex:
         self._more.clear()
 
     def __len__(self) -> int:
-        return len(self._first) + sum(len(v) for v in self._more.values())
+        return sum(len(first) for first in self._first.values()) + sum(
+            len(v) for v in self._more.values())
 
     def entries(self) -> list[tuple[int, int, BlockHash]]:
         """(block_id, group, hash) of every entry."""
-        out = [(b.block_id, g, h) for (g, h), b in self._first.items()]
+        out = [(b.block_id, g, h) for g, first in self._first.items() for h, b in first.items()]
         out += [(b.block_id, g, h) for (g, h), more in self._more.items() for b in more]
         return out
 
@@ -398,12 +413,8 @@ class BlockPool:
                     group_ids: Iterable[int]) -> int:
         """The serial of a full cached block with this hash, parent and tokens in any of
         `group_ids` (searched in order), or 0 if there is none."""
-        probe = self.hash_index.probe
-        for group in group_ids:
-            block = probe(group, block_hash, token_ids, parent_serial)
-            if block is not None:
-                return block.serial
-        return 0
+        block = self.hash_index.probe_any(group_ids, block_hash, token_ids, parent_serial)
+        return 0 if block is None else block.serial
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash,
                          token_ids: tuple[int, ...], parent_serial: int,
