@@ -6,6 +6,7 @@ from bisect import bisect_left, insort
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import NamedTuple
 
 from kvstore.block import KVCacheBlock
@@ -13,6 +14,8 @@ from kvstore.eviction import DEFAULT_EVICTION, EvictionPolicy, make_policy
 from kvstore.hashing import BlockHash, root_serial
 from kvstore.specs import GroupKind
 from kvstore.utils import common_prefix_len, hit_rate
+
+_group_of = attrgetter("group_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,9 +352,8 @@ class BlockPool:
             in_use = self.in_use_by_group
             if group_id >= 0:
                 in_use[group_id] -= len(now_free)
-            else:
-                for block in now_free:
-                    in_use[block.group_id] -= 1
+            else:  # pages of several groups: counted per group in one C pass
+                in_use.subtract(Counter(map(_group_of, now_free)))
             self.free_queue.freed_all(now_free)
 
     @staticmethod

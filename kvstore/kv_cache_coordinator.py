@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import NamedTuple
 
 from kvstore.block import BRANCH_POINT, KVCacheBlock
@@ -377,16 +378,17 @@ class KVCacheCoordinator:
         n = max(len(table) for table in tables)
         if any(len(table) != n for table in tables):  # pad, so that entry i is position i
             tables = [table + [pool.null_block] * (n - len(table)) for table in tables]
-        positions = zip(range(n - 1, -1, -1), *[reversed(table) for table in tables],
-                        strict=True)
         dropped_at: dict[int, list[tuple[KVCacheBlock, int]]] = {}
         for _, dropped in released:
             for block, serial, i in dropped:
                 dropped_at.setdefault(i, []).append((block, serial))
         if not dropped_at:
-            pool.free_blocks([block for i, *pages in positions for block in pages
+            by_position = zip(*map(reversed, tables), strict=True)
+            pool.free_blocks([block for block in chain.from_iterable(by_position)
                               if block.block_id != 0])
             return
+        positions = zip(range(n - 1, -1, -1), *[reversed(table) for table in tables],
+                        strict=True)
         held: list[KVCacheBlock] = []
         order: list[tuple[KVCacheBlock, int]] = []  # from the first dropped page on
         for i, *pages in positions:
