@@ -285,13 +285,15 @@ class BlockPool:
         self._children: dict[tuple[int, int], list[tuple[tuple[int, ...], int]]] = {}
         self._next_serial = 1
         self._events: list[KVCacheEvent] = []
-        self.in_use_by_group: Counter[int] = Counter()
+        # Per group counts (a group never counted reads 0): a defaultdict, whose item
+        # updates cost a third of a Counter's.
+        self.in_use_by_group: defaultdict[int, int] = defaultdict(int)
         # Bumped whenever cached content is dropped; lookups taken at the same epoch are current.
         self.cache_epoch = 0
         self.stats = CacheStats()
         # Per group: pages holding indexed content (full or partial), and evictions so far.
-        self.cached_by_group: Counter[int] = Counter()
-        self.evicted_by_group: Counter[int] = Counter()
+        self.cached_by_group: defaultdict[int, int] = defaultdict(int)
+        self.evicted_by_group: defaultdict[int, int] = defaultdict(int)
 
     def group_kind(self, group_id: int) -> GroupKind:
         """The kind of a group, as events name it."""
@@ -353,7 +355,8 @@ class BlockPool:
             if group_id >= 0:
                 in_use[group_id] -= len(now_free)
             else:  # pages of several groups: counted per group in one C pass
-                in_use.subtract(Counter(map(_group_of, now_free)))
+                for group, n in Counter(map(_group_of, now_free)).items():
+                    in_use[group] -= n
             self.free_queue.freed_all(now_free)
 
     @staticmethod
@@ -728,7 +731,7 @@ class TwoSizeBlockPool(BlockPool):
         self._empty_split: dict[int, None] = {}
         # Free blocks of split pages that hold cached content.
         self._free_cached = 0
-        self.large_in_use_by_group: Counter[int] = Counter()
+        self.large_in_use_by_group: defaultdict[int, int] = defaultdict(int)
 
     def group_kind(self, group_id: int) -> GroupKind:
         """See BlockPool.group_kind; "recurrent" for a recurrent group without given kinds."""
