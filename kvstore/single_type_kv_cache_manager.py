@@ -439,20 +439,22 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self._cursor[child_id] = self._cursor[parent_id]
 
     def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
-        """See the base class; the table's pages are tagged by whether they sit before the
-        output end or another likely hit end."""
+        """See the base class; where the pool's eviction policy reads the tags
+        (`reads_hints`), the table's pages are tagged by whether they sit before the output
+        end or another likely hit end."""
         rid = request.request_id
         table = self._req_to_blocks[rid]
-        near = bytearray(len(table))  # 1 where a table index is before a likely hit end
-        for start, stop in (self.spec.hit_end_range(min(request.num_computed_tokens,
-                                                len(table) * self.block_size)),
-                            *self._ends[rid]):
-            start = max(start, 0)
-            if stop > start:
-                near[start:stop] = b"\x01" * (min(stop, len(near)) - min(start, len(near)))
-        for block, hint in zip(table, near, strict=True):
-            if block.block_id != 0:
-                block.hint = hint
+        if self.pool.free_queue.reads_hints:
+            near = bytearray(len(table))  # 1 where a table index is before a likely hit end
+            for start, stop in (self.spec.hit_end_range(min(request.num_computed_tokens,
+                                                    len(table) * self.block_size)),
+                                *self._ends[rid]):
+                start = max(start, 0)
+                if stop > start:
+                    near[start:stop] = b"\x01" * (min(stop, len(near)) - min(start, len(near)))
+            for block, hint in zip(table, near, strict=True):
+                if block.block_id != 0:
+                    block.hint = hint
         table, _ = super().free(request)
         del self._ends[rid], self._holding[rid], self._cursor[rid]
         return table, self._dropped.pop(rid)
