@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import NamedTuple
 
 from kvstore.block import KVCacheBlock
@@ -13,6 +14,8 @@ from kvstore.eviction import DEFAULT_EVICTION, EvictionPolicy, make_policy
 from kvstore.hashing import BlockHash, root_serial
 from kvstore.specs import GroupKind
 from kvstore.utils import common_prefix_len, hit_rate
+
+_group_of = attrgetter("group_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,20 +105,34 @@ class HashIndex:
     parent, so it never returns another prefix's content."""
 
     def __init__(self) -> None:
-        # The first block indexed under each key; `_more` holds the others, rare, so the
-        # common probe is one dict lookup.
-        self._first: dict[tuple[int, BlockHash], KVCacheBlock] = {}
+        # Per group, the first block indexed under each hash; `_more` holds the others,
+        # rare, so the common probe is one dict lookup (by the hash alone: no key tuple).
+        self._first: defaultdict[int, dict[BlockHash, KVCacheBlock]] = defaultdict(dict)
         self._more: dict[tuple[int, BlockHash], list[KVCacheBlock]] = {}
 
     def probe(self, group_id: int, block_hash: BlockHash, token_ids: Sequence[int],
               parent_serial: int) -> KVCacheBlock | None:
         """A block indexed under (group, hash) that holds these tokens under this parent
         serial, or None."""
-        block = self._first.get((group_id, block_hash))
+        block = self._first[group_id].get(block_hash)
         if block is None or (block.parent_serial == parent_serial
                              and block.token_ids == token_ids):
             return block
         return self._probe_all(group_id, block_hash, token_ids, parent_serial)
+
+    def probe_any(self, group_ids: Iterable[int], block_hash: BlockHash,
+                  token_ids: Sequence[int], parent_serial: int) -> KVCacheBlock | None:
+        """`probe` in each of these groups in turn: the first block found, or None."""
+        first = self._first
+        for g in group_ids:
+            block = first[g].get(block_hash)
+            if block is not None:
+                if block.parent_serial == parent_serial and block.token_ids == token_ids:
+                    return block
+                block = self._probe_all(g, block_hash, token_ids, parent_serial)
+                if block is not None:
+                    return block
+        return None
 
     def probe_row(self, group_ids: Sequence[int], block_hash: BlockHash,
                   token_ids: Sequence[int], parent_serial: int) -> list[KVCacheBlock] | None:
@@ -123,7 +140,7 @@ class HashIndex:
         first = self._first
         row = []
         for g in group_ids:
-            block = first.get((g, block_hash))
+            block = first[g].get(block_hash)
             if block is None:
                 return None
             if block.parent_serial != parent_serial or block.token_ids != token_ids:
@@ -139,10 +156,10 @@ class HashIndex:
         """The longest run of blocks 0, 1, ... (at most `max_blocks`) that `probe` finds in
         the group, block 0 under `parent_serial` and each next one under the serial of the
         block found before it."""
-        first = self._first
+        first = self._first[group_id]
         out: list[KVCacheBlock] = []
         for i in range(max_blocks):
-            block = first.get((group_id, block_hashes[i]))
+            block = first.get(block_hashes[i])
             if block is None:
                 break
             if block.parent_serial != parent_serial or block.token_ids != block_tokens[i]:
@@ -166,38 +183,38 @@ class HashIndex:
 
     def blocks(self, group_id: int, block_hash: BlockHash) -> list[KVCacheBlock]:
         """Every block indexed under (group, hash), oldest first."""
-        key = (group_id, block_hash)
-        first = self._first.get(key)
+        first = self._first[group_id].get(block_hash)
         if first is None:
             return []
-        more = self._more.get(key)
+        more = self._more.get((group_id, block_hash))
         return [first] if more is None else [first, *more]
 
     def add(self, group_id: int, block_hash: BlockHash, block: KVCacheBlock) -> None:
         """Index a block under (group, hash), after those indexed there already."""
-        key = (group_id, block_hash)
-        if key in self._first:
+        first = self._first[group_id]
+        if block_hash in first:
+            key = (group_id, block_hash)
             more = self._more.get(key)
             if more is None:
                 self._more[key] = [block]
             else:
                 more.append(block)
         else:
-            self._first[key] = block
+            first[block_hash] = block
 
     def remove(self, group_id: int, block_hash: BlockHash, block: KVCacheBlock) -> None:
         """Drop an indexed block's entry (the oldest of the others becomes the first)."""
-        key = (group_id, block_hash)
-        more = self._more.get(key) if self._more else None
+        first = self._first[group_id]
+        more = self._more.get((group_id, block_hash)) if self._more else None
         if more is None:
-            del self._first[key]
+            del first[block_hash]
             return
-        if self._first[key] is block:
-            self._first[key] = more.pop(0)
+        if first[block_hash] is block:
+            first[block_hash] = more.pop(0)
         else:
             more.remove(block)
         if not more:
-            del self._more[key]
+            del self._more[(group_id, block_hash)]
 
     def clear(self) -> None:
         """Drop every entry."""
@@ -205,11 +222,12 @@ class HashIndex:
         self._more.clear()
 
     def __len__(self) -> int:
-        return len(self._first) + sum(len(v) for v in self._more.values())
+        return sum(len(first) for first in self._first.values()) + sum(
+            len(v) for v in self._more.values())
 
     def entries(self) -> list[tuple[int, int, BlockHash]]:
         """(block_id, group, hash) of every entry."""
-        out = [(b.block_id, g, h) for (g, h), b in self._first.items()]
+        out = [(b.block_id, g, h) for g, first in self._first.items() for h, b in first.items()]
         out += [(b.block_id, g, h) for (g, h), more in self._more.items() for b in more]
         return out
 
@@ -267,13 +285,15 @@ class BlockPool:
         self._children: dict[tuple[int, int], list[tuple[tuple[int, ...], int]]] = {}
         self._next_serial = 1
         self._events: list[KVCacheEvent] = []
-        self.in_use_by_group: Counter[int] = Counter()
+        # Per group counts (a group never counted reads 0): a defaultdict, whose item
+        # updates cost a third of a Counter's.
+        self.in_use_by_group: defaultdict[int, int] = defaultdict(int)
         # Bumped whenever cached content is dropped; lookups taken at the same epoch are current.
         self.cache_epoch = 0
         self.stats = CacheStats()
         # Per group: pages holding indexed content (full or partial), and evictions so far.
-        self.cached_by_group: Counter[int] = Counter()
-        self.evicted_by_group: Counter[int] = Counter()
+        self.cached_by_group: defaultdict[int, int] = defaultdict(int)
+        self.evicted_by_group: defaultdict[int, int] = defaultdict(int)
 
     def group_kind(self, group_id: int) -> GroupKind:
         """The kind of a group, as events name it."""
@@ -334,9 +354,9 @@ class BlockPool:
             in_use = self.in_use_by_group
             if group_id >= 0:
                 in_use[group_id] -= len(now_free)
-            else:
-                for block in now_free:
-                    in_use[block.group_id] -= 1
+            else:  # pages of several groups: counted per group in one C pass
+                for group, n in Counter(map(_group_of, now_free)).items():
+                    in_use[group] -= n
             self.free_queue.freed_all(now_free)
 
     @staticmethod
@@ -398,12 +418,8 @@ class BlockPool:
                     group_ids: Iterable[int]) -> int:
         """The serial of a full cached block with this hash, parent and tokens in any of
         `group_ids` (searched in order), or 0 if there is none."""
-        probe = self.hash_index.probe
-        for group in group_ids:
-            block = probe(group, block_hash, token_ids, parent_serial)
-            if block is not None:
-                return block.serial
-        return 0
+        block = self.hash_index.probe_any(group_ids, block_hash, token_ids, parent_serial)
+        return 0 if block is None else block.serial
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash,
                          token_ids: tuple[int, ...], parent_serial: int,
@@ -715,7 +731,7 @@ class TwoSizeBlockPool(BlockPool):
         self._empty_split: dict[int, None] = {}
         # Free blocks of split pages that hold cached content.
         self._free_cached = 0
-        self.large_in_use_by_group: Counter[int] = Counter()
+        self.large_in_use_by_group: defaultdict[int, int] = defaultdict(int)
 
     def group_kind(self, group_id: int) -> GroupKind:
         """See BlockPool.group_kind; "recurrent" for a recurrent group without given kinds."""

@@ -78,6 +78,9 @@ class EvictionPolicy:
     # Whether evicting a full-attention page's content (no twin left in its group) should
     # also orphan the pages of other groups holding the same content (same serial).
     tracks_units: ClassVar[bool] = False
+    # Whether the order of freed pages depends on their `KVCacheBlock.hint` (only then do
+    # sliding-window groups tag every page they free).
+    reads_hints: ClassVar[bool] = False
     #: Whether a pool took this policy (`make_policy`): it orders that pool's pages only.
     in_use: bool = False
     #: The order of a two-size pool's free checkpoints under this policy.
@@ -394,6 +397,7 @@ class WindowPolicy(S3FIFOPolicy):
 
     name = "window"
     tracks_units = True
+    reads_hints = True
     adaptive = True
 
     def __init__(self, small_fraction: float = 0.25) -> None:

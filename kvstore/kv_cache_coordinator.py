@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import NamedTuple
 
 from kvstore.block import BRANCH_POINT, KVCacheBlock
@@ -71,8 +72,14 @@ class KVCacheCoordinator:
         self.pool = pool
         self.block_size = config.block_size
         n = len(config.groups)
+        full = [g for g, group in enumerate(config.groups)
+                if isinstance(group.spec, FullAttentionSpec)]
+        # Full-attention groups cache their blocks first: a sliding group's null entries
+        # below a tier hit's window take their serials from them.
+        cache_order = tuple(full) + tuple(g for g in range(n) if g not in full)
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            make_manager(pool, group.spec, g, copies, n, hold_window_pages, checkpoint_every)
+            make_manager(pool, group.spec, g, copies, cache_order, hold_window_pages,
+                         checkpoint_every)
             for g, group in enumerate(config.groups))
         # Recurrent groups (their pages are large; they index no per-token page).
         self.recurrent: tuple[RecurrentManager, ...] = tuple(
@@ -81,8 +88,6 @@ class KVCacheCoordinator:
             recurrent.chain_block_at = self._chain_block_at
         # Where the lookup verifies the prompt's prefix block by block: the first
         # full-attention group (which needs every block anyway), else every attention group.
-        full = [g for g, group in enumerate(config.groups)
-                if isinstance(group.spec, FullAttentionSpec)]
         self._full_group = full[0] if full else -1
         self._spine_groups: tuple[int, ...] = (full[0],) if full else tuple(
             g for g, group in enumerate(config.groups) if not group.is_recurrent)
@@ -92,10 +97,7 @@ class KVCacheCoordinator:
             if g != self._full_group:
                 sets.setdefault(manager.spec, []).append(manager)
         self._search_sets = tuple(tuple(ms) for ms in sets.values())
-        # Full-attention groups cache their blocks first: a sliding group's null entries
-        # below a tier hit's window take their serials from them.
-        self._cache_order = tuple(self.managers[g] for g in full) + tuple(
-            m for g, m in enumerate(self.managers) if g not in full)
+        self._cache_order = tuple(self.managers[g] for g in cache_order)
         # Branch points matter where window groups hold pages for them.
         self._learns_branches = hold_window_pages and bool(full) and len(full) < n
         # Freeing lists a position's window pages before its full-attention ones.
@@ -376,16 +378,17 @@ class KVCacheCoordinator:
         n = max(len(table) for table in tables)
         if any(len(table) != n for table in tables):  # pad, so that entry i is position i
             tables = [table + [pool.null_block] * (n - len(table)) for table in tables]
-        positions = zip(range(n - 1, -1, -1), *[reversed(table) for table in tables],
-                        strict=True)
         dropped_at: dict[int, list[tuple[KVCacheBlock, int]]] = {}
         for _, dropped in released:
             for block, serial, i in dropped:
                 dropped_at.setdefault(i, []).append((block, serial))
         if not dropped_at:
-            pool.free_blocks([block for i, *pages in positions for block in pages
+            by_position = zip(*map(reversed, tables), strict=True)
+            pool.free_blocks([block for block in chain.from_iterable(by_position)
                               if block.block_id != 0])
             return
+        positions = zip(range(n - 1, -1, -1), *[reversed(table) for table in tables],
+                        strict=True)
         held: list[KVCacheBlock] = []
         order: list[tuple[KVCacheBlock, int]] = []  # from the first dropped page on
         for i, *pages in positions:

@@ -66,15 +66,17 @@ class SingleTypeKVCacheManager:
     holds_ends: bool = False
 
     def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
-                 copies: PendingCopies, num_groups: int = 1) -> None:
+                 copies: PendingCopies, cache_order: Sequence[int] = ()) -> None:
         self.pool = pool
         self.spec: LayerSpec = spec
         self.group_id = group_id
         self.block_size = spec.block_size
         self._copies = copies
-        # Where a newly cached block looks for a twin to take its serial from: its own
-        # group first, then the others, so every group names one prefix by one serial.
-        self._twin_groups = (group_id,) + tuple(g for g in range(num_groups) if g != group_id)
+        # Where a newly cached block looks for a twin to take its serial from: every group
+        # of the pool, so that every group names one prefix by one serial; in the order
+        # the groups cache a request's blocks, so a group caching after another in one
+        # call finds that group's twin with its first probe.
+        self._twin_groups = tuple(cache_order) or (group_id,)
         self._req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -385,8 +387,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     spec: LocalAttentionSpec
 
     def __init__(self, pool: BlockPool, spec: LocalAttentionSpec, group_id: int,
-                 copies: PendingCopies, num_groups: int = 1, hold: bool = True) -> None:
-        super().__init__(pool, spec, group_id, copies, num_groups)
+                 copies: PendingCopies, cache_order: Sequence[int] = (), hold: bool = True
+                 ) -> None:
+        super().__init__(pool, spec, group_id, copies, cache_order)
         span = spec.local_span
         assert span is not None
         self.holds_ends = hold
@@ -436,20 +439,22 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self._cursor[child_id] = self._cursor[parent_id]
 
     def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
-        """See the base class; the table's pages are tagged by whether they sit before the
-        output end or another likely hit end."""
+        """See the base class; where the pool's eviction policy reads the tags
+        (`reads_hints`), the table's pages are tagged by whether they sit before the output
+        end or another likely hit end."""
         rid = request.request_id
         table = self._req_to_blocks[rid]
-        near = bytearray(len(table))  # 1 where a table index is before a likely hit end
-        for start, stop in (self.spec.hit_end_range(min(request.num_computed_tokens,
-                                                len(table) * self.block_size)),
-                            *self._ends[rid]):
-            start = max(start, 0)
-            if stop > start:
-                near[start:stop] = b"\x01" * (min(stop, len(near)) - min(start, len(near)))
-        for block, hint in zip(table, near, strict=True):
-            if block.block_id != 0:
-                block.hint = hint
+        if self.pool.free_queue.reads_hints:
+            near = bytearray(len(table))  # 1 where a table index is before a likely hit end
+            for start, stop in (self.spec.hit_end_range(min(request.num_computed_tokens,
+                                                    len(table) * self.block_size)),
+                                *self._ends[rid]):
+                start = max(start, 0)
+                if stop > start:
+                    near[start:stop] = b"\x01" * (min(stop, len(near)) - min(start, len(near)))
+            for block, hint in zip(table, near, strict=True):
+                if block.block_id != 0:
+                    block.hint = hint
         table, _ = super().free(request)
         del self._ends[rid], self._holding[rid], self._cursor[rid]
         return table, self._dropped.pop(rid)
@@ -865,10 +870,11 @@ class RecurrentManager(SingleTypeKVCacheManager):
                  "hit_kinds", "_known", "_passed")
 
     def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
-                 copies: PendingCopies, num_groups: int = 1, checkpoint_every: int = 0) -> None:
+                 copies: PendingCopies, cache_order: Sequence[int] = (),
+                 checkpoint_every: int = 0) -> None:
         if not isinstance(pool, TwoSizeBlockPool):
             raise TypeError("a recurrent group needs a TwoSizeBlockPool (pages of two sizes)")
-        super().__init__(pool, spec, group_id, copies, num_groups)
+        super().__init__(pool, spec, group_id, copies, cache_order)
         self._every = checkpoint_every * self.block_size
         self._caching = pool.enable_caching
         # Per request: planned checkpoint positions past its computed count (sorted).
@@ -1202,15 +1208,16 @@ MANAGER_TYPES: dict[type, type[SingleTypeKVCacheManager]] = {
 
 
 def make_manager(pool: BlockPool, spec: LayerSpec, group_id: int, copies: PendingCopies,
-                 num_groups: int = 1, hold: bool = True, checkpoint_every: int = 0
+                 cache_order: Sequence[int] = (), hold: bool = True, checkpoint_every: int = 0
                  ) -> SingleTypeKVCacheManager:
-    """The manager for a spec's layer type, one of `num_groups` groups over `pool`
-    (`hold`: see SlidingWindowManager; `checkpoint_every`: see RecurrentManager)."""
+    """The manager for a spec's layer type, one of the groups over `pool`: `cache_order`
+    lists them all in the order they cache a request's blocks (empty: this group alone;
+    `hold`: see SlidingWindowManager; `checkpoint_every`: see RecurrentManager)."""
     cls = MANAGER_TYPES.get(type(spec))
     if cls is None:
         raise TypeError(f"no KV cache manager for {type(spec).__name__}")
     if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
-        return SlidingWindowManager(pool, spec, group_id, copies, num_groups, hold)
+        return SlidingWindowManager(pool, spec, group_id, copies, cache_order, hold)
     if cls is RecurrentManager:
-        return RecurrentManager(pool, spec, group_id, copies, num_groups, checkpoint_every)
-    return cls(pool, spec, group_id, copies, num_groups)
+        return RecurrentManager(pool, spec, group_id, copies, cache_order, checkpoint_every)
+    return cls(pool, spec, group_id, copies, cache_order)
