@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shlex
 from datetime import datetime
 from pathlib import Path
 
@@ -388,6 +389,7 @@ def test_viz_snapshots():
 # ------------------------------------------------------------------- documented commands
 
 DOCS_WITH_COMMANDS = ("benchmarks.md", "eviction.md", "cache_layer.md", "hybrid.md", "tiers.md",
+                      "recurrent.md", "recurrent_models.md",
                       "kernels.md", "copy_on_write.md")
 
 
@@ -395,7 +397,6 @@ def _documented_bench_commands() -> list[str]:
     """Every ``kvstore bench ...`` command in the docs (code spans and blocks, joined over
     backslash continuations), with the placeholders REV and PYTHON left as they are."""
     import re
-    import shlex
 
     root = Path(__file__).resolve().parent.parent / "docs"
     found = []
@@ -412,7 +413,7 @@ def _documented_bench_commands() -> list[str]:
                     a in ("--host-tier-bytes", "--store") and b.startswith("-")
                     for a, b in zip(words, [*words[1:], "-"][:len(words)], strict=True)):
                 continue  # a syntax summary or a list of flags, not a command
-            found.append(" ".join(shlex.split(cmd)))
+            found.append(shlex.join(shlex.split(cmd)))
     return sorted(set(found))
 
 
@@ -424,7 +425,7 @@ def test_every_documented_bench_command_parses(capsys):
     assert len(commands) >= 10
     parser = build_parser()
     for cmd in commands:
-        argv = [{"REV": "HEAD", "PYTHON": "python"}.get(w, w) for w in cmd.split()[1:]]
+        argv = [{"REV": "HEAD", "PYTHON": "python"}.get(w, w) for w in shlex.split(cmd)[1:]]
         if "--trace" in argv and argv[argv.index("--trace") + 1] in ("conversation", "synthetic"):
             if not (Path(__file__).resolve().parents[2] / "shared" / "traces").is_dir():
                 continue
@@ -510,7 +511,7 @@ def _tiny_argv(cmd: str, out: Path) -> tuple[list[str], str | None, list[str]]:
     (argv, why it cannot run here or None, files it must write under `out`)."""
     import torch
 
-    words = cmd.split()[2:]
+    words = shlex.split(cmd)[2:]
     question = words[0] if words and not words[0].startswith("-") else "sweep"
     args = words[1:] if question != "sweep" or (words and words[0] == "sweep") else words
 
@@ -575,6 +576,19 @@ def _tiny_argv(cmd: str, out: Path) -> tuple[list[str], str | None, list[str]]:
         if "--engines" in args:
             small = ["--prefixes", "1", "--prefix-len", "40", "--max-tokens", "2", "--layers", "1"]
         return ["bench", "tiers", *args, *small], None, [] if "--engines" in args else ["tiers.json"]
+    if question == "recurrent":  # one small workload and budget; the trace replay cut short
+        policy = args[args.index("--eviction"):][:2] if "--eviction" in args else []
+        tiny = ["bench", "recurrent", *policy, "--layouts", "qwen3-next", "--requests", "8",
+                "--out", str(out)]
+        if "--limit" in args:  # the Mooncake replay
+            if traces is None:
+                return [], "needs the Mooncake traces", []
+            tiny += ["--budgets", "", "--mooncake", "1000000", "--limit", "20",
+                     "--host-tier-gib", ""]
+        else:
+            tiny += ["--workloads", "shared_system_prompts", "--budgets", "2", "--mooncake", "",
+                     "--host-tier-gib", "4" if "--host-tier-gib" in args else ""]
+        return tiny, None, ["recurrent.json", "recurrent.csv"]
     assert question == "kernels", cmd
     drop("--json")
     return ["bench", "kernels", *args, "--json", str(out / "kernels.json")], None, []
@@ -606,5 +620,7 @@ def test_documented_bench_command_runs(cmd, tmp_path, capsys, monkeypatch):
     assert status == 0, f"{' '.join(argv)}\n{out.out[-2000:]}\n{out.err[-2000:]}"
     for name in files:
         assert (tmp_path / name).stat().st_size > 0, name
-    if argv[1] not in ("replay", "manager", "tiers", "kernels"):
+    if argv[1] == "recurrent":
+        assert "met in" in out.out  # the goals' summary
+    elif argv[1] not in ("replay", "manager", "tiers", "kernels"):
         assert "preemption" in out.out  # the headline
