@@ -6,6 +6,7 @@ kvstore with a host tier below the pool (``kvstore+host``)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.benchmarks.manager import new_manager
-from kvstore.benchmarks.output import name_list, write_csv, write_json
+from kvstore.benchmarks.output import name_list, positive_int, write_csv, write_json
 from kvstore.benchmarks.simulator import fake_token
 from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
 from kvstore.benchmarks.traces import MOONCAKE_BLOCK_TOKENS, load_mooncake, locate_trace
@@ -238,8 +239,30 @@ def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
 
 
 def run_system(requests: Sequence[RequestSpec], system: System, budget: int, layout: str,
-               workload: str) -> Row:
-    """Serve `requests` in arrival order through `system` at `budget` bytes."""
+               workload: str, repeats: int = 1) -> Row:
+    """Serve `requests` in arrival order through `system` at `budget` bytes, `repeats` times
+    (the same hits each time), keeping the fastest manager time; cyclic GC is off in a
+    replay (as in ``kvstore bench manager``)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    best: Row | None = None
+    for _ in range(repeats):
+        gc.collect()
+        gc.disable()
+        try:
+            row = _replay(requests, system, budget, layout, workload)
+        finally:
+            gc.enable()
+        if best is not None and row.hit_tokens != best.hit_tokens:
+            raise RuntimeError(f"{system.name}: a repeated replay hit differently")
+        if best is None or row.manager_seconds < best.manager_seconds:
+            best = row
+    assert best is not None
+    return best
+
+
+def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout: str,
+            workload: str) -> Row:
     config = make_kv_cache_config(system.specs, memory_bytes=budget)
     # Whole blocks only, as a recurrent state has no value inside one.
     options: dict[str, Any] = {"eviction": system.eviction, "enable_partial_hits": False}
@@ -298,6 +321,8 @@ class Goal:
     where: str
     met: bool
     text: str
+    #: False where no cache could meet it (2x vllm-align above the oracle's hit rate).
+    reachable: bool = True
 
 
 def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[Goal]:
@@ -312,8 +337,11 @@ def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[Goal]:
         where = f"{layout} {workload} {budget / GiB:.3g} GiB"
         if v is not None:
             ok = r.hit_rate >= 2 * v.hit_rate if v.hit_rate > 0 else r.hit_rate > 0
+            beyond = (f"; 2x is above the oracle's {o.hit_rate:.3f}"
+                      if o is not None and 2 * v.hit_rate > o.hit_rate else "")
             out.append(Goal("vllm", where, ok, f"kvstore {r.hit_rate:.3f} vs vllm-align "
-                                               f"{v.hit_rate:.3f}"))
+                                               f"{v.hit_rate:.3f}{beyond}",
+                            reachable=not beyond))
         if (o is not None and f is not None and workload in ideal
                 and f.hit_rate >= 0.8 * ideal[workload]):
             ok = r.hit_rate >= 0.8 * o.hit_rate
@@ -336,8 +364,11 @@ def summary(checked: Sequence[Goal], shown: int = 3) -> list[str]:
         cells = [g for g in checked if g.goal == key]
         if not cells:
             continue
-        missed = [f"{g.where} ({g.text})" for g in cells if not g.met]
-        line = f"{what}: met in {len(cells) - len(missed)} of {len(cells)}"
+        beyond = sum(1 for g in cells if not g.met and not g.reachable)
+        missed = [f"{g.where} ({g.text})" for g in cells if not g.met and g.reachable]
+        line = f"{what}: met in {len(cells) - len(missed) - beyond} of {len(cells)}"
+        if beyond:
+            line += f" ({beyond} out of any cache's reach: 2x vllm-align above the oracle)"
         if missed:
             more = f"; and {len(missed) - shown} more" if len(missed) > shown else ""
             line += "; missed at " + "; ".join(missed[:shown]) + more
@@ -375,6 +406,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-tier-gib", type=_sizes, default=[16], metavar="GIB",
                    help="host tiers below kvstore's pool for the qwen3-next layout, in GiB: a "
                         "kvstore+host row each (empty: none)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="replays of the kvstore and oracle rows, fastest manager time kept")
     p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="worth",
                    help="kvstore's eviction policy")
     p.add_argument("--out", type=Path, default=Path("results/recurrent"), help="output folder")
@@ -399,10 +432,12 @@ def run(args: argparse.Namespace) -> int:
         trace = mooncake_requests("mooncake_conversation", args.limit)
         layout = LAYOUTS["qwen3-next"]
         runs += [(trace, layout, layout.budget_of_tokens(int(tokens)), "mooncake_conversation",
-                  systems(layout, args.eviction)[:2]) for tokens in args.mooncake]
+                  systems(layout, args.eviction)[:3]) for tokens in args.mooncake]
     for specs, layout, budget, workload, row_systems in runs:
         for system in row_systems:
-            r = run_system(specs, system, budget, layout.name, workload)
+            timed = (system.name in ("kvstore", "oracle") and workload != "mooncake_conversation")
+            r = run_system(specs, system, budget, layout.name, workload,
+                           args.repeats if timed else 1)
             rows.append(r)
             host = f" {r.host_tier_bytes / GiB:.3g} GiB" if r.host_tier_bytes else ""
             console.print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {r.system}"

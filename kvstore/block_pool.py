@@ -729,8 +729,9 @@ class TwoSizeBlockPool(BlockPool):
                   else frozenset(range(num_groups))) - recurrent_groups)
         # Split pages none of whose blocks is in use, in the order they became so.
         self._empty_split: dict[int, None] = {}
-        # Free blocks of split pages that hold cached content.
+        # Free blocks of split pages that hold cached content: in all, and per page.
         self._free_cached = 0
+        self._page_cached = [0] * self.num_large
         self.large_in_use_by_group: defaultdict[int, int] = defaultdict(int)
 
     def group_kind(self, group_id: int) -> GroupKind:
@@ -825,6 +826,7 @@ class TwoSizeBlockPool(BlockPool):
     def _evict_free(self, block: KVCacheBlock) -> None:
         """Evict a free cached block the policy is handing out."""
         self._free_cached -= 1
+        self._page_cached[block.block_id // self.large_page_blocks] -= 1
         self._evict(block)
 
     def _split_page(self, page: KVCacheBlock) -> None:
@@ -842,10 +844,11 @@ class TwoSizeBlockPool(BlockPool):
         k = self.large_page_blocks
         queue = self.free_queue
         del self._empty_split[j]
+        self._free_cached -= self._page_cached[j]
+        self._page_cached[j] = 0
         for block in self.blocks[j * k:(j + 1) * k]:
             queue.remove(block)
             if block.token_ids is not None:
-                self._free_cached -= 1
                 self._evict(block)
         self._split[j] = False
         return self.large_blocks[j]
@@ -865,9 +868,10 @@ class TwoSizeBlockPool(BlockPool):
                     block.uses += 1
                     continue
                 self.free_queue.remove(block)
+                j = block.block_id // k
                 if block.token_ids is not None:
                     self._free_cached -= 1
-                j = block.block_id // k
+                    self._page_cached[j] -= 1
                 if self._used[j] == 0:
                     del self._empty_split[j]
                 self._used[j] += 1
@@ -892,22 +896,21 @@ class TwoSizeBlockPool(BlockPool):
         if not now_free:
             return
         k = self.large_page_blocks
-        used = self._used
+        used, page_cached = self._used, self._page_cached
         emptied = []
         for block in now_free:
             in_use[block.group_id] -= 1
+            j = block.block_id // k
             if block.token_ids is not None:
                 self._free_cached += 1
-            j = block.block_id // k
+                page_cached[j] += 1
             used[j] -= 1
             if used[j] == 0:
                 emptied.append(j)
         self.free_queue.freed_all(now_free)
-        blocks_ = self.blocks
         for j in emptied:
             self._empty_split[j] = None
-            if all(b.token_ids is None for b in blocks_[j * k:(j + 1) * k]):
-                # Nothing cached in it: the page returns whole.
+            if not page_cached[j]:  # nothing cached in it: the page returns whole
                 self._large_empty.append(self._merge_page(j))
 
     def refresh(self, blocks: Iterable[tuple[KVCacheBlock, int]]) -> None:
@@ -1023,6 +1026,7 @@ class TwoSizeBlockPool(BlockPool):
         if not super().reset_prefix_cache():
             return False
         self._free_cached = 0
+        self._page_cached = [0] * self.num_large
         for j in list(self._empty_split):
             self._large_empty.append(self._merge_page(j))
         while len(self._large_cached):

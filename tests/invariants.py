@@ -204,6 +204,9 @@ def check_two_size_pool(pool: TwoSizeBlockPool, small_refs: Counter[int] | None 
     assert pool.num_free_blocks == len(pool.free_queue) + k * (len(empty_large) + len(cached_large))
     assert pool.num_fragmented_blocks == fragmented
     assert pool._free_cached == sum(1 for b in pool.free_queue if b.token_ids is not None)
+    assert pool._page_cached == [
+        sum(1 for b in pool.blocks[j * k:(j + 1) * k] if b.ref_cnt == 0 and b.token_ids is not None
+            and pool._split[j] and b.block_id != 0) for j in range(pool.num_large)]
     assert pool.num_free_large_pages == (len(empty_large) + len(cached_large)
                                          + len(pool._empty_split))
     # Free checkpoints whose chain is gone come first in an order that tracks chains.

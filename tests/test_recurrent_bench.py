@@ -3,6 +3,10 @@ replay driver on a tiny workload."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from kvstore.benchmarks.recurrent import (
     GOALS,
     LAYOUTS,
@@ -63,3 +67,22 @@ def test_a_host_tier_serves_what_the_pool_evicted() -> None:
     assert tiered.host_tier_bytes == 4 * GiB and tiered.host_hit_tokens > 0
     assert tiered.computed_tokens < plain.computed_tokens
     assert tiered.computed_tokens + tiered.hit_tokens == tiered.prompt_tokens
+
+
+def test_repeats_keep_the_hits_and_the_fastest_time_and_goals_name_the_unreachable() -> None:
+    work = shared_system_prompts(6, num_prompts=1, system_lens=(300,), user_len=(16, 64),
+                                 output_median=8, output_max=16, seed=3)
+    layout = LAYOUTS["qwen3-next"]
+    kv = systems(layout)[0]
+    once = run_system(work.requests, kv, 2 * GiB, layout.name, work.name)
+    thrice = run_system(work.requests, kv, 2 * GiB, layout.name, work.name, repeats=3)
+    assert (thrice.hit_tokens, thrice.calls) == (once.hit_tokens, once.calls)
+    with pytest.raises(ValueError, match="repeats"):
+        run_system(work.requests, kv, 2 * GiB, layout.name, work.name, repeats=0)
+    # 2x of vllm-align's 0.4 is above the oracle's 0.7: a miss no cache could avoid.
+    rows = [replace(once, system=name, hit_tokens=int(rate * once.prompt_tokens))
+            for name, rate in (("kvstore", 0.6), ("vllm-align", 0.4), ("oracle", 0.7))]
+    (goal,) = [g for g in goals(rows, {}) if g.goal == "vllm"]
+    assert not goal.met and not goal.reachable and "above the oracle's 0.700" in goal.text
+    assert summary([goal])[0] == (f"{GOALS['vllm']}: met in 0 of 1 (1 out of any cache's "
+                                  f"reach: 2x vllm-align above the oracle)")
