@@ -733,6 +733,11 @@ class TwoSizeBlockPool(BlockPool):
         self._free_cached = 0
         self._page_cached = [0] * self.num_large
         self.large_in_use_by_group: defaultdict[int, int] = defaultdict(int)
+        # Blocks of capacity handed out so far (k per large page), and the free checkpoints
+        # no hit has used since they were freed, by the count when they were freed (oldest
+        # first): one whose pool has turned over since is evicted before cached blocks.
+        self._handed_out = 0
+        self._unhit: dict[int, int] = {}
 
     def group_kind(self, group_id: int) -> GroupKind:
         """See BlockPool.group_kind; "recurrent" for a recurrent group without given kinds."""
@@ -798,11 +803,11 @@ class TwoSizeBlockPool(BlockPool):
         while n > len(queue) - self._free_cached and self._large_empty:
             self._split_page(self._large_empty.pop())
         while n > len(queue) - self._free_cached:
-            orphan = self._large_cached.pop_worthless()
-            if orphan is None:
+            stale = self._large_cached.pop_worthless() or self._pop_stale()
+            if stale is None:
                 break
-            self._evict_large(orphan)
-            self._split_page(orphan)
+            self._evict_large(stale)
+            self._split_page(stale)
         while n > len(queue):
             page = self._large_cached.pop()
             self._evict_large(page)
@@ -821,7 +826,20 @@ class TwoSizeBlockPool(BlockPool):
             used[j] += 1
         if n:
             self.in_use_by_group[group_id] += n
+            self._handed_out += n
         return blocks
+
+    def _pop_stale(self) -> KVCacheBlock | None:
+        """The free checkpoint no hit used that was freed longest ago, if the pool has handed
+        out its whole capacity since (taken out of the checkpoint order)."""
+        if not self._unhit:
+            return None
+        page_id, when = next(iter(self._unhit.items()))
+        if when + self.num_blocks > self._handed_out:
+            return None
+        page = self.large_blocks[page_id - self.num_blocks]
+        self._large_cached.remove(page)
+        return page
 
     def _evict_free(self, block: KVCacheBlock) -> None:
         """Evict a free cached block the policy is handing out."""
@@ -862,6 +880,7 @@ class TwoSizeBlockPool(BlockPool):
                     raise ValueError("the null block cannot be referenced")
                 if block.block_id >= self.num_blocks:
                     self._large_cached.remove(block)
+                    self._unhit.pop(block.block_id, None)
                     self.large_in_use_by_group[block.group_id] += 1
                     self.in_use_by_group[block.group_id] += k
                     block.ref_cnt += 1
@@ -893,6 +912,8 @@ class TwoSizeBlockPool(BlockPool):
                 self._large_empty.append(page)
             else:
                 self._large_cached.freed(page)
+                if not page.uses:
+                    self._unhit[page.block_id] = self._handed_out
         if not now_free:
             return
         k = self.large_page_blocks
@@ -921,6 +942,8 @@ class TwoSizeBlockPool(BlockPool):
                 continue
             if block.block_id >= self.num_blocks:
                 self._large_cached.refresh(block)
+                if self._unhit.pop(block.block_id, None) is not None:
+                    self._unhit[block.block_id] = self._handed_out
             else:
                 small.append(block)
         self.free_queue.refresh_all(small)
@@ -937,7 +960,8 @@ class TwoSizeBlockPool(BlockPool):
             raise RuntimeError(f"asked for {n} large pages with {self.num_free_large_pages} free")
         pages = []
         for _ in range(n):
-            orphan = None if self._large_empty else self._large_cached.pop_worthless()
+            orphan = None if self._large_empty else (self._large_cached.pop_worthless()
+                                                      or self._pop_stale())
             if self._large_empty:
                 page = self._large_empty.pop()
             elif orphan is not None:
@@ -955,6 +979,7 @@ class TwoSizeBlockPool(BlockPool):
         if n:
             self.in_use_by_group[group_id] += n * self.large_page_blocks
             self.large_in_use_by_group[group_id] += n
+            self._handed_out += n * self.large_page_blocks
         return pages
 
     def cache_checkpoint(self, page: KVCacheBlock, block_hash: BlockHash,
@@ -994,6 +1019,7 @@ class TwoSizeBlockPool(BlockPool):
     def _evict_large(self, page: KVCacheBlock) -> None:
         """Drop a checkpoint's index entry and content."""
         assert page.block_hash is not None
+        self._unhit.pop(page.block_id, None)
         self._drop_content(page)
         self._large_cached.forget(page)
         self.stats.checkpoints_evicted += 1
@@ -1027,6 +1053,7 @@ class TwoSizeBlockPool(BlockPool):
             return False
         self._free_cached = 0
         self._page_cached = [0] * self.num_large
+        self._unhit.clear()
         for j in list(self._empty_split):
             self._large_empty.append(self._merge_page(j))
         while len(self._large_cached):

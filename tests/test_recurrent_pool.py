@@ -271,6 +271,40 @@ def test_a_large_page_is_reclaimed_from_an_emptied_split_page_only_when_needed()
         pool.get_large_pages(1, RECURRENT)
 
 
+@pytest.mark.parametrize("eviction", ["lru", "worth"])
+def test_a_checkpoint_no_hit_used_leaves_before_cached_blocks_once_the_pool_turned_over(
+        eviction: str) -> None:
+    pool = TwoSizeBlockPool(12, 2, frozenset({RECURRENT}), eviction=eviction,
+                            chained_groups=frozenset({0}), num_groups=2)
+    pages = pool.get_large_pages(2, RECURRENT)
+    for i, page in enumerate(pages):
+        pool.cache_checkpoint(page, 20 + i, (i,), 7, 30 + i, worth=5)
+    pool.free_blocks(pages[:1])  # never hit
+    pool.touch(pages[1:])  # hit, then freed
+    pool.free_blocks(pages[1:] * 2)
+    blocks = pool.get_new_blocks(7, 0)  # every free block: 4 + 7 of 12 handed out
+    for i, block in enumerate(blocks):
+        pool.cache_full_block(block, 40 + i, (40 + i,), 7)
+    pool.free_blocks(blocks)
+
+    def cached_blocks() -> int:
+        return sum(1 for b in pool.blocks if b.token_ids is not None)
+
+    # 15 handed out, 11 since pages[0] was freed: cached blocks go first, as always.
+    pool.free_blocks(pool.get_new_blocks(4, 0))
+    assert cached_blocks() == 3 and pool.stats.checkpoints_evicted == 0
+    check_two_size_pool(pool)
+    pool.free_blocks(pool.get_new_blocks(1, 0))  # a free empty block: 16 handed out
+    assert pool.stats.evictions == 4
+    # The pool has turned over since pages[0] was freed: the checkpoint no hit used goes
+    # before any cached block; the one a hit used stays.
+    free_empty = pool.num_free_blocks - 2 * len(checkpoint_order(pool)) - cached_blocks()
+    taken = pool.get_new_blocks(free_empty + 1, 0)
+    assert pool.stats.checkpoints_evicted == 1 and pages[0].block_hash is None
+    assert pages[1].block_hash == 21 and cached_blocks() == 3
+    check_two_size_pool(pool, Counter(b.block_id for b in taken), Counter())
+
+
 def test_fragmentation_is_the_free_room_in_partly_used_large_pages() -> None:
     pool = make_pool(k=4, num_large=3)
     assert pool.num_fragmented_blocks == 3  # page 0: the null block and three free blocks
