@@ -677,8 +677,9 @@ class TwoSizeBlockPool(BlockPool):
     then pages of their own, in the eviction policy's free queue while free. Small pages
     come from split large pages: free empty blocks of split pages first, then a whole empty
     large page is split, then checkpoints worth nothing (their full-attention chain gone,
-    or an interior point of one chain, where the policy's checkpoint order tracks chains),
-    then cached blocks are evicted (the policy's
+    or an interior point of one chain, where the policy's checkpoint order tracks chains)
+    and stale ones (no hit used them and the pool handed out its whole capacity since they
+    were freed), then cached blocks are evicted (the policy's
     order), then cached checkpoints (the policy's checkpoint order: least recently freed
     first, or by worth). A split page returns whole as soon as its last block is freed
     empty, and is reclaimed (its cached blocks evicted) when a large page is needed and
@@ -794,7 +795,8 @@ class TwoSizeBlockPool(BlockPool):
     # ---- small pages -------------------------------------------------------------------------
     def get_new_blocks(self, n: int, group_id: int) -> list[KVCacheBlock]:
         """Take n blocks: free empty blocks of split pages, then blocks of newly split empty
-        pages, then (evicting) cached blocks, then blocks of split cached checkpoints."""
+        pages, then of split checkpoints worth nothing or stale, then (evicting) cached
+        blocks, then blocks of split cached checkpoints."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > self.num_free_blocks:
@@ -951,9 +953,9 @@ class TwoSizeBlockPool(BlockPool):
     # ---- large pages -------------------------------------------------------------------------
     def get_large_pages(self, n: int, group_id: int) -> list[KVCacheBlock]:
         """Take n large pages: whole empty ones, then checkpoints worth nothing (where
-        tracked), then split pages with no block in use (their cached blocks evicted, the
-        page emptied longest ago first), then cached checkpoints (the policy's checkpoint
-        order). RuntimeError, changing nothing, if fewer are free."""
+        tracked) and stale ones, then split pages with no block in use (their cached blocks
+        evicted, the page emptied longest ago first), then cached checkpoints (the policy's
+        checkpoint order). RuntimeError, changing nothing, if fewer are free."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of large pages ({n})")
         if n > self.num_free_large_pages:
