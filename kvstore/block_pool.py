@@ -735,10 +735,15 @@ class TwoSizeBlockPool(BlockPool):
         self._page_cached = [0] * self.num_large
         self.large_in_use_by_group: defaultdict[int, int] = defaultdict(int)
         # Blocks of capacity handed out so far (k per large page), and the free checkpoints
-        # no hit has used since they were freed, by the count when they were freed (oldest
-        # first): one whose pool has turned over since is evicted before cached blocks.
+        # no hit has used since they were freed, by that count when they were freed (oldest
+        # first): one freed `_stale_after` blocks ago or more is stale, evicted before cached
+        # blocks. The hashes of the last stale checkpoints evicted (at most one per large
+        # page): a lookup that wanted one of them raises `_stale_after` by the pool's
+        # capacity; each stale eviction lowers it by a large page, to the capacity at least.
         self._handed_out = 0
         self._unhit: dict[int, int] = {}
+        self._stale_after = num_blocks
+        self._stale_evicted: dict[BlockHash, None] = {}
 
     def group_kind(self, group_id: int) -> GroupKind:
         """See BlockPool.group_kind; "recurrent" for a recurrent group without given kinds."""
@@ -832,16 +837,41 @@ class TwoSizeBlockPool(BlockPool):
         return blocks
 
     def _pop_stale(self) -> KVCacheBlock | None:
-        """The free checkpoint no hit used that was freed longest ago, if the pool has handed
-        out its whole capacity since (taken out of the checkpoint order)."""
+        """The free checkpoint no hit used that was freed longest ago, if it is stale (taken
+        out of the checkpoint order)."""
         if not self._unhit:
             return None
         page_id, when = next(iter(self._unhit.items()))
-        if when + self.num_blocks > self._handed_out:
+        if when + self._stale_after > self._handed_out:
             return None
         page = self.large_blocks[page_id - self.num_blocks]
         self._large_cached.remove(page)
+        assert page.block_hash is not None
+        evicted = self._stale_evicted
+        evicted[page.block_hash] = None
+        if len(evicted) > self.num_large:
+            del evicted[next(iter(evicted))]
+        self._stale_after = max(self.num_blocks, self._stale_after - self.large_page_blocks)
         return page
+
+    @property
+    def stale_evicted(self) -> dict[BlockHash, None]:
+        """The hashes of the last checkpoints evicted as stale (read only: a lookup reports
+        one it wanted through `wanted_stale`)."""
+        return self._stale_evicted
+
+    @property
+    def stale_after(self) -> int:
+        """Blocks the pool hands out after a checkpoint no hit used was freed before that
+        checkpoint is stale."""
+        return self._stale_after
+
+    def wanted_stale(self, block_hash: BlockHash) -> None:
+        """A lookup wanted the checkpoint of this hash, evicted as stale: checkpoints stay
+        one pool capacity longer before they are stale."""
+        if block_hash in self._stale_evicted:
+            del self._stale_evicted[block_hash]
+            self._stale_after += self.num_blocks
 
     def _evict_free(self, block: KVCacheBlock) -> None:
         """Evict a free cached block the policy is handing out."""
@@ -1056,6 +1086,7 @@ class TwoSizeBlockPool(BlockPool):
         self._free_cached = 0
         self._page_cached = [0] * self.num_large
         self._unhit.clear()
+        self._stale_evicted.clear()
         for j in list(self._empty_split):
             self._large_empty.append(self._merge_page(j))
         while len(self._large_cached):

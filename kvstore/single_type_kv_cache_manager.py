@@ -785,11 +785,16 @@ class CheckpointSearch(HitSearch):
             return self.answer
         probe_row, groups = self.pool.hash_index.probe_row, self.group_ids
         hashes, tokens, parents = self.hashes, self.tokens, self.parents
+        pool = self.pool
+        assert isinstance(pool, TwoSizeBlockPool)
+        stale = pool.stale_evicted
 
         def has_checkpoint(n: int) -> bool:
             row = probe_row(groups, hashes[n - 1], tokens[n - 1], parents[n - 1])
             if row is not None:
                 self.row = row
+            elif stale and hashes[n - 1] in stale:
+                pool.wanted_stale(hashes[n - 1])
             return row is not None
 
         self.answer = longest_checkpoint_hit(cap, has_checkpoint)

@@ -212,6 +212,7 @@ def check_two_size_pool(pool: TwoSizeBlockPool, small_refs: Counter[int] | None 
     assert set(unhit) == {p.block_id for p in checkpoint_order(pool) if p.uses == 0}
     assert list(unhit.values()) == sorted(unhit.values())
     assert all(when <= pool._handed_out for when in unhit.values())
+    assert pool.stale_after >= pool.num_blocks and len(pool.stale_evicted) <= pool.num_large
     assert pool.num_free_large_pages == (len(empty_large) + len(cached_large)
                                          + len(pool._empty_split))
     # Free checkpoints whose chain is gone come first in an order that tracks chains.

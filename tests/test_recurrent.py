@@ -508,3 +508,27 @@ def test_a_checkpoint_its_request_computed_past_is_worth_nothing_until_hit() -> 
     m.free(b)
     m.take_pending_copies()
     assert sorted(order.priority(p) for p in order) == [4 / k, 8 / k]
+
+
+def test_a_lookup_that_wanted_a_stale_checkpoint_keeps_checkpoints_longer() -> None:
+    m = make([FULL, STATE], num_blocks=40, eviction="worth")
+    pool = internals(m).pool
+    assert isinstance(pool, TwoSizeBlockPool)
+    a = Request("a", list(range(8)))
+    run(m, a, [8])  # the prompt's end (8) is a checkpoint no hit has used
+    m.free(a)
+    m.take_pending_copies()
+    assert pool.stale_after == pool.num_blocks
+    for _ in range(pool.num_blocks):  # its capacity handed out, free empty blocks only
+        pool.free_blocks(pool.get_new_blocks(1, 0))
+    assert pool.stats.evictions == 0
+    k = pool.large_page_blocks
+    empty = pool.num_free_blocks - k * len(checkpoint_order(pool)) - 2  # a's 2 blocks cached
+    taken = pool.get_new_blocks(empty + 1, 0)  # one more than the free empty blocks
+    assert pool.stats.checkpoints_evicted == 1 and pool.stats.evictions == 1
+    pool.free_blocks(taken)
+    check_two_size_pool(pool)
+    # a's attention blocks are cached, its checkpoint gone: the lookup wanted it.
+    b = Request("b", list(range(8)) + [99])
+    assert m.get_computed_blocks(b).num_computed_tokens == 0
+    assert pool.stale_after == 2 * pool.num_blocks and not pool.stale_evicted

@@ -302,6 +302,11 @@ def test_a_checkpoint_no_hit_used_leaves_before_cached_blocks_once_the_pool_turn
     taken = pool.get_new_blocks(free_empty + 1, 0)
     assert pool.stats.checkpoints_evicted == 1 and pages[0].block_hash is None
     assert pages[1].block_hash == 21 and cached_blocks() == 3
+    assert list(pool.stale_evicted) == [20] and pool.stale_after == pool.num_blocks
+    pool.wanted_stale(21)  # not evicted stale: nothing changes
+    assert pool.stale_after == pool.num_blocks
+    pool.wanted_stale(20)  # a lookup wanted it: checkpoints stay one capacity longer
+    assert pool.stale_after == 2 * pool.num_blocks and not pool.stale_evicted
     check_two_size_pool(pool, Counter(b.block_id for b in taken), Counter())
 
 
