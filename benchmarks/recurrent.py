@@ -216,7 +216,7 @@ def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
             ids = m.admit(req, end - nc, computed, num_external_tokens=external)
         m.take_pending_copies()
         clock[0] += time.perf_counter() - t0
-        calls += 2 + (stops == "checkpoints")
+        calls += 2 + (stops == "checkpoints" and nc < n)  # next_checkpoints in prefill only
         if ids is None:
             raise RuntimeError(f"{spec.request_id} ({n} prompt tokens) does not fit the pool")
         if tiers is not None:
