@@ -735,11 +735,12 @@ class TwoSizeBlockPool(BlockPool):
         self._page_cached = [0] * self.num_large
         self.large_in_use_by_group: defaultdict[int, int] = defaultdict(int)
         # Blocks of capacity handed out so far (k per large page), and the free checkpoints
-        # no hit has used since they were freed, by that count when they were freed (oldest
-        # first): one freed `_stale_after` blocks ago or more is stale, evicted before cached
-        # blocks. The hashes of the last stale checkpoints evicted (at most one per large
-        # page): a lookup that wanted one of them raises `_stale_after` by the pool's
-        # capacity; each stale eviction lowers it by a large page, to the capacity at least.
+        # no hit has used and not at a branch of their chain when freed, by that count when
+        # they were freed (oldest first): one freed `_stale_after` blocks ago or more is
+        # stale, evicted before cached blocks. The hashes of the last stale checkpoints
+        # evicted (at most one per large page): a lookup that wanted one of them raises
+        # `_stale_after` by the pool's capacity; each stale eviction lowers it by a large
+        # page, to the capacity at least.
         self._handed_out = 0
         self._unhit: dict[int, int] = {}
         self._stale_after = num_blocks
@@ -873,6 +874,12 @@ class TwoSizeBlockPool(BlockPool):
             del self._stale_evicted[block_hash]
             self._stale_after += self.num_blocks
 
+    def _at_branch(self, page: KVCacheBlock) -> bool:
+        """Whether the cached full-attention chain continues two ways or more after this
+        checkpoint's prefix (known where the checkpoint order tracks chains)."""
+        chain = self._chain_groups
+        return bool(chain) and len(self._children.get((min(chain), page.serial), ())) > 1
+
     def _evict_free(self, block: KVCacheBlock) -> None:
         """Evict a free cached block the policy is handing out."""
         self._free_cached -= 1
@@ -944,7 +951,7 @@ class TwoSizeBlockPool(BlockPool):
                 self._large_empty.append(page)
             else:
                 self._large_cached.freed(page)
-                if not page.uses:
+                if not page.uses and not self._at_branch(page):
                     self._unhit[page.block_id] = self._handed_out
         if not now_free:
             return

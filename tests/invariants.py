@@ -207,9 +207,10 @@ def check_two_size_pool(pool: TwoSizeBlockPool, small_refs: Counter[int] | None 
     assert pool._page_cached == [
         sum(1 for b in pool.blocks[j * k:(j + 1) * k] if b.ref_cnt == 0 and b.token_ids is not None
             and pool._split[j] and b.block_id != 0) for j in range(pool.num_large)]
-    # The free checkpoints no hit used, oldest free first, each freed after nothing newer.
+    # Free checkpoints no hit used (those at a branch of their chain when freed are left
+    # out), oldest free first.
     unhit = pool._unhit
-    assert set(unhit) == {p.block_id for p in checkpoint_order(pool) if p.uses == 0}
+    assert set(unhit) <= {p.block_id for p in checkpoint_order(pool) if p.uses == 0}
     assert list(unhit.values()) == sorted(unhit.values())
     assert all(when <= pool._handed_out for when in unhit.values())
     assert pool.stale_after >= pool.num_blocks and len(pool.stale_evicted) <= pool.num_large

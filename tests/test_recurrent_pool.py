@@ -369,3 +369,26 @@ def test_layout_groups_full_sliding_and_recurrent_layers() -> None:
     assert (k - 1) * config.bytes_per_block < state_bytes <= k * config.bytes_per_block
     assert config.num_blocks % k == 0
     assert config.num_blocks * config.bytes_per_block <= 64 << 20
+
+
+def test_a_checkpoint_where_its_chain_branches_is_never_stale() -> None:
+    pool = TwoSizeBlockPool(12, 2, frozenset({RECURRENT}), eviction="worth",
+                            chained_groups=frozenset({0}), num_groups=2)
+    blocks = pool.get_new_blocks(3, 0)
+    pool.cache_full_block(blocks[0], 11, (1,), 7, serial=5)
+    pool.cache_full_block(blocks[1], 12, (2,), 5, serial=6)  # two ways on after serial 5
+    pool.cache_full_block(blocks[2], 13, (3,), 5, serial=8)
+    branch, leaf = pool.get_large_pages(2, RECURRENT)
+    pool.cache_checkpoint(branch, 11, (1,), 7, 5, worth=5)
+    pool.cache_checkpoint(leaf, 12, (2,), 5, 6, worth=5)
+    pool.free_blocks([branch, leaf])
+    for _ in range(pool.num_blocks):  # its capacity handed out, free empty blocks only
+        pool.free_blocks(pool.get_new_blocks(1, 0))
+    pool.free_blocks(blocks)
+    assert pool.stats.evictions == 0
+    free_empty = pool.num_free_blocks - 2 * 2 - 3
+    taken = pool.get_new_blocks(free_empty + 3, 0)  # a large page's room and one more
+    # The leaf went stale and goes first; then a cached block, not the branch point.
+    assert leaf.block_hash is None and branch.block_hash == 11
+    assert pool.stats.checkpoints_evicted == 1 and pool.stats.evictions == 2
+    check_two_size_pool(pool, Counter(b.block_id for b in taken), Counter())
