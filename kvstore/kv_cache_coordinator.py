@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
@@ -403,10 +404,10 @@ class KVCacheCoordinator:
         pool.free_blocks(held)
         pool.refresh(order)
 
-    def release_held(self) -> bool:
-        """Every sliding-window group stops holding pages past its requests' windows (see
-        SlidingWindowManager); returns whether any group held some."""
-        released = [manager.release_held() for manager in self.managers]  # every group
+    def release_held(self, requests: Mapping[str, Request]) -> bool:
+        """Every sliding-window group stops holding pages past the windows of the live
+        `requests` (by id; see SlidingWindowManager); returns whether any group held some."""
+        released = [manager.release_held(requests) for manager in self.managers]  # every group
         return any(released)
 
     def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:

@@ -501,7 +501,7 @@ class KVCacheManager:
     def _release_held(self, request: Request) -> None:
         """Let go of the pages held past the windows (`request` runs alone and cannot grow
         otherwise): those the windows have passed are dropped now, the others as they pass."""
-        self._coordinator.release_held()
+        self._coordinator.release_held(self._requests)
         self._quiet.clear()
 
     def _note_quiet(self, request: Request) -> None:

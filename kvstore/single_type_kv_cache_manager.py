@@ -3,7 +3,7 @@ local layers drop the ones no later query attends."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.block import KVCacheBlock
@@ -301,8 +301,9 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Replace pages no future query can attend with the null block (sliding window)."""
 
-    def release_held(self) -> bool:
-        """Stop holding pages past the window (see SlidingWindowManager); whether any were."""
+    def release_held(self, requests: Mapping[str, Request]) -> bool:
+        """Stop holding pages past the window for every live request (`requests`, by id; see
+        SlidingWindowManager); whether any were."""
         return False
 
     def num_held_freed(self, request_id: str, num_computed_tokens: int) -> int:
@@ -494,10 +495,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         prompt's end, its lookup's hit end and branch points)."""
         return {i for start, stop in self._ends[request_id] for i in range(max(start, 0), stop)}
 
-    def release_held(self) -> bool:
-        """Stop holding pages past the window for every request (the pool is short): those
-        the window has passed are dropped now, the others as it passes them. Returns
-        whether any request held pages."""
+    def release_held(self, requests: Mapping[str, Request]) -> bool:
+        """Stop holding pages past the window for every live request (`requests`, by id; the
+        pool is short): those the window has passed at its computed count are dropped now,
+        deepest first, the others as it passes them. Returns whether any request held
+        pages."""
         released = False
         for rid, holding in self._holding.items():
             if not holding:
@@ -505,7 +507,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             self._holding[rid] = False
             released = True
             table = self._req_to_blocks[rid]
-            out = [i for i in range(self._cursor[rid] - 1, -1, -1) if table[i].block_id != 0]
+            k = min(len(table), self.spec.first_needed_block(requests[rid].num_computed_tokens))
+            k = max(k, self._cursor[rid])
+            self._cursor[rid] = k
+            out = [i for i in range(k - 1, -1, -1) if table[i].block_id != 0]
             if out:
                 self._drop(rid, out, held=True)
         return released
@@ -550,14 +555,30 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return k > self._cursor[request_id]
 
     def quiet_range(self, request_id: str, num_computed_tokens: int) -> tuple[int, int] | None:
-        """See the base class; also bounded where the window moves past the next entry."""
+        """See the base class; also bounded where the window moves past the next entry it
+        drops (the window passing held entries changes nothing: `remove_skipped_blocks`
+        steps over them whenever it next runs)."""
         quiet = super().quiet_range(request_id, num_computed_tokens)
         if quiet is None:
             return None
-        cursor = self._cursor[request_id]
-        if cursor < len(self._req_to_blocks[request_id]):
-            return min(quiet[0], self.spec.leaves_window_at(cursor)), quiet[1]
+        i = self._next_unheld(request_id, self._cursor[request_id])
+        if i < len(self._req_to_blocks[request_id]):
+            return min(quiet[0], self.spec.leaves_window_at(i)), quiet[1]
         return quiet
+
+    def _next_unheld(self, request_id: str, i: int) -> int:
+        """The first table index from `i` on that is not held past the window (`_held`)."""
+        if not self._holding[request_id]:
+            return i
+        i = max(i, self._head_blocks)
+        ends = self._ends[request_id]
+        moved = True
+        while moved:
+            moved = False
+            for start, stop in ends:
+                if start <= i < stop:
+                    i, moved = stop, True
+        return i
 
     def num_skippable(self, request_id: str, num_computed_tokens: int) -> Skippable:
         """Table entries that fall out of the window, and how many of them would become free."""
