@@ -611,8 +611,10 @@ def test_heads_are_let_go_only_for_a_request_running_alone() -> None:
         free_before, head_before = m.num_free_blocks, tables(m, "a")[1][:2]
         assert m.allocate_slots(a, 4) is not None  # alone: never refused
         released = tables(m, "a")[1][:2] == [0, 0]
-        if released:  # only once nothing else was left
+        if released:  # only once nothing else was left; then all the window has passed
             assert free_before + 1 < 2 and 0 not in head_before
+            passed = first_needed(8, a.num_computed_tokens) // BS
+            assert tables(m, "a")[1][:passed] == [0] * passed
         check_tables_after_allocate(m, a, a.num_computed_tokens + 4)
         check_manager(m)
         a.num_computed_tokens += 4
