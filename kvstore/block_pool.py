@@ -838,8 +838,8 @@ class TwoSizeBlockPool(BlockPool):
         return blocks
 
     def _pop_stale(self) -> KVCacheBlock | None:
-        """The free checkpoint no hit used that was freed longest ago, if it is stale (taken
-        out of the checkpoint order)."""
+        """The free checkpoint no hit used (and not at a branch of its chain) that was freed
+        longest ago, if it is stale (taken out of the checkpoint order)."""
         if not self._unhit:
             return None
         page_id, when = next(iter(self._unhit.items()))
@@ -874,11 +874,11 @@ class TwoSizeBlockPool(BlockPool):
             del self._stale_evicted[block_hash]
             self._stale_after += self.num_blocks
 
-    def _at_branch(self, page: KVCacheBlock) -> bool:
-        """Whether the cached full-attention chain continues two ways or more after this
-        checkpoint's prefix (known where the checkpoint order tracks chains)."""
+    def _continuations(self, serial: int) -> int:
+        """How many ways the cached full-attention chain continues after the prefix of
+        content `serial` (0 where the checkpoint order tracks no chains)."""
         chain = self._chain_groups
-        return bool(chain) and len(self._children.get((min(chain), page.serial), ())) > 1
+        return len(self._children.get((min(chain), serial), ())) if chain else 0
 
     def _evict_free(self, block: KVCacheBlock) -> None:
         """Evict a free cached block the policy is handing out."""
@@ -951,7 +951,7 @@ class TwoSizeBlockPool(BlockPool):
                 self._large_empty.append(page)
             else:
                 self._large_cached.freed(page)
-                if not page.uses and not self._at_branch(page):
+                if not page.uses and self._continuations(page.serial) < 2:
                     self._unhit[page.block_id] = self._handed_out
         if not now_free:
             return
@@ -1052,7 +1052,7 @@ class TwoSizeBlockPool(BlockPool):
         if (page.token_ids is None or page.serial != serial or not self._chain_groups
                 or page.uses > 1):
             return
-        if len(self._children.get((min(self._chain_groups), serial), ())) <= 1:
+        if self._continuations(serial) <= 1:
             self._large_cached.demote(page)
 
     def _evict_large(self, page: KVCacheBlock) -> None:
