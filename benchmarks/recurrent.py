@@ -407,7 +407,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host tiers below kvstore's pool for the qwen3-next layout, in GiB: a "
                         "kvstore+host row each (empty: none)")
     p.add_argument("--repeats", type=positive_int, default=3,
-                   help="replays of the kvstore and oracle rows, fastest manager time kept")
+                   help="replays of the built-in workloads' kvstore and oracle rows, fastest "
+                        "manager time kept (the Mooncake rows run once)")
     p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="worth",
                    help="kvstore's eviction policy")
     p.add_argument("--out", type=Path, default=Path("results/recurrent"), help="output folder")
