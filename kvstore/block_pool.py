@@ -811,11 +811,11 @@ class TwoSizeBlockPool(BlockPool):
         while n > len(queue) - self._free_cached and self._large_empty:
             self._split_page(self._large_empty.pop())
         while n > len(queue) - self._free_cached:
-            stale = self._large_cached.pop_worthless() or self._pop_stale()
-            if stale is None:
+            spent = self._pop_spent()
+            if spent is None:
                 break
-            self._evict_large(stale)
-            self._split_page(stale)
+            self._evict_large(spent)
+            self._split_page(spent)
         while n > len(queue):
             page = self._large_cached.pop()
             self._evict_large(page)
@@ -836,6 +836,11 @@ class TwoSizeBlockPool(BlockPool):
             self.in_use_by_group[group_id] += n
             self._handed_out += n
         return blocks
+
+    def _pop_spent(self) -> KVCacheBlock | None:
+        """A free checkpoint worth nothing (where the order tracks chains), else a stale one,
+        taken out of the checkpoint order; None if there is neither."""
+        return self._large_cached.pop_worthless() or self._pop_stale()
 
     def _pop_stale(self) -> KVCacheBlock | None:
         """The free checkpoint no hit used (and not at a branch of its chain) that was freed
@@ -999,12 +1004,11 @@ class TwoSizeBlockPool(BlockPool):
             raise RuntimeError(f"asked for {n} large pages with {self.num_free_large_pages} free")
         pages = []
         for _ in range(n):
-            orphan = None if self._large_empty else (self._large_cached.pop_worthless()
-                                                      or self._pop_stale())
+            spent = None if self._large_empty else self._pop_spent()
             if self._large_empty:
                 page = self._large_empty.pop()
-            elif orphan is not None:
-                page = orphan
+            elif spent is not None:
+                page = spent
                 self._evict_large(page)
             elif self._empty_split:
                 page = self._merge_page(next(iter(self._empty_split)))
