@@ -667,6 +667,18 @@ class PendingCopies:
         return tuple(b.block_id for b in self._pins) + tuple(b.block_id for b in self._pins_handed_out)
 
 
+#: Optional checkpoints of a kind (prompt ends, output ends) take a page holding cached
+#: content only while at least this share of that kind's settled chances were hits (see
+#: `TwoSizeBlockPool.admit_checkpoint`) ...
+ADMIT_HIT_RATIO = 0.1
+#: ... once this many (decayed) chances of the kind are settled ...
+ADMIT_WARMUP = 8
+#: ... each settled chance weighing this much less than the next.
+ADMIT_DECAY = 1 - 1 / 64
+#: Refused checkpoints remembered by hash, per large page of the pool.
+REFUSED_PER_LARGE_PAGE = 4
+
+
 class TwoSizeBlockPool(BlockPool):
     """A pool with pages of two sizes over one memory budget: blocks (small pages, one per
     attention block) and large pages of `large_page_blocks` (k) consecutive blocks each,
@@ -745,6 +757,13 @@ class TwoSizeBlockPool(BlockPool):
         self._unhit: dict[int, int] = {}
         self._stale_after = num_blocks
         self._stale_evicted: dict[BlockHash, None] = {}
+        # Admission of optional checkpoints (see `admit_checkpoint`): per kind, the decayed
+        # counts of settled chances and of those that were hits; the kind of each cached
+        # optional checkpoint not yet settled; the hashes of the last ones refused, with
+        # their kind.
+        self._admission: dict[str, list[float]] = {}
+        self._kind_of: dict[int, str] = {}
+        self._refused: dict[BlockHash, str] = {}
 
     def group_kind(self, group_id: int) -> GroupKind:
         """See BlockPool.group_kind; "recurrent" for a recurrent group without given kinds."""
@@ -879,6 +898,60 @@ class TwoSizeBlockPool(BlockPool):
             del self._stale_evicted[block_hash]
             self._stale_after += self.num_blocks
 
+    def has_spare_large_page(self) -> bool:
+        """Whether a large page is free that holds nothing of worth: whole and empty, or a
+        checkpoint worth nothing or stale."""
+        if self._large_empty or self._large_cached.has_worthless():
+            return True
+        if not self._unhit:
+            return False
+        return next(iter(self._unhit.values())) + self._stale_after <= self._handed_out
+
+    def admit_checkpoint(self, kind: str) -> bool:
+        """Whether to take an optional checkpoint of `kind` (a prompt's or an output's end,
+        which the caller may skip) now: yes when a spare large page is free
+        (`has_spare_large_page`), else only while the kind's chances settle as hits often
+        enough (`ADMIT_HIT_RATIO` of them, decayed, after `ADMIT_WARMUP`). A chance settles
+        as a hit when a checkpoint taken is first hit or a lookup wants one refused, as a
+        miss when one taken is evicted unhit or one refused is no longer remembered (the
+        caller reports refusals through `refused_checkpoint`)."""
+        record = self._admission.setdefault(kind, [0.0, 0.0])
+        return (self.has_spare_large_page() or record[0] < ADMIT_WARMUP
+                or record[1] >= ADMIT_HIT_RATIO * record[0])
+
+    @property
+    def admission(self) -> dict[str, tuple[float, float]]:
+        """Per optional kind asked about: (settled chances, hits among them), decayed."""
+        return {kind: (record[0], record[1]) for kind, record in self._admission.items()}
+
+    def refused_checkpoint(self, kind: str, block_hash: BlockHash) -> None:
+        """A checkpoint of `kind` at the prefix ending with a block of this hash was refused
+        (`admit_checkpoint`); the last `REFUSED_PER_LARGE_PAGE` per large page are
+        remembered."""
+        refused = self._refused
+        refused.pop(block_hash, None)
+        refused[block_hash] = kind
+        if len(refused) > REFUSED_PER_LARGE_PAGE * self.num_large:
+            self._settle(refused.pop(next(iter(refused))), False)
+
+    @property
+    def refused(self) -> dict[BlockHash, str]:
+        """The hashes of the last checkpoints refused, with their kind (read only: a lookup
+        reports one it wanted through `wanted_refused`)."""
+        return self._refused
+
+    def wanted_refused(self, block_hash: BlockHash) -> None:
+        """A lookup wanted a checkpoint refused at this hash: a hit for its kind."""
+        kind = self._refused.pop(block_hash, None)
+        if kind is not None:
+            self._settle(kind, True)
+
+    def _settle(self, kind: str, hit: bool) -> None:
+        """One chance of an optional checkpoint of `kind` settled."""
+        record = self._admission[kind]
+        record[0] = record[0] * ADMIT_DECAY + 1
+        record[1] = record[1] * ADMIT_DECAY + hit
+
     def _continuations(self, serial: int) -> int:
         """How many ways the cached full-attention chain continues after the prefix of
         content `serial` (0 where the checkpoint order tracks no chains)."""
@@ -923,6 +996,9 @@ class TwoSizeBlockPool(BlockPool):
                 if block.block_id == 0:
                     raise ValueError("the null block cannot be referenced")
                 if block.block_id >= self.num_blocks:
+                    kind = self._kind_of.pop(block.block_id, None)
+                    if kind is not None:
+                        self._settle(kind, True)
                     self._large_cached.remove(block)
                     self._unhit.pop(block.block_id, None)
                     self.large_in_use_by_group[block.group_id] += 1
@@ -1027,10 +1103,13 @@ class TwoSizeBlockPool(BlockPool):
 
     def cache_checkpoint(self, page: KVCacheBlock, block_hash: BlockHash,
                          token_ids: tuple[int, ...], parent_serial: int, serial: int,
-                         parent_hash: BlockHash | None = None, worth: float = 0.0) -> None:
+                         parent_hash: BlockHash | None = None, worth: float = 0.0,
+                         kind: str = "") -> None:
         """Index a large page in use as the checkpoint of the prefix that ends with a block of
         this hash and these tokens under `parent_serial` (`serial`: that prefix's serial);
-        `worth`: the tokens it saves per block of memory (see `kvstore.eviction`)."""
+        `worth`: the tokens it saves per block of memory (see `kvstore.eviction`); `kind`:
+        why it was taken (an optional kind's chance settles as a hit at its first hit, as a
+        miss at its eviction before any: see `admit_checkpoint`)."""
         if page.block_id < self.num_blocks:
             raise RuntimeError(f"block {page.block_id} is not a large page")
         if page.token_ids is not None:
@@ -1040,6 +1119,8 @@ class TwoSizeBlockPool(BlockPool):
         page.serial = serial
         page.parent_serial = parent_serial
         page.uses = 0  # from here on: the hits that restored it
+        if kind in self._admission:
+            self._kind_of[page.block_id] = kind
         self.hash_index.add(page.group_id, block_hash, page)
         self.cached_by_group[page.group_id] += 1
         self._large_cached.note(page, worth)
@@ -1063,6 +1144,9 @@ class TwoSizeBlockPool(BlockPool):
         """Drop a checkpoint's index entry and content."""
         assert page.block_hash is not None
         self._unhit.pop(page.block_id, None)
+        kind = self._kind_of.pop(page.block_id, None)
+        if kind is not None:
+            self._settle(kind, False)
         self._drop_content(page)
         self._large_cached.forget(page)
         self.stats.checkpoints_evicted += 1
@@ -1098,6 +1182,8 @@ class TwoSizeBlockPool(BlockPool):
         self._page_cached = [0] * self.num_large
         self._unhit.clear()
         self._stale_evicted.clear()
+        self._kind_of.clear()
+        self._refused.clear()
         for j in list(self._empty_split):
             self._large_empty.append(self._merge_page(j))
         while len(self._large_cached):

@@ -492,6 +492,10 @@ class CheckpointOrder:
         none known)."""
         return None
 
+    def has_worthless(self) -> bool:
+        """Whether `pop_worthless` would return a checkpoint."""
+        return False
+
     def orphaned(self, page: KVCacheBlock) -> None:
         """A checkpoint's full-attention chain is gone (free or not); `page.orphan` is set."""
 
@@ -606,6 +610,10 @@ class WorthCheckpoints(CheckpointOrder):
         if rank:
             self._clock = max(self._clock, priority)
         return self._pages.pop(page_id)
+
+    def has_worthless(self) -> bool:
+        """Whether the first key's page is worth nothing."""
+        return bool(self._order) and self._order[0][0] == 0
 
     def pop_worthless(self) -> KVCacheBlock | None:
         """The first key's page if it is worth nothing."""

@@ -808,7 +808,7 @@ class CheckpointSearch(HitSearch):
         hashes, tokens, parents = self.hashes, self.tokens, self.parents
         pool = self.pool
         assert isinstance(pool, TwoSizeBlockPool)
-        stale = pool.stale_evicted
+        stale, refused = pool.stale_evicted, pool.refused
 
         def has_checkpoint(n: int) -> bool:
             row = probe_row(groups, hashes[n - 1], tokens[n - 1], parents[n - 1])
@@ -816,6 +816,8 @@ class CheckpointSearch(HitSearch):
                 self.row = row
             elif stale and hashes[n - 1] in stale:
                 pool.wanted_stale(hashes[n - 1])
+            elif refused and hashes[n - 1] in refused:
+                pool.wanted_refused(hashes[n - 1])
             return row is not None
 
         self.answer = longest_checkpoint_hit(cap, has_checkpoint)
@@ -893,7 +895,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
     TwoSizeBlockPool."""
 
     __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching", "_kinds",
-                 "hit_kinds", "_known", "_passed")
+                 "hit_kinds", "_known", "_passed", "_refused")
 
     def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
                  copies: PendingCopies, cache_order: Sequence[int] = (),
@@ -918,6 +920,9 @@ class RecurrentManager(SingleTypeKVCacheManager):
         # kind of the checkpoint its hit copied (absent without a hit).
         self._kinds: dict[int, str] = {}
         self.hit_kinds: dict[str, str] = {}
+        # Running requests refused a state kept for their output's end (see
+        # `TwoSizeBlockPool.admit_checkpoint`).
+        self._refused: set[str] = set()
 
     @property
     def two_size_pool(self) -> TwoSizeBlockPool:
@@ -1108,19 +1113,28 @@ class RecurrentManager(SingleTypeKVCacheManager):
                 return
             if not pool.num_free_large_pages:
                 return
-            page = pool.get_large_pages(1, self.group_id)[0]
-            self._copy(working, page)
-            pool.free_blocks((page,))  # no table holds a checkpoint: its pin is all
             n, bs = request.num_prompt_tokens, self.block_size
             kind = ("prompt_end" if nc in ((n - 1) // bs * bs, n // bs * bs)
                     else "branch_point" if planned else "every_n")
+            optional = kind == "prompt_end" and not (self._every and nc % self._every == 0)
+            if optional and not pool.admit_checkpoint(kind):
+                assert chain.block_hash is not None
+                pool.refused_checkpoint(kind, chain.block_hash)
+                return
+            page = pool.get_large_pages(1, self.group_id)[0]
+            self._copy(working, page)
+            pool.free_blocks((page,))  # no table holds a checkpoint: its pin is all
             self._index(page, request, chain, kind, nc)
             self._passed[rid].append((page, page.serial, nc))
             return
-        # Past the prompt: keep the state at the last block boundary for the output's end.
+        # Past the prompt: keep the state at the last block boundary for the output's end
+        # (asked once per request whether to, at the first boundary with a large page free).
         rolling = self._rolling.get(rid)
         if rolling is None:
-            if not pool.num_free_large_pages:
+            if not pool.num_free_large_pages or rid in self._refused:
+                return
+            if not pool.admit_checkpoint("output_end"):
+                self._refused.add(rid)
                 return
             page = pool.get_large_pages(1, self.group_id)[0]
         else:
@@ -1154,7 +1168,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
         saved = position - self._known[rid]
         self._kinds[page.block_id] = kind
         pool.cache_checkpoint(page, chain.block_hash, chain.token_ids, chain.parent_serial,
-                              chain.serial, worth=max(saved, 0) / pool.large_page_blocks)
+                              chain.serial, worth=max(saved, 0) / pool.large_page_blocks,
+                              kind=kind)
         self._known[rid] = position
 
     def checkpoint_at_end(self, request: Request) -> None:
@@ -1174,6 +1189,10 @@ class RecurrentManager(SingleTypeKVCacheManager):
         elif rolling is not None:
             page, position = rolling
         else:
+            if rid in self._refused:
+                chain = self.chain_block_at(request, nc // bs - 1)
+                if chain is not None and chain.block_hash is not None:
+                    self.two_size_pool.refused_checkpoint("output_end", chain.block_hash)
             return
         chain = self.chain_block_at(request, position // bs - 1)
         if chain is None:
@@ -1198,6 +1217,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         del self._last_serial[rid]
         del self._plan[rid]
         self.hit_kinds.pop(rid, None)
+        self._refused.discard(rid)
         del self._known[rid]
         del self._passed[rid]
         return table, []

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.block import KVCacheBlock
-from kvstore.block_pool import BlockPool, TwoSizeBlockPool
+from kvstore.block_pool import REFUSED_PER_LARGE_PAGE, BlockPool, TwoSizeBlockPool
 from kvstore.kv_cache_coordinator import KVCacheCoordinator
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.single_type_kv_cache_manager import (
@@ -214,6 +214,14 @@ def check_two_size_pool(pool: TwoSizeBlockPool, small_refs: Counter[int] | None 
     assert list(unhit.values()) == sorted(unhit.values())
     assert all(when <= pool._handed_out for when in unhit.values())
     assert pool.stale_after >= pool.num_blocks and len(pool.stale_evicted) <= pool.num_large
+    # Optional checkpoints' admission: a kind's hits never exceed its settled chances;
+    # unsettled kinds belong to cached checkpoints only; refused ones remembered are bounded.
+    for settled, hits in pool._admission.values():
+        assert 0 <= hits <= settled + 1e-9
+    for page_id, kind in pool._kind_of.items():
+        page = pool.large_blocks[page_id - pool.num_blocks]
+        assert page.token_ids is not None and kind in pool._admission
+    assert len(pool.refused) <= REFUSED_PER_LARGE_PAGE * pool.num_large
     assert pool.num_free_large_pages == (len(empty_large) + len(cached_large)
                                          + len(pool._empty_split))
     # Free checkpoints whose chain is gone come first in an order that tracks chains.

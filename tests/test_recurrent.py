@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from invariants import check_two_size_pool, checkpoint_order, internals, working_state
 
-from kvstore.block_pool import TwoSizeBlockPool
+from kvstore.block_pool import ADMIT_DECAY, TwoSizeBlockPool
 from kvstore.eviction import EVICTION_POLICIES, WorthCheckpoints
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
@@ -532,3 +532,44 @@ def test_a_lookup_that_wanted_a_stale_checkpoint_keeps_checkpoints_longer() -> N
     b = Request("b", list(range(8)) + [99])
     assert m.get_computed_blocks(b).num_computed_tokens == 0
     assert pool.stale_after == 2 * pool.num_blocks and not pool.stale_evicted
+
+
+def serve_prompt(m: KVCacheManager, req: Request) -> int:
+    """Look up, compute the prompt in chunks stopping at checkpoint positions, free; the
+    lookup's hit tokens."""
+    computed: ComputedBlocks | None = m.get_computed_blocks(req)
+    assert computed is not None
+    hit = nc = computed.num_computed_tokens
+    while nc < req.num_prompt_tokens:
+        stops = m.next_checkpoints(req, req.num_prompt_tokens - nc, computed)
+        end = stops[0] if stops else req.num_prompt_tokens
+        assert m.allocate_slots(req, end - nc, computed) is not None
+        m.take_pending_copies()
+        req.num_computed_tokens = nc = end
+        computed = None
+    m.free(req)
+    m.take_pending_copies()
+    return hit
+
+
+def test_prompt_ends_never_hit_stop_taking_room_from_a_shared_prefix() -> None:
+    m = make([FULL, STATE], num_blocks=24, eviction="worth")
+    pool = internals(m).pool
+    assert isinstance(pool, TwoSizeBlockPool)
+    shared = list(range(8))
+    reqs = [Request(f"r{i}", shared + [1000 * i + j for j in range(6)]) for i in range(40)]
+    hits = [serve_prompt(m, req) for req in reqs]
+    # The shared prefix's branch point is hit by every request after the first two; the
+    # one-off prompts' ends (12) were evicted unhit, so later ones are refused (remembered).
+    assert hits[2:] == [8] * 38
+    refused = [req for req in reqs if req.block_hashes[2] in pool.refused]
+    assert refused and pool.stats.checkpoints_taken < 38
+    settled, hit_count = pool.admission["prompt_end"]
+    assert settled >= 8 and hit_count == 0
+    check_two_size_pool(pool)
+    # A lookup wanting a refused one settles it as a hit.
+    again = Request("again", refused[-1].token_ids + [5])
+    assert m.get_computed_blocks(again).num_computed_tokens == 8  # no checkpoint at 12
+    assert pool.admission["prompt_end"] == (settled * ADMIT_DECAY + 1, 1)
+    assert refused[-1].block_hashes[2] not in pool.refused
+    check_two_size_pool(pool)

@@ -12,7 +12,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from invariants import check_two_size_pool, checkpoint_order
 
 from kvstore.block import KVCacheBlock
-from kvstore.block_pool import TwoSizeBlockPool
+from kvstore.block_pool import (
+    ADMIT_DECAY,
+    ADMIT_WARMUP,
+    REFUSED_PER_LARGE_PAGE,
+    TwoSizeBlockPool,
+)
 from kvstore.eviction import EVICTION_POLICIES, WorthCheckpoints
 from kvstore.specs import (
     FullAttentionSpec,
@@ -111,11 +116,23 @@ class TwoSizePoolMachine(RuleBasedStateMachine):
         self.next_hash += 1
 
     @precondition(lambda self: any(p.token_ids is None for p in self.large))
-    @rule(data=st.data())
-    def cache_checkpoint(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), kind=st.sampled_from(["", "prompt_end", "output_end"]))
+    def cache_checkpoint(self, data: st.DataObject, kind: str) -> None:
         page = data.draw(st.sampled_from([p for p in self.large if p.token_ids is None]))
-        self.p.cache_checkpoint(page, self.next_hash, (self.next_hash,), 7, self.next_hash)
+        if kind and not self.p.admit_checkpoint(kind):
+            self.p.refused_checkpoint(kind, self.next_hash)
+        else:
+            self.p.cache_checkpoint(page, self.next_hash, (self.next_hash,), 7, self.next_hash,
+                                    kind=kind)
         self.next_hash += 1
+
+    @rule(offset=st.integers(1, 6))
+    def want_refused(self, offset: int) -> None:
+        """A lookup wants a checkpoint at a recent hash (refused, taken or never asked)."""
+        before = self.p.admission
+        self.p.wanted_refused(self.next_hash - offset)
+        after = self.p.admission
+        assert all(after[k][1] >= before[k][1] * ADMIT_DECAY for k in before)
 
     @precondition(lambda self: any(p.token_ids is None for p in self.large))
     @rule(data=st.data(), worth=st.integers(0, 8))
@@ -392,3 +409,45 @@ def test_a_checkpoint_where_its_chain_branches_is_never_stale() -> None:
     assert leaf.block_hash is None and branch.block_hash == 11
     assert pool.stats.checkpoints_evicted == 1 and pool.stats.evictions == 2
     check_two_size_pool(pool, Counter(b.block_id for b in taken), Counter())
+
+
+def test_optional_checkpoints_take_cached_room_only_while_their_kind_is_hit() -> None:
+    pool = TwoSizeBlockPool(12, 2, frozenset({RECURRENT}), eviction="worth",
+                            chained_groups=frozenset({0}), num_groups=2)
+    page = pool.get_large_pages(1, RECURRENT)[0]
+    blocks = pool.get_new_blocks(pool.num_free_blocks, 0)  # every other page split, in use
+    for i, block in enumerate(blocks):
+        pool.cache_full_block(block, 40 + i, (40 + i,), 7)
+    pool.free_blocks(blocks)
+    assert not pool.has_spare_large_page()  # free room holds cached blocks only
+    # The first chances of a kind are taken whatever they settle as.
+    for i in range(ADMIT_WARMUP):
+        assert pool.admit_checkpoint("prompt_end")
+        pool.refused_checkpoint("prompt_end", 100 + i)
+    # Refused ones no lookup wanted settle as misses once forgotten.
+    remembered = REFUSED_PER_LARGE_PAGE * pool.num_large
+    for i in range(remembered + ADMIT_WARMUP):
+        pool.refused_checkpoint("prompt_end", 200 + i)
+    assert pool.admission["prompt_end"][1] == 0
+    assert pool.admission["prompt_end"][0] >= ADMIT_WARMUP
+    assert not pool.admit_checkpoint("prompt_end")
+    assert pool.admit_checkpoint("output_end")  # another kind: its own record
+    # Lookups wanting refused ones settle them as hits: the kind is admitted again.
+    for i in range(3):
+        pool.wanted_refused(200 + remembered + ADMIT_WARMUP - 1 - i)
+    pool.wanted_refused(999)  # never refused: nothing changes
+    assert pool.admit_checkpoint("prompt_end")
+    check_two_size_pool(pool, Counter(), Counter({page.block_id: 1}))
+    # A checkpoint taken settles as a hit at its first hit, a miss at its eviction unhit.
+    pool.free_blocks([page])
+    taken = pool.get_large_pages(1, RECURRENT)[0]
+    pool.cache_checkpoint(taken, 50, (50,), 7, 60, kind="prompt_end")
+    pool.free_blocks([taken])
+    settled, hits = pool.admission["prompt_end"]
+    pool.touch([taken])
+    assert pool.admission["prompt_end"] == (settled * ADMIT_DECAY + 1, hits * ADMIT_DECAY + 1)
+    pool.free_blocks([taken])
+    check_two_size_pool(pool)
+    # A spare page (whole and empty) admits whatever the record says.
+    pool.reset_prefix_cache()
+    assert pool.has_spare_large_page() and pool.admit_checkpoint("prompt_end")
