@@ -889,8 +889,10 @@ class RecurrentManager(SingleTypeKVCacheManager):
     and at its end (preempted or finished) when that is a block boundary, else at the last
     block boundary its output reached (kept in a second large page while it decodes).
     Taking one queues a copy of the working state into a fresh large page, when one is
-    free: checkpoints never make an allocation fail. A checkpoint's worth (for eviction by
-    worth) is the tokens since the last checkpoint the request knew on its chain (its hit,
+    free (for a prompt's or an output's end, when the pool admits it:
+    `TwoSizeBlockPool.admit_checkpoint`): checkpoints never make an allocation fail. A
+    checkpoint's worth (for eviction by worth) is the tokens since the last checkpoint the
+    request knew on its chain (its hit,
     or one it took or found), or since 0, per block of a large page. The pool must be a
     TwoSizeBlockPool."""
 
