@@ -892,9 +892,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
     free (for a prompt's or an output's end, when the pool admits it:
     `TwoSizeBlockPool.admit_checkpoint`): checkpoints never make an allocation fail. A
     checkpoint's worth (for eviction by worth) is the tokens since the last checkpoint the
-    request knew on its chain (its hit,
-    or one it took or found), or since 0, per block of a large page. The pool must be a
-    TwoSizeBlockPool."""
+    request knew on its chain (its hit, or one it took or found), or since 0, per block of
+    a large page. The pool must be a TwoSizeBlockPool."""
 
     __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching", "_kinds",
                  "hit_kinds", "_known", "_passed", "_refused")
