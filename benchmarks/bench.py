@@ -288,29 +288,20 @@ _STYLE = {
 Panel = tuple[str, str, Sequence[str], float, bool]
 
 
-def _series(result: SweepResult, keys: Sequence[str]) -> list[dict[str, Any]]:
-    out = []
-    for r in result.rows:
-        if r.feasible and r.budget_bytes is not None:
-            flat = r.as_dict()
-            out.append({"policy": r.policy, "budget_bytes": r.budget_bytes,
-                        "budget_gib": r.budget_bytes / 2**30, **{k: flat.get(k) for k in keys}})
-    return out
-
-
-def _plot_panels(axes: Sequence[Any], data: Sequence[dict[str, Any]], panels: Sequence[Panel]) -> None:
+def _plot_panels(axes: Sequence[Any], rows: Sequence[dict[str, Any]], panels: Sequence[Panel]) -> None:
     """Each panel's metric against the budget (log x, largest budget left), a line per policy
     (a tiered one dashed, in its base policy's colour)."""
     for ax, (key, title, policies, scale, log) in zip(axes, panels, strict=True):
-        shown = [d for d in data if not log or (d[key] or 0) > 0]
+        shown = [d for d in rows if not log or (d[key] or 0) > 0]
         for p in policies:
-            pts = [(d["budget_gib"], d[key]) for d in shown if d["policy"] == p and d[key] is not None]
+            pts = [(d["budget_bytes"] / 2**30, d[key]) for d in shown
+                   if d["policy"] == p and d[key] is not None]
             if pts:
                 base = p.removesuffix("+tiers")
                 color, marker = _STYLE.get(base, (None, "o"))
                 ax.plot([x for x, _ in pts], [y / scale for _, y in pts], marker=marker,
                         color=color, label=p, ms=5, ls="--" if base != p else "-")
-        mark_x(ax, [d["budget_gib"] for d in shown], lambda b: format_bytes(b * 2**30))
+        mark_x(ax, [d["budget_bytes"] / 2**30 for d in shown], lambda b: format_bytes(b * 2**30))
         ax.invert_xaxis()
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title(title)
@@ -321,71 +312,50 @@ def _plot_panels(axes: Sequence[Any], data: Sequence[dict[str, Any]], panels: Se
             ax.legend(fontsize=8)
 
 
-def write_figures(result: SweepResult, out: Path, run: RunInfo | None = None) -> list[Path]:
-    """The sweep's three figures as PNG, each with a JSON (carrying `run` when given) and a
-    CSV of what it plots."""
+def write_figures(result: SweepResult, out: Path) -> list[Path]:
+    """The sweep's three figures as PNG (what they plot is in ``sweep.csv``)."""
     plt = pyplot()
     m = result.meta
     policies = list(m.policies)
     caching = [p for p in policies if POLICIES[p].enable_caching]
     sub = f"{m.workload}, {m.model_shape}, block {m.block_size}"
-    written: list[Path] = []
-
-    def figure(name: str, keys: Sequence[str], grid: tuple[int, int], size: tuple[float, float],
-               panels: Sequence[Panel], title: str | None = None,
-               finish: Callable[[Sequence[Any]], dict[str, Any]] = lambda axes: {}) -> None:
-        data = _series(result, keys)
-        fig, axes = plt.subplots(*grid, figsize=size)
-        axes = list(getattr(axes, "flat", axes))
-        _plot_panels(axes, data, panels)
-        if title:
-            fig.suptitle(title)
-        extra = finish(axes)
-        save_figure(fig, out / f"{name}.png", dpi=110)
-        write_csv(out / f"{name}.csv", data)
-        doc = {"figure": name, **extra, "rows": data}
-        if run is not None:
-            doc["run"] = run.as_dict()
-        write_json(out / f"{name}.json", doc)
-        written.extend(out / f"{name}.{ext}" for ext in ("png", "json", "csv"))
-
-    def hit_rate(axes: Sequence[Any]) -> dict[str, Any]:
-        ax, ax2 = axes
-        ax.axhline(m.ideal_token_hit_rate, color="k", ls="--", lw=1, label="ideal (token)")
-        ax.axhline(m.ideal_block_hit_rate, color="k", ls=":", lw=1, label="ideal (whole blocks)")
-        ax.set_xlabel("KV budget (GiB, log; smaller to the right)")
-        ax.set_ylabel("prompt tokens served from cache (first admission)")
-        ax.set_ylim(0, 1)
-        ax.legend(fontsize=8)
-        ax2.set_ylabel("tokens reused by partial hits (copy-on-write)")
-        if not ax2.lines:
-            ax2.set_title("Partial-hit reuse (no partial-hit policy)")
-        return {"ideal_token_hit_rate": m.ideal_token_hit_rate,
-                "ideal_block_hit_rate": m.ideal_block_hit_rate,
-                "unbounded": {p: r.metrics.prompt_hit_rate if r.metrics else None
-                              for p, r in result.unbounded.items()}}
-
-    figure("hit_rate_vs_pool", ("prompt_hit_rate", "hit_rate", "vs_unbounded", "vs_ideal",
-                                "partial_hit_tokens"), (1, 2), (12, 4.5),
-           [("prompt_hit_rate", f"Prefix hit rate vs KV memory\n{sub}", caching, 1.0, False),
+    rows = [r.as_dict() for r in result.rows if r.feasible]
+    # name: (subplot grid, size, title, panels)
+    figures: dict[str, tuple[tuple[int, int], tuple[float, float], str | None, list[Panel]]] = {
+        "hit_rate_vs_pool": ((1, 2), (12, 4.5), None, [
+            ("prompt_hit_rate", f"Prefix hit rate vs KV memory\n{sub}", caching, 1.0, False),
             ("partial_hit_tokens", "Partial-hit reuse",
-             [p for p in caching if POLICIES[p].enable_partial_hits], 1.0, False)],
-           finish=hit_rate)
-    figure("cost_vs_pool", ("computed_tokens", "recomputed_tokens", "preemptions", "evictions",
-                            "saved_tokens"), (2, 2), (12, 8),
-           [("computed_tokens", "tokens computed (total work)", policies, 1.0, False),
+             [p for p in caching if POLICIES[p].enable_partial_hits], 1.0, False)]),
+        "cost_vs_pool": ((2, 2), (12, 8), f"Cost vs KV memory — {sub}", [
+            ("computed_tokens", "tokens computed (total work)", policies, 1.0, False),
             ("recomputed_tokens", "tokens recomputed after preemption", policies, 1.0, False),
             ("preemptions", "preemptions", policies, 1.0, False),
-            ("evictions", "cache evictions", policies, 1.0, False)],
-           f"Cost vs KV memory — {sub}")
-    figure("paged_vs_naive", ("steps", "mean_idle_bytes", "peak_kv_bytes", "mean_idle_fraction",
-                              "peak_idle_bytes", "finish_time"), (1, 3), (15, 4.5),
-           [("steps", "steps to finish the workload", policies, 1.0, True),
+            ("evictions", "cache evictions", policies, 1.0, False)]),
+        "paged_vs_naive": ((1, 3), (15, 4.5), f"Paged vs naive reservation — {sub}", [
+            ("steps", "steps to finish the workload", policies, 1.0, True),
             ("mean_idle_bytes", "reserved but idle KV, mean per step (MiB, log)", policies,
              2**20, True),
-            ("peak_kv_bytes", "peak KV in use (GiB)", policies, 2**30, False)],
-           f"Paged vs naive reservation — {sub}")
-    return written
+            ("peak_kv_bytes", "peak KV in use (GiB)", policies, 2**30, False)]),
+    }
+    for name, (grid, size, title, panels) in figures.items():
+        fig, axes = plt.subplots(*grid, figsize=size)
+        axes = list(axes.flat)
+        _plot_panels(axes, rows, panels)
+        if title:
+            fig.suptitle(title)
+        if name == "hit_rate_vs_pool":
+            ax, ax2 = axes
+            ax.axhline(m.ideal_token_hit_rate, color="k", ls="--", lw=1, label="ideal (token)")
+            ax.axhline(m.ideal_block_hit_rate, color="k", ls=":", lw=1, label="ideal (whole blocks)")
+            ax.set_xlabel("KV budget (GiB, log; smaller to the right)")
+            ax.set_ylabel("prompt tokens served from cache (first admission)")
+            ax.set_ylim(0, 1)
+            ax.legend(fontsize=8)
+            ax2.set_ylabel("tokens reused by partial hits (copy-on-write)")
+            if not ax2.lines:
+                ax2.set_title("Partial-hit reuse (no partial-hit policy)")
+        save_figure(fig, out / f"{name}.png", dpi=110)
+    return [out / f"{name}.png" for name in figures]
 
 
 def write_results(result: SweepResult, out: Path, run: RunInfo | None = None,
@@ -401,9 +371,7 @@ def write_results(result: SweepResult, out: Path, run: RunInfo | None = None,
     tables = _markdown(_table(result, wide=True)) + ("" if group is None else "\n" + _markdown(group))
     (out / "tables.md").write_text(tables, encoding="utf-8")
     written = [out / "sweep.json", out / "sweep.csv", out / "tables.md"]
-    if figures:
-        written += write_figures(result, out, run)
-    return written
+    return written + write_figures(result, out) if figures else written
 
 
 # ---------------------------------------------------------------------------------- CLI

@@ -32,9 +32,9 @@ from kvstore.utils import cdiv
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The KV-relevant shape of a model. Its hybrid layout makes every ``sliding_per_full +
-    1``-th layer full attention and the others windows of ``sliding_window`` tokens (0: all
-    full); with ``kv_lora_rank`` the layers are multi-head latent attention (``MLASpec``)."""
+    """The KV-relevant shape of a model. Its hybrid layout is ``sliding_per_full`` layers of
+    ``sliding_window`` tokens, then one full-attention layer, repeated (0: all full); with
+    ``kv_lora_rank`` the layers are multi-head latent attention (``MLASpec``)."""
 
     name: str
     num_layers: int
@@ -66,7 +66,7 @@ class ModelShape:
         return FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     def hybrid_specs(self, block_size: int) -> list[KVCacheSpec]:
-        """``sliding_per_full`` sliding-window layers, then one full layer, repeated."""
+        """The hybrid layout's layers."""
         full = self._full(block_size)
         local = SlidingWindowSpec(block_size, self.num_kv_heads, self.head_dim, self.dtype,
                                   window=self.sliding_window)
@@ -142,21 +142,20 @@ def policy_named(name: str) -> Policy:
     a caching policy with the sweep's tiers (both registered in POLICIES on first use)."""
     from kvstore.eviction import EVICTION_POLICIES
 
-    policy = POLICIES.get(name)
-    if policy is None and name.endswith(TIERED_SUFFIX):
-        b = policy_named(name[:-len(TIERED_SUFFIX)])
+    if name in POLICIES:
+        return POLICIES[name]
+    if name.endswith(TIERED_SUFFIX):
+        b = policy_named(name.removesuffix(TIERED_SUFFIX))
         if not b.enable_caching or b.tiered:
             raise KeyError(f"unknown policy {name!r}: tiers need a caching policy")
-        policy = POLICIES[name] = replace(b, name=name, label=f"{b.label}, with tiers",
-                                          tiered=True, base=b.name)
-    if policy is None and "@" in name:
-        base, eviction = name.split("@", 1)
-        if base in POLICIES and eviction in EVICTION_POLICIES:
-            b = POLICIES[base]
-            policy = POLICIES[name] = replace(
-                b, name=name, label=f"{b.label}, {eviction} eviction", eviction=eviction)
-    if policy is None:
-        raise KeyError(f"unknown policy {name!r}")
+        policy = replace(b, name=name, label=f"{b.label}, with tiers", tiered=True, base=b.name)
+    else:
+        base, _, eviction = name.partition("@")
+        if base not in POLICIES or eviction not in EVICTION_POLICIES:
+            raise KeyError(f"unknown policy {name!r}")
+        b = POLICIES[base]
+        policy = replace(b, name=name, label=f"{b.label}, {eviction} eviction", eviction=eviction)
+    POLICIES[name] = policy
     return policy
 
 
@@ -277,9 +276,9 @@ class SweepRow:
     padding_layers: int
     kept_whole_layers: int  # sliding layers held as full attention (group packing)
     bytes_per_block: int
-    feasible: bool
-    error: str
-    wall_s: float
+    feasible: bool = False
+    error: str = ""
+    wall_s: float = 0.0
     metrics: SimResult | None = None
     budget_label: str | None = None
     vs_unbounded: float | None = None
@@ -330,7 +329,7 @@ class SweepMeta:
     ideal_token_hit_tokens: int
     ideal_block_hit_tokens: int
     jobs: int
-    wall_s: float
+    wall_s: float = 0.0
     total_replays: int = 0
     completed_replays: int = 0
     interrupted: bool = False  # Ctrl-C: only `completed_replays` of the rows are present
@@ -366,10 +365,7 @@ def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size:
     pool holds fewer than 2 blocks or some request can never fit it."""
     if policy.tiered and not tiers:
         raise ValueError(f"policy {policy.name} needs tiers (TierOptions)")
-    sched = sched or SchedulerConfig()
-    if policy.reserve_full_output != sched.reserve_full_output:
-        sched = SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs,
-                                policy.reserve_full_output)
+    sched = replace(sched or SchedulerConfig(), reserve_full_output=policy.reserve_full_output)
     t0 = time.perf_counter()
     hybrid = policy.layout == "hybrid"
     specs = shape.hybrid_specs(block_size) if hybrid else shape.full_specs(block_size)
@@ -383,7 +379,7 @@ def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size:
         num_blocks = budget // bpb
     row = SweepRow(policy.name, policy.layout, index, budget, budget is None, num_blocks,
                    len(layout.groups), layout.num_slots, layout.num_padding_layers,
-                   layout.num_kept_whole_layers, bpb, feasible=False, error="", wall_s=0.0)
+                   layout.num_kept_whole_layers, bpb)
     if num_blocks < 2:
         row.error = (f"{format_bytes(budget or 0)} holds {num_blocks} blocks of "
                      f"{format_bytes(bpb)}; a pool needs at least 2 (one is the null block)")
@@ -424,32 +420,29 @@ def sigint_ignored() -> Iterator[None]:
 
 
 Task = tuple[str, int | None, int]  # policy, budget (None: unbounded), budget index
-_WORKER: dict[str, Any] = {}
+_WORKER: dict[str, Any] = {}  # run_point's other arguments, set once per process
 
 
-def _init_worker(workload: Workload, shape: ModelShape, block_size: int,
-                 sched: SchedulerConfig, tiers: TierOptions | None = None,
-                 ignore_sigint: bool = False) -> None:
+def _init_worker(context: dict[str, Any], ignore_sigint: bool = False) -> None:
     if ignore_sigint:  # Ctrl-C is the parent's to handle: it terminates the workers
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _WORKER.update(workload=workload, shape=shape, block_size=block_size, sched=sched,
-                   tiers=tiers)
+    _WORKER.update(context)
 
 
 def _run_task(task: Task) -> SweepRow:
-    w = _WORKER
     policy, budget, index = task
+    w = _WORKER
     return run_point(w["workload"], policy_named(policy), w["shape"], w["block_size"], budget,
                      w["sched"], index=index, tiers=w["tiers"])
 
 
-def _run_parallel(tasks: Sequence[Task], jobs: int, initargs: tuple[Any, ...],
+def _run_parallel(tasks: Sequence[Task], jobs: int, context: dict[str, Any],
                   on_row: Callable[[SweepRow], None]) -> None:
     """Run `tasks` on `jobs` processes that ignore Ctrl-C; on any exception (Ctrl-C
     included) terminate them at once and re-raise."""
     with sigint_ignored():  # the workers start with SIGINT ignored, before their initializer
         pool = multiprocessing.get_context().Pool(jobs, initializer=_init_worker,
-                                                  initargs=(*initargs, True))
+                                                  initargs=(context, True))
     try:
         for row in pool.imap_unordered(_run_task, tasks):
             on_row(row)
@@ -471,6 +464,8 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
               tiers: TierOptions | None = None, step_time: StepTime = DEFAULT_STEP_TIME) -> SweepResult:
     """Replay `workload` under every policy at every budget (bytes) and unbounded, over `jobs`
     processes (`on_start(n)`: n replays; `progress(row)`: one finished; Ctrl-C: SweepInterrupted)."""
+    from kvstore.tiers.valkey_store import redact_url
+
     if isinstance(shape, str):
         shape = MODEL_SHAPES[shape]
     unknown = [p for p in policies if p not in POLICIES]
@@ -488,66 +483,10 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
               if POLICIES[p].enable_caching and not POLICIES[p].tiered]
     if on_start is not None:
         on_start(len(tasks))
-    jobs = jobs if jobs is not None else min(4, os.cpu_count() or 1)
-    rows: list[SweepRow] = []
-
-    def on_row(row: SweepRow) -> None:
-        rows.append(row)
-        if progress is not None:
-            progress(row)
-
-    def collect() -> SweepResult:
-        return _collect(workload, shape, block_size, budgets, policies, sched, jobs, tiers, rows,
-                        len(tasks), time.perf_counter() - t0, step_time)
-
-    t0 = time.perf_counter()
-    try:
-        if jobs <= 1:
-            _init_worker(workload, shape, block_size, sched, tiers)
-            for task in tasks:
-                on_row(_run_task(task))
-        else:  # longest first (small pools run the most steps) to balance the workers
-            _run_parallel(sorted(tasks, key=lambda t: math.inf if t[1] is None else t[1]),
-                          jobs, (workload, shape, block_size, sched, tiers), on_row)
-    except KeyboardInterrupt:
-        with sigint_ignored():
-            partial = collect()
-        raise SweepInterrupted(partial) from None
-    return collect()
-
-
-def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: list[int],
-             policies: Sequence[str], sched: SchedulerConfig, jobs: int,
-             tiers: TierOptions | None, rows: list[SweepRow],
-             total: int, wall: float, step_time: StepTime) -> SweepResult:
-    """The result from the rows that finished: sorted, labelled, scored against the
-    unbounded replays and the ideal."""
-    from kvstore.tiers.valkey_store import redact_url
-
-    order = {p: i for i, p in enumerate(policies)}
-    rows = sorted(rows, key=lambda r: (r.point, order[r.policy]))
-    unbounded = {r.policy: r for r in rows if r.unbounded}
-    rows = [r for r in rows if not r.unbounded]
-    ideal_tok = ideal_hit_tokens(workload.requests, include_outputs=True)
-    ideal_blk = ideal_hit_tokens(workload.requests, block_size, include_outputs=True)
-    for r in [*rows, *unbounded.values()]:
-        if r.metrics is not None:
-            r.model_time_s = r.metrics.model_time(step_time)
-    for r in rows:
-        assert r.budget_bytes is not None
-        r.budget_label = format_bytes(r.budget_bytes)
-        policy = POLICIES[r.policy]
-        if r.metrics is None or not policy.enable_caching:
-            continue
-        ref = unbounded.get(policy.reference)
-        ideal = ideal_tok if policy.enable_partial_hits else ideal_blk
-        hits = r.metrics.prompt_hit_tokens
-        r.vs_unbounded = (hits / ref.metrics.prompt_hit_tokens
-                          if ref and ref.metrics and ref.metrics.prompt_hit_tokens else None)
-        r.vs_ideal = hits / ideal.total if ideal.total else None
     need = request_blocks(workload, block_size)
     blk = shape.block_bytes(block_size)
-    done = len(rows) + len(unbounded)
+    ideal_tok = ideal_hit_tokens(workload.requests, include_outputs=True)
+    ideal_blk = ideal_hit_tokens(workload.requests, block_size, include_outputs=True)
     meta = SweepMeta(
         workload=workload.name, description=workload.description,
         num_requests=len(workload.requests), prompt_tokens=workload.num_prompt_tokens,
@@ -561,10 +500,59 @@ def _collect(workload: Workload, shape: ModelShape, block_size: int, budgets: li
                    "max_num_seqs": sched.max_num_seqs},
         ideal_token_hit_rate=ideal_tok.rate, ideal_block_hit_rate=ideal_blk.rate,
         ideal_token_hit_tokens=ideal_tok.total, ideal_block_hit_tokens=ideal_blk.total,
-        jobs=jobs, wall_s=wall, total_replays=total, completed_replays=done,
-        interrupted=done < total, step_time=step_time,
+        jobs=jobs if jobs is not None else min(4, os.cpu_count() or 1), total_replays=len(tasks),
+        step_time=step_time,
         tiers={"host_bytes": tiers.host_bytes,
                "store": tiers.store and redact_url(tiers.store)} if tiers else {})
+    context = {"workload": workload, "shape": shape, "block_size": block_size, "sched": sched,
+               "tiers": tiers}
+    rows: list[SweepRow] = []
+
+    def on_row(row: SweepRow) -> None:
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+
+    t0 = time.perf_counter()
+    try:
+        if meta.jobs <= 1:
+            _init_worker(context)
+            for task in tasks:
+                on_row(_run_task(task))
+        else:  # longest first (small pools run the most steps) to balance the workers
+            _run_parallel(sorted(tasks, key=lambda t: math.inf if t[1] is None else t[1]),
+                          meta.jobs, context, on_row)
+    except KeyboardInterrupt:
+        with sigint_ignored():
+            partial = _score(meta, rows, time.perf_counter() - t0)
+        raise SweepInterrupted(partial) from None
+    return _score(meta, rows, time.perf_counter() - t0)
+
+
+def _score(meta: SweepMeta, rows: list[SweepRow], wall: float) -> SweepResult:
+    """The result from the rows that finished: sorted, labelled, scored against the
+    unbounded replays and the ideal."""
+    order = {p: i for i, p in enumerate(meta.policies)}
+    rows = sorted(rows, key=lambda r: (r.point, order[r.policy]))
+    unbounded = {r.policy: r for r in rows if r.unbounded}
+    rows = [r for r in rows if not r.unbounded]
+    for r in [*rows, *unbounded.values()]:
+        if r.metrics is not None:
+            r.model_time_s = r.metrics.model_time(meta.step_time)
+    for r in rows:
+        assert r.budget_bytes is not None
+        r.budget_label = format_bytes(r.budget_bytes)
+        policy = POLICIES[r.policy]
+        if r.metrics is None or not policy.enable_caching:
+            continue
+        ref = unbounded.get(policy.reference)
+        ideal = meta.ideal_token_hit_tokens if policy.enable_partial_hits else meta.ideal_block_hit_tokens
+        hits = r.metrics.prompt_hit_tokens
+        r.vs_unbounded = (hits / ref.metrics.prompt_hit_tokens
+                          if ref and ref.metrics and ref.metrics.prompt_hit_tokens else None)
+        r.vs_ideal = hits / ideal if ideal else None
+    meta = replace(meta, wall_s=wall, completed_replays=len(rows) + len(unbounded))
+    meta.interrupted = meta.completed_replays < meta.total_replays
     result = SweepResult(meta, rows, unbounded)
     result.findings = find_tension(result)
     return result

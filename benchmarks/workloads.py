@@ -60,11 +60,11 @@ def tokens_to_tuple(tokens: np.ndarray, vocab_size: int | None = None) -> tuple[
     """Token ids as a tuple of Python ints; with a (not huge) ``vocab_size``, equal ids
     share one int object."""
     arr = np.asarray(tokens, dtype=np.int64)
-    if vocab_size is not None and vocab_size <= _INTERN_MAX_VOCAB:
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
-            raise ValueError(f"token ids out of range for vocab_size={vocab_size}")
-        return tuple(_int_table(vocab_size)[arr])
-    return tuple(arr.tolist())
+    if vocab_size is None or vocab_size > _INTERN_MAX_VOCAB:
+        return tuple(arr.tolist())
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
+        raise ValueError(f"token ids out of range for vocab_size={vocab_size}")
+    return tuple(_int_table(vocab_size)[arr])
 
 
 def _rng(seed: int | np.random.Generator) -> np.random.Generator:
@@ -75,12 +75,11 @@ def _random_tokens(rng: np.random.Generator, n: int, vocab_size: int) -> np.ndar
     return rng.integers(0, vocab_size, size=int(n), dtype=np.int64)
 
 
-def _uniform_lengths(rng: np.random.Generator, n: int, bounds: tuple[int, int], what: str
-                     ) -> np.ndarray:
-    lo, hi = int(bounds[0]), int(bounds[1])
-    if lo < 0 or hi < lo:
+def _uniform_lengths(rng: np.random.Generator, n: int, bounds: tuple[int, int], what: str) -> np.ndarray:
+    low, high = int(bounds[0]), int(bounds[1])
+    if low < 0 or high < low:
         raise ValueError(f"{what} must be (low, high) with 0 <= low <= high, got {bounds}")
-    return rng.integers(lo, hi + 1, size=n, dtype=np.int64)
+    return rng.integers(low, high + 1, size=n, dtype=np.int64)
 
 
 def _check_common(num: int, vocab_size: int, what: str) -> None:
@@ -95,12 +94,9 @@ def arrival_times(seed: int | np.random.Generator, n: int, rate: float) -> np.nd
     all at 0)."""
     if not rate > 0:
         raise ValueError(f"rate must be > 0, got {rate}")
-    if n <= 0:
-        return np.zeros(0, dtype=np.float64)
-    if math.isinf(rate):
-        return np.zeros(n, dtype=np.float64)
-    gaps = _rng(seed).exponential(1.0 / rate, size=n - 1)
-    return np.concatenate(([0.0], np.cumsum(gaps)))
+    if n <= 0 or math.isinf(rate):
+        return np.zeros(max(n, 0), dtype=np.float64)
+    return np.concatenate(([0.0], np.cumsum(_rng(seed).exponential(1.0 / rate, size=n - 1))))
 
 
 def heavy_tailed_lengths(seed: int | np.random.Generator, n: int, *, median: float = 128,
@@ -115,19 +111,14 @@ def heavy_tailed_lengths(seed: int | np.random.Generator, n: int, *, median: flo
     return np.clip(np.rint(draws), low, high).astype(np.int64)
 
 
-def _finish(name: str, description: str, requests: list[RequestSpec]) -> Workload:
-    requests.sort(key=lambda r: r.arrival)
-    return Workload(name=name, requests=requests, description=description)
-
-
 def _outputs(median: float, sigma: float, high: int) -> str:
     return f"lognormal outputs (median {median}, sigma {sigma}, max {high})"
 
 
-def _prefixed(rng: np.random.Generator, name: str, id_prefix: str,
-              prefixes: Sequence[np.ndarray], which: np.ndarray, tail_len: tuple[int, int],
-              what: str, outputs: tuple[float, float, int], rate: float, vocab_size: int,
-              head: str, seed: int) -> Workload:
+def _prefixed(rng: np.random.Generator, name: str, id_prefix: str, prefixes: Sequence[np.ndarray],
+              which: np.ndarray, tail_len: tuple[int, int], what: str,
+              outputs: tuple[float, float, int], rate: float, vocab_size: int, head: str,
+              seed: int) -> Workload:
     """Request i = prefixes[which[i]] + a random tail of a length uniform in `tail_len`;
     tail lengths, tail tokens, output lengths and arrivals drawn from `rng` in that order."""
     n = len(which)
@@ -139,8 +130,9 @@ def _prefixed(rng: np.random.Generator, name: str, id_prefix: str,
     requests = [RequestSpec(f"{id_prefix}-{i:05d}", float(arrivals[i]), tokens_to_tuple(
         np.concatenate((prefixes[which[i]], tails[i])), vocab_size), int(outs[i]))
         for i in range(n)]
-    desc = f"{head}; {_outputs(*outputs)}; poisson arrivals at {rate}/s; seed {seed}"
-    return _finish(name, desc, requests)
+    requests.sort(key=lambda r: r.arrival)
+    return Workload(name, requests, f"{head}; {_outputs(*outputs)}; poisson arrivals at {rate}/s; "
+                                    f"seed {seed}")
 
 
 def shared_system_prompts(num_requests: int = 200, *, num_prompts: int = 4,
@@ -173,21 +165,20 @@ def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 
     arriving after that output and an exponential think time; ``system_len`` tokens of
     shared system prompt open every conversation."""
     _check_common(num_conversations, vocab_size, "num_conversations")
-    lo_t, hi_t = (turns, turns) if isinstance(turns, int) else (int(turns[0]), int(turns[1]))
-    if lo_t < 1 or hi_t < lo_t:
+    low, high = (turns, turns) if isinstance(turns, int) else (int(turns[0]), int(turns[1]))
+    if low < 1 or high < low:
         raise ValueError(f"turns must be >= 1 (or a (low, high) range), got {turns}")
     if think_time < 0:
         raise ValueError(f"think_time must be >= 0, got {think_time}")
     rng = np.random.default_rng(seed)
     system = _random_tokens(rng, system_len, vocab_size)
     starts = arrival_times(rng, num_conversations, rate)
-    n_turns = rng.integers(lo_t, hi_t + 1, size=num_conversations)
+    n_turns = rng.integers(low, high + 1, size=num_conversations)
     requests: list[RequestSpec] = []
     for c in range(num_conversations):
         nt = int(n_turns[c])
         ulens = _uniform_lengths(rng, nt, user_len, "user_len")
-        outs = heavy_tailed_lengths(rng, nt, median=output_median, sigma=output_sigma,
-                                    high=output_max)
+        outs = heavy_tailed_lengths(rng, nt, median=output_median, sigma=output_sigma, high=output_max)
         user_toks = _random_tokens(rng, ulens.sum(), vocab_size)
         out_toks = _random_tokens(rng, outs.sum(), vocab_size)
         u_off = np.concatenate(([0], np.cumsum(ulens)))
@@ -201,16 +192,15 @@ def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 
                 # Strictly after the previous turn, even with zero think time.
                 t += max(outs[k - 1] * SECONDS_PER_OUTPUT_TOKEN + gaps[k], 1e-3)
             pieces.append(user_toks[u_off[k] : u_off[k + 1]])
-            requests.append(RequestSpec(
-                f"chat-c{c:04d}-t{k:02d}", t, tokens_to_tuple(np.concatenate(pieces), vocab_size),
-                int(outs[k]), output_token_ids=tokens_to_tuple(out_toks[o_off[k]:o_off[k + 1]],
-                                                               vocab_size)))
-    desc = (f"{num_conversations} conversations of {turns} turns; each turn = previous prompt + "
-            f"previous output + new user message ({user_len[0]}..{user_len[1]} tokens); shared "
-            f"system prompt of {system_len} tokens; "
-            f"{_outputs(output_median, output_sigma, output_max)}; conversations start at "
-            f"{rate}/s (poisson), think time {think_time}s; seed {seed}")
-    return _finish("multi_turn_chat", desc, requests)
+            output = tokens_to_tuple(out_toks[o_off[k] : o_off[k + 1]], vocab_size)
+            requests.append(RequestSpec(f"chat-c{c:04d}-t{k:02d}", t, tokens_to_tuple(
+                np.concatenate(pieces), vocab_size), int(outs[k]), output_token_ids=output))
+    requests.sort(key=lambda r: r.arrival)
+    return Workload("multi_turn_chat", requests, (
+        f"{num_conversations} conversations of {turns} turns; each turn = previous prompt + "
+        f"previous output + new user message ({user_len[0]}..{user_len[1]} tokens); shared "
+        f"system prompt of {system_len} tokens; {_outputs(output_median, output_sigma, output_max)}; "
+        f"conversations start at {rate}/s (poisson), think time {think_time}s; seed {seed}"))
 
 
 def few_shot(num_requests: int = 100, num_examples: int = 8, *, num_tasks: int = 1,
@@ -237,15 +227,13 @@ def few_shot(num_requests: int = 100, num_examples: int = 8, *, num_tasks: int =
 
 def unique_prompts(num_requests: int = 100, *, prompt_len: tuple[int, int] = (64, 2048),
                    output_median: float = 128, output_sigma: float = 1.2, output_max: int = 2048,
-                   rate: float = 10.0, vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0
-                   ) -> Workload:
+                   rate: float = 10.0, vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> Workload:
     """Requests with independent random prompts: no intended sharing."""
     _check_common(num_requests, vocab_size, "num_requests")
     head = f"{num_requests} unique prompts of {prompt_len[0]}..{prompt_len[1]} tokens"
-    return _prefixed(np.random.default_rng(seed), "unique_prompts", "unique",
-                     [np.zeros(0, np.int64)], np.zeros(num_requests, np.int64), prompt_len,
-                     "prompt_len", (output_median, output_sigma, output_max), rate, vocab_size,
-                     head, seed)
+    return _prefixed(np.random.default_rng(seed), "unique_prompts", "unique", [np.zeros(0, np.int64)],
+                     np.zeros(num_requests, np.int64), prompt_len, "prompt_len",
+                     (output_median, output_sigma, output_max), rate, vocab_size, head, seed)
 
 
 def mixed_default(seed: int = 0, num_requests: int = 300, *, rate: float = 10.0,
@@ -268,10 +256,10 @@ def mixed_default(seed: int = 0, num_requests: int = 300, *, rate: float = 10.0,
     parts = [gen(n, rate=max(n, 1) / span, vocab_size=vocab_size, seed=s, output_median=100,
                  output_sigma=1.2, output_max=2048, **kw)
              for (gen, n, kw), s in zip(jobs, seeds, strict=True)]
-    requests = [r for w in parts for r in w.requests]
-    desc = (f"mixed: {n_sys} shared-system-prompt requests, {n_conv} chats x {turns} turns, "
-            f"{n_few} few-shot, {n_uni} unique; ~{rate} req/s overall; seed {seed}")
-    return _finish("mixed_default", desc, requests)
+    requests = sorted((r for w in parts for r in w.requests), key=lambda r: r.arrival)
+    return Workload("mixed_default", requests, (
+        f"mixed: {n_sys} shared-system-prompt requests, {n_conv} chats x {turns} turns, "
+        f"{n_few} few-shot, {n_uni} unique; ~{rate} req/s overall; seed {seed}"))
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {f.__name__: f for f in (
@@ -280,11 +268,9 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {f.__name__: f for f in (
 
 def make_workload(name: str, seed: int = 0, **kw: object) -> Workload:
     """The registered workload ``name`` built with ``seed`` and generator keywords ``kw``."""
-    try:
-        factory = WORKLOADS[name]
-    except KeyError:
-        raise ValueError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}") from None
-    return factory(seed=seed, **kw)
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}")
+    return WORKLOADS[name](seed=seed, **kw)
 
 
 class IdealHits(NamedTuple):
@@ -309,18 +295,16 @@ def ideal_hit_tokens(requests: Sequence[RequestSpec], block_size: int | None = N
     token, rounded down to whole blocks with ``block_size``."""
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     per = [0] * len(requests)
     seen: dict[str | None, list[tuple[int, ...]]] = {}
-    for i in order:
+    for i in sorted(range(len(requests)), key=lambda i: requests[i].arrival):
         r = requests[i]
         p = r.prompt_token_ids
         earlier = seen.setdefault(r.cache_salt, [])
         pos = bisect_left(earlier, p)
         # The closest earlier sequences in lexicographic order hold the longest LCP.
-        lcp = common_prefix_len(p, earlier[pos]) if pos < len(earlier) else 0
-        if pos > 0:
-            lcp = max(lcp, common_prefix_len(p, earlier[pos - 1]))
+        lcp = max((common_prefix_len(p, earlier[j]) for j in (pos - 1, pos) if 0 <= j < len(earlier)),
+                  default=0)
         hit = max(0, min(lcp, len(p) - 1))
         per[i] = hit - hit % block_size if block_size is not None else hit
         if include_outputs and r.output_token_ids:

@@ -279,8 +279,7 @@ def test_bench_quick_writes_json_csv_png(tmp_path):
     (run,) = out.iterdir()  # a fresh timestamped folder per run
     assert re.fullmatch(r"\d{8}-\d{6}", run.name)
     for name in ("hit_rate_vs_pool", "cost_vs_pool", "paged_vs_naive"):
-        for ext in ("png", "json", "csv"):
-            assert (run / f"{name}.{ext}").stat().st_size > 0
+        assert (run / f"{name}.png").stat().st_size > 0
     data = json.loads((run / "sweep.json").read_text())
     assert data["meta"]["num_requests"] == 12
     assert len(data["rows"]) == 4 * 5
@@ -293,8 +292,6 @@ def test_bench_quick_writes_json_csv_png(tmp_path):
     assert {r["policy"] for r in rows} == {"naive", "paged", "prefix", "partial", "hybrid"}
     assert len(rows) == 4 * 5 + 3  # and the unbounded references
     assert list(rows[0])[:3] == ["policy", "layout", "point"]
-    fig = json.loads((run / "hit_rate_vs_pool.json").read_text())
-    assert fig["rows"] and "ideal_token_hit_rate" in fig and fig["run"]["seed"] == 3
     tables = (run / "tables.md").read_text()
     assert tables.count("| KV budget | policy |") == 1 and "| budget | policy |" in tables
     header, sep, first = tables.splitlines()[2:5]
