@@ -18,36 +18,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvstore.benchmarks.output import (
-    RunInfo,
-    mark_x,
-    name_list,
-    non_negative_int,
-    positive_int,
-    pyplot,
-    run_folder,
-    save_figure,
-    write_csv,
-    write_json,
-)
+from kvstore.benchmarks import output, sweep, traces
+from kvstore.benchmarks.output import RunInfo, name_list, non_negative_int, positive_int
 from kvstore.benchmarks.simulator import StepTime, TierOptions, open_store, parse_mem_store
-from kvstore.benchmarks.sweep import (
-    DEFAULT_POLICIES,
-    MODEL_SHAPES,
-    POLICIES,
-    SweepInterrupted,
-    SweepResult,
-    SweepRow,
-    format_bytes,
-    hybrid_layout_line,
-    parse_pool_sizes,
-    parse_size,
-    policy_named,
-    run_sweep,
-    sigint_ignored,
-    with_evictions,
-)
-from kvstore.benchmarks.traces import ENV_VAR, TRACE_FILES, TRACE_SOURCES
+from kvstore.benchmarks.sweep import MODEL_SHAPES, POLICIES, SweepResult, SweepRow, format_bytes, policy_named
 from kvstore.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from kvstore.engine.scheduler import SchedulerConfig
 from kvstore.eviction import EVICTION_POLICIES
@@ -71,8 +45,6 @@ def load_bench_workload(name: str, trace: str | Path | None = None, limit: int |
                         seed: int = 0) -> Workload:
     """A built-in workload (its first `limit` requests) or a trace's first `limit` rows
     (default ``DEFAULT_TRACE_LIMIT``); FileNotFoundError when a trace file is missing."""
-    from kvstore.benchmarks import traces
-
     if name in TRACE_WORKLOADS:
         path = Path(trace) if trace else traces.locate_trace(TRACE_WORKLOADS[name])
         n = limit if limit is not None else DEFAULT_TRACE_LIMIT
@@ -301,7 +273,7 @@ def _plot_panels(axes: Sequence[Any], rows: Sequence[dict[str, Any]], panels: Se
                 color, marker = _STYLE.get(base, (None, "o"))
                 ax.plot([x for x, _ in pts], [y / scale for _, y in pts], marker=marker,
                         color=color, label=p, ms=5, ls="--" if base != p else "-")
-        mark_x(ax, [d["budget_bytes"] / 2**30 for d in shown], lambda b: format_bytes(b * 2**30))
+        output.mark_x(ax, [d["budget_bytes"] / 2**30 for d in shown], lambda b: format_bytes(b * 2**30))
         ax.invert_xaxis()
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title(title)
@@ -314,7 +286,7 @@ def _plot_panels(axes: Sequence[Any], rows: Sequence[dict[str, Any]], panels: Se
 
 def write_figures(result: SweepResult, out: Path) -> list[Path]:
     """The sweep's three figures as PNG (what they plot is in ``sweep.csv``)."""
-    plt = pyplot()
+    plt = output.pyplot()
     m = result.meta
     policies = list(m.policies)
     caching = [p for p in policies if POLICIES[p].enable_caching]
@@ -354,23 +326,25 @@ def write_figures(result: SweepResult, out: Path) -> list[Path]:
             ax2.set_ylabel("tokens reused by partial hits (copy-on-write)")
             if not ax2.lines:
                 ax2.set_title("Partial-hit reuse (no partial-hit policy)")
-        save_figure(fig, out / f"{name}.png", dpi=110)
+        output.save_figure(fig, out / f"{name}.png", dpi=110)
     return [out / f"{name}.png" for name in figures]
 
 
 def write_results(result: SweepResult, out: Path, run: RunInfo | None = None,
                   figures: bool = True) -> list[Path]:
     """``sweep.json`` (with `run`), ``sweep.csv`` (the rows, then the unbounded replays),
-    ``tables.md`` (the wide and per-group tables) and, with `figures`, the figures."""
+    ``tables.md`` (the wide and per-group tables), ``table.txt`` (the wide table) and, with
+    `figures`, the figures."""
     doc = result.as_dict()
     if run is not None:
         doc["run"] = run.as_dict()
-    write_json(out / "sweep.json", doc)
-    write_csv(out / "sweep.csv", [r.as_dict() for r in [*result.rows, *result.unbounded.values()]])
+    output.write_json(out / "sweep.json", doc)
+    output.write_csv(out / "sweep.csv", [r.as_dict() for r in [*result.rows, *result.unbounded.values()]])
     group = _group_table(result)
     tables = _markdown(_table(result, wide=True)) + ("" if group is None else "\n" + _markdown(group))
     (out / "tables.md").write_text(tables, encoding="utf-8")
-    written = [out / "sweep.json", out / "sweep.csv", out / "tables.md"]
+    (out / "table.txt").write_text(_render(_table(result, wide=True), 400), encoding="utf-8")
+    written = [out / "sweep.json", out / "sweep.csv", out / "tables.md", out / "table.txt"]
     return written + write_figures(result, out) if figures else written
 
 
@@ -388,12 +362,12 @@ def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _pool_sizes(text: str) -> str:
-    parse_pool_sizes(text, 1)  # the syntax; block counts become bytes once the shape is known
+    sweep.parse_pool_sizes(text, 1)  # the syntax; block counts become bytes once the shape is known
     return text
 
 
 def _tier_bytes(text: str) -> int:
-    value = int(text) if text.strip().isdigit() else parse_size(text)
+    value = int(text) if text.strip().isdigit() else sweep.parse_size(text)
     if value <= 0:
         raise ValueError(f"must be positive, got {text!r}")
     return value
@@ -441,12 +415,12 @@ def _trace_path(text: str) -> Path:
 
 
 def _trace_help() -> str:
-    files = ", ".join(TRACE_FILES[k] for k in TRACE_WORKLOADS.values())
-    where = "; ".join(f"{w}: {TRACE_SOURCES[k][1]} from {TRACE_SOURCES[k][0]}"
+    files = ", ".join(traces.TRACE_FILES[k] for k in TRACE_WORKLOADS.values())
+    where = "; ".join(f"{w}: {traces.TRACE_SOURCES[k][1]} from {traces.TRACE_SOURCES[k][0]}"
                       for w, k in TRACE_WORKLOADS.items())
     return (f"The trace workloads ({', '.join(TRACE_WORKLOADS)}) need trace files that a pip "
             f"install does not ship. Download them ({where}) and pass --trace PATH, or set "
-            f"{ENV_VAR} to a folder holding them as {files}. A source checkout finds them in "
+            f"{traces.ENV_VAR} to a folder holding them as {files}. A source checkout finds them in "
             f"../shared/traces.")
 
 
@@ -544,7 +518,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=sorted(WORKLOADS) + list(TRACE_WORKLOADS),
                    help="built-in workload, or a trace (the last four; see below for their files)")
     p.add_argument("--trace", metavar="PATH", type=_arg_type(_trace_path),
-                   help=f"trace file for a trace workload (default: ${ENV_VAR}/<file name>, "
+                   help=f"trace file for a trace workload (default: ${traces.ENV_VAR}/<file name>, "
                         "else ../shared/traces in a source checkout)")
     p.add_argument("--limit", type=positive_int, metavar="N",
                    help=f"first N requests (default: all of a built-in workload, "
@@ -558,7 +532,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--points", type=positive_int, default=None,
                    help=f"number of default pool sizes (default: {DEFAULT_POINTS}, "
                         f"{QUICK_POINTS} with --quick)")
-    p.add_argument("--policies", type=name_list(DEFAULT_POLICIES), default=list(DEFAULT_POLICIES),
+    p.add_argument("--policies", type=name_list(sweep.DEFAULT_POLICIES), default=list(sweep.DEFAULT_POLICIES),
                    metavar="LIST", help=f"comma list of {', '.join(POLICIES)} (default: all)")
     p.add_argument("--eviction", type=name_list(tuple(EVICTION_POLICIES)), default=None,
                    metavar="LIST",
@@ -612,7 +586,7 @@ def run_bench(args: argparse.Namespace) -> int:
     error = args.usage_error
     t0 = time.perf_counter()
     shape = MODEL_SHAPES[args.model_shape]
-    policies = with_evictions(args.policies, args.eviction) if args.eviction else args.policies
+    policies = sweep.with_evictions(args.policies, args.eviction) if args.eviction else args.policies
     limit = QUICK_LIMIT if args.quick and args.limit is None else args.limit
     try:
         workload = load_bench_workload(args.workload, args.trace, limit, args.seed)
@@ -621,7 +595,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as e:
         error(f"argument --trace: {e}")
     try:
-        budgets = (parse_pool_sizes(args.pool_sizes, shape.block_bytes(args.block_size))
+        budgets = (sweep.parse_pool_sizes(args.pool_sizes, shape.block_bytes(args.block_size))
                    if args.pool_sizes else None)
     except ValueError as e:
         error(f"argument --pool-sizes: {e}")
@@ -643,14 +617,14 @@ def run_bench(args: argparse.Namespace) -> int:
     console.print(f"{len(workload.requests)} requests, {workload.num_prompt_tokens:,} prompt + "
                   f"{workload.num_output_tokens:,} output tokens; {shape.describe()}")
     if any(policy_named(p).layout == "hybrid" for p in policies):
-        console.print(hybrid_layout_line(workload, shape, args.block_size))
+        console.print(sweep.hybrid_layout_line(workload, shape, args.block_size))
     try:
         result = _sweep_with_progress(
             console, workload, shape=shape.name, block_size=args.block_size, budgets=budgets,
             num_points=points, policies=policies, tiers=tiers or None, step_time=args.step_time,
             scheduler_config=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
             jobs=args.jobs)
-    except SweepInterrupted as e:
+    except sweep.SweepInterrupted as e:
         return _save_interrupted(e.partial, out, args.in_place, run)
     dropped = print_table(result, console, wide=args.wide)
     if result.nothing_fits:
@@ -662,9 +636,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return EXIT_NOTHING_FITS
     for line in headline(result):
         console.print(f"[bold]{line}[/bold]")
-    folder = run_folder(out, args.in_place)
+    folder = output.run_folder(out, args.in_place)
     written = write_results(result, folder, run)
-    (folder / "table.txt").write_text(_render(_table(result, wide=True), 400), encoding="utf-8")
     if dropped:
         console.print(f"left out to fit {TABLE_WIDTH} columns: {', '.join(dropped)}; every column "
                       f"is in {folder}/table.txt (or run with --wide)", style="dim")
@@ -685,8 +658,8 @@ def _sweep_with_progress(console: Any, workload: Workload, **options: Any) -> Sw
             where = "unbounded" if row.budget_bytes is None else format_bytes(row.budget_bytes)
             progress.update(task, advance=1, description=f"{row.policy:>7} @ {where:>9}")
 
-        return run_sweep(workload, progress=on_done, **options,
-                         on_start=lambda n: progress.update(task, total=n))
+        return sweep.run_sweep(workload, progress=on_done, **options,
+                               on_start=lambda n: progress.update(task, total=n))
 
 
 def _check_store(spec: str, error: Callable[[str], NoReturn]) -> None:
@@ -711,8 +684,8 @@ def _save_interrupted(partial: SweepResult, out: Path, in_place: bool, run: RunI
         print("kvstore bench: interrupted before any replay finished; nothing written",
               file=sys.stderr)
         return EXIT_INTERRUPTED
-    with sigint_ignored():  # a second press must not lose them (this takes well under a second)
-        folder = run_folder(out, in_place)
+    with sweep.sigint_ignored():  # a second press must not lose them (this takes well under a second)
+        folder = output.run_folder(out, in_place)
         write_results(partial, folder, run, figures=False)
     print(f"kvstore bench: interrupted; kept the {m.completed_replays} of {m.total_replays} "
           f"replays that finished in {folder}/ (sweep.json, sweep.csv, tables.md)",

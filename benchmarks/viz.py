@@ -23,13 +23,11 @@ LEGEND = ("A-Z in use by one request | * shared | + copy destination (CoW) | = p
 
 @dataclass
 class PoolSnapshot:
-    """The pool after one step was scheduled, per block id 1..N-1: its cell code, its owning
-    request's letter ('' when none or shared) and its writer's ('' when none)."""
+    """The pool after one step was scheduled: the cell code of each block id 1..N-1, the
+    requests running and waiting (by letter), and what happened."""
 
     step: int
     cells: list[str]
-    owners: list[str]
-    writers: list[str]
     running: list[str]
     waiting: list[str]
     events: list[str]
@@ -41,12 +39,26 @@ class PoolRecorder:
     def __init__(self, letters: dict[str, str]) -> None:
         self.letters = letters
         self.snapshots: list[PoolSnapshot] = []
-        self._writer: dict[int, str] = {}
+        self._writer: dict[int, str] = {}  # block id -> the letter of the request that filled it
         self._seen: set[str] = set()
         self._prev_running: set[str] = set()
 
     def _letter(self, request_id: str) -> str:
         return self.letters.get(request_id, "?")
+
+    def _cell(self, block: Any, owners: set[str], copy_destination: bool) -> str:
+        if copy_destination:
+            return "+"
+        if len(owners) > 1:
+            return "*"
+        if owners:
+            return next(iter(owners))
+        if block.ref_cnt > 0:
+            return "="
+        if not block.is_cached:
+            return " "
+        writer = self._writer.get(block.block_id, "")
+        return writer.lower() if block.block_hash is not None and writer else "."
 
     def __call__(self, scheduler: Scheduler, output: SchedulerOutput) -> None:
         """Record the state right after `output` was scheduled."""
@@ -58,28 +70,12 @@ class PoolRecorder:
                     if bid:
                         owners.setdefault(bid, set()).add(self._letter(rid))
         copy_dst = {dst for _, dst in output.copies}
-        cells, own, wrote = [], [], []
+        cells = []
         for block in manager.block_states():
-            bid = block.block_id
-            who = owners.get(bid, set())
+            who = owners.get(block.block_id, set())
             if len(who) == 1 and not block.is_cached:
-                self._writer[bid] = next(iter(who))  # fresh page: its owner writes it
-            writer = self._writer.get(bid, "") if block.is_cached or who else ""
-            if bid in copy_dst:
-                c = "+"
-            elif len(who) > 1:
-                c = "*"
-            elif who:
-                c = next(iter(who))
-            elif block.ref_cnt > 0:
-                c = "="
-            elif block.is_cached:
-                c = writer.lower() if block.block_hash is not None and writer else "."
-            else:
-                c = " "
-            cells.append(c)
-            own.append(next(iter(who)) if len(who) == 1 else "")
-            wrote.append(writer)
+                self._writer[block.block_id] = next(iter(who))  # fresh page: its owner writes it
+            cells.append(self._cell(block, who, block.block_id in copy_dst))
         events = []
         for item in output.scheduled:
             r = item.request
@@ -94,9 +90,9 @@ class PoolRecorder:
         if done:
             events.append("finished " + ",".join(done))
         self._prev_running = running
-        self.snapshots.append(PoolSnapshot(
-            len(self.snapshots) + 1, cells, own, wrote, sorted(running),
-            [self._letter(r.request_id) for r in scheduler.waiting], events))
+        self.snapshots.append(PoolSnapshot(len(self.snapshots) + 1, cells, sorted(running),
+                                           [self._letter(r.request_id) for r in scheduler.waiting],
+                                           events))
 
 
 def demo_scenario(block_size: int = 4) -> list[RequestSpec]:
@@ -131,33 +127,29 @@ def run_viz(num_blocks: int = 13, block_size: int = 4, max_num_batched_tokens: i
 
 
 def plot_layout(snapshots: Sequence[PoolSnapshot], path: str | Path, title: str = "") -> None:
-    """Block id against step: colour = owning request, hatched = free but cached,
-    ``*`` = shared, ``+`` = copy destination."""
+    """Block id against step: colour = the request using it (solid) or that filled it (hatched:
+    free but cached), grey = shared (``*``), copy destination (``+``) or pinned (``=``)."""
     plt = pyplot()
     from matplotlib.patches import Patch, Rectangle
 
-    letters = sorted({c for s in snapshots for c in s.owners + s.writers if c})
+    letters = sorted({c.upper() for s in snapshots for c in s.cells if c.isalpha()})
     cmap = plt.get_cmap("tab10" if len(letters) <= 10 else "tab20")
     color = {c: cmap(i % cmap.N) for i, c in enumerate(letters)}
     n_blocks = len(snapshots[0].cells) if snapshots else 0
     fig, ax = plt.subplots(figsize=(max(6, 0.28 * len(snapshots) + 2), max(3, 0.3 * n_blocks + 1.5)))
     for s in snapshots:
-        x = s.step - 0.5
         for i, cell in enumerate(s.cells):
-            y = i + 0.5  # block id i + 1
-            owner, writer = s.owners[i], s.writers[i]
-            if cell in ("*", "=") or (cell == "+" and not owner):
+            x, y = s.step - 0.5, i + 0.5  # block id i + 1
+            if cell in "*+=":
                 ax.add_patch(Rectangle((x, y), 1, 1, color="0.35"))
-            elif owner:
-                ax.add_patch(Rectangle((x, y), 1, 1, color=color[owner]))
-            elif cell != " ":
-                face = color.get(writer, "0.7")
-                ax.add_patch(Rectangle((x, y), 1, 1, facecolor=face, alpha=0.35, edgecolor="none"))
-                ax.add_patch(Rectangle((x, y), 1, 1, fill=False, hatch="///", edgecolor="0.3",
-                                       lw=0))
-            if cell in ("*", "+", "="):
                 ax.text(x + 0.5, y + 0.5, cell, ha="center", va="center", fontsize=9,
                         color="white", fontweight="bold")
+            elif cell.isupper():
+                ax.add_patch(Rectangle((x, y), 1, 1, color=color[cell]))
+            elif cell != " ":  # free but cached: its writer's colour, hatched
+                face = color.get(cell.upper(), "0.7")
+                ax.add_patch(Rectangle((x, y), 1, 1, facecolor=face, alpha=0.35, edgecolor="none"))
+                ax.add_patch(Rectangle((x, y), 1, 1, fill=False, hatch="///", edgecolor="0.3", lw=0))
     ax.set_xlim(0.5, len(snapshots) + 0.5)
     ax.set_ylim(0.5, n_blocks + 0.5)
     ax.set_xlabel("step")
