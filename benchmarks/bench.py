@@ -366,13 +366,6 @@ def _pool_sizes(text: str) -> str:
     return text
 
 
-def _tier_bytes(text: str) -> int:
-    value = int(text) if text.strip().isdigit() else sweep.parse_size(text)
-    if value <= 0:
-        raise ValueError(f"must be positive, got {text!r}")
-    return value
-
-
 def _store_spec(text: str) -> str:
     """``mem``, ``mem:SIZE`` or a Valkey URL (its syntax; reachability is checked later)."""
     from kvstore.tiers.valkey_store import parse_store_url, redact_url
@@ -556,7 +549,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "us (default: 5,40)")
     p.add_argument("--wide", action="store_true",
                    help="print every column of the table (the default fits 80 columns)")
-    p.add_argument("--host-tier-bytes", type=_arg_type(_tier_bytes), metavar="N",
+    p.add_argument("--host-tier-bytes", type=_arg_type(sweep.parse_size), metavar="N",
                    help="a host tier of N bytes (8GiB, or a byte count) below the device pool; "
                         "each caching policy also runs as NAME+tiers")
     p.add_argument("--store", type=_arg_type(_store_spec), metavar="URL",

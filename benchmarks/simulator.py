@@ -52,12 +52,7 @@ def parse_mem_store(text: str) -> int | None | bool:
 
     if text == "mem":
         return None
-    if text.startswith("mem:"):
-        size = parse_size(text[4:])
-        if size <= 0:
-            raise ValueError(f"store size must be positive, got {text[4:]!r}")
-        return size
-    return False
+    return parse_size(text[4:]) if text.startswith("mem:") else False
 
 
 def open_store(spec: str, timeout_s: float = 2.0) -> Tier:

@@ -178,19 +178,21 @@ def with_tiers(policies: Sequence[str]) -> list[str]:
 
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
 
 
 def parse_size(text: str) -> int:
-    """A byte count from text like ``1GiB``, ``512MiB``, ``1.5GB`` or ``1048576B``."""
+    """A positive byte count from text like ``1GiB``, ``512MiB``, ``1.5GB`` or ``1048576``."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS or not m.group(2):
-        raise ValueError(f"bad size {text!r}: use a number with a unit (B, KiB, MiB, GiB, KB, MB, GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if not m or m.group(2).lower() not in _UNITS or (not m.group(2) and "." in m.group(1)):
+        raise ValueError(f"bad size {text!r}: use a byte count or a number with a unit (B, KiB, "
+                         "MiB, GiB, KB, MB, GB)")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return size
 
 
 def parse_pool_sizes(text: str | Sequence[str], block_bytes: int) -> list[int]:

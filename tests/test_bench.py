@@ -161,6 +161,9 @@ def test_sizes():
     assert parse_size("1GiB") == 1 << 30
     assert parse_size("512MiB") == 512 << 20
     assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("1048576") == 1 << 20  # a bare count is bytes
+    with pytest.raises(ValueError, match="positive"):
+        parse_size("0B")
     assert parse_pool_sizes("512MiB,1GiB", 4096) == [1 << 30, 512 << 20]
     assert parse_pool_sizes("4000,2000", 4096) == [4000 * 4096, 2000 * 4096]
     with pytest.raises(ValueError):
