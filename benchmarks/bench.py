@@ -326,7 +326,7 @@ def write_figures(result: SweepResult, out: Path) -> list[Path]:
             ax2.set_ylabel("tokens reused by partial hits (copy-on-write)")
             if not ax2.lines:
                 ax2.set_title("Partial-hit reuse (no partial-hit policy)")
-        output.save_figure(fig, out / f"{name}.png", dpi=110)
+        output.save_figure(fig, out / f"{name}.png")
     return [out / f"{name}.png" for name in figures]
 
 

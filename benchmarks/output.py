@@ -89,13 +89,13 @@ def short_count(n: float) -> str:
     return f"{n:g}"
 
 
-def run_folder(out: Path, in_place: bool = False, when: datetime | None = None) -> Path:
+def run_folder(out: Path, in_place: bool = False) -> Path:
     """The folder a run writes into, created: a fresh ``out/YYYYMMDD-HHMMSS`` subfolder
     (``-2``, ``-3``... when taken), or with `in_place` `out` itself."""
     if in_place:
         out.mkdir(parents=True, exist_ok=True)
         return out
-    stamp = (when or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     for k in range(1, 1000):
         path = out / (stamp if k == 1 else f"{stamp}-{k}")

@@ -55,7 +55,7 @@ def parse_mem_store(text: str) -> int | None | bool:
     return parse_size(text[4:]) if text.startswith("mem:") else False
 
 
-def open_store(spec: str, timeout_s: float = 2.0) -> Tier:
+def open_store(spec: str) -> Tier:
     """The store a replay writes to: a ``ModelTier`` for ``mem[:SIZE]``, else a synchronous
     ``ValkeyStore`` on the URL (ValueError for a bad one)."""
     from kvstore.benchmarks.tier_model import ModelTier
@@ -63,7 +63,7 @@ def open_store(spec: str, timeout_s: float = 2.0) -> Tier:
 
     mem = parse_mem_store(spec)
     if mem is False:
-        return ValkeyStore(spec, sync_stores=True, timeout_s=timeout_s)
+        return ValkeyStore(spec, sync_stores=True, timeout_s=2.0)
     return ModelTier(None if mem is None else int(mem), name="store")
 
 

@@ -111,12 +111,10 @@ def demo_scenario(block_size: int = 4) -> list[RequestSpec]:
 
 
 def run_viz(num_blocks: int = 13, block_size: int = 4, max_num_batched_tokens: int = 8,
-            enable_caching: bool = True, enable_partial_hits: bool = True,
-            requests: Sequence[RequestSpec] | None = None) -> tuple[PoolRecorder, SimResult]:
-    """Replay the scenario (one full-attention layer) and record the pool at every step."""
-    reqs = list(requests) if requests is not None else demo_scenario(block_size)
-    letters = {r.request_id: string.ascii_uppercase[i % 26]
-               for i, r in enumerate(sorted(reqs, key=lambda r: r.arrival))}
+            enable_caching: bool = True, enable_partial_hits: bool = True) -> tuple[PoolRecorder, SimResult]:
+    """Replay the demo scenario (one full-attention layer) and record the pool at every step."""
+    reqs = demo_scenario(block_size)
+    letters = {r.request_id: string.ascii_uppercase[i] for i, r in enumerate(reqs)}
     config = make_kv_cache_config([FullAttentionSpec(block_size, 1, 8)], num_blocks=num_blocks)
     recorder = PoolRecorder(letters)
     result = simulate(reqs, config, enable_caching=enable_caching,
