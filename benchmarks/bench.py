@@ -149,7 +149,7 @@ def _table(result: SweepResult, wide: bool, drop: Sequence[str] = ()) -> Any:
     title = (f"{m.workload} on {m.model_shape} (block {m.block_size}): ideal hit "
              f"{_pct(m.ideal_token_hit_rate)} token / {_pct(m.ideal_block_hit_rate)} block")
     if m.tiers:
-        title += "; tiers: " + TierOptions(m.tiers.get("host_bytes"), m.tiers.get("store")).describe()
+        title += "; tiers: " + TierOptions(**m.tiers).describe()
     if wide:
         t = Table(title=title, show_lines=False)
     else:  # no borders or padding: one space between columns

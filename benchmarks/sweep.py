@@ -335,7 +335,7 @@ class SweepMeta:
     total_replays: int = 0
     completed_replays: int = 0
     interrupted: bool = False  # Ctrl-C: only `completed_replays` of the rows are present
-    tiers: dict[str, Any] = field(default_factory=dict)  # host_bytes and store; {}: none
+    tiers: dict[str, Any] = field(default_factory=dict)  # TierOptions' fields; {}: none
     step_time: StepTime = DEFAULT_STEP_TIME  # the model behind each row's model_time_s
 
 
@@ -504,8 +504,7 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
         ideal_token_hit_tokens=ideal_tok.total, ideal_block_hit_tokens=ideal_blk.total,
         jobs=jobs if jobs is not None else min(4, os.cpu_count() or 1), total_replays=len(tasks),
         step_time=step_time,
-        tiers={"host_bytes": tiers.host_bytes,
-               "store": tiers.store and redact_url(tiers.store)} if tiers else {})
+        tiers=asdict(replace(tiers, store=tiers.store and redact_url(tiers.store))) if tiers else {})
     context = {"workload": workload, "shape": shape, "block_size": block_size, "sched": sched,
                "tiers": tiers}
     rows: list[SweepRow] = []

@@ -206,7 +206,7 @@ def test_sweep_with_tiers_side_by_side_in_80_columns():
     assert tiered.prompt_host_hit_tokens > 0 and dev.prompt_host_hit_tokens == 0
     assert tiered.prompt_hit_rate >= dev.prompt_hit_rate
     assert by["prefix+tiers"].vs_unbounded is not None
-    assert res.meta.tiers == {"host_bytes": 1 << 20, "store": None}
+    assert res.meta.tiers == {"host_bytes": 1 << 20, "store": None, "window_offload": "ends"}
     console = Console(width=80, record=True, color_system=None)
     print_table(res, console)
     text = console.export_text()
