@@ -345,7 +345,7 @@ def write_results(result: SweepResult, out: Path, run: RunInfo | None = None,
     (out / "tables.md").write_text(tables, encoding="utf-8")
     (out / "table.txt").write_text(_render(_table(result, wide=True), 400), encoding="utf-8")
     written = [out / "sweep.json", out / "sweep.csv", out / "tables.md", out / "table.txt"]
-    return written + write_figures(result, out) if figures else written
+    return (written + write_figures(result, out)) if figures else written
 
 
 # ---------------------------------------------------------------------------------- CLI

@@ -552,8 +552,8 @@ def _score(meta: SweepMeta, rows: list[SweepRow], wall: float) -> SweepResult:
         r.vs_unbounded = (hits / ref.metrics.prompt_hit_tokens
                           if ref and ref.metrics and ref.metrics.prompt_hit_tokens else None)
         r.vs_ideal = hits / ideal if ideal else None
-    meta = replace(meta, wall_s=wall, completed_replays=len(rows) + len(unbounded))
-    meta.interrupted = meta.completed_replays < meta.total_replays
+    done = len(rows) + len(unbounded)
+    meta = replace(meta, wall_s=wall, completed_replays=done, interrupted=done < meta.total_replays)
     result = SweepResult(meta, rows, unbounded)
     result.findings = find_tension(result)
     return result
