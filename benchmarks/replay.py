@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import itertools
 import math
 import sys
 import time
@@ -456,7 +455,7 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
         "comparison": comparison})
 
 
-# -------------------------------- policies: online policies, LIRS, the reuse oracle, MIN
+# --------------------------------------- policies: online policies, the reuse oracle, MIN
 
 
 # The paper's capacities where the eviction goal applies, in tokens.
@@ -546,106 +545,26 @@ def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: in
     return _offline(rows, cap, block_tokens, ChainMap(live, dead), hold)
 
 
-def lirs_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
-                hir_fraction: float = 0.05, block_tokens: int = BT) -> dict[str, Any]:
-    """LIRS (Jiang and Zhang, 2002) at block level, adapted to prefix chains: LIR blocks fill
-    all but `hir_fraction` of the cache; blocks whose parent was evicted go first, then
-    resident HIR blocks (FIFO), then the least recent LIR block."""
-    if not 0.0 < hir_fraction < 1.0:
-        raise ValueError(f"hir_fraction must be in (0, 1), got {hir_fraction}")
-    rows, cap = _checked(requests, capacity_blocks), capacity_blocks
-    num_lir = max(1, cap - max(1, int(cap * hir_fraction)))  # LIRS needs an LIR block
-    stack: OrderedDict[int, None] = OrderedDict()  # recency of LIR and HIR ids; last = newest
-    hir: OrderedDict[int, None] = OrderedDict()  # resident HIR blocks; first = next out
-    orphans: OrderedDict[int, None] = OrderedDict()  # resident blocks whose parent left
-    lir: set[int] = set()
-    resident: set[int] = set()
-    children: dict[int, set[int]] = {}
-
-    def prune() -> None:  # the stack's bottom is always an LIR block
-        while stack and (h := next(iter(stack))) not in lir:
-            del stack[h]
-
-    def promote(h: int) -> None:  # h becomes LIR; the bottom LIR block becomes HIR
-        lir.add(h)
-        stack.move_to_end(h)
-        bottom, _ = stack.popitem(last=False)
-        lir.discard(bottom)
-        hir[bottom] = None
-        prune()
-
-    def unlink(h: int) -> None:  # out of LIR or HIR bookkeeping, still resident
-        if h in lir:
-            lir.discard(h)
-            del stack[h]
-            prune()
-        hir.pop(h, None)
-
-    def hold(r: int, keep: tuple[int, ...]) -> int:
-        for parent, child in itertools.pairwise(keep):
-            children.setdefault(parent, set()).add(child)
-        for h in keep:  # an orphan this request links again is live
-            orphans.pop(h, None)
-        held = set(keep)
-        need = len(resident) + sum(1 for h in keep if h not in resident) - cap
-        for _ in range(max(need, 0)):
-            victim = next((h for q in (orphans, hir) for h in q if h not in held), None)
-            if victim is None:
-                victim = next(h for h in stack if h in lir and h not in held)
-            unlink(victim)
-            orphans.pop(victim, None)
-            resident.discard(victim)
-            for child in children.get(victim, ()):
-                if child in resident and child not in orphans:
-                    unlink(child)
-                    orphans[child] = None
-        for h in reversed(keep):  # the root last: most recent, as LRU orders a chain
-            if h in lir:
-                stack.move_to_end(h)
-                prune()
-            elif h in hir and h in stack:  # a resident HIR block reused within LIR recency
-                del hir[h]
-                promote(h)
-            elif h in hir:
-                stack[h] = None
-                hir.move_to_end(h)
-            else:  # missing, or an orphan linked again
-                resident.add(h)
-                if len(lir) < num_lir:
-                    lir.add(h)
-                    stack[h] = None
-                    stack.move_to_end(h)
-                elif h in stack:
-                    promote(h)
-                else:
-                    stack[h] = None
-                    hir[h] = None
-        return max(need, 0)
-
-    return _offline(rows, cap, block_tokens, resident, hold)
-
-
 def gap_closed(rate: float, lru: float, opt: float) -> float | None:
     """The fraction of the LRU-to-MIN gap a policy's hit rate closes (None without a gap)."""
     return None if opt - lru <= 1e-12 else (rate - lru) / (opt - lru)
 
 
 def policy_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap_tokens: int) -> Row:
-    """At one capacity: each policy's token hit rate, LIRS's, the reuse oracle's, MIN's, and
-    the gap each closes."""
+    """At one capacity: each policy's token hit rate, the reuse oracle's, MIN's, and the gap
+    each closes."""
     blocks = cap_tokens // BT
     t0 = time.perf_counter()
     opt = min_replay(rows, blocks)
     row: Row = {"capacity_tokens": cap_tokens, "min": opt["token_hit_rate"],
                 "min_unlinked_present": opt["unlinked_present"], "min_s": time.perf_counter() - t0,
-                "reuse_oracle": reuse_oracle_replay(rows, blocks)["token_hit_rate"],
-                "lirs": lirs_replay(rows, blocks)["token_hit_rate"]}
+                "reuse_oracle": reuse_oracle_replay(rows, blocks)["token_hit_rate"]}
     for name in policies:
         t0 = time.perf_counter()
         row[name] = pool_replay(rows, blocks, eviction=name)["token_hit_rate"]
         row[f"{name}_s"] = time.perf_counter() - t0
     if "lru" in row:
-        for name in [*policies, "lirs", "reuse_oracle"]:
+        for name in [*policies, "reuse_oracle"]:
             row[f"{name}_gap_closed"] = gap_closed(row[name], row["lru"], row["min"])
     return row
 
@@ -684,7 +603,6 @@ def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
     curves = _curves("policies", traces, capacities, limit, partial(policy_row, policies), log)
     return write_panels(Path(out_dir), "eviction_hit_rate", curves, [
         *((p, "-o", {"ms": 3}, p) for p in policies),
-        ("lirs", "-.", {"color": "tab:brown"}, "LIRS, block level (online, outside the pool)"),
         ("reuse_oracle", ":", {"color": "gray"}, "LRU knowing which blocks return (offline)"),
         ("min", "--", {"color": "black"}, "MIN (offline)")],
         "capacity (tokens, 512-token blocks)", "Mooncake {name}: eviction policies",
@@ -697,8 +615,8 @@ def format_policies(curves: Curves, policies: Sequence[str]) -> list[str]:
         g = r.get(f"{p}_gap_closed")
         return f"{r[p]:.3f}" + ("" if p == "lru" or g is None else f" ({g:+.0%})")
 
-    return _markdown(["trace", "capacity", *policies, "LIRS", "reuse oracle", "MIN"], (
-        [name, _million(r), *(cell(r, p) for p in [*policies, "lirs", "reuse_oracle"]),
+    return _markdown(["trace", "capacity", *policies, "reuse oracle", "MIN"], (
+        [name, _million(r), *(cell(r, p) for p in [*policies, "reuse_oracle"]),
          f"{r['min']:.3f}"] for name, rows in curves.items() for r in rows))
 
 
