@@ -1,45 +1,38 @@
 """``kvstore bench replay``: hit rate against cache capacity on Mooncake block-hash traces,
 counted in whole 512-token blocks (at most the row's input length) as the Mooncake paper does.
 ``--what`` picks the replays: ``lru`` (docs/benchmarks.md), ``policies`` and ``layouts``
-(docs/eviction.md), ``tiers`` (docs/tiers.md) and ``memory`` (docs/hybrid.md, no trace)."""
+(docs/eviction.md) and ``tiers`` (docs/tiers.md)."""
 
 from __future__ import annotations
 
 import argparse
 import heapq
-import math
 import sys
 import time
 from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
-from rich.table import Column, Table
 
 from kvstore.benchmarks import output
 from kvstore.benchmarks import traces as tr
 from kvstore.benchmarks.manager import new_manager
-from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.sweep import ModelShape
 from kvstore.benchmarks.traces import HitCount, MooncakeRequest, leading_run, load_mooncake
-from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, shared_system_prompts
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool, BlockRemoved, BlockStored
-from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.eviction import EVICTION_POLICIES, EvictionPolicy
 from kvstore.hashing import BlockHash
 from kvstore.request import Request
-from kvstore.specs import FullAttentionSpec, KVCacheConfig, KVCacheSpec, make_kv_cache_config
+from kvstore.specs import FullAttentionSpec, KVCacheSpec, make_kv_cache_config
 from kvstore.utils import hit_rate
 
 BT = tr.MOONCAKE_BLOCK_TOKENS
-WHAT = ("lru", "policies", "layouts", "tiers", "memory")
+WHAT = ("lru", "policies", "layouts", "tiers")
 # Built-in trace names -> trace file keys.
 TRACE_NAMES: dict[str, str] = {"conversation": "mooncake_conversation",
                                "synthetic": "mooncake_synthetic"}
@@ -99,8 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=list(EVICTION_POLICIES), metavar="LIST",
                    help=f"eviction policies, comma list of {', '.join(EVICTION_POLICIES)}")
     p.add_argument("--limit", type=output.positive_int, default=None, metavar="N",
-                   help="first N rows of each trace; memory: requests per phase (default 100, "
-                        "40 with --quick)")
+                   help="first N rows of each trace")
     p.add_argument("--quick", action="store_true",
                    help="the first 2000 rows, the paper's capacities for lru")
     p.add_argument("--jobs", type=output.positive_int, default=1, help="processes for layouts")
@@ -129,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     traces = dict(args.trace or [])
-    if not traces and args.what != ["memory"]:
+    if not traces:
         try:
             traces = {name: tr.locate_trace(key) for name, key in TRACE_NAMES.items()}
         except FileNotFoundError as e:
@@ -164,8 +156,6 @@ def _run(args: argparse.Namespace) -> int:
                         f"({worst[1]}, {worst[2]} at {worst[3]:,} tokens)")
     if "tiers" in args.what:
         headline += [_tiers(name, path, args, limit) for name, path in traces.items()]
-    if "memory" in args.what:
-        headline.append(run_memory(out, args.limit or (40 if args.quick else 100)))
     print("\n" + "\n".join(headline) + f"\n({time.perf_counter() - t0:.0f} s; files in {out}/)")
     return 0
 
@@ -761,193 +751,3 @@ def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path],
         "budget (tokens of an all-full cache, 512-token blocks)",
         "Mooncake {name}: 10 full + 52 window (W=1024) layers",
         {"capacities_tokens": list(capacities), "policies": list(policies), "limit": limit})
-
-
-# ------------------------------------- memory: a Gemma-3-like hybrid against all-full layers
-
-
-MiB = 1 << 20
-MEMORY_SHAPE = ModelShape("gemma-3-1b-like", num_layers=26, num_kv_heads=1, head_dim=256,
-                          dtype="float16", sliding_per_full=5)
-MEMORY_BUDGET = 1024 * MiB
-MEMORY_RATE = 1.5
-
-
-@dataclass
-class LayoutRun:
-    """One layout's simulator replay at the memory budget and what each step saw."""
-
-    name: str
-    config: KVCacheConfig
-    sim: SimResult | None = None
-    running: list[int] = field(default_factory=list)
-    preempting: list[bool] = field(default_factory=list)
-    mib_per_running: list[float] = field(default_factory=list)
-    samples: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # (context, blocks)
-    wall_s: float = 0.0
-
-    @property
-    def max_running_no_preemption(self) -> int:
-        """Most requests running at a step that preempted nobody."""
-        return max((r for r, p in zip(self.running, self.preempting, strict=True) if not p),
-                   default=0)
-
-    def mib(self, blocks: int) -> float:
-        """MiB of `blocks` block ids."""
-        return blocks * self.config.bytes_per_block / MiB
-
-
-def run_layout(name: str, layer_specs: Sequence[KVCacheSpec], specs: Sequence[RequestSpec],
-               sample_ids: Sequence[str]) -> LayoutRun:
-    """Replay the workload through the simulator on one layout at `MEMORY_BUDGET`."""
-    run = LayoutRun(name, make_kv_cache_config(layer_specs, memory_bytes=MEMORY_BUDGET))
-
-    def on_step(scheduler: Scheduler, step: SchedulerOutput) -> None:
-        run.running.append(len(scheduler.running))
-        run.preempting.append(bool(step.preempted))
-        run.mib_per_running.append(run.mib(sum(scheduler.manager.blocks_in_use_by_group()))
-                                   / max(len(scheduler.running), 1))
-        for item in step.scheduled:
-            if (rid := item.request.request_id) in sample_ids:
-                run.samples.setdefault(rid, []).append((item.start + item.num_new_tokens, sum(
-                    scheduler.manager.num_resident_blocks(rid))))
-
-    t0 = time.perf_counter()
-    run.sim = simulate(list(specs), run.config, on_step=on_step, scheduler_config=SchedulerConfig(
-        max_num_batched_tokens=2048, max_num_seqs=256))
-    run.wall_s = time.perf_counter() - t0
-    return run
-
-
-def memory_table(sat: Sequence[LayoutRun], steady: Sequence[LayoutRun],
-                 specs: Sequence[RequestSpec], steady_specs: Sequence[RequestSpec],
-                 sample_ids: Sequence[str]) -> Table:
-    """Layouts side by side: memory per request, concurrency, prefix hits."""
-    plens = [len(s.prompt_token_ids) for s in specs]
-    probe = int(np.median(plens)) + 128
-    by_id = {s.request_id: s for s in specs}
-
-    def held(r: LayoutRun) -> int:  # blocks a lone request decoding at `probe` tokens holds
-        return sum(g.spec.num_resident_blocks(probe, probe + 1) for g in r.config.groups)
-
-    def sample(r: LayoutRun, rid: str) -> str:
-        if not (pts := r.samples.get(rid)):
-            return "-"
-        return (f"{pts[-1][1]:,} blk = {r.mib(pts[-1][1]):,.1f} MiB "
-                f"(peak {r.mib(max(p[1] for p in pts)):,.1f})")
-
-    sim_cells: dict[str, Callable[[SimResult], str]] = {
-        "preemptions": lambda s: f"{s.preemptions}", "steps to drain": lambda s: f"{s.steps:,}",
-        "prefix hit rate": lambda s: f"{s.hit_rate:.1%}", "evictions": lambda s: f"{s.evictions:,}"}
-
-    def sim(runs: Sequence[LayoutRun], *labels: str) -> list[tuple[str, list[str]]]:
-        return [(f"  {k}", [sim_cells[k](r.sim) if r.sim else "-" for r in runs]) for k in labels]
-
-    sections: list[list[tuple[str, list[str]]]] = [[
-        ("groups: layers (W = windowed, F = full)", [" ".join(
-            f"{len(g.layer_ids)}{'W' if g.spec.sliding_window else 'F'}" for g in r.config.groups)
-            for r in sat]),
-        ("slots / padding layers", [f"{r.config.num_slots} / {r.config.num_padding_layers}"
-                                    for r in sat]),
-        ("KiB per block id", [f"{r.config.bytes_per_block / 1024:,.0f}" for r in sat]),
-        ("blocks in the pool", [f"{r.config.num_blocks - 1:,}" for r in sat]),
-        (f"blocks (MiB) held by one {probe}-token request",
-         [f"{held(r):,} ({r.mib(held(r)):,.1f})" for r in sat]),
-        ("  such requests the pool holds",
-         [f"{(r.config.num_blocks - 1) // held(r):,}" for r in sat]),
-    ], [
-        (f"[b]saturated[/]: {len(specs)} requests all waiting at t=0", [""] * len(sat)),
-        *((f"  {rid} ({len(by_id[rid].prompt_token_ids)}+{by_id[rid].max_tokens} tok) held at its "
-           "end", [sample(r, rid) for r in sat]) for rid in sample_ids),
-        ("  mean MiB per running request", [f"{np.mean(r.mib_per_running):,.1f}" for r in sat]),
-        ("  max running without preemption", [f"{r.max_running_no_preemption}" for r in sat]),
-        ("  mean running", [f"{np.mean(r.running):.1f}" for r in sat]),
-        *sim(sat, "preemptions", "steps to drain", "prefix hit rate", "evictions"),
-    ], [
-        (f"[b]steady[/]: {len(steady_specs)} requests, Poisson {MEMORY_RATE:g}/s", [""] * len(sat)),
-        ("  mean / max running", [f"{np.mean(r.running):.1f} / {max(r.running)}" for r in steady]),
-        *sim(steady, "preemptions", "prefix hit rate", "evictions"),
-    ], [("replay wall s, saturated + steady (this CPU)",
-         [f"{a.wall_s:.1f} + {b.wall_s:.1f}" for a, b in zip(sat, steady, strict=True)])]]
-    t = Table("", *(Column(r.name, justify="right") for r in sat),
-              title="Gemma-3-like hybrid vs all-full attention, same budget "
-              f"({MEMORY_BUDGET / MiB:,.0f} MiB of pages)")
-    for section in sections:
-        for k, (label, cells) in enumerate(section):
-            t.add_row(label, *cells, end_section=k == len(section) - 1)
-    ideal = [ideal_hit_tokens(s, b).rate for b in (None, 16) for s in (specs, steady_specs)]
-    t.caption = (f"Prompts {min(plens)}..{max(plens)} tokens (median {int(np.median(plens))}), "
-                 "6 shared system prompts of 1.5k/3k/5k tokens. Ideal hit rate (infinite "
-                 f"cache): saturated {ideal[0]:.1%}, steady {ideal[1]:.1%} "
-                 f"(block-rounded {ideal[2]:.1%} / {ideal[3]:.1%}).")
-    return t
-
-
-def plot_memory(saturated: Sequence[LayoutRun], steady: Sequence[LayoutRun],
-                sample_ids: Sequence[str], path: Path) -> None:
-    """Four panels: sample requests' memory against their context, memory per running
-    request and running requests per step (saturated), concurrency and hit rates."""
-    plt = output.pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for k, r in enumerate(saturated):
-        color = colors[k % len(colors)]
-        for j, rid in enumerate(sample_ids):
-            pts = r.samples.get(rid, [])
-            axes[0, 0].plot([p[0] for p in pts], [r.mib(p[1]) for p in pts], color=color,
-                            linestyle=["-", "--", ":", "-."][j % 4],
-                            label=r.name if j == 0 else None)
-        axes[0, 1].plot(r.mib_per_running, color=color, label=r.name, lw=0.8)
-        axes[1, 0].plot(r.running, color=color, label=r.name, lw=0.8)
-    axes[0, 0].set(xlabel="tokens in the request's context",
-                   ylabel="MiB of pages the request holds",
-                   title=f"{len(sample_ids)} sample requests (line style = request)")
-    axes[0, 1].set(xlabel="engine step (saturated)", ylabel="MiB in use / running requests",
-                   title="Mean memory per running request")
-    axes[1, 0].set(xlabel="engine step (saturated)", ylabel="running requests",
-                   title="Concurrency, same byte budget")
-    for ax in (axes[0, 0], axes[0, 1], axes[1, 0]):
-        ax.legend(fontsize=8)
-    ax, x = axes[1, 1], np.arange(len(saturated))
-    ax.bar(x - 0.2, [np.mean(r.running) for r in saturated], 0.4, label="mean running")
-    ax.bar(x + 0.2, [r.max_running_no_preemption for r in saturated], 0.4,
-           label="max running, no preemption")
-    ax.set_xticks(x, [r.name for r in saturated], fontsize=8)
-    ax.set(ylabel="requests (saturated)", title="Concurrency and prefix hits")
-    ax2 = ax.twinx()
-    for runs, style, label in ((saturated, "ko-", "saturated"), (steady, "ks--", "steady")):
-        ax2.plot(x, [100 * r.sim.hit_rate if r.sim else 0 for r in runs], style,
-                 label=f"hit rate %, {label}")
-    ax2.set(ylim=(0, 100), ylabel="prefix hit rate (%)")
-    (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
-    fig.suptitle("Gemma-3-like hybrid (every 6th layer full, block 16) vs all-full attention, "
-                 "same byte budget")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    output.save_figure(fig, path)
-
-
-def run_memory(out: Path, num_requests: int) -> str:
-    """Gemma-3-like layouts (windows 512 and 1024) against all-full layers at one byte
-    budget, saturated and steady; prints the table, writes ``hybrid_memory.png``."""
-    specs, steady_specs = (shared_system_prompts(
-        num_requests, num_prompts=6, system_lens=(1500, 3000, 5000), user_len=(500, 3000),
-        output_median=128, output_max=512, rate=rate, seed=seed).requests
-        for rate, seed in ((math.inf, 0), (MEMORY_RATE, 1)))
-    sample_ids = [specs[i].request_id for i in (0, num_requests // 3, 2 * num_requests // 3)]
-    layouts = [(f"hybrid W={w}", replace(MEMORY_SHAPE, sliding_window=w).hybrid_specs(16))
-               for w in (512, 1024)] + [("all full", MEMORY_SHAPE.full_specs(16))]
-    runs = []
-    for k, (phase, reqs, ids) in enumerate((("saturated", specs, sample_ids),
-                                              ("steady", steady_specs, ()))):
-        for j, (name, ls) in enumerate(layouts):
-            print(f"  memory: [{k * len(layouts) + j + 1}/{2 * len(layouts)}] {name}, {phase} ...",
-                  file=sys.stderr, flush=True)
-            runs.append(run_layout(name, ls, reqs, ids))
-    saturated, steady = runs[:len(layouts)], runs[len(layouts):]
-    Console(width=160).print(memory_table(saturated, steady, specs, steady_specs, sample_ids))
-    plot_memory(saturated, steady, sample_ids, out / "hybrid_memory.png")
-    most = max(saturated[:-1], key=lambda r: r.max_running_no_preemption)
-    return (f"memory: {most.name} runs {most.max_running_no_preemption} requests without "
-            f"preemption where all-full runs {saturated[-1].max_running_no_preemption} "
-            f"({out}/hybrid_memory.png)")

@@ -468,15 +468,6 @@ def test_store_password_never_printed_or_recorded(tmp_path, capsys):
     assert "secret" not in json.dumps(_arguments(args), default=str)
 
 
-def test_replay_memory_runs_without_traces(tmp_path, capsys):
-    from kvstore.cli import main
-
-    assert main(["bench", "replay", "--what", "memory", "--limit", "6", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "hybrid W=512" in out and "all full" in out and "memory: hybrid" in out
-    assert (tmp_path / "hybrid_memory.png").stat().st_size > 0
-
-
 def test_table_that_cannot_fit_says_so(monkeypatch):
     """A table too wide even with every optional column left out: one line instead of a
     cut table."""
@@ -537,7 +528,7 @@ def _tiny_argv(cmd: str, out: Path) -> tuple[list[str], str | None, list[str]]:
     if "cuda" in args and not torch.cuda.is_available():
         return [], "needs CUDA", []
     traces = _traces_dir()
-    uses_trace = (question == "replay" and "memory" not in args) or any(
+    uses_trace = question == "replay" or any(
         a.startswith("mooncake") for a in args)
     if uses_trace and traces is None:
         return [], "needs the Mooncake traces", []
@@ -552,10 +543,8 @@ def _tiny_argv(cmd: str, out: Path) -> tuple[list[str], str | None, list[str]]:
             drop(flag)
         what = args[args.index("--what") + 1]
         files = {"lru": "mooncake_hit_rate.json", "policies": "eviction_hit_rate.json",
-                 "layouts": "eviction_hybrid.json", "tiers": "tier_replay_conversation.json",
-                 "memory": "hybrid_memory.png"}
-        extra = (["--limit", "4"] if what == "memory" else
-                 ["--limit", "60", "--capacities", "1000000", "--trace", "conversation"])
+                 "layouts": "eviction_hybrid.json", "tiers": "tier_replay_conversation.json"}
+        extra = ["--limit", "60", "--capacities", "1000000", "--trace", "conversation"]
         if what == "tiers":
             extra[-2:] = []
             extra += ["--device-tokens", "100000", "--host-tokens", "1000000"]
