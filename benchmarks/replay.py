@@ -25,7 +25,7 @@ from kvstore.benchmarks.sweep import ModelShape
 from kvstore.benchmarks.traces import HitCount, MooncakeRequest, leading_run, load_mooncake
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool, BlockRemoved, BlockStored
-from kvstore.eviction import EVICTION_POLICIES, EvictionPolicy
+from kvstore.eviction import EVICTION_POLICIES
 from kvstore.hashing import BlockHash
 from kvstore.request import Request
 from kvstore.specs import FullAttentionSpec, KVCacheSpec, make_kv_cache_config
@@ -38,6 +38,7 @@ TRACE_NAMES: dict[str, str] = {"conversation": "mooncake_conversation",
                                "synthetic": "mooncake_synthetic"}
 Row = dict[str, Any]  # one capacity of a curve, as written to JSON and CSV
 Curves = dict[str, list[Row]]  # trace name -> rows by capacity
+Line = tuple[str, str, dict[str, Any], str]  # row key, format, plot keywords, label
 
 
 def _trace(text: str) -> tuple[str, Path]:
@@ -131,11 +132,14 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     headline: list[str] = []
     if "lru" in args.what:
-        curves = run_mooncake_replay(out, traces, caps, limit, quick=args.quick)["curves"]
+        result = run_mooncake_replay(out, traces, caps, limit, quick=args.quick)
+        curves = result["curves"]
         for name, rows in curves.items():
             print(f"lru {name}: hit {rows[0]['token_hit_rate']:.3f} at "
                   f"{rows[0]['capacity_tokens']:,} tokens .. {rows[-1]['token_hit_rate']:.3f} at "
                   f"{rows[-1]['capacity_tokens']:,}")
+        if result["comparison"]:
+            print("\n".join(format_paper(result["comparison"])))
         agree = all(r["agree"] for rows in curves.values() for r in rows)
         headline.append(f"LRU: the pool {'equals' if agree else 'DIFFERS FROM'} the LRU model at "
                         f"every capacity ({out}/mooncake_hit_rate.png)")
@@ -187,8 +191,30 @@ def _curves(what: str, traces: dict[str, Path], capacities: Sequence[int], limit
     return curves
 
 
-def _write(out: Path, stem: str, table: list[Row], result: dict[str, Any]) -> dict[str, Any]:
-    output.write_csv(out / f"{stem}.csv", table)
+def write_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xlabel: str,
+                 title: str, meta: dict[str, Any],
+                 extra: Callable[[Any, str], None] = lambda ax, name: None) -> dict[str, Any]:
+    """Hit rate against capacity (log x), one panel per trace ("{name}" in `title`), one line
+    per entry of `lines` and what ``extra(axes, trace name)`` draws, as ``{stem}.png``; the
+    rows as ``{stem}.csv`` (without per-group details) and `meta` with the curves as
+    ``{stem}.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = output.pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5),
+                                         squeeze=False)
+    for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
+        xs = [r["capacity_tokens"] for r in rows]
+        for key, fmt, kw, label in lines:
+            ax.plot(xs, [r[key] for r in rows], fmt, label=label, **kw)
+        extra(ax, name)
+        output.mark_x(ax, xs, output.short_count)
+        ax.set(xlabel=xlabel, ylabel="token hit rate (whole blocks)", title=title.format(name=name))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    output.save_figure(fig, out / f"{stem}.png", dpi=120)
+    output.write_csv(out / f"{stem}.csv", [{"trace": name, **{k: v for k, v in r.items()
+                                                               if k != "groups"}}
+                                            for name, rows in curves.items() for r in rows])
+    result = {**meta, "curves": curves}
     output.write_json(out / f"{stem}.json", result)
     return result
 
@@ -207,18 +233,19 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
     printed, written as JSON, summed up in one line."""
     rows = load_mooncake(path, limit)
     dev, host, n = args.device_tokens // BT, args.host_tokens // BT, args.instances
-    if n < 1 or dev < n:
+    if dev < n:
         args.usage_error(f"argument --instances: must be in 1..{dev} (device blocks), got {n}")
     runs = {"device-only LRU": tr.mooncake_lru_replay(rows, dev),
             "device + host, on-free": tr.mooncake_lru_replay(rows, dev, tier_blocks=host),
             "device + host, write-back": tr.mooncake_lru_replay(rows, dev, tier_blocks=host,
-                                                             write_back=True),
+                                                                write_back=True),
             "unbounded": tr.mooncake_lru_replay(rows, None),
             f"{n} instances, local only": tr.mooncake_lru_replay(rows, dev // n, instances=n)}
-    for tokens in args.store_tokens or (None, 10 * args.device_tokens, args.device_tokens):
+    stores = args.store_tokens or [None, 10 * args.device_tokens, args.device_tokens]
+    for tokens in stores:
         runs[f"{n} instances + store {'unbounded' if tokens is None else f'{tokens:,}'}"] = (
             tr.mooncake_lru_replay(rows, dev // n, instances=n,
-                                tier_blocks=None if tokens is None else tokens // BT))
+                                   tier_blocks=None if tokens is None else tokens // BT))
     print(f"\ntiers {name}: {len(rows)} requests, device {args.device_tokens:,} tokens, host "
           f"{args.host_tokens:,}; block / token hit rate")
     for label, r in runs.items():
@@ -226,7 +253,7 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
     keep = ("block_hit_rate", "token_hit_rate", "device_hit_rate", "tier_hit_blocks")
     output.write_json(args.out / f"tier_replay_{name}.json", {"trace": str(path), "rows": {
         label: {k: r[k] for k in keep} for label, r in runs.items()}})
-    one, shared = runs["device-only LRU"], runs[f"{n} instances + store unbounded"]
+    one, shared = runs["device-only LRU"], list(runs.values())[-len(stores)]
     return (f"tiers {name}: a host tier lifts LRU from {one['block_hit_rate']:.3f} to "
             f"{runs['device + host, write-back']['block_hit_rate']:.3f}; {n} instances sharing "
             f"a store keep {shared['block_hit_rate'] / one['block_hit_rate']:.2f}x one "
@@ -240,34 +267,14 @@ PAPER_CAPACITIES: tuple[int, ...] = (10_000, 100_000, 1_000_000, 2_000_000, 3_00
                                      10_000_000, 50_000_000, 100_000_000, 1_000_000_000)
 
 
-def default_capacities(per_decade: int = 4, quick: bool = False) -> list[int]:
-    """Capacities in tokens: the paper's, plus a log grid from 1e4 to 1e9 (none in quick mode)."""
-    grid = range(4 * per_decade, 9 * per_decade + 1) if not quick else ()
-    return sorted(set(PAPER_CAPACITIES) | {int(round(10 ** (e / per_decade), -2)) for e in grid})
-
-
-class _Turns:
-    """Which earlier row a row continues: its hit run of `k` blocks ends at that row's last
-    full block and it is longer than that row's input plus output (a chat's next turn, whose
-    trace hashes the earlier partial block anew once it fills)."""
-
-    def __init__(self, block_tokens: int) -> None:
-        self.block_tokens = block_tokens
-        self.last_full: dict[int, MooncakeRequest] = {}  # a row's last full block id -> row
-
-    def continued(self, req: MooncakeRequest, k: int) -> MooncakeRequest | None:
-        p = self.last_full.get(req.hash_ids[k - 1]) if k else None
-        if p is None or req.input_length <= p.input_length + p.output_length:
-            return None
-        return p if k == p.input_length // self.block_tokens else None
-
-    def add(self, req: MooncakeRequest) -> None:
-        if n_full := req.input_length // self.block_tokens:
-            self.last_full[req.hash_ids[n_full - 1]] = req
+def default_capacities(quick: bool = False) -> list[int]:
+    """The paper's capacities in tokens, and unless `quick` four a decade from 1e4 to 1e9."""
+    grid = () if quick else range(16, 37)
+    return sorted(set(PAPER_CAPACITIES) | {int(round(10 ** (e / 4), -2)) for e in grid})
 
 
 def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None,
-                block_tokens: int = BT, eviction: str = "lru") -> dict[str, Any]:
+                eviction: str = "lru") -> dict[str, Any]:
     """Replay rows through a BlockPool of ``capacity_blocks`` usable blocks (None: unbounded)
     under the named policy. Returns the LRU model's totals plus ``pool_blocks`` (capped at the
     distinct ids: identical results), ``link_breaks`` (a leading id cached but not linked to
@@ -282,7 +289,8 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
     pool_blocks = pool_blocks if cap is None else min(cap, pool_blocks)
     pool = BlockPool(max(pool_blocks, 1) + 1, enable_caching=True, eviction=eviction)
     root = pool.root_serial(None)
-    count, turns = HitCount(block_tokens), _Turns(block_tokens)
+    count = HitCount(BT)
+    last_full: dict[int, MooncakeRequest] = {}  # a row's last full block id -> the row
     link_breaks = unlinked = tail_tokens = 0
 
     def cached(h: int) -> list[KVCacheBlock]:
@@ -302,9 +310,14 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
             parent = block.serial
         k = len(table)
         link_breaks += k < len(keep) and bool(cached(keep[k]))
-        p = turns.continued(req, k)
-        if p and p.input_length > k * block_tokens and cached(p.hash_ids[-1]):
-            tail_tokens += p.input_length - k * block_tokens
+        # A chat's next turn: the hit ends at an earlier row's last full block and the row is
+        # longer than that row's input and output; the trace gives the earlier partial block,
+        # now full, a new id.
+        p = last_full.get(keep[k - 1]) if k else None
+        if (p is not None and k == p.input_length // BT
+                and req.input_length > p.input_length + p.output_length
+                and p.input_length > k * BT and cached(p.hash_ids[-1])):
+            tail_tokens += p.input_length - k * BT
         for h in keep[k:]:  # after the run: present blocks are reused, missing ones computed
             same = cached(h)
             unlinked += bool(same)
@@ -319,11 +332,12 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
             parent = (block.serial if i not in new else pool.cache_full_block(
                 block, block_hash=h, token_ids=(h,), parent_serial=parent))
         pool.free_blocks(reversed(table))  # type: ignore[arg-type]
-        turns.add(req)
+        if n_full := req.input_length // BT:
+            last_full[req.hash_ids[n_full - 1]] = req
         count.add(req, k)
     if pool.num_free_blocks != pool.num_usable_blocks:
         raise RuntimeError("pool replay leaked blocks")
-    return {"capacity_blocks": cap, "capacity_tokens": None if cap is None else cap * block_tokens,
+    return {"capacity_blocks": cap, "capacity_tokens": None if cap is None else cap * BT,
             "pool_blocks": pool_blocks, **count.totals(), "evictions": pool.stats.evictions,
             "link_breaks": link_breaks, "unlinked_present": unlinked,
             "partial_tail_tokens": tail_tokens,
@@ -334,79 +348,14 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
 def lru_row(rows: Sequence[MooncakeRequest], cap_tokens: int) -> Row:
     """Pool replay and the LRU model at one capacity; ``agree`` when they give the same hits
     per request and the same eviction count."""
-    t0 = time.perf_counter()
     res = pool_replay(rows, cap_tokens // BT)
-    row = {k: v for k, v in res.items() if k != "per_request_hit_tokens"}
-    row.update(capacity_tokens=cap_tokens, pool_s=time.perf_counter() - t0)
-    t0 = time.perf_counter()
     ref = tr.mooncake_lru_replay(rows, cap_tokens // BT)
-    row.update(oracle_s=time.perf_counter() - t0, oracle_token_hit_rate=ref["token_hit_rate"],
+    row = {k: v for k, v in res.items() if k != "per_request_hit_tokens"}
+    row.update(capacity_tokens=cap_tokens, oracle_token_hit_rate=ref["token_hit_rate"],
                oracle_evictions=ref["evictions"],
                agree=(ref["per_request_hit_tokens"] == res["per_request_hit_tokens"]
                       and ref["evictions"] == res["evictions"]))
     return row
-
-
-def gap_analysis(requests: Sequence[MooncakeRequest], block_tokens: int = BT) -> dict[str, Any]:
-    """What bounds the curve: the infinite-cache hit rate under whole-block counting, and what
-    it would be if reuse also covered a continued turn's partial last block and its output."""
-    rows = _by_time(requests)
-    seen: set[int] = set()
-    turns = _Turns(block_tokens)
-    input_tokens = sum(r.input_length for r in rows)
-    total_blocks = sum(len(r.hash_ids) for r in rows)
-    base = tails = outputs = continuing = 0
-    for r in rows:
-        k = leading_run(r.hash_ids, seen)
-        base += min(k * block_tokens, r.input_length)
-        if p := turns.continued(r, k):
-            continuing += 1
-            tails += p.input_length - k * block_tokens
-            outputs += p.output_length
-        seen.update(r.hash_ids)
-        turns.add(r)
-    return {
-        "requests": len(rows),
-        "input_tokens": input_tokens,
-        "total_blocks": total_blocks,
-        "distinct_blocks": len(seen),
-        "block_ceiling": 1 - len(seen) / total_blocks if total_blocks else 0.0,
-        "token_ceiling": hit_rate(base, input_tokens),
-        "continuing_requests": continuing,
-        "ceiling_with_partial_tails": hit_rate(base + tails, input_tokens),
-        "ceiling_with_tails_and_outputs": hit_rate(base + tails + outputs, input_tokens),
-        "starts_with_block_0": sum(1 for r in rows if r.hash_ids and r.hash_ids[0] == 0),
-    }
-
-
-def plot_curves(curves: Curves, paper: dict[str, list[tuple[int, float]]], path: str | Path,
-                ceilings: dict[str, dict[str, Any]]) -> None:
-    """Each trace's pool-replay curve, LRU-model markers, tail estimate, the paper's points
-    and the infinite-cache ceiling, against capacity in tokens (log x)."""
-    fig, ax = output.pyplot().subplots(figsize=(8, 5))
-    for name, rows in curves.items():
-        c = {"conversation": "tab:blue", "synthetic": "tab:orange"}.get(name)
-        xs = [r["capacity_tokens"] for r in rows]
-        for key, fmt, kw, label in (
-                ("token_hit_rate", "-", {"lw": 2}, "kvstore BlockPool replay"),
-                ("oracle_token_hit_rate", "x", {"ms": 6}, "LRU oracle"),
-                ("token_hit_rate_with_tails", "--", {"lw": 1.2},
-                 "+ previous turn's cached partial block (estimate)")):
-            ax.plot(xs, [r[key] for r in rows], fmt, color=c, label=f"{name}: {label}", **kw)
-        if pts := paper.get(name, []):
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", mfc="none", color=c, ms=9,
-                    mew=1.5, label=f"{name}: paper Fig. 9 (read by eye)")
-        ax.axhline(ceilings[name]["token_ceiling"], color=c, ls=":", lw=1)
-    output.mark_x(ax, [r["capacity_tokens"] for rows in curves.values() for r in rows],
-                  output.short_count)
-    ax.set(xlabel="LRU cache capacity (tokens, 512-token blocks)",
-           ylabel="token hit rate (whole-block counting)",
-           title="Mooncake FAST'25 traces: hit rate vs cache capacity\n"
-                 "(dotted: the trace's infinite-cache ceiling)")
-    ax.set_ylim(0, max(0.75, ax.get_ylim()[1]))
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    output.save_figure(fig, Path(path), dpi=120)
 
 
 def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
@@ -414,35 +363,48 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
                         paper_path: str | Path | None = None, quick: bool = False,
                         log: Any = print) -> dict[str, Any]:
     """Replay each trace over the capacities, write ``mooncake_hit_rate.{png,json,csv}``
-    into `out_dir`, and return what was written (curves, gap analysis, paper points)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    caps = list(capacities) if capacities is not None else default_capacities(quick=quick)
+    into `out_dir`, and return what was written: the curves, each trace's unbounded hit rate
+    (``ceiling``), the paper's points and the comparison with them."""
+    caps = list(capacities) if capacities is not None else default_capacities(quick)
     try:
-        paper = tr.mooncake_paper_points(paper_path)
+        paper = {k: v for k, v in tr.mooncake_paper_points(paper_path).items() if k in traces}
     except FileNotFoundError:
         paper = {}
     curves = _curves("lru", traces, caps, limit, lru_row, log, note=lambda rows: (
         f"; pool == oracle at every capacity: {all(r['agree'] for r in rows)}"))
-    gaps = {name: gap_analysis(load_mooncake(path, limit)) for name, path in traces.items()}
-    plot_curves(curves, paper, out / "mooncake_hit_rate.png", gaps)
-    table = [{"trace": name, "source": "kvstore_pool", **r} for name, rows in curves.items()
-             for r in rows]
-    table += [{"trace": name, "source": "paper_fig9", "capacity_tokens": cap,
-               "token_hit_rate": rate} for name in curves for cap, rate in paper.get(name, [])]
+    ceiling = {name: tr.mooncake_lru_replay(load_mooncake(path, limit), None)["token_hit_rate"]
+               for name, path in traces.items()}
     comparison = []
     for name, rows in curves.items():
         at = {r["capacity_tokens"]: r for r in rows}
         comparison += [{"trace": name, "capacity_tokens": cap, "paper": rate,
-                        "kvstore": r["token_hit_rate"], "oracle": r["oracle_token_hit_rate"],
-                        "diff": r["token_hit_rate"] - rate,
-                        "with_tails": r["token_hit_rate_with_tails"],
-                        "diff_with_tails": r["token_hit_rate_with_tails"] - rate}
+                        "kvstore": r["token_hit_rate"], "with_tails": r["token_hit_rate_with_tails"]}
                        for cap, rate in paper.get(name, []) if (r := at.get(cap)) is not None]
-    return _write(out, "mooncake_hit_rate", table, {
-        "capacities_tokens": caps, "limit": limit, "curves": curves, "gap": gaps,
-        "paper_points": {k: v for k, v in paper.items() if k in curves},
-        "comparison": comparison})
+
+    def paper_and_ceiling(ax: Any, name: str) -> None:
+        if pts := paper.get(name):
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", mfc="none", color="tab:red",
+                    ms=9, mew=1.5, label="paper Fig. 9 (read by eye)")
+        ax.axhline(ceiling[name], color="gray", ls=":", lw=1, label="unbounded cache")
+
+    return write_panels(Path(out_dir), "mooncake_hit_rate", curves, [
+        ("token_hit_rate", "-", {"lw": 2}, "kvstore BlockPool replay"),
+        ("oracle_token_hit_rate", "x", {"ms": 6, "color": "black"}, "LRU model"),
+        ("token_hit_rate_with_tails", "--", {"lw": 1.2},
+         "+ previous turn's cached partial block (estimate)")],
+        "LRU cache capacity (tokens, 512-token blocks)", "Mooncake {name}: hit rate vs capacity",
+        {"capacities_tokens": caps, "limit": limit, "ceiling": ceiling, "paper_points": paper,
+         "comparison": comparison}, paper_and_ceiling)
+
+
+def format_paper(comparison: Sequence[Row]) -> list[str]:
+    """A markdown table: at each of the paper's capacities, its hit rate, the pool's, and the
+    pool's with the previous turn's partial block, each with its difference to the paper."""
+    return _markdown(["trace", "capacity (tokens)", "paper Fig. 9", "kvstore pool (= LRU model)",
+                      "diff", "+ previous turn's partial block", "diff"], (
+        [c["trace"], f"{c['capacity_tokens']:,}", f"{c['paper']:.3f}", f"{c['kvstore']:.3f}",
+         f"{c['kvstore'] - c['paper']:+.3f}", f"{c['with_tails']:.3f}",
+         f"{c['with_tails'] - c['paper']:+.3f}"] for c in comparison))
 
 
 # --------------------------------------- policies: online policies, the reuse oracle, MIN
@@ -454,20 +416,20 @@ GAP_CAPACITIES: tuple[int, ...] = (1_000_000, 2_000_000, 3_000_000, 5_000_000)
 _NEVER = 1 << 62
 
 
-def _offline(requests: Sequence[MooncakeRequest], capacity_blocks: int, block_tokens: int,
-             cache: Container[int], hold: Callable[[int, tuple[int, ...]], int]) -> dict[str, Any]:
+def _offline(rows: Sequence[MooncakeRequest], capacity_blocks: int, cache: Container[int],
+             hold: Callable[[int, tuple[int, ...]], int]) -> dict[str, Any]:
     """The request model of `mooncake_lru_replay` under another policy: row `r` (timestamp
     order) hits its leading run in `cache`, then ``hold(r, kept ids)`` admits its first
     `capacity_blocks` ids and returns how many it evicted."""
-    count = HitCount(block_tokens)
+    count = HitCount(BT)
     evictions = unlinked = 0
-    for r, req in enumerate(requests):
+    for r, req in enumerate(rows):
         k = leading_run(req.hash_ids, cache)
         keep = req.hash_ids[:capacity_blocks]
         unlinked += sum(1 for h in keep[k:] if h in cache)
         count.add(req, k)
         evictions += hold(r, keep)
-    return {"capacity_blocks": capacity_blocks, "capacity_tokens": capacity_blocks * block_tokens,
+    return {"capacity_blocks": capacity_blocks, "capacity_tokens": capacity_blocks * BT,
             **count.totals(), "evictions": evictions, "unlinked_present": unlinked}
 
 
@@ -477,8 +439,7 @@ def _checked(requests: Iterable[MooncakeRequest], capacity_blocks: int) -> list[
     return _by_time(requests)
 
 
-def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
-               block_tokens: int = BT) -> dict[str, Any]:
+def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int) -> dict[str, Any]:
     """Belady's MIN: evict the unheld block whose next use is furthest (deeper first on ties).
     ``unlinked_present`` counts present blocks outside the hit run (0: prefix-closed)."""
     rows, cap = _checked(requests, capacity_blocks), capacity_blocks
@@ -504,11 +465,10 @@ def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
             heapq.heappush(heap, (-nxt, -depth, h))
         return evicted
 
-    return _offline(rows, cap, block_tokens, cache, hold)
+    return _offline(rows, cap, cache, hold)
 
 
-def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
-                        block_tokens: int = BT) -> dict[str, Any]:
+def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int) -> dict[str, Any]:
     """LRU that evicts first the blocks no later request uses (LRU among those, then among
     the rest): it knows whether a block returns, not when."""
     rows, cap = _checked(requests, capacity_blocks), capacity_blocks
@@ -532,7 +492,7 @@ def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: in
             (live if h in returns[r] else dead)[h] = None
         return evicted
 
-    return _offline(rows, cap, block_tokens, ChainMap(live, dead), hold)
+    return _offline(rows, cap, ChainMap(live, dead), hold)
 
 
 def gap_closed(rate: float, lru: float, opt: float) -> float | None:
@@ -544,44 +504,16 @@ def policy_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap_tok
     """At one capacity: each policy's token hit rate, the reuse oracle's, MIN's, and the gap
     each closes."""
     blocks = cap_tokens // BT
-    t0 = time.perf_counter()
     opt = min_replay(rows, blocks)
     row: Row = {"capacity_tokens": cap_tokens, "min": opt["token_hit_rate"],
-                "min_unlinked_present": opt["unlinked_present"], "min_s": time.perf_counter() - t0,
+                "min_unlinked_present": opt["unlinked_present"],
                 "reuse_oracle": reuse_oracle_replay(rows, blocks)["token_hit_rate"]}
     for name in policies:
-        t0 = time.perf_counter()
         row[name] = pool_replay(rows, blocks, eviction=name)["token_hit_rate"]
-        row[f"{name}_s"] = time.perf_counter() - t0
     if "lru" in row:
         for name in [*policies, "reuse_oracle"]:
             row[f"{name}_gap_closed"] = gap_closed(row[name], row["lru"], row["min"])
     return row
-
-
-Line = tuple[str, str, dict[str, Any], str]  # row key, format, plot keywords, label
-
-
-def write_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xlabel: str,
-                title: str, meta: dict[str, Any]) -> dict[str, Any]:
-    """Hit rate against capacity (log x), one panel per trace ("{name}" in `title`), one line
-    per entry of `lines`, as ``{stem}.png``; the rows as ``{stem}.csv`` (without per-group
-    details) and `meta` with the curves as ``{stem}.json``."""
-    out.mkdir(parents=True, exist_ok=True)
-    fig, axes = output.pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5),
-                                         squeeze=False)
-    for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
-        xs = [r["capacity_tokens"] for r in rows]
-        for key, fmt, kw, label in lines:
-            ax.plot(xs, [r[key] for r in rows], fmt, label=label, **kw)
-        output.mark_x(ax, xs, output.short_count)
-        ax.set(xlabel=xlabel, ylabel="token hit rate (whole blocks)", title=title.format(name=name))
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    output.save_figure(fig, out / f"{stem}.png", dpi=120)
-    return _write(out, stem, [{"trace": name, **{k: v for k, v in r.items() if k != "groups"}}
-                              for name, rows in curves.items() for r in rows],
-                  {**meta, "curves": curves})
 
 
 def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
@@ -621,11 +553,11 @@ CAPACITIES: tuple[int, ...] = (300_000, 1_000_000, 2_000_000, 3_000_000, 5_000_0
 CHUNK_TOKENS = 8192
 
 
-def layer_specs(layout: str, block_tokens: int = BT) -> list[KVCacheSpec]:
+def layer_specs(layout: str) -> list[KVCacheSpec]:
     """The 62 layer specs of a layout: ``hybrid`` (Gemma-3-27B-like) or ``full``."""
     if layout not in ("hybrid", "full"):
         raise ValueError(f"unknown layout {layout!r}; known: hybrid, full")
-    return (LAYOUT.hybrid_specs if layout == "hybrid" else LAYOUT.full_specs)(block_tokens)
+    return (LAYOUT.hybrid_specs if layout == "hybrid" else LAYOUT.full_specs)(BT)
 
 
 def _fast_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -634,16 +566,14 @@ def _fast_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 
 
 def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
-                  eviction: str | EvictionPolicy = "lru", layout: str = "hybrid",
-                  block_tokens: int = BT, chunk_tokens: int = CHUNK_TOKENS) -> dict[str, Any]:
+                  eviction: str = "lru", layout: str = "hybrid") -> dict[str, Any]:
     """Replay rows through a KVCacheManager of `layout` at the bytes of an all-full cache of
     `capacity_tokens` tokens. Returns the hit totals, ``num_blocks`` (pages), ``truncated``
     (rows cut to what the pool holds at once), ``cut_tokens`` / ``cut_rate`` (tokens past
     the hit whose full chain was cached but whose window pages were not) and per group
     ``groups``: pages stored, evicted, cached at the end and on average, hit."""
-    specs = layer_specs(layout, block_tokens)
-    num_pages = (capacity_tokens // block_tokens * len(specs)
-                 // make_kv_cache_config(specs, num_blocks=2).num_slots)
+    specs = layer_specs(layout)
+    num_pages = capacity_tokens // BT * len(specs) // make_kv_cache_config(specs, num_blocks=2).num_slots
     config = make_kv_cache_config(specs, num_blocks=num_pages + 1)
     ng = len(config.groups)
     manager = new_manager(config, enable_partial_hits=False, enable_events=True,
@@ -651,22 +581,22 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
     max_blocks = num_pages // ng - 1  # a page per group per block, and one for the extra token
     rows = _by_time(requests)
     stored, evicted, cached_sum, hit_pages = (np.zeros(ng, dtype=np.int64) for _ in range(4))
-    count = HitCount(block_tokens)
+    count = HitCount(BT)
     truncated = cut_tokens = 0
     for n, row in enumerate(rows):
         ids = row.hash_ids[:max_blocks]
         truncated += len(ids) < len(row.hash_ids)
-        num_tokens = min(row.input_length, len(ids) * block_tokens)
+        num_tokens = min(row.input_length, len(ids) * BT)
         tokens = np.zeros(num_tokens, dtype=np.int64)
-        tokens[::block_tokens] = np.asarray(ids[:-(-num_tokens // block_tokens)]) + 1
+        tokens[::BT] = np.asarray(ids[:-(-num_tokens // BT)]) + 1
         req = Request(f"r{n}", tokens)
         computed = manager.get_computed_blocks(req)
         hit_pages += [sum(1 for b in blocks if b.block_id != 0) for blocks in computed.blocks]
-        end = min(num_tokens, computed.num_computed_tokens + chunk_tokens)  # prefill in chunks
+        end = min(num_tokens, computed.num_computed_tokens + CHUNK_TOKENS)  # prefill in chunks
         grown = manager.admit(req, end - computed.num_computed_tokens, computed)
         while grown is not None and end < num_tokens:
             req.num_computed_tokens = end
-            end = min(num_tokens, end + chunk_tokens)
+            end = min(num_tokens, end + CHUNK_TOKENS)
             grown = manager.grow(req, end - req.num_computed_tokens)
         if grown is None:
             raise RuntimeError(f"row {n} ({len(ids)} blocks) does not fit {num_pages} pages")
@@ -678,9 +608,9 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
             elif isinstance(ev, BlockRemoved):
                 evicted[ev.group_id] += 1
         cached_sum += stored - evicted
-        k = computed.num_computed_tokens // block_tokens
+        k = computed.num_computed_tokens // BT
         verified = min(computed.num_verified_tokens, row.input_length)
-        cut_tokens += verified - min(k * block_tokens, row.input_length, verified)
+        cut_tokens += verified - min(k * BT, row.input_length, verified)
         count.add(row, k)
     if manager.num_free_blocks != manager.num_usable_blocks:
         raise RuntimeError("hybrid replay leaked pages")
@@ -690,16 +620,15 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
                "evicted": int(evicted[g]), "cached_end": int(stored[g] - evicted[g]),
                "cached_mean": int(cached_sum[g]) / max(1, len(rows)),
                "hit_pages": int(hit_pages[g])} for g, group in enumerate(config.groups)]
-    return {"layout": layout, "eviction": eviction if isinstance(eviction, str) else eviction.name,
-            "capacity_tokens": capacity_tokens, "num_blocks": num_pages, "truncated": truncated,
-            **count.totals(), "cut_tokens": cut_tokens,
-            "cut_rate": hit_rate(cut_tokens, count.input_tokens), "groups": groups}
+    return {"layout": layout, "eviction": eviction, "capacity_tokens": capacity_tokens,
+            "num_blocks": num_pages, "truncated": truncated, **count.totals(),
+            "cut_tokens": cut_tokens, "cut_rate": hit_rate(cut_tokens, count.input_tokens),
+            "groups": groups}
 
 
 def capacity_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap: int) -> Row:
     """At one budget: each hybrid policy's hit rate (and per-group breakdown), all-full LRU's,
     and the bound where windowed pages cost nothing (the full group holds every byte)."""
-    t0 = time.perf_counter()
     row: Row = {"capacity_tokens": cap,
                 "full_lru": hybrid_replay(rows, cap, "lru", layout="full")["token_hit_rate"],
                 "bound": pool_replay(rows, cap // BT * LAYOUT.num_layers // FULL_LAYERS)[
@@ -709,7 +638,6 @@ def capacity_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap: 
         row.update({name: res["token_hit_rate"], f"{name}_cut": res["cut_rate"],
                     "truncated": res["truncated"]})
         row["groups"][name] = res["groups"]
-    row["seconds"] = time.perf_counter() - t0
     return row
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import kvstore
 from kvstore.benchmarks import sweep
 from kvstore.benchmarks.bench import add_bench_parser, load_bench_workload, print_table
-from kvstore.benchmarks.replay import gap_analysis, pool_replay, run_mooncake_replay
+from kvstore.benchmarks.replay import pool_replay, run_mooncake_replay
 from kvstore.benchmarks.sweep import (
     DEFAULT_POLICIES,
     MODEL_SHAPES,
@@ -122,24 +122,22 @@ def test_pool_capped_at_distinct_ids_is_exact():
     _same(big, mooncake_lru_replay(rows, distinct * 10))
 
 
-def test_gap_analysis_counts_continued_partial_blocks():
+def test_pool_replay_counts_a_continued_partial_block():
     # Turn 2 repeats turn 1's input (1.5 blocks) + output (100) + more: its block 1 holds
     # turn 1's partial block (256 tokens), now full, under a new id.
     t1 = MooncakeRequest(0, BT + 256, 100, (0, 1))
     t2 = MooncakeRequest(1, 3 * BT, 50, (0, 2, 3))
-    g = gap_analysis([t1, t2])
-    assert g["token_ceiling"] == BT / (BT + 256 + 3 * BT)
-    assert g["continuing_requests"] == 1
-    assert g["ceiling_with_partial_tails"] == (BT + 256) / (BT + 256 + 3 * BT)
-    assert g["ceiling_with_tails_and_outputs"] == (BT + 356) / (BT + 256 + 3 * BT)
     res = pool_replay([t1, t2], None)
     assert res["partial_tail_tokens"] == 256
+    assert res["token_hit_rate_with_tails"] == (BT + 256) / (BT + 256 + 3 * BT)
+    assert pool_replay([t1, MooncakeRequest(1, BT + 356, 50, (0, 2))], None)["partial_tail_tokens"] == 0
 
 
 def test_run_mooncake_replay_writes_figure(tmp_path):
     trace = tmp_path / "trace.jsonl"
+    rows = _random_trace(random.Random(1), 80)
     with open(trace, "w") as f:
-        for r in _random_trace(random.Random(1), 80):
+        for r in rows:
             f.write(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
                                 "output_length": r.output_length, "hash_ids": list(r.hash_ids)})
                     + "\n")
@@ -151,7 +149,10 @@ def test_run_mooncake_replay_writes_figure(tmp_path):
     for ext in ("png", "json", "csv"):
         assert (tmp_path / "out" / f"mooncake_hit_rate.{ext}").stat().st_size > 0
     assert all(r["agree"] for r in res["curves"]["synthetic"])
-    assert res["comparison"][0]["capacity_tokens"] == 10240
+    assert res["comparison"] == [{"trace": "synthetic", "capacity_tokens": 10240, "paper": 0.3,
+                                  "kvstore": res["curves"]["synthetic"][1]["token_hit_rate"],
+                                  "with_tails": res["curves"]["synthetic"][1]["token_hit_rate_with_tails"]}]
+    assert res["ceiling"]["synthetic"] == mooncake_lru_replay(rows, None)["token_hit_rate"]
 
 
 # ----------------------------------------------------------------------------- sweep
