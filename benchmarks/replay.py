@@ -250,7 +250,8 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
           f"{args.host_tokens:,}; block / token hit rate")
     for label, r in runs.items():
         print(f"  {label:32s} {r['block_hit_rate']:6.3f} {r['token_hit_rate']:6.3f}")
-    keep = ("block_hit_rate", "token_hit_rate", "device_hit_rate", "tier_hit_blocks")
+    keep = ("block_hit_rate", "token_hit_rate", "device_hit_rate", "tier_hit_blocks",
+            "per_instance_block_hit_rate")
     output.write_json(args.out / f"tier_replay_{name}.json", {"trace": str(path), "rows": {
         label: {k: r[k] for k in keep} for label, r in runs.items()}})
     one, shared = runs["device-only LRU"], list(runs.values())[-len(stores)]
