@@ -211,9 +211,9 @@ def write_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xl
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     output.save_figure(fig, out / f"{stem}.png", dpi=120)
-    output.write_csv(out / f"{stem}.csv", [{"trace": name, **{k: v for k, v in r.items()
-                                                               if k != "groups"}}
-                                            for name, rows in curves.items() for r in rows])
+    table = [{"trace": name, **{k: v for k, v in r.items() if k != "groups"}}
+             for name, rows in curves.items() for r in rows]
+    output.write_csv(out / f"{stem}.csv", table)
     result = {**meta, "curves": curves}
     output.write_json(out / f"{stem}.json", result)
     return result
@@ -242,10 +242,11 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
             "unbounded": tr.mooncake_lru_replay(rows, None),
             f"{n} instances, local only": tr.mooncake_lru_replay(rows, dev // n, instances=n)}
     stores = args.store_tokens or [None, 10 * args.device_tokens, args.device_tokens]
-    for tokens in stores:
-        runs[f"{n} instances + store {'unbounded' if tokens is None else f'{tokens:,}'}"] = (
-            tr.mooncake_lru_replay(rows, dev // n, instances=n,
-                                   tier_blocks=None if tokens is None else tokens // BT))
+    store_labels = [f"{n} instances + store {'unbounded' if t is None else f'{t:,}'}"
+                    for t in stores]
+    for label, tokens in zip(store_labels, stores, strict=True):
+        runs[label] = tr.mooncake_lru_replay(rows, dev // n, instances=n,
+                                             tier_blocks=None if tokens is None else tokens // BT)
     print(f"\ntiers {name}: {len(rows)} requests, device {args.device_tokens:,} tokens, host "
           f"{args.host_tokens:,}; block / token hit rate")
     for label, r in runs.items():
@@ -254,7 +255,7 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
             "per_instance_block_hit_rate")
     output.write_json(args.out / f"tier_replay_{name}.json", {"trace": str(path), "rows": {
         label: {k: r[k] for k in keep} for label, r in runs.items()}})
-    one, shared = runs["device-only LRU"], list(runs.values())[-len(stores)]
+    one, shared = runs["device-only LRU"], runs[store_labels[0]]  # the first store listed
     return (f"tiers {name}: a host tier lifts LRU from {one['block_hit_rate']:.3f} to "
             f"{runs['device + host, write-back']['block_hit_rate']:.3f}; {n} instances sharing "
             f"a store keep {shared['block_hit_rate'] / one['block_hit_rate']:.2f}x one "
