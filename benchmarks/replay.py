@@ -1,51 +1,44 @@
 """``kvstore bench replay``: hit rate against cache capacity on Mooncake block-hash traces,
 counted in whole 512-token blocks (at most the row's input length) as the Mooncake paper does.
 ``--what`` picks the replays: ``lru`` (docs/benchmarks.md), ``policies`` and ``layouts``
-(docs/eviction.md), ``tiers`` (docs/tiers.md) and ``memory`` (docs/hybrid.md, no trace)."""
+(docs/eviction.md) and ``tiers`` (docs/tiers.md)."""
 
 from __future__ import annotations
 
 import argparse
 import heapq
-import itertools
-import math
 import sys
 import time
 from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
-from rich.table import Column, Table
 
 from kvstore.benchmarks import output
 from kvstore.benchmarks import traces as tr
 from kvstore.benchmarks.manager import new_manager
-from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.sweep import ModelShape
 from kvstore.benchmarks.traces import HitCount, MooncakeRequest, leading_run, load_mooncake
-from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, shared_system_prompts
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool, BlockRemoved, BlockStored
-from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvstore.eviction import EVICTION_POLICIES, EvictionPolicy
+from kvstore.eviction import EVICTION_POLICIES
 from kvstore.hashing import BlockHash
 from kvstore.request import Request
-from kvstore.specs import FullAttentionSpec, KVCacheConfig, KVCacheSpec, make_kv_cache_config
+from kvstore.specs import FullAttentionSpec, KVCacheSpec, make_kv_cache_config
 from kvstore.utils import hit_rate
 
 BT = tr.MOONCAKE_BLOCK_TOKENS
-WHAT = ("lru", "policies", "layouts", "tiers", "memory")
+WHAT = ("lru", "policies", "layouts", "tiers")
 # Built-in trace names -> trace file keys.
 TRACE_NAMES: dict[str, str] = {"conversation": "mooncake_conversation",
                                "synthetic": "mooncake_synthetic"}
 Row = dict[str, Any]  # one capacity of a curve, as written to JSON and CSV
 Curves = dict[str, list[Row]]  # trace name -> rows by capacity
+Line = tuple[str, str, dict[str, Any], str]  # row key, format, plot keywords, label
 
 
 def _trace(text: str) -> tuple[str, Path]:
@@ -100,8 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=list(EVICTION_POLICIES), metavar="LIST",
                    help=f"eviction policies, comma list of {', '.join(EVICTION_POLICIES)}")
     p.add_argument("--limit", type=output.positive_int, default=None, metavar="N",
-                   help="first N rows of each trace; memory: requests per phase (default 100, "
-                        "40 with --quick)")
+                   help="first N rows of each trace")
     p.add_argument("--quick", action="store_true",
                    help="the first 2000 rows, the paper's capacities for lru")
     p.add_argument("--jobs", type=output.positive_int, default=1, help="processes for layouts")
@@ -130,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     traces = dict(args.trace or [])
-    if not traces and args.what != ["memory"]:
+    if not traces:
         try:
             traces = {name: tr.locate_trace(key) for name, key in TRACE_NAMES.items()}
         except FileNotFoundError as e:
@@ -140,11 +132,14 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     headline: list[str] = []
     if "lru" in args.what:
-        curves = run_mooncake_replay(out, traces, caps, limit, quick=args.quick)["curves"]
+        result = run_mooncake_replay(out, traces, caps, limit, quick=args.quick)
+        curves = result["curves"]
         for name, rows in curves.items():
             print(f"lru {name}: hit {rows[0]['token_hit_rate']:.3f} at "
                   f"{rows[0]['capacity_tokens']:,} tokens .. {rows[-1]['token_hit_rate']:.3f} at "
                   f"{rows[-1]['capacity_tokens']:,}")
+        if result["comparison"]:
+            print("\n".join(format_paper(result["comparison"])))
         agree = all(r["agree"] for rows in curves.values() for r in rows)
         headline.append(f"LRU: the pool {'equals' if agree else 'DIFFERS FROM'} the LRU model at "
                         f"every capacity ({out}/mooncake_hit_rate.png)")
@@ -165,8 +160,6 @@ def _run(args: argparse.Namespace) -> int:
                         f"({worst[1]}, {worst[2]} at {worst[3]:,} tokens)")
     if "tiers" in args.what:
         headline += [_tiers(name, path, args, limit) for name, path in traces.items()]
-    if "memory" in args.what:
-        headline.append(run_memory(out, args.limit or (40 if args.quick else 100)))
     print("\n" + "\n".join(headline) + f"\n({time.perf_counter() - t0:.0f} s; files in {out}/)")
     return 0
 
@@ -198,8 +191,30 @@ def _curves(what: str, traces: dict[str, Path], capacities: Sequence[int], limit
     return curves
 
 
-def _write(out: Path, stem: str, table: list[Row], result: dict[str, Any]) -> dict[str, Any]:
+def write_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xlabel: str,
+                 title: str, meta: dict[str, Any],
+                 extra: Callable[[Any, str], None] = lambda ax, name: None) -> dict[str, Any]:
+    """Hit rate against capacity (log x), one panel per trace ("{name}" in `title`), one line
+    per entry of `lines` and what ``extra(axes, trace name)`` draws, as ``{stem}.png``; the
+    rows as ``{stem}.csv`` (without per-group details) and `meta` with the curves as
+    ``{stem}.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = output.pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5),
+                                         squeeze=False)
+    for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
+        xs = [r["capacity_tokens"] for r in rows]
+        for key, fmt, kw, label in lines:
+            ax.plot(xs, [r[key] for r in rows], fmt, label=label, **kw)
+        extra(ax, name)
+        output.mark_x(ax, xs, output.short_count)
+        ax.set(xlabel=xlabel, ylabel="token hit rate (whole blocks)", title=title.format(name=name))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    output.save_figure(fig, out / f"{stem}.png", dpi=120)
+    table = [{"trace": name, **{k: v for k, v in r.items() if k != "groups"}}
+             for name, rows in curves.items() for r in rows]
     output.write_csv(out / f"{stem}.csv", table)
+    result = {**meta, "curves": curves}
     output.write_json(out / f"{stem}.json", result)
     return result
 
@@ -218,26 +233,29 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
     printed, written as JSON, summed up in one line."""
     rows = load_mooncake(path, limit)
     dev, host, n = args.device_tokens // BT, args.host_tokens // BT, args.instances
-    if n < 1 or dev < n:
+    if dev < n:
         args.usage_error(f"argument --instances: must be in 1..{dev} (device blocks), got {n}")
     runs = {"device-only LRU": tr.mooncake_lru_replay(rows, dev),
             "device + host, on-free": tr.mooncake_lru_replay(rows, dev, tier_blocks=host),
             "device + host, write-back": tr.mooncake_lru_replay(rows, dev, tier_blocks=host,
-                                                             write_back=True),
+                                                                write_back=True),
             "unbounded": tr.mooncake_lru_replay(rows, None),
             f"{n} instances, local only": tr.mooncake_lru_replay(rows, dev // n, instances=n)}
-    for tokens in args.store_tokens or (None, 10 * args.device_tokens, args.device_tokens):
-        runs[f"{n} instances + store {'unbounded' if tokens is None else f'{tokens:,}'}"] = (
-            tr.mooncake_lru_replay(rows, dev // n, instances=n,
-                                tier_blocks=None if tokens is None else tokens // BT))
+    stores = args.store_tokens or [None, 10 * args.device_tokens, args.device_tokens]
+    store_labels = [f"{n} instances + store {'unbounded' if t is None else f'{t:,}'}"
+                    for t in stores]
+    for label, tokens in zip(store_labels, stores, strict=True):
+        runs[label] = tr.mooncake_lru_replay(rows, dev // n, instances=n,
+                                             tier_blocks=None if tokens is None else tokens // BT)
     print(f"\ntiers {name}: {len(rows)} requests, device {args.device_tokens:,} tokens, host "
           f"{args.host_tokens:,}; block / token hit rate")
     for label, r in runs.items():
         print(f"  {label:32s} {r['block_hit_rate']:6.3f} {r['token_hit_rate']:6.3f}")
-    keep = ("block_hit_rate", "token_hit_rate", "device_hit_rate", "tier_hit_blocks")
+    keep = ("block_hit_rate", "token_hit_rate", "device_hit_rate", "tier_hit_blocks",
+            "per_instance_block_hit_rate")
     output.write_json(args.out / f"tier_replay_{name}.json", {"trace": str(path), "rows": {
         label: {k: r[k] for k in keep} for label, r in runs.items()}})
-    one, shared = runs["device-only LRU"], runs[f"{n} instances + store unbounded"]
+    one, shared = runs["device-only LRU"], runs[store_labels[0]]  # the first store listed
     return (f"tiers {name}: a host tier lifts LRU from {one['block_hit_rate']:.3f} to "
             f"{runs['device + host, write-back']['block_hit_rate']:.3f}; {n} instances sharing "
             f"a store keep {shared['block_hit_rate'] / one['block_hit_rate']:.2f}x one "
@@ -251,34 +269,14 @@ PAPER_CAPACITIES: tuple[int, ...] = (10_000, 100_000, 1_000_000, 2_000_000, 3_00
                                      10_000_000, 50_000_000, 100_000_000, 1_000_000_000)
 
 
-def default_capacities(per_decade: int = 4, quick: bool = False) -> list[int]:
-    """Capacities in tokens: the paper's, plus a log grid from 1e4 to 1e9 (none in quick mode)."""
-    grid = range(4 * per_decade, 9 * per_decade + 1) if not quick else ()
-    return sorted(set(PAPER_CAPACITIES) | {int(round(10 ** (e / per_decade), -2)) for e in grid})
-
-
-class _Turns:
-    """Which earlier row a row continues: its hit run of `k` blocks ends at that row's last
-    full block and it is longer than that row's input plus output (a chat's next turn, whose
-    trace hashes the earlier partial block anew once it fills)."""
-
-    def __init__(self, block_tokens: int) -> None:
-        self.block_tokens = block_tokens
-        self.last_full: dict[int, MooncakeRequest] = {}  # a row's last full block id -> row
-
-    def continued(self, req: MooncakeRequest, k: int) -> MooncakeRequest | None:
-        p = self.last_full.get(req.hash_ids[k - 1]) if k else None
-        if p is None or req.input_length <= p.input_length + p.output_length:
-            return None
-        return p if k == p.input_length // self.block_tokens else None
-
-    def add(self, req: MooncakeRequest) -> None:
-        if n_full := req.input_length // self.block_tokens:
-            self.last_full[req.hash_ids[n_full - 1]] = req
+def default_capacities(quick: bool = False) -> list[int]:
+    """The paper's capacities in tokens, and unless `quick` four a decade from 1e4 to 1e9."""
+    grid = () if quick else range(16, 37)
+    return sorted(set(PAPER_CAPACITIES) | {int(round(10 ** (e / 4), -2)) for e in grid})
 
 
 def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None,
-                block_tokens: int = BT, eviction: str = "lru") -> dict[str, Any]:
+                eviction: str = "lru") -> dict[str, Any]:
     """Replay rows through a BlockPool of ``capacity_blocks`` usable blocks (None: unbounded)
     under the named policy. Returns the LRU model's totals plus ``pool_blocks`` (capped at the
     distinct ids: identical results), ``link_breaks`` (a leading id cached but not linked to
@@ -293,7 +291,8 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
     pool_blocks = pool_blocks if cap is None else min(cap, pool_blocks)
     pool = BlockPool(max(pool_blocks, 1) + 1, enable_caching=True, eviction=eviction)
     root = pool.root_serial(None)
-    count, turns = HitCount(block_tokens), _Turns(block_tokens)
+    count = HitCount(BT)
+    last_full: dict[int, MooncakeRequest] = {}  # a row's last full block id -> the row
     link_breaks = unlinked = tail_tokens = 0
 
     def cached(h: int) -> list[KVCacheBlock]:
@@ -313,9 +312,14 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
             parent = block.serial
         k = len(table)
         link_breaks += k < len(keep) and bool(cached(keep[k]))
-        p = turns.continued(req, k)
-        if p and p.input_length > k * block_tokens and cached(p.hash_ids[-1]):
-            tail_tokens += p.input_length - k * block_tokens
+        # A chat's next turn: the hit ends at an earlier row's last full block and the row is
+        # longer than that row's input and output; the trace gives the earlier partial block,
+        # now full, a new id.
+        p = last_full.get(keep[k - 1]) if k else None
+        if (p is not None and k == p.input_length // BT
+                and req.input_length > p.input_length + p.output_length
+                and p.input_length > k * BT and cached(p.hash_ids[-1])):
+            tail_tokens += p.input_length - k * BT
         for h in keep[k:]:  # after the run: present blocks are reused, missing ones computed
             same = cached(h)
             unlinked += bool(same)
@@ -330,11 +334,12 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
             parent = (block.serial if i not in new else pool.cache_full_block(
                 block, block_hash=h, token_ids=(h,), parent_serial=parent))
         pool.free_blocks(reversed(table))  # type: ignore[arg-type]
-        turns.add(req)
+        if n_full := req.input_length // BT:
+            last_full[req.hash_ids[n_full - 1]] = req
         count.add(req, k)
     if pool.num_free_blocks != pool.num_usable_blocks:
         raise RuntimeError("pool replay leaked blocks")
-    return {"capacity_blocks": cap, "capacity_tokens": None if cap is None else cap * block_tokens,
+    return {"capacity_blocks": cap, "capacity_tokens": None if cap is None else cap * BT,
             "pool_blocks": pool_blocks, **count.totals(), "evictions": pool.stats.evictions,
             "link_breaks": link_breaks, "unlinked_present": unlinked,
             "partial_tail_tokens": tail_tokens,
@@ -345,79 +350,14 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
 def lru_row(rows: Sequence[MooncakeRequest], cap_tokens: int) -> Row:
     """Pool replay and the LRU model at one capacity; ``agree`` when they give the same hits
     per request and the same eviction count."""
-    t0 = time.perf_counter()
     res = pool_replay(rows, cap_tokens // BT)
-    row = {k: v for k, v in res.items() if k != "per_request_hit_tokens"}
-    row.update(capacity_tokens=cap_tokens, pool_s=time.perf_counter() - t0)
-    t0 = time.perf_counter()
     ref = tr.mooncake_lru_replay(rows, cap_tokens // BT)
-    row.update(oracle_s=time.perf_counter() - t0, oracle_token_hit_rate=ref["token_hit_rate"],
+    row = {k: v for k, v in res.items() if k != "per_request_hit_tokens"}
+    row.update(capacity_tokens=cap_tokens, oracle_token_hit_rate=ref["token_hit_rate"],
                oracle_evictions=ref["evictions"],
                agree=(ref["per_request_hit_tokens"] == res["per_request_hit_tokens"]
                       and ref["evictions"] == res["evictions"]))
     return row
-
-
-def gap_analysis(requests: Sequence[MooncakeRequest], block_tokens: int = BT) -> dict[str, Any]:
-    """What bounds the curve: the infinite-cache hit rate under whole-block counting, and what
-    it would be if reuse also covered a continued turn's partial last block and its output."""
-    rows = _by_time(requests)
-    seen: set[int] = set()
-    turns = _Turns(block_tokens)
-    input_tokens = sum(r.input_length for r in rows)
-    total_blocks = sum(len(r.hash_ids) for r in rows)
-    base = tails = outputs = continuing = 0
-    for r in rows:
-        k = leading_run(r.hash_ids, seen)
-        base += min(k * block_tokens, r.input_length)
-        if p := turns.continued(r, k):
-            continuing += 1
-            tails += p.input_length - k * block_tokens
-            outputs += p.output_length
-        seen.update(r.hash_ids)
-        turns.add(r)
-    return {
-        "requests": len(rows),
-        "input_tokens": input_tokens,
-        "total_blocks": total_blocks,
-        "distinct_blocks": len(seen),
-        "block_ceiling": 1 - len(seen) / total_blocks if total_blocks else 0.0,
-        "token_ceiling": hit_rate(base, input_tokens),
-        "continuing_requests": continuing,
-        "ceiling_with_partial_tails": hit_rate(base + tails, input_tokens),
-        "ceiling_with_tails_and_outputs": hit_rate(base + tails + outputs, input_tokens),
-        "starts_with_block_0": sum(1 for r in rows if r.hash_ids and r.hash_ids[0] == 0),
-    }
-
-
-def plot_curves(curves: Curves, paper: dict[str, list[tuple[int, float]]], path: str | Path,
-                ceilings: dict[str, dict[str, Any]]) -> None:
-    """Each trace's pool-replay curve, LRU-model markers, tail estimate, the paper's points
-    and the infinite-cache ceiling, against capacity in tokens (log x)."""
-    fig, ax = output.pyplot().subplots(figsize=(8, 5))
-    for name, rows in curves.items():
-        c = {"conversation": "tab:blue", "synthetic": "tab:orange"}.get(name)
-        xs = [r["capacity_tokens"] for r in rows]
-        for key, fmt, kw, label in (
-                ("token_hit_rate", "-", {"lw": 2}, "kvstore BlockPool replay"),
-                ("oracle_token_hit_rate", "x", {"ms": 6}, "LRU oracle"),
-                ("token_hit_rate_with_tails", "--", {"lw": 1.2},
-                 "+ previous turn's cached partial block (estimate)")):
-            ax.plot(xs, [r[key] for r in rows], fmt, color=c, label=f"{name}: {label}", **kw)
-        if pts := paper.get(name, []):
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", mfc="none", color=c, ms=9,
-                    mew=1.5, label=f"{name}: paper Fig. 9 (read by eye)")
-        ax.axhline(ceilings[name]["token_ceiling"], color=c, ls=":", lw=1)
-    output.mark_x(ax, [r["capacity_tokens"] for rows in curves.values() for r in rows],
-                  output.short_count)
-    ax.set(xlabel="LRU cache capacity (tokens, 512-token blocks)",
-           ylabel="token hit rate (whole-block counting)",
-           title="Mooncake FAST'25 traces: hit rate vs cache capacity\n"
-                 "(dotted: the trace's infinite-cache ceiling)")
-    ax.set_ylim(0, max(0.75, ax.get_ylim()[1]))
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    output.save_figure(fig, Path(path), dpi=120)
 
 
 def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
@@ -425,38 +365,51 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
                         paper_path: str | Path | None = None, quick: bool = False,
                         log: Any = print) -> dict[str, Any]:
     """Replay each trace over the capacities, write ``mooncake_hit_rate.{png,json,csv}``
-    into `out_dir`, and return what was written (curves, gap analysis, paper points)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    caps = list(capacities) if capacities is not None else default_capacities(quick=quick)
+    into `out_dir`, and return what was written: the curves, each trace's unbounded hit rate
+    (``ceiling``), the paper's points and the comparison with them."""
+    caps = list(capacities) if capacities is not None else default_capacities(quick)
     try:
-        paper = tr.mooncake_paper_points(paper_path)
+        paper = {k: v for k, v in tr.mooncake_paper_points(paper_path).items() if k in traces}
     except FileNotFoundError:
         paper = {}
     curves = _curves("lru", traces, caps, limit, lru_row, log, note=lambda rows: (
         f"; pool == oracle at every capacity: {all(r['agree'] for r in rows)}"))
-    gaps = {name: gap_analysis(load_mooncake(path, limit)) for name, path in traces.items()}
-    plot_curves(curves, paper, out / "mooncake_hit_rate.png", gaps)
-    table = [{"trace": name, "source": "kvstore_pool", **r} for name, rows in curves.items()
-             for r in rows]
-    table += [{"trace": name, "source": "paper_fig9", "capacity_tokens": cap,
-               "token_hit_rate": rate} for name in curves for cap, rate in paper.get(name, [])]
+    ceiling = {name: tr.mooncake_lru_replay(load_mooncake(path, limit), None)["token_hit_rate"]
+               for name, path in traces.items()}
     comparison = []
     for name, rows in curves.items():
         at = {r["capacity_tokens"]: r for r in rows}
         comparison += [{"trace": name, "capacity_tokens": cap, "paper": rate,
-                        "kvstore": r["token_hit_rate"], "oracle": r["oracle_token_hit_rate"],
-                        "diff": r["token_hit_rate"] - rate,
-                        "with_tails": r["token_hit_rate_with_tails"],
-                        "diff_with_tails": r["token_hit_rate_with_tails"] - rate}
+                        "kvstore": r["token_hit_rate"], "with_tails": r["token_hit_rate_with_tails"]}
                        for cap, rate in paper.get(name, []) if (r := at.get(cap)) is not None]
-    return _write(out, "mooncake_hit_rate", table, {
-        "capacities_tokens": caps, "limit": limit, "curves": curves, "gap": gaps,
-        "paper_points": {k: v for k, v in paper.items() if k in curves},
-        "comparison": comparison})
+
+    def paper_and_ceiling(ax: Any, name: str) -> None:
+        if pts := paper.get(name):
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", mfc="none", color="tab:red",
+                    ms=9, mew=1.5, label="paper Fig. 9 (read by eye)")
+        ax.axhline(ceiling[name], color="gray", ls=":", lw=1, label="unbounded cache")
+
+    return write_panels(Path(out_dir), "mooncake_hit_rate", curves, [
+        ("token_hit_rate", "-", {"lw": 2}, "kvstore BlockPool replay"),
+        ("oracle_token_hit_rate", "x", {"ms": 6, "color": "black"}, "LRU model"),
+        ("token_hit_rate_with_tails", "--", {"lw": 1.2},
+         "+ previous turn's cached partial block (estimate)")],
+        "LRU cache capacity (tokens, 512-token blocks)", "Mooncake {name}: hit rate vs capacity",
+        {"capacities_tokens": caps, "limit": limit, "ceiling": ceiling, "paper_points": paper,
+         "comparison": comparison}, paper_and_ceiling)
 
 
-# -------------------------------- policies: online policies, LIRS, the reuse oracle, MIN
+def format_paper(comparison: Sequence[Row]) -> list[str]:
+    """A markdown table: at each of the paper's capacities, its hit rate, the pool's, and the
+    pool's with the previous turn's partial block, each with its difference to the paper."""
+    return _markdown(["trace", "capacity (tokens)", "paper Fig. 9", "kvstore pool (= LRU model)",
+                      "diff", "+ previous turn's partial block", "diff"], (
+        [c["trace"], f"{c['capacity_tokens']:,}", f"{c['paper']:.3f}", f"{c['kvstore']:.3f}",
+         f"{c['kvstore'] - c['paper']:+.3f}", f"{c['with_tails']:.3f}",
+         f"{c['with_tails'] - c['paper']:+.3f}"] for c in comparison))
+
+
+# --------------------------------------- policies: online policies, the reuse oracle, MIN
 
 
 # The paper's capacities where the eviction goal applies, in tokens.
@@ -465,20 +418,20 @@ GAP_CAPACITIES: tuple[int, ...] = (1_000_000, 2_000_000, 3_000_000, 5_000_000)
 _NEVER = 1 << 62
 
 
-def _offline(requests: Sequence[MooncakeRequest], capacity_blocks: int, block_tokens: int,
-             cache: Container[int], hold: Callable[[int, tuple[int, ...]], int]) -> dict[str, Any]:
+def _offline(rows: Sequence[MooncakeRequest], capacity_blocks: int, cache: Container[int],
+             hold: Callable[[int, tuple[int, ...]], int]) -> dict[str, Any]:
     """The request model of `mooncake_lru_replay` under another policy: row `r` (timestamp
     order) hits its leading run in `cache`, then ``hold(r, kept ids)`` admits its first
     `capacity_blocks` ids and returns how many it evicted."""
-    count = HitCount(block_tokens)
+    count = HitCount(BT)
     evictions = unlinked = 0
-    for r, req in enumerate(requests):
+    for r, req in enumerate(rows):
         k = leading_run(req.hash_ids, cache)
         keep = req.hash_ids[:capacity_blocks]
         unlinked += sum(1 for h in keep[k:] if h in cache)
         count.add(req, k)
         evictions += hold(r, keep)
-    return {"capacity_blocks": capacity_blocks, "capacity_tokens": capacity_blocks * block_tokens,
+    return {"capacity_blocks": capacity_blocks, "capacity_tokens": capacity_blocks * BT,
             **count.totals(), "evictions": evictions, "unlinked_present": unlinked}
 
 
@@ -488,8 +441,7 @@ def _checked(requests: Iterable[MooncakeRequest], capacity_blocks: int) -> list[
     return _by_time(requests)
 
 
-def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
-               block_tokens: int = BT) -> dict[str, Any]:
+def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int) -> dict[str, Any]:
     """Belady's MIN: evict the unheld block whose next use is furthest (deeper first on ties).
     ``unlinked_present`` counts present blocks outside the hit run (0: prefix-closed)."""
     rows, cap = _checked(requests, capacity_blocks), capacity_blocks
@@ -515,11 +467,10 @@ def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
             heapq.heappush(heap, (-nxt, -depth, h))
         return evicted
 
-    return _offline(rows, cap, block_tokens, cache, hold)
+    return _offline(rows, cap, cache, hold)
 
 
-def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
-                        block_tokens: int = BT) -> dict[str, Any]:
+def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int) -> dict[str, Any]:
     """LRU that evicts first the blocks no later request uses (LRU among those, then among
     the rest): it knows whether a block returns, not when."""
     rows, cap = _checked(requests, capacity_blocks), capacity_blocks
@@ -543,86 +494,7 @@ def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: in
             (live if h in returns[r] else dead)[h] = None
         return evicted
 
-    return _offline(rows, cap, block_tokens, ChainMap(live, dead), hold)
-
-
-def lirs_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int,
-                hir_fraction: float = 0.05, block_tokens: int = BT) -> dict[str, Any]:
-    """LIRS (Jiang and Zhang, 2002) at block level, adapted to prefix chains: LIR blocks fill
-    all but `hir_fraction` of the cache; blocks whose parent was evicted go first, then
-    resident HIR blocks (FIFO), then the least recent LIR block."""
-    if not 0.0 < hir_fraction < 1.0:
-        raise ValueError(f"hir_fraction must be in (0, 1), got {hir_fraction}")
-    rows, cap = _checked(requests, capacity_blocks), capacity_blocks
-    num_lir = max(1, cap - max(1, int(cap * hir_fraction)))  # LIRS needs an LIR block
-    stack: OrderedDict[int, None] = OrderedDict()  # recency of LIR and HIR ids; last = newest
-    hir: OrderedDict[int, None] = OrderedDict()  # resident HIR blocks; first = next out
-    orphans: OrderedDict[int, None] = OrderedDict()  # resident blocks whose parent left
-    lir: set[int] = set()
-    resident: set[int] = set()
-    children: dict[int, set[int]] = {}
-
-    def prune() -> None:  # the stack's bottom is always an LIR block
-        while stack and (h := next(iter(stack))) not in lir:
-            del stack[h]
-
-    def promote(h: int) -> None:  # h becomes LIR; the bottom LIR block becomes HIR
-        lir.add(h)
-        stack.move_to_end(h)
-        bottom, _ = stack.popitem(last=False)
-        lir.discard(bottom)
-        hir[bottom] = None
-        prune()
-
-    def unlink(h: int) -> None:  # out of LIR or HIR bookkeeping, still resident
-        if h in lir:
-            lir.discard(h)
-            del stack[h]
-            prune()
-        hir.pop(h, None)
-
-    def hold(r: int, keep: tuple[int, ...]) -> int:
-        for parent, child in itertools.pairwise(keep):
-            children.setdefault(parent, set()).add(child)
-        for h in keep:  # an orphan this request links again is live
-            orphans.pop(h, None)
-        held = set(keep)
-        need = len(resident) + sum(1 for h in keep if h not in resident) - cap
-        for _ in range(max(need, 0)):
-            victim = next((h for q in (orphans, hir) for h in q if h not in held), None)
-            if victim is None:
-                victim = next(h for h in stack if h in lir and h not in held)
-            unlink(victim)
-            orphans.pop(victim, None)
-            resident.discard(victim)
-            for child in children.get(victim, ()):
-                if child in resident and child not in orphans:
-                    unlink(child)
-                    orphans[child] = None
-        for h in reversed(keep):  # the root last: most recent, as LRU orders a chain
-            if h in lir:
-                stack.move_to_end(h)
-                prune()
-            elif h in hir and h in stack:  # a resident HIR block reused within LIR recency
-                del hir[h]
-                promote(h)
-            elif h in hir:
-                stack[h] = None
-                hir.move_to_end(h)
-            else:  # missing, or an orphan linked again
-                resident.add(h)
-                if len(lir) < num_lir:
-                    lir.add(h)
-                    stack[h] = None
-                    stack.move_to_end(h)
-                elif h in stack:
-                    promote(h)
-                else:
-                    stack[h] = None
-                    hir[h] = None
-        return max(need, 0)
-
-    return _offline(rows, cap, block_tokens, resident, hold)
+    return _offline(rows, cap, ChainMap(live, dead), hold)
 
 
 def gap_closed(rate: float, lru: float, opt: float) -> float | None:
@@ -631,48 +503,19 @@ def gap_closed(rate: float, lru: float, opt: float) -> float | None:
 
 
 def policy_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap_tokens: int) -> Row:
-    """At one capacity: each policy's token hit rate, LIRS's, the reuse oracle's, MIN's, and
-    the gap each closes."""
+    """At one capacity: each policy's token hit rate, the reuse oracle's, MIN's, and the gap
+    each closes."""
     blocks = cap_tokens // BT
-    t0 = time.perf_counter()
     opt = min_replay(rows, blocks)
     row: Row = {"capacity_tokens": cap_tokens, "min": opt["token_hit_rate"],
-                "min_unlinked_present": opt["unlinked_present"], "min_s": time.perf_counter() - t0,
-                "reuse_oracle": reuse_oracle_replay(rows, blocks)["token_hit_rate"],
-                "lirs": lirs_replay(rows, blocks)["token_hit_rate"]}
+                "min_unlinked_present": opt["unlinked_present"],
+                "reuse_oracle": reuse_oracle_replay(rows, blocks)["token_hit_rate"]}
     for name in policies:
-        t0 = time.perf_counter()
         row[name] = pool_replay(rows, blocks, eviction=name)["token_hit_rate"]
-        row[f"{name}_s"] = time.perf_counter() - t0
     if "lru" in row:
-        for name in [*policies, "lirs", "reuse_oracle"]:
+        for name in [*policies, "reuse_oracle"]:
             row[f"{name}_gap_closed"] = gap_closed(row[name], row["lru"], row["min"])
     return row
-
-
-Line = tuple[str, str, dict[str, Any], str]  # row key, format, plot keywords, label
-
-
-def write_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xlabel: str,
-                title: str, meta: dict[str, Any]) -> dict[str, Any]:
-    """Hit rate against capacity (log x), one panel per trace ("{name}" in `title`), one line
-    per entry of `lines`, as ``{stem}.png``; the rows as ``{stem}.csv`` (without per-group
-    details) and `meta` with the curves as ``{stem}.json``."""
-    out.mkdir(parents=True, exist_ok=True)
-    fig, axes = output.pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5),
-                                         squeeze=False)
-    for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
-        xs = [r["capacity_tokens"] for r in rows]
-        for key, fmt, kw, label in lines:
-            ax.plot(xs, [r[key] for r in rows], fmt, label=label, **kw)
-        output.mark_x(ax, xs, output.short_count)
-        ax.set(xlabel=xlabel, ylabel="token hit rate (whole blocks)", title=title.format(name=name))
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    output.save_figure(fig, out / f"{stem}.png", dpi=120)
-    return _write(out, stem, [{"trace": name, **{k: v for k, v in r.items() if k != "groups"}}
-                              for name, rows in curves.items() for r in rows],
-                  {**meta, "curves": curves})
 
 
 def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
@@ -684,7 +527,6 @@ def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
     curves = _curves("policies", traces, capacities, limit, partial(policy_row, policies), log)
     return write_panels(Path(out_dir), "eviction_hit_rate", curves, [
         *((p, "-o", {"ms": 3}, p) for p in policies),
-        ("lirs", "-.", {"color": "tab:brown"}, "LIRS, block level (online, outside the pool)"),
         ("reuse_oracle", ":", {"color": "gray"}, "LRU knowing which blocks return (offline)"),
         ("min", "--", {"color": "black"}, "MIN (offline)")],
         "capacity (tokens, 512-token blocks)", "Mooncake {name}: eviction policies",
@@ -697,8 +539,8 @@ def format_policies(curves: Curves, policies: Sequence[str]) -> list[str]:
         g = r.get(f"{p}_gap_closed")
         return f"{r[p]:.3f}" + ("" if p == "lru" or g is None else f" ({g:+.0%})")
 
-    return _markdown(["trace", "capacity", *policies, "LIRS", "reuse oracle", "MIN"], (
-        [name, _million(r), *(cell(r, p) for p in [*policies, "lirs", "reuse_oracle"]),
+    return _markdown(["trace", "capacity", *policies, "reuse oracle", "MIN"], (
+        [name, _million(r), *(cell(r, p) for p in [*policies, "reuse_oracle"]),
          f"{r['min']:.3f}"] for name, rows in curves.items() for r in rows))
 
 
@@ -713,11 +555,11 @@ CAPACITIES: tuple[int, ...] = (300_000, 1_000_000, 2_000_000, 3_000_000, 5_000_0
 CHUNK_TOKENS = 8192
 
 
-def layer_specs(layout: str, block_tokens: int = BT) -> list[KVCacheSpec]:
+def layer_specs(layout: str) -> list[KVCacheSpec]:
     """The 62 layer specs of a layout: ``hybrid`` (Gemma-3-27B-like) or ``full``."""
     if layout not in ("hybrid", "full"):
         raise ValueError(f"unknown layout {layout!r}; known: hybrid, full")
-    return (LAYOUT.hybrid_specs if layout == "hybrid" else LAYOUT.full_specs)(block_tokens)
+    return (LAYOUT.hybrid_specs if layout == "hybrid" else LAYOUT.full_specs)(BT)
 
 
 def _fast_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -726,16 +568,14 @@ def _fast_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 
 
 def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
-                  eviction: str | EvictionPolicy = "lru", layout: str = "hybrid",
-                  block_tokens: int = BT, chunk_tokens: int = CHUNK_TOKENS) -> dict[str, Any]:
+                  eviction: str = "lru", layout: str = "hybrid") -> dict[str, Any]:
     """Replay rows through a KVCacheManager of `layout` at the bytes of an all-full cache of
     `capacity_tokens` tokens. Returns the hit totals, ``num_blocks`` (pages), ``truncated``
     (rows cut to what the pool holds at once), ``cut_tokens`` / ``cut_rate`` (tokens past
     the hit whose full chain was cached but whose window pages were not) and per group
     ``groups``: pages stored, evicted, cached at the end and on average, hit."""
-    specs = layer_specs(layout, block_tokens)
-    num_pages = (capacity_tokens // block_tokens * len(specs)
-                 // make_kv_cache_config(specs, num_blocks=2).num_slots)
+    specs = layer_specs(layout)
+    num_pages = capacity_tokens // BT * len(specs) // make_kv_cache_config(specs, num_blocks=2).num_slots
     config = make_kv_cache_config(specs, num_blocks=num_pages + 1)
     ng = len(config.groups)
     manager = new_manager(config, enable_partial_hits=False, enable_events=True,
@@ -743,22 +583,22 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
     max_blocks = num_pages // ng - 1  # a page per group per block, and one for the extra token
     rows = _by_time(requests)
     stored, evicted, cached_sum, hit_pages = (np.zeros(ng, dtype=np.int64) for _ in range(4))
-    count = HitCount(block_tokens)
+    count = HitCount(BT)
     truncated = cut_tokens = 0
     for n, row in enumerate(rows):
         ids = row.hash_ids[:max_blocks]
         truncated += len(ids) < len(row.hash_ids)
-        num_tokens = min(row.input_length, len(ids) * block_tokens)
+        num_tokens = min(row.input_length, len(ids) * BT)
         tokens = np.zeros(num_tokens, dtype=np.int64)
-        tokens[::block_tokens] = np.asarray(ids[:-(-num_tokens // block_tokens)]) + 1
+        tokens[::BT] = np.asarray(ids[:-(-num_tokens // BT)]) + 1
         req = Request(f"r{n}", tokens)
         computed = manager.get_computed_blocks(req)
         hit_pages += [sum(1 for b in blocks if b.block_id != 0) for blocks in computed.blocks]
-        end = min(num_tokens, computed.num_computed_tokens + chunk_tokens)  # prefill in chunks
+        end = min(num_tokens, computed.num_computed_tokens + CHUNK_TOKENS)  # prefill in chunks
         grown = manager.admit(req, end - computed.num_computed_tokens, computed)
         while grown is not None and end < num_tokens:
             req.num_computed_tokens = end
-            end = min(num_tokens, end + chunk_tokens)
+            end = min(num_tokens, end + CHUNK_TOKENS)
             grown = manager.grow(req, end - req.num_computed_tokens)
         if grown is None:
             raise RuntimeError(f"row {n} ({len(ids)} blocks) does not fit {num_pages} pages")
@@ -770,9 +610,9 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
             elif isinstance(ev, BlockRemoved):
                 evicted[ev.group_id] += 1
         cached_sum += stored - evicted
-        k = computed.num_computed_tokens // block_tokens
+        k = computed.num_computed_tokens // BT
         verified = min(computed.num_verified_tokens, row.input_length)
-        cut_tokens += verified - min(k * block_tokens, row.input_length, verified)
+        cut_tokens += verified - min(k * BT, row.input_length, verified)
         count.add(row, k)
     if manager.num_free_blocks != manager.num_usable_blocks:
         raise RuntimeError("hybrid replay leaked pages")
@@ -782,16 +622,15 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
                "evicted": int(evicted[g]), "cached_end": int(stored[g] - evicted[g]),
                "cached_mean": int(cached_sum[g]) / max(1, len(rows)),
                "hit_pages": int(hit_pages[g])} for g, group in enumerate(config.groups)]
-    return {"layout": layout, "eviction": eviction if isinstance(eviction, str) else eviction.name,
-            "capacity_tokens": capacity_tokens, "num_blocks": num_pages, "truncated": truncated,
-            **count.totals(), "cut_tokens": cut_tokens,
-            "cut_rate": hit_rate(cut_tokens, count.input_tokens), "groups": groups}
+    return {"layout": layout, "eviction": eviction, "capacity_tokens": capacity_tokens,
+            "num_blocks": num_pages, "truncated": truncated, **count.totals(),
+            "cut_tokens": cut_tokens, "cut_rate": hit_rate(cut_tokens, count.input_tokens),
+            "groups": groups}
 
 
 def capacity_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap: int) -> Row:
     """At one budget: each hybrid policy's hit rate (and per-group breakdown), all-full LRU's,
     and the bound where windowed pages cost nothing (the full group holds every byte)."""
-    t0 = time.perf_counter()
     row: Row = {"capacity_tokens": cap,
                 "full_lru": hybrid_replay(rows, cap, "lru", layout="full")["token_hit_rate"],
                 "bound": pool_replay(rows, cap // BT * LAYOUT.num_layers // FULL_LAYERS)[
@@ -801,7 +640,6 @@ def capacity_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap: 
         row.update({name: res["token_hit_rate"], f"{name}_cut": res["cut_rate"],
                     "truncated": res["truncated"]})
         row["groups"][name] = res["groups"]
-    row["seconds"] = time.perf_counter() - t0
     return row
 
 
@@ -843,193 +681,3 @@ def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path],
         "budget (tokens of an all-full cache, 512-token blocks)",
         "Mooncake {name}: 10 full + 52 window (W=1024) layers",
         {"capacities_tokens": list(capacities), "policies": list(policies), "limit": limit})
-
-
-# ------------------------------------- memory: a Gemma-3-like hybrid against all-full layers
-
-
-MiB = 1 << 20
-MEMORY_SHAPE = ModelShape("gemma-3-1b-like", num_layers=26, num_kv_heads=1, head_dim=256,
-                          dtype="float16", sliding_per_full=5)
-MEMORY_BUDGET = 1024 * MiB
-MEMORY_RATE = 1.5
-
-
-@dataclass
-class LayoutRun:
-    """One layout's simulator replay at the memory budget and what each step saw."""
-
-    name: str
-    config: KVCacheConfig
-    sim: SimResult | None = None
-    running: list[int] = field(default_factory=list)
-    preempting: list[bool] = field(default_factory=list)
-    mib_per_running: list[float] = field(default_factory=list)
-    samples: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # (context, blocks)
-    wall_s: float = 0.0
-
-    @property
-    def max_running_no_preemption(self) -> int:
-        """Most requests running at a step that preempted nobody."""
-        return max((r for r, p in zip(self.running, self.preempting, strict=True) if not p),
-                   default=0)
-
-    def mib(self, blocks: int) -> float:
-        """MiB of `blocks` block ids."""
-        return blocks * self.config.bytes_per_block / MiB
-
-
-def run_layout(name: str, layer_specs: Sequence[KVCacheSpec], specs: Sequence[RequestSpec],
-               sample_ids: Sequence[str]) -> LayoutRun:
-    """Replay the workload through the simulator on one layout at `MEMORY_BUDGET`."""
-    run = LayoutRun(name, make_kv_cache_config(layer_specs, memory_bytes=MEMORY_BUDGET))
-
-    def on_step(scheduler: Scheduler, step: SchedulerOutput) -> None:
-        run.running.append(len(scheduler.running))
-        run.preempting.append(bool(step.preempted))
-        run.mib_per_running.append(run.mib(sum(scheduler.manager.blocks_in_use_by_group()))
-                                   / max(len(scheduler.running), 1))
-        for item in step.scheduled:
-            if (rid := item.request.request_id) in sample_ids:
-                run.samples.setdefault(rid, []).append((item.start + item.num_new_tokens, sum(
-                    scheduler.manager.num_resident_blocks(rid))))
-
-    t0 = time.perf_counter()
-    run.sim = simulate(list(specs), run.config, on_step=on_step, scheduler_config=SchedulerConfig(
-        max_num_batched_tokens=2048, max_num_seqs=256))
-    run.wall_s = time.perf_counter() - t0
-    return run
-
-
-def memory_table(sat: Sequence[LayoutRun], steady: Sequence[LayoutRun],
-                 specs: Sequence[RequestSpec], steady_specs: Sequence[RequestSpec],
-                 sample_ids: Sequence[str]) -> Table:
-    """Layouts side by side: memory per request, concurrency, prefix hits."""
-    plens = [len(s.prompt_token_ids) for s in specs]
-    probe = int(np.median(plens)) + 128
-    by_id = {s.request_id: s for s in specs}
-
-    def held(r: LayoutRun) -> int:  # blocks a lone request decoding at `probe` tokens holds
-        return sum(g.spec.num_resident_blocks(probe, probe + 1) for g in r.config.groups)
-
-    def sample(r: LayoutRun, rid: str) -> str:
-        if not (pts := r.samples.get(rid)):
-            return "-"
-        return (f"{pts[-1][1]:,} blk = {r.mib(pts[-1][1]):,.1f} MiB "
-                f"(peak {r.mib(max(p[1] for p in pts)):,.1f})")
-
-    sim_cells: dict[str, Callable[[SimResult], str]] = {
-        "preemptions": lambda s: f"{s.preemptions}", "steps to drain": lambda s: f"{s.steps:,}",
-        "prefix hit rate": lambda s: f"{s.hit_rate:.1%}", "evictions": lambda s: f"{s.evictions:,}"}
-
-    def sim(runs: Sequence[LayoutRun], *labels: str) -> list[tuple[str, list[str]]]:
-        return [(f"  {k}", [sim_cells[k](r.sim) if r.sim else "-" for r in runs]) for k in labels]
-
-    sections: list[list[tuple[str, list[str]]]] = [[
-        ("groups: layers (W = windowed, F = full)", [" ".join(
-            f"{len(g.layer_ids)}{'W' if g.spec.sliding_window else 'F'}" for g in r.config.groups)
-            for r in sat]),
-        ("slots / padding layers", [f"{r.config.num_slots} / {r.config.num_padding_layers}"
-                                    for r in sat]),
-        ("KiB per block id", [f"{r.config.bytes_per_block / 1024:,.0f}" for r in sat]),
-        ("blocks in the pool", [f"{r.config.num_blocks - 1:,}" for r in sat]),
-        (f"blocks (MiB) held by one {probe}-token request",
-         [f"{held(r):,} ({r.mib(held(r)):,.1f})" for r in sat]),
-        ("  such requests the pool holds",
-         [f"{(r.config.num_blocks - 1) // held(r):,}" for r in sat]),
-    ], [
-        (f"[b]saturated[/]: {len(specs)} requests all waiting at t=0", [""] * len(sat)),
-        *((f"  {rid} ({len(by_id[rid].prompt_token_ids)}+{by_id[rid].max_tokens} tok) held at its "
-           "end", [sample(r, rid) for r in sat]) for rid in sample_ids),
-        ("  mean MiB per running request", [f"{np.mean(r.mib_per_running):,.1f}" for r in sat]),
-        ("  max running without preemption", [f"{r.max_running_no_preemption}" for r in sat]),
-        ("  mean running", [f"{np.mean(r.running):.1f}" for r in sat]),
-        *sim(sat, "preemptions", "steps to drain", "prefix hit rate", "evictions"),
-    ], [
-        (f"[b]steady[/]: {len(steady_specs)} requests, Poisson {MEMORY_RATE:g}/s", [""] * len(sat)),
-        ("  mean / max running", [f"{np.mean(r.running):.1f} / {max(r.running)}" for r in steady]),
-        *sim(steady, "preemptions", "prefix hit rate", "evictions"),
-    ], [("replay wall s, saturated + steady (this CPU)",
-         [f"{a.wall_s:.1f} + {b.wall_s:.1f}" for a, b in zip(sat, steady, strict=True)])]]
-    t = Table("", *(Column(r.name, justify="right") for r in sat),
-              title="Gemma-3-like hybrid vs all-full attention, same budget "
-              f"({MEMORY_BUDGET / MiB:,.0f} MiB of pages)")
-    for section in sections:
-        for k, (label, cells) in enumerate(section):
-            t.add_row(label, *cells, end_section=k == len(section) - 1)
-    ideal = [ideal_hit_tokens(s, b).rate for b in (None, 16) for s in (specs, steady_specs)]
-    t.caption = (f"Prompts {min(plens)}..{max(plens)} tokens (median {int(np.median(plens))}), "
-                 "6 shared system prompts of 1.5k/3k/5k tokens. Ideal hit rate (infinite "
-                 f"cache): saturated {ideal[0]:.1%}, steady {ideal[1]:.1%} "
-                 f"(block-rounded {ideal[2]:.1%} / {ideal[3]:.1%}).")
-    return t
-
-
-def plot_memory(saturated: Sequence[LayoutRun], steady: Sequence[LayoutRun],
-                sample_ids: Sequence[str], path: Path) -> None:
-    """Four panels: sample requests' memory against their context, memory per running
-    request and running requests per step (saturated), concurrency and hit rates."""
-    plt = output.pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for k, r in enumerate(saturated):
-        color = colors[k % len(colors)]
-        for j, rid in enumerate(sample_ids):
-            pts = r.samples.get(rid, [])
-            axes[0, 0].plot([p[0] for p in pts], [r.mib(p[1]) for p in pts], color=color,
-                            linestyle=["-", "--", ":", "-."][j % 4],
-                            label=r.name if j == 0 else None)
-        axes[0, 1].plot(r.mib_per_running, color=color, label=r.name, lw=0.8)
-        axes[1, 0].plot(r.running, color=color, label=r.name, lw=0.8)
-    axes[0, 0].set(xlabel="tokens in the request's context",
-                   ylabel="MiB of pages the request holds",
-                   title=f"{len(sample_ids)} sample requests (line style = request)")
-    axes[0, 1].set(xlabel="engine step (saturated)", ylabel="MiB in use / running requests",
-                   title="Mean memory per running request")
-    axes[1, 0].set(xlabel="engine step (saturated)", ylabel="running requests",
-                   title="Concurrency, same byte budget")
-    for ax in (axes[0, 0], axes[0, 1], axes[1, 0]):
-        ax.legend(fontsize=8)
-    ax, x = axes[1, 1], np.arange(len(saturated))
-    ax.bar(x - 0.2, [np.mean(r.running) for r in saturated], 0.4, label="mean running")
-    ax.bar(x + 0.2, [r.max_running_no_preemption for r in saturated], 0.4,
-           label="max running, no preemption")
-    ax.set_xticks(x, [r.name for r in saturated], fontsize=8)
-    ax.set(ylabel="requests (saturated)", title="Concurrency and prefix hits")
-    ax2 = ax.twinx()
-    for runs, style, label in ((saturated, "ko-", "saturated"), (steady, "ks--", "steady")):
-        ax2.plot(x, [100 * r.sim.hit_rate if r.sim else 0 for r in runs], style,
-                 label=f"hit rate %, {label}")
-    ax2.set(ylim=(0, 100), ylabel="prefix hit rate (%)")
-    (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
-    fig.suptitle("Gemma-3-like hybrid (every 6th layer full, block 16) vs all-full attention, "
-                 "same byte budget")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    output.save_figure(fig, path)
-
-
-def run_memory(out: Path, num_requests: int) -> str:
-    """Gemma-3-like layouts (windows 512 and 1024) against all-full layers at one byte
-    budget, saturated and steady; prints the table, writes ``hybrid_memory.png``."""
-    specs, steady_specs = (shared_system_prompts(
-        num_requests, num_prompts=6, system_lens=(1500, 3000, 5000), user_len=(500, 3000),
-        output_median=128, output_max=512, rate=rate, seed=seed).requests
-        for rate, seed in ((math.inf, 0), (MEMORY_RATE, 1)))
-    sample_ids = [specs[i].request_id for i in (0, num_requests // 3, 2 * num_requests // 3)]
-    layouts = [(f"hybrid W={w}", replace(MEMORY_SHAPE, sliding_window=w).hybrid_specs(16))
-               for w in (512, 1024)] + [("all full", MEMORY_SHAPE.full_specs(16))]
-    runs = []
-    for k, (phase, reqs, ids) in enumerate((("saturated", specs, sample_ids),
-                                              ("steady", steady_specs, ()))):
-        for j, (name, ls) in enumerate(layouts):
-            print(f"  memory: [{k * len(layouts) + j + 1}/{2 * len(layouts)}] {name}, {phase} ...",
-                  file=sys.stderr, flush=True)
-            runs.append(run_layout(name, ls, reqs, ids))
-    saturated, steady = runs[:len(layouts)], runs[len(layouts):]
-    Console(width=160).print(memory_table(saturated, steady, specs, steady_specs, sample_ids))
-    plot_memory(saturated, steady, sample_ids, out / "hybrid_memory.png")
-    most = max(saturated[:-1], key=lambda r: r.max_running_no_preemption)
-    return (f"memory: {most.name} runs {most.max_running_no_preemption} requests without "
-            f"preemption where all-full runs {saturated[-1].max_running_no_preemption} "
-            f"({out}/hybrid_memory.png)")

@@ -97,7 +97,7 @@ class MooncakeRequest:
 
 
 def load_mooncake(path: str | Path, limit: int | None = None) -> list[MooncakeRequest]:
-    """The rows of a Mooncake JSONL trace in file order (the first ``limit`` if given)."""
+    """The rows (the first `limit`) of a Mooncake JSONL trace in file order."""
     out: list[MooncakeRequest] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -224,7 +224,7 @@ class HitCount:
         self.total_blocks += len(req.hash_ids)
 
     def totals(self) -> dict[str, Any]:
-        """The counts, both hit rates and ``per_request_hit_tokens`` (in order)."""
+        """The counts, both hit rates and ``per_request_hit_tokens``."""
         return {"requests": len(self.per_request), "input_tokens": self.input_tokens,
                 "hit_tokens": self.hit_tokens, "total_blocks": self.total_blocks,
                 "hit_blocks": self.hit_blocks,

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import kvstore
 from kvstore.benchmarks import sweep
 from kvstore.benchmarks.bench import add_bench_parser, load_bench_workload, print_table
-from kvstore.benchmarks.replay import gap_analysis, pool_replay, run_mooncake_replay
+from kvstore.benchmarks.replay import pool_replay, run_mooncake_replay
 from kvstore.benchmarks.sweep import (
     DEFAULT_POLICIES,
     MODEL_SHAPES,
@@ -122,24 +122,22 @@ def test_pool_capped_at_distinct_ids_is_exact():
     _same(big, mooncake_lru_replay(rows, distinct * 10))
 
 
-def test_gap_analysis_counts_continued_partial_blocks():
+def test_pool_replay_counts_a_continued_partial_block():
     # Turn 2 repeats turn 1's input (1.5 blocks) + output (100) + more: its block 1 holds
     # turn 1's partial block (256 tokens), now full, under a new id.
     t1 = MooncakeRequest(0, BT + 256, 100, (0, 1))
     t2 = MooncakeRequest(1, 3 * BT, 50, (0, 2, 3))
-    g = gap_analysis([t1, t2])
-    assert g["token_ceiling"] == BT / (BT + 256 + 3 * BT)
-    assert g["continuing_requests"] == 1
-    assert g["ceiling_with_partial_tails"] == (BT + 256) / (BT + 256 + 3 * BT)
-    assert g["ceiling_with_tails_and_outputs"] == (BT + 356) / (BT + 256 + 3 * BT)
     res = pool_replay([t1, t2], None)
     assert res["partial_tail_tokens"] == 256
+    assert res["token_hit_rate_with_tails"] == (BT + 256) / (BT + 256 + 3 * BT)
+    assert pool_replay([t1, MooncakeRequest(1, BT + 356, 50, (0, 2))], None)["partial_tail_tokens"] == 0
 
 
 def test_run_mooncake_replay_writes_figure(tmp_path):
     trace = tmp_path / "trace.jsonl"
+    rows = _random_trace(random.Random(1), 80)
     with open(trace, "w") as f:
-        for r in _random_trace(random.Random(1), 80):
+        for r in rows:
             f.write(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
                                 "output_length": r.output_length, "hash_ids": list(r.hash_ids)})
                     + "\n")
@@ -151,7 +149,10 @@ def test_run_mooncake_replay_writes_figure(tmp_path):
     for ext in ("png", "json", "csv"):
         assert (tmp_path / "out" / f"mooncake_hit_rate.{ext}").stat().st_size > 0
     assert all(r["agree"] for r in res["curves"]["synthetic"])
-    assert res["comparison"][0]["capacity_tokens"] == 10240
+    assert res["comparison"] == [{"trace": "synthetic", "capacity_tokens": 10240, "paper": 0.3,
+                                  "kvstore": res["curves"]["synthetic"][1]["token_hit_rate"],
+                                  "with_tails": res["curves"]["synthetic"][1]["token_hit_rate_with_tails"]}]
+    assert res["ceiling"]["synthetic"] == mooncake_lru_replay(rows, None)["token_hit_rate"]
 
 
 # ----------------------------------------------------------------------------- sweep
@@ -468,15 +469,6 @@ def test_store_password_never_printed_or_recorded(tmp_path, capsys):
     assert "secret" not in json.dumps(_arguments(args), default=str)
 
 
-def test_replay_memory_runs_without_traces(tmp_path, capsys):
-    from kvstore.cli import main
-
-    assert main(["bench", "replay", "--what", "memory", "--limit", "6", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "hybrid W=512" in out and "all full" in out and "memory: hybrid" in out
-    assert (tmp_path / "hybrid_memory.png").stat().st_size > 0
-
-
 def test_table_that_cannot_fit_says_so(monkeypatch):
     """A table too wide even with every optional column left out: one line instead of a
     cut table."""
@@ -537,7 +529,7 @@ def _tiny_argv(cmd: str, out: Path) -> tuple[list[str], str | None, list[str]]:
     if "cuda" in args and not torch.cuda.is_available():
         return [], "needs CUDA", []
     traces = _traces_dir()
-    uses_trace = (question == "replay" and "memory" not in args) or any(
+    uses_trace = question == "replay" or any(
         a.startswith("mooncake") for a in args)
     if uses_trace and traces is None:
         return [], "needs the Mooncake traces", []
@@ -552,10 +544,8 @@ def _tiny_argv(cmd: str, out: Path) -> tuple[list[str], str | None, list[str]]:
             drop(flag)
         what = args[args.index("--what") + 1]
         files = {"lru": "mooncake_hit_rate.json", "policies": "eviction_hit_rate.json",
-                 "layouts": "eviction_hybrid.json", "tiers": "tier_replay_conversation.json",
-                 "memory": "hybrid_memory.png"}
-        extra = (["--limit", "4"] if what == "memory" else
-                 ["--limit", "60", "--capacities", "1000000", "--trace", "conversation"])
+                 "layouts": "eviction_hybrid.json", "tiers": "tier_replay_conversation.json"}
+        extra = ["--limit", "60", "--capacities", "1000000", "--trace", "conversation"]
         if what == "tiers":
             extra[-2:] = []
             extra += ["--device-tokens", "100000", "--host-tokens", "1000000"]

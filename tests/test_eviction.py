@@ -18,7 +18,6 @@ from kvstore.benchmarks.replay import (
     gap_closed,
     hybrid_replay,
     layer_specs,
-    lirs_replay,
     min_replay,
     pool_replay,
     reuse_oracle_replay,
@@ -389,24 +388,3 @@ def test_hybrid_layout_pages_and_budget() -> None:
     res = hybrid_replay(_turns()[:1], 1_000_000, "lru")
     assert res["num_blocks"] == 1_000_000 // BT * 62 // 10
     assert hybrid_replay(_turns()[:1], 1_000_000, "lru", layout="full")["num_blocks"] == 1953
-
-
-def test_lirs_keeps_a_loop_longer_than_the_cache() -> None:
-    # Four one-block chains in a loop, a cache of three: LRU evicts each just before its
-    # return and never hits; LIRS keeps its LIR blocks and hits them every round.
-    rows = trie_trace([[h] for h in (0, 1, 2, 3) * 5])
-    assert mooncake_lru_replay(rows, 3)["hit_blocks"] == 0
-    assert lirs_replay(rows, 3)["hit_blocks"] >= 8
-    with pytest.raises(ValueError, match="hir_fraction"):
-        lirs_replay(rows, 3, hir_fraction=1.0)
-
-
-@settings(max_examples=60, deadline=None)
-@given(paths=paths_st, cap=st.integers(1, 6))
-def test_lirs_within_min_and_lru_when_nothing_is_evicted(paths: list[list[int]], cap: int) -> None:
-    rows = trie_trace(paths)
-    assert lirs_replay(rows, cap)["hit_blocks"] <= min_replay(rows, cap)["hit_blocks"]
-    big = sum(len(r.hash_ids) for r in rows)
-    out = lirs_replay(rows, big)
-    assert out["evictions"] == 0
-    assert out["hit_blocks"] == mooncake_lru_replay(rows, big)["hit_blocks"]
