@@ -201,11 +201,11 @@ def run_bench(args: argparse.Namespace) -> dict:
     rows: list[Row] = []
     scale = 1.0 / math.sqrt(HEAD_DIM)
     if args.quick:
-        decode_grid = [(b, c) for b in (1, 32) for c in (4096, 65536)]
+        decode_grid = [(b, c, 1) for b in (1, 32) for c in (4096, 65536)]
         prefill_grid = [(1, 4096, 4096), (1, 32768, 2048)]
         iters = 5
     else:
-        decode_grid = [(b, c) for b in (1, 4, 16, 64, 256)
+        decode_grid = [(b, c, 1) for b in (1, 4, 16, 64, 256)
                        for c in (1024, 4096, 16384, 65536, 131072)]
         prefill_grid = [(1, 1024, 1024), (1, 4096, 4096), (1, 16384, 16384), (4, 4096, 4096),
                         (1, 16384, 512), (1, 65536, 2048), (8, 32768, 512)]
@@ -254,20 +254,14 @@ def run_bench(args: argparse.Namespace) -> dict:
         measure(row, triton_fn)
         measure(Row(kind, "sdpa", b, ctx, ql, w), partial(sdpa_fn, b, ctx, ql, w))
 
-    for w in (None, 4096):
-        for b, ctx in decode_grid:
-            nbytes = needed_kv_bytes(b, ctx, 1, w)
-            if nbytes < 0.4 * torch.cuda.mem_get_info()[0]:
-                case("decode", b, ctx, 1, w)
-            else:
-                print(f"skip decode B={b} ctx={ctx} W={w}: {nbytes / 1e9:.0f} GB of K/V")
-    for w in (None, 4096):
-        for b, ctx, ql in prefill_grid:
-            nbytes = needed_kv_bytes(b, ctx, ql, w) + b * ql * HEADS * HEAD_DIM * 4
-            if nbytes < 0.4 * torch.cuda.mem_get_info()[0]:
-                case("prefill", b, ctx, ql, w)
-            else:
-                print(f"skip prefill B={b} ctx={ctx} q={ql} W={w}: memory")
+    for kind, grid in (("decode", decode_grid), ("prefill", prefill_grid)):
+        for w in (None, 4096):
+            for b, ctx, ql in grid:
+                nbytes = needed_kv_bytes(b, ctx, ql, w) + b * ql * HEADS * HEAD_DIM * 4  # + q, out
+                if nbytes < 0.4 * torch.cuda.mem_get_info()[0]:
+                    case(kind, b, ctx, ql, w)
+                else:
+                    print(f"skip {kind} B={b} ctx={ctx} q={ql} W={w}: {nbytes / 1e9:.0f} GB")
     props = torch.cuda.get_device_properties(0)
     return {"device": props.name, "sm_count": props.multi_processor_count,
             "torch": torch.__version__, "triton": triton.__version__,

@@ -14,9 +14,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
 from kvstore.benchmarks.manager import new_manager
 from kvstore.benchmarks.output import name_list, positive_int, write_csv, write_json
@@ -68,12 +65,12 @@ class Layout:
 
     @property
     def state_bytes(self) -> int:
-        """One recurrent layer's state."""
+        """Bytes of one recurrent layer's state."""
         return RecurrentStateSpec(BLOCK_SIZE, self.state, (self.dtype,)).state_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token in one attention layer."""
+        """Bytes of K and V of one token in one attention layer."""
         return 2 * self.kv_heads * self.head_dim * DTYPE_ITEMSIZE[self.dtype]
 
     @property
@@ -120,20 +117,17 @@ class System:
     host_tier_bytes: int = 0
 
 
-def systems(layout: Layout, eviction: str = "worth") -> list[System]:
-    """kvstore (with `eviction`), vllm-align, the oracle and all-full for `layout`."""
+def systems(layout: Layout, eviction: str = "worth", host_gib: Sequence[float] = ()
+            ) -> list[System]:
+    """kvstore (with `eviction`), vllm-align, the oracle and all-full for `layout`, then
+    kvstore with a host tier of each size in `host_gib` below the pool."""
     vbs, bs = layout.vllm_block_size, BLOCK_SIZE
     return [System("kvstore", layout.specs(bs), bs, eviction, "checkpoints"),
             System("vllm-align", layout.specs(vbs), vbs, "lru", "align", checkpoint_every_blocks=1),
             System("oracle", layout.specs(bs, recurrent=False), bs, "worth", "chunks"),
-            System("all-full", layout.specs(bs, all_full=True), bs, "lru", "chunks")]
-
-
-def host_systems(layout: Layout, host_gib: Sequence[float], eviction: str = "worth"
-                 ) -> list[System]:
-    """kvstore (with `eviction`) with a host tier of each size in `host_gib` below the pool."""
-    return [System("kvstore+host", layout.specs(BLOCK_SIZE), BLOCK_SIZE, eviction, "checkpoints",
-                   host_tier_bytes=int(gib * GiB)) for gib in host_gib]
+            System("all-full", layout.specs(bs, all_full=True), bs, "lru", "chunks"),
+            *(System("kvstore+host", layout.specs(bs), bs, eviction, "checkpoints",
+                     host_tier_bytes=int(gib * GiB)) for gib in host_gib)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,12 +262,11 @@ def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout
     options: dict[str, Any] = {"eviction": system.eviction, "enable_partial_hits": False}
     if system.checkpoint_every_blocks is not None:
         options["checkpoint_every_blocks"] = system.checkpoint_every_blocks
-    m = new_manager(config, **options)
     tiers = None
     if system.host_tier_bytes:
         tiers = PlaceholderConnector(config, layout, host=ModelTier(system.host_tier_bytes,
                                                                     name="host"))
-        tiers.attach(m)
+    m = new_manager(config, tiers, **options)
     clock = [0.0]
     hits = calls = 0
     fragmented = 0.0
@@ -416,7 +409,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Every layout x workload x budget x system, the Mooncake rows, then the goals."""
-    console = Console()
     rows: list[Row] = []
     ideal: dict[str, float] = {}
     runs: list[tuple[list[RequestSpec], Layout, int, str, list[System]]] = []
@@ -425,10 +417,10 @@ def run(args: argparse.Namespace) -> int:
                 else {"num_requests": args.requests})
         specs = make_workload(name, seed=0, **size).requests
         ideal[name] = ideal_hit_tokens(specs, BLOCK_SIZE, include_outputs=True).rate
-        runs += [(specs, layout, int(gib * GiB), name, systems(layout, args.eviction) + (
-                     host_systems(layout, args.host_tier_gib, args.eviction)
-                     if layout.name == "qwen3-next" else []))
-                 for layout in (LAYOUTS[n] for n in args.layouts) for gib in args.budgets]
+        for layout in (LAYOUTS[n] for n in args.layouts):
+            host_gib = args.host_tier_gib if layout.name == "qwen3-next" else ()
+            runs += [(specs, layout, int(gib * GiB), name, systems(layout, args.eviction, host_gib))
+                     for gib in args.budgets]
     if args.mooncake:
         trace = mooncake_requests("mooncake_conversation", args.limit)
         layout = LAYOUTS["qwen3-next"]
@@ -440,10 +432,8 @@ def run(args: argparse.Namespace) -> int:
             r = run_system(specs, system, budget, layout.name, workload,
                            args.repeats if timed else 1)
             rows.append(r)
-            host = f" {r.host_tier_bytes / GiB:.3g} GiB" if r.host_tier_bytes else ""
-            console.print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {r.system}"
-                          f"{host}: {r.hit_rate:.3f} ({r.manager_seconds:.1f} s)")
-    args.out.mkdir(parents=True, exist_ok=True)
+            print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {_name(r)}: "
+                  f"{r.hit_rate:.3f} ({r.manager_seconds:.1f} s)", flush=True)
     checked = goals(rows, ideal)
     write_json(args.out / "recurrent.json", {
         "layouts": {n: {**asdict(LAYOUTS[n]), "state_bytes": LAYOUTS[n].state_bytes,
@@ -453,26 +443,24 @@ def run(args: argparse.Namespace) -> int:
         "goals": [asdict(g) for g in checked]})
     write_csv(args.out / "recurrent.csv", [r.as_dict() for r in rows])
     for layout_name, workload in dict.fromkeys((r.layout, r.workload) for r in rows):
-        hosted = any(r.host_tier_bytes for r in rows if (r.layout, r.workload) == (layout_name,
-                                                                                  workload))
-        t = Table(title=f"{layout_name}, {workload}: prompt hit rate at one byte budget",
-                  box=box.SIMPLE_HEAD,
-                  caption="+host NG: kvstore with an N GiB host tier below the pool" if hosted
-                  else None)
-        for col in ("GiB", "system", "block", "hit rate", "checkpoints taken/used/evicted",
-                    "frag MiB", "us/call"):
-            t.add_column(col, justify="left" if col == "system" else "right",
-                         min_width=len(col.split()[-1]))
+        print(f"\n{layout_name}, {workload}: prompt hit rate at one byte budget; checkpoints "
+              f"taken/used/evicted")
+        print(f"{'GiB':>6}  {'system':<12} {'block':>5} {'hit rate':>8} {'checkpoints':>17} "
+              f"{'frag MiB':>8} {'us/call':>8}")
         for r in rows:
             if (r.layout, r.workload) == (layout_name, workload):
-                name = f"+host {r.host_tier_bytes / GiB:.3g}G" if r.host_tier_bytes else r.system
-                t.add_row(f"{r.budget_bytes / GiB:.3g}", name, str(r.block_size),
-                          f"{r.hit_rate:.3f}",
-                          f"{r.checkpoints_taken}/{r.checkpoints_used}/{r.checkpoints_evicted}",
-                          f"{r.fragmented_bytes_mean / (1 << 20):.1f}", f"{r.us_per_call:.1f}")
-        console.print(t)
+                checkpoints = f"{r.checkpoints_taken}/{r.checkpoints_used}/{r.checkpoints_evicted}"
+                print(f"{r.budget_bytes / GiB:>6.3g}  {_name(r):<12} {r.block_size:>5} "
+                      f"{r.hit_rate:>8.3f} {checkpoints:>17} "
+                      f"{r.fragmented_bytes_mean / (1 << 20):>8.1f} {r.us_per_call:>8.1f}")
+    print()
     for line in summary(checked):
-        console.print(line)
-    console.print(f"Every cell's figures: {args.out / 'recurrent.json'} (goals), "
-                  f"{args.out / 'recurrent.csv'}")
+        print(line)
+    print(f"Every cell's figures: {args.out / 'recurrent.json'} (goals), "
+          f"{args.out / 'recurrent.csv'}")
     return 0
+
+
+def _name(r: Row) -> str:
+    """The row's system, or ``+host NG`` for kvstore with an N GiB host tier."""
+    return f"+host {r.host_tier_bytes / GiB:.3g}G" if r.host_tier_bytes else r.system
