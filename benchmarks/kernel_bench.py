@@ -387,12 +387,10 @@ def run_split_sweep(iters: int = 20) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvstore.benchmarks.kernel_bench``: the options of ``kvstore bench kernels``."""
-    from kvstore.benchmarks.bench import add_kernel_arguments
+    """``python -m kvstore.benchmarks.kernel_bench``: ``kvstore bench kernels``."""
+    from kvstore.cli import main as cli_main
 
-    ap = argparse.ArgumentParser(prog="kvstore bench kernels")
-    add_kernel_arguments(ap)
-    return run_command(ap.parse_args(argv))
+    return cli_main(["bench", "kernels", *(sys.argv[1:] if argv is None else argv)])
 
 
 def run_command(args: argparse.Namespace) -> int:

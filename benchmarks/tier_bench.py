@@ -110,10 +110,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keys = request_keys(layout, hashes, None)
     tier = HostTier(4 * n * HostTier.slot_nbytes_for(layout), pin=pin)
 
-    def in_process(layout: BlockLayout, key: bytes, token_ids: Any, value: Any,
-                   counters: Any) -> Any:
-        return decode_block(layout, key, token_ids, value, counters, trusted=True)
-
     def restored_equal() -> None:
         k = cache.key_caches[0].view(torch.uint8)
         assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
@@ -128,7 +124,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
          lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens, checksum=False), d2h),
         ("host tier restore, engine (load + check header/tokens + scatter)",
          lambda: restore_payloads(cache, 0, dst_ids, load_verified(
-             tier, layout, keys, tokens, in_process, hashes=False)), h2d),
+             tier, layout, keys, tokens, partial(decode_block, trusted=True), hashes=False)),
+         h2d),
         ("host tier offload (store_blocks: gather into slots + seal)",
          lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens), d2h),
         ("host tier restore (load + verify + scatter)",
@@ -233,17 +230,9 @@ def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, token
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvstore.benchmarks.tier_bench``: ``kvstore bench tiers``."""
-    from kvstore.benchmarks.bench import add_tier_arguments
+    from kvstore.cli import main as cli_main
 
-    p = argparse.ArgumentParser(prog="kvstore bench tiers")
-    add_tier_arguments(p)
-    p.set_defaults(usage_error=p.error)
-    args = p.parse_args(argv)
-    if args.engines:
-        from kvstore.benchmarks.tier_engines import run_command as run_engines
-
-        return run_engines(args)
-    return run_command(args)
+    return cli_main(["bench", "tiers", *(sys.argv[1:] if argv is None else argv)])
 
 
 def run_command(args: argparse.Namespace) -> int:
