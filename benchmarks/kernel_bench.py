@@ -127,7 +127,6 @@ class Paged:
     kc: torch.Tensor
     vc: torch.Tensor
     metadata: AttentionMetadata
-    q_len: int
     first_kept: int  # first key position any query sees (pages before it: null block)
 
 
@@ -152,8 +151,7 @@ def build_paged(batch: int, context: int, q_len: int, window: int | None,
     q = torch.randn(batch * q_len, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * q_len
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    return Paged(q, kc, vc, AttentionMetadata(table.to(device), cu, seq_lens, q_len), q_len,
-                 first_kept)
+    return Paged(q, kc, vc, AttentionMetadata(table.to(device), cu, seq_lens, q_len), first_kept)
 
 
 def visible_pairs(context: int, q_len: int, window: int | None) -> int:

@@ -34,8 +34,7 @@ MAX_RUNNING = 64
 TOKEN_BUDGET = 8192
 STEP_TIME = 0.02
 # Pools in blocks (pressured, roomy) per layout.
-POOLS: dict[str, tuple[int, int]] = {"full": (3000, 16000), "hybrid": (4500, 28000),
-                                     "gemma3": (12000, 60000)}
+POOLS: dict[str, tuple[int, int]] = {"full": (3000, 16000), "hybrid": (4500, 28000), "gemma3": (12000, 60000)}
 SCENARIOS: tuple[str, ...] = tuple(f"{layout}/{regime}" for layout in POOLS
                                    for regime in ("pressured", "roomy"))
 # (sliding-window layers, full layers) and KV cache groups per layout.
@@ -169,8 +168,7 @@ class KvstoreSide(Side):
 
         n_slide, n_full = LAYERS[layout]
         full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_dim=128)
-        slide = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_dim=128,
-                                  window=WINDOW)
+        slide = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_dim=128, window=WINDOW)
         config = make_kv_cache_config([slide] * n_slide + [full] * n_full, num_blocks=num_blocks)
         self.manager = new_manager(config, **options)
         self._request = Request
@@ -239,8 +237,7 @@ class VllmSide(Side):
         groups = [KVCacheGroupSpec([f"s{g}.{j}" for j in range(per_group)],
                                    SlidingWindowSpec(**kw, sliding_window=WINDOW))
                   for g in range(NUM_GROUPS[layout] - 1)]
-        groups.append(KVCacheGroupSpec([f"f.{j}" for j in range(per_group)],
-                                       FullAttentionSpec(**kw)))
+        groups.append(KVCacheGroupSpec([f"f.{j}" for j in range(per_group)], FullAttentionSpec(**kw)))
         config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.manager = KVCacheManager(config, max_model_len=1 << 20, scheduler_block_size=BLOCK_SIZE,
                                       hash_block_size=BLOCK_SIZE, enable_caching=True)
@@ -289,8 +286,7 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
           max_running: int = MAX_RUNNING, budget_tokens: int = TOKEN_BUDGET) -> ManagerResult:
     """Replay `specs` through `side` with vLLM's scheduler loop reduced to the manager calls."""
     perf = time.perf_counter
-    res = ManagerResult(side.name, scenario, num_blocks,
-                        prompt_tokens=sum(len(s.prompt) for s in specs))
+    res = ManagerResult(side.name, scenario, num_blocks, prompt_tokens=sum(len(s.prompt) for s in specs))
     pending = deque(sorted(specs, key=lambda s: s.arrival))
     waiting: deque[tuple[Spec, Any]] = deque()
     running: list[tuple[Spec, Any]] = []
@@ -445,8 +441,7 @@ class Worker:
         self.label, self.options = label, dict(options or {})
         self.proc = subprocess.Popen(
             [python, str(Path(__file__).resolve()), "--worker", kind, str(spec_path)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
-            cwd=tempfile.gettempdir())
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd=tempfile.gettempdir())
         self.where = str(self._read())
 
     def _read(self) -> Any:
@@ -464,15 +459,13 @@ class Worker:
         out: dict[str, Any] = self._read()
         return out
 
-    def result(self, scenario: str, num_blocks: int | None = None,
-               **extra: Any) -> ManagerResult:
+    def result(self, scenario: str, num_blocks: int | None = None, **extra: Any) -> ManagerResult:
         """Replay `scenario` (on its pool unless `num_blocks`) with this side's options;
         RuntimeError on its error."""
         layout, _, regime = scenario.partition("/")
         if num_blocks is None:
             num_blocks = POOLS[layout][regime == "roomy"]
-        out = self.ask({"scenario": scenario, "num_blocks": num_blocks, "options": self.options,
-                        **extra})
+        out = self.ask({"scenario": scenario, "num_blocks": num_blocks, "options": self.options, **extra})
         if "error" in out:
             raise RuntimeError(f"{self.label}, {scenario}: {out['error']}")
         return ManagerResult(**{f.name: out[f.name] for f in fields(ManagerResult)})
@@ -584,8 +577,7 @@ def run(args: argparse.Namespace) -> int:
         workers.append(Worker(f"this ({this})", "kvstore", sys.executable, tree, spec_file))
         for options in args.also:
             label = ",".join(f"{k}={v}" for k, v in options.items())
-            workers.append(Worker(f"this, {label}", "kvstore", sys.executable, tree, spec_file,
-                                  options))
+            workers.append(Worker(f"this, {label}", "kvstore", sys.executable, tree, spec_file, options))
         if args.vs:
             worktree = tmp / "vs-worktree"
             if subprocess.run([*git, "worktree", "add", "--detach", "-q", str(worktree), args.vs],
@@ -620,8 +612,7 @@ def run(args: argparse.Namespace) -> int:
         for w in workers:
             w.close()
         if args.vs:
-            subprocess.run([*git, "worktree", "remove", "--force", str(tmp / "vs-worktree")],
-                           check=False)
+            subprocess.run([*git, "worktree", "remove", "--force", str(tmp / "vs-worktree")], check=False)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
@@ -629,8 +620,7 @@ def run(args: argparse.Namespace) -> int:
 def print_scale(workers: list[Worker], pools: tuple[int, ...]) -> None:
     """Build time, bookkeeping bytes per block and µs per call of each side at each pool."""
     print("\nScale: full layout, roomy pools (no eviction)\n")
-    print(f"{'side':<24} {'blocks':>9} {'build s':>7} {'B/block':>7} "
-          + " ".join(f"{c:>7}" for c in CALLS))
+    print(f"{'side':<24} {'blocks':>9} {'build s':>7} {'B/block':>7} " + " ".join(f"{c:>7}" for c in CALLS))
     for n in pools:
         for w in workers:
             r = w.result("full/roomy", n, scale=True)

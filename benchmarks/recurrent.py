@@ -53,8 +53,7 @@ class Layout:
     dtype: str
     source: str
 
-    def specs(self, block_size: int, recurrent: bool = True, all_full: bool = False
-              ) -> list[LayerSpec]:
+    def specs(self, block_size: int, recurrent: bool = True, all_full: bool = False) -> list[LayerSpec]:
         """The layer specs: as the model has them, without the recurrent layers, or with
         every layer full attention."""
         full = FullAttentionSpec(block_size, self.kv_heads, self.head_dim, self.dtype)
@@ -117,8 +116,7 @@ class System:
     host_tier_bytes: int = 0
 
 
-def systems(layout: Layout, eviction: str = "worth", host_gib: Sequence[float] = ()
-            ) -> list[System]:
+def systems(layout: Layout, eviction: str = "worth", host_gib: Sequence[float] = ()) -> list[System]:
     """kvstore (with `eviction`), vllm-align, the oracle and all-full for `layout`, then
     kvstore with a host tier of each size in `host_gib` below the pool."""
     vbs, bs = layout.vllm_block_size, BLOCK_SIZE
@@ -191,8 +189,7 @@ def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
     """Serve one request alone (prefill in chunks, then its outputs); returns its
     admission's hit tokens (device and tiers) and the manager calls made (their time added
     to `clock[0]`; the connector's is not counted)."""
-    req = Request(spec.request_id, spec.prompt_token_ids, spec.cache_salt,
-                  max(1, spec.max_tokens))
+    req = Request(spec.request_id, spec.prompt_token_ids, spec.cache_salt, max(1, spec.max_tokens))
     n = req.num_prompt_tokens
     t0 = time.perf_counter()
     lookup = m.get_computed_blocks(req)
@@ -255,8 +252,7 @@ def run_system(requests: Sequence[RequestSpec], system: System, budget: int, lay
     return best
 
 
-def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout: str,
-            workload: str) -> Row:
+def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout: str, workload: str) -> Row:
     config = make_kv_cache_config(system.specs, memory_bytes=budget)
     # Whole blocks only, as a recurrent state has no value inside one.
     options: dict[str, Any] = {"eviction": system.eviction, "enable_partial_hits": False}
@@ -264,8 +260,7 @@ def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout
         options["checkpoint_every_blocks"] = system.checkpoint_every_blocks
     tiers = None
     if system.host_tier_bytes:
-        tiers = PlaceholderConnector(config, layout, host=ModelTier(system.host_tier_bytes,
-                                                                    name="host"))
+        tiers = PlaceholderConnector(config, layout, host=ModelTier(system.host_tier_bytes, name="host"))
     m = new_manager(config, tiers, **options)
     clock = [0.0]
     hits = calls = 0
@@ -325,8 +320,7 @@ def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[Goal]:
     for (layout, workload, budget, system), r in sorted(by.items()):
         if system != "kvstore":
             continue
-        v, o, f = (by.get((layout, workload, budget, s)) for s in ("vllm-align", "oracle",
-                                                                  "all-full"))
+        v, o, f = (by.get((layout, workload, budget, s)) for s in ("vllm-align", "oracle", "all-full"))
         where = f"{layout} {workload} {budget / GiB:.3g} GiB"
         if v is not None:
             ok = r.hit_rate >= 2 * v.hit_rate if v.hit_rate > 0 else r.hit_rate > 0
@@ -335,8 +329,7 @@ def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[Goal]:
             out.append(Goal("vllm", where, ok, f"kvstore {r.hit_rate:.3f} vs vllm-align "
                                                f"{v.hit_rate:.3f}{beyond}",
                             reachable=not beyond))
-        if (o is not None and f is not None and workload in ideal
-                and f.hit_rate >= 0.8 * ideal[workload]):
+        if o is not None and f is not None and workload in ideal and f.hit_rate >= 0.8 * ideal[workload]:
             ok = r.hit_rate >= 0.8 * o.hit_rate
             out.append(Goal("oracle", where, ok,
                             f"kvstore {r.hit_rate:.3f} vs oracle {o.hit_rate:.3f} (all-full "
@@ -429,8 +422,7 @@ def run(args: argparse.Namespace) -> int:
     for specs, layout, budget, workload, row_systems in runs:
         for system in row_systems:
             timed = (system.name in ("kvstore", "oracle") and workload != "mooncake_conversation")
-            r = run_system(specs, system, budget, layout.name, workload,
-                           args.repeats if timed else 1)
+            r = run_system(specs, system, budget, layout.name, workload, args.repeats if timed else 1)
             rows.append(r)
             print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {_name(r)}: "
                   f"{r.hit_rate:.3f} ({r.manager_seconds:.1f} s)", flush=True)
@@ -439,8 +431,7 @@ def run(args: argparse.Namespace) -> int:
         "layouts": {n: {**asdict(LAYOUTS[n]), "state_bytes": LAYOUTS[n].state_bytes,
                         "kv_bytes_per_token": LAYOUTS[n].kv_bytes_per_token,
                         "vllm_block_size": LAYOUTS[n].vllm_block_size} for n in args.layouts},
-        "ideal": ideal, "rows": [r.as_dict() for r in rows],
-        "goals": [asdict(g) for g in checked]})
+        "ideal": ideal, "rows": [r.as_dict() for r in rows], "goals": [asdict(g) for g in checked]})
     write_csv(args.out / "recurrent.csv", [r.as_dict() for r in rows])
     for layout_name, workload in dict.fromkeys((r.layout, r.workload) for r in rows):
         print(f"\n{layout_name}, {workload}: prompt hit rate at one byte budget; checkpoints "

@@ -116,10 +116,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # The engine's host path: values that stay in this process carry no checksum.
     paths: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
-        ("offload (gather pages -> host buffer)",
-         lambda: gather_blocks(cache, 0, src_ids, out=host), d2h),
-        ("restore (host buffer -> scattered pages)",
-         lambda: scatter_blocks(cache, 0, dst_ids, host), h2d),
+        ("offload (gather pages -> host buffer)", lambda: gather_blocks(cache, 0, src_ids, out=host), d2h),
+        ("restore (host buffer -> scattered pages)", lambda: scatter_blocks(cache, 0, dst_ids, host), h2d),
         ("host tier offload, engine (store_blocks, no checksum)",
          lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens, checksum=False), d2h),
         ("host tier restore, engine (load + check header/tokens + scatter)",
@@ -146,15 +144,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for threads in CHECKSUM_THREADS:
         with ThreadPoolExecutor(threads) as pool:
             name = f"checksum only: XXH3-128 of host buffer, {threads} thread(s)"
-            rows[name] = side_by_side(name, partial(xxh3_all, pool, views), d2h, nbytes, device,
-                                      args.reps)
+            rows[name] = side_by_side(name, partial(xxh3_all, pool, views), d2h, nbytes, device, args.reps)
     if not args.no_store:
         rows.update(store_rows(args, items, layout, tokens, device))
     return rows
 
 
-def value_paths(items: list, layout: BlockLayout, tokens: list
-                ) -> list[tuple[str, Callable[[], object]]]:
+def value_paths(items: list, layout: BlockLayout, tokens: list) -> list[tuple[str, Callable[[], object]]]:
     """What a store value costs on this side of the socket, with its checksum only or
     sealed (AES-256-GCM)."""
     from kvstore.tiers.seal import Sealer

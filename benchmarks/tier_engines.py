@@ -11,8 +11,7 @@ from typing import Any
 
 from kvstore.benchmarks.output import write_json
 
-ENGINE_OPTIONS = ("layers", "num_blocks", "block_size", "prefixes", "prefix_len", "suffix_len",
-                  "max_tokens")
+ENGINE_OPTIONS = ("layers", "num_blocks", "block_size", "prefixes", "prefix_len", "suffix_len", "max_tokens")
 
 
 def prompts_for(role: str, num_prefixes: int, prefix_len: int, suffix_len: int,

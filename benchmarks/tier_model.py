@@ -60,8 +60,7 @@ def decode_placeholder(layout: BlockLayout, key: bytes, token_ids: Sequence[int]
     return None
 
 
-def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None
-            ) -> str | None:
+def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None) -> str | None:
     if value is None:
         return "miss"
     view = memoryview(value).cast("B")
@@ -156,8 +155,7 @@ class ModelTier:
                     evicted += 1
                 self._values[key] = (data, size)
                 self._nbytes += size
-        self.stats.merge({"stores": len(items) - dropped, "dropped_stores": dropped,
-                          "evictions": evicted})
+        self.stats.merge({"stores": len(items) - dropped, "dropped_stores": dropped, "evictions": evicted})
 
     def flush(self, timeout: float | None = None) -> bool:
         """True: stores are synchronous."""
