@@ -182,13 +182,11 @@ def value_paths(items: list, layout: BlockLayout, tokens: list) -> list[tuple[st
 def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, tokens: list,
                device: torch.device) -> dict[str, Any]:
     """Valkey put/get through ValkeyStore against raw pipelined SET/GET on its client."""
-    from kvstore.benchmarks.valkey_server import ValkeyServer
+    from kvstore.benchmarks.valkey_server import valkey_url
     from kvstore.tiers.valkey_store import ValkeyStore
 
-    server = None if args.store else ValkeyServer().start()
-    try:
-        st = ValkeyStore(args.store if server is None else server.url, timeout_s=10.0,
-                         sync_stores=True, chunk=len(items))
+    with valkey_url(args.store) as url:
+        st = ValkeyStore(url, timeout_s=10.0, sync_stores=True, chunk=len(items))
         assert st.ping(), f"no Valkey at {st.url}"
         client = st._get_client()
         assert client is not None, f"no client for {st.url}"
@@ -219,9 +217,6 @@ def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, token
         st.delete(keys)
         st.close()
         return rows
-    finally:
-        if server is not None:
-            server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvstore.tiers.valkey_store import redact_url
@@ -248,6 +248,16 @@ class ValkeyCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def valkey_url(url: str | None) -> Iterator[str]:
+    """`url`, or else that of a throwaway server up until the block ends."""
+    if url:
+        yield url
+    else:
+        with ValkeyServer() as server:
+            yield server.url
 
 
 _LIVE: set[ValkeyServer] = set()
