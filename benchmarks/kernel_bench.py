@@ -255,7 +255,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     for kind, grid in (("decode", decode_grid), ("prefill", prefill_grid)):
         for w in (None, 4096):
             for b, ctx, ql in grid:
-                nbytes = needed_kv_bytes(b, ctx, ql, w) + b * ql * HEADS * HEAD_DIM * 4  # + q, out
+                nbytes = needed_kv_bytes(b, ctx, ql, w) + b * ql * HEADS * HEAD_DIM * 4  # and q, out
                 if nbytes < 0.4 * torch.cuda.mem_get_info()[0]:
                     case(kind, b, ctx, ql, w)
                 else:
@@ -278,21 +278,16 @@ def _fmt(x: float | None, spec: str) -> str:
 
 # (name, (query lengths, sequence lengths), heads, kv heads, head dim, block size, window,
 # softcap, splits, dtype, block_m, block_n): long contexts and gpt-oss shapes beside GRID.
+BF16, F16 = torch.bfloat16, torch.float16
 CHECK_CASES = [
-    ("long-dec-w4096-auto", ([1, 1], [20000, 9000]), 64, 8, 128, 16, 4096, None, None,
-     torch.bfloat16, None, None),
-    ("long-dec-full-split7", ([1, 1], [20000, 9000]), 64, 8, 128, 16, None, None, 7,
-     torch.bfloat16, None, None),
-    ("long-prefill-w4096-cap", ([300, 1, 64], [9000, 5000, 64]), 32, 8, 128, 16, 4096, 30.0,
-     None, torch.bfloat16, None, None),
-    ("long-prefill-full-f16", ([700, 5], [3000, 4100]), 32, 4, 128, 32, None, None, None,
-     torch.float16, None, None),
-    ("r32-dec", ([1, 1, 1], [513, 4096, 77]), 64, 2, 128, 16, 1000, None, None,
-     torch.bfloat16, None, None),
-    ("gptoss-dec-w128-split5", ([1, 1], [20000, 9000]), 64, 8, 64, 16, 128, None, 5,
-     torch.bfloat16, None, None),
-    ("gptoss-prefill-full", ([700, 1], [3000, 4100]), 64, 8, 64, 16, None, None, None,
-     torch.bfloat16, None, None),
+    ("long-dec-w4096-auto", ([1, 1], [20000, 9000]), 64, 8, 128, 16, 4096, None, None, BF16, None, None),
+    ("long-dec-full-split7", ([1, 1], [20000, 9000]), 64, 8, 128, 16, None, None, 7, BF16, None, None),
+    ("long-prefill-w4096-cap", ([300, 1, 64], [9000, 5000, 64]), 32, 8, 128, 16, 4096, 30.0, None, BF16,
+     None, None),
+    ("long-prefill-full-f16", ([700, 5], [3000, 4100]), 32, 4, 128, 32, None, None, None, F16, None, None),
+    ("r32-dec", ([1, 1, 1], [513, 4096, 77]), 64, 2, 128, 16, 1000, None, None, BF16, None, None),
+    ("gptoss-dec-w128-split5", ([1, 1], [20000, 9000]), 64, 8, 64, 16, 128, None, 5, BF16, None, None),
+    ("gptoss-prefill-full", ([700, 1], [3000, 4100]), 64, 8, 64, 16, None, None, None, BF16, None, None),
 ]
 
 
