@@ -9,17 +9,15 @@ import argparse
 import gc
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
-
-import numpy as np
 
 from kvstore.benchmarks.manager import new_manager
 from kvstore.benchmarks.output import name_list, positive_int, write_csv, write_json
 from kvstore.benchmarks.simulator import fake_token
 from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
-from kvstore.benchmarks.traces import MOONCAKE_BLOCK_TOKENS, load_mooncake, locate_trace
+from kvstore.benchmarks.traces import locate_trace, mooncake_to_workload
 from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, make_workload
 from kvstore.eviction import EVICTION_POLICIES
 from kvstore.kv_cache_coordinator import ComputedBlocks
@@ -281,16 +279,9 @@ def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout
 
 
 def mooncake_requests(name: str, limit: int | None) -> list[RequestSpec]:
-    """A Mooncake trace's rows as prompts without outputs: each 512-token block starts with
-    its hash id + 1, zeros after."""
-    out = []
-    for i, row in enumerate(load_mooncake(locate_trace(name), limit)):
-        n = min(row.input_length, len(row.hash_ids) * MOONCAKE_BLOCK_TOKENS)
-        tokens = np.zeros(n, dtype=np.int64)
-        tokens[::MOONCAKE_BLOCK_TOKENS] = np.asarray(
-            row.hash_ids[:cdiv(n, MOONCAKE_BLOCK_TOKENS)], dtype=np.int64) + 1
-        out.append(RequestSpec(f"m{i}", row.timestamp_ms / 1000, tuple(tokens.tolist()), 1))
-    return out
+    """A Mooncake trace's rows as prompts without outputs (the trace has no output content)."""
+    workload = mooncake_to_workload(locate_trace(name), limit=limit)
+    return [replace(r, max_tokens=1) for r in workload.requests]
 
 
 #: The goals checked per layout, workload and budget, by key.
