@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -103,10 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     layout = BlockLayout("bench-model", spec, config.groups[0].layer_ids)
     tokens = [[i * args.block_size + j for j in range(args.block_size)] for i in range(n)]
-    hashes, parent = [], root_hash(None)
-    for block_tokens in tokens:
-        parent = hash_block(parent, block_tokens)
-        hashes.append(parent)
+    hashes = list(accumulate(tokens, hash_block, initial=root_hash(None)))[1:]  # the chain
     keys = request_keys(layout, hashes, None)
     tier = HostTier(4 * n * HostTier.slot_nbytes_for(layout), pin=pin)
 
