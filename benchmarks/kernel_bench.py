@@ -127,7 +127,6 @@ class Paged:
     kc: torch.Tensor
     vc: torch.Tensor
     metadata: AttentionMetadata
-    q_len: int
     first_kept: int  # first key position any query sees (pages before it: null block)
 
 
@@ -152,8 +151,7 @@ def build_paged(batch: int, context: int, q_len: int, window: int | None,
     q = torch.randn(batch * q_len, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * q_len
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    return Paged(q, kc, vc, AttentionMetadata(table.to(device), cu, seq_lens, q_len), q_len,
-                 first_kept)
+    return Paged(q, kc, vc, AttentionMetadata(table.to(device), cu, seq_lens, q_len), first_kept)
 
 
 def visible_pairs(context: int, q_len: int, window: int | None) -> int:
@@ -201,11 +199,11 @@ def run_bench(args: argparse.Namespace) -> dict:
     rows: list[Row] = []
     scale = 1.0 / math.sqrt(HEAD_DIM)
     if args.quick:
-        decode_grid = [(b, c) for b in (1, 32) for c in (4096, 65536)]
+        decode_grid = [(b, c, 1) for b in (1, 32) for c in (4096, 65536)]
         prefill_grid = [(1, 4096, 4096), (1, 32768, 2048)]
         iters = 5
     else:
-        decode_grid = [(b, c) for b in (1, 4, 16, 64, 256)
+        decode_grid = [(b, c, 1) for b in (1, 4, 16, 64, 256)
                        for c in (1024, 4096, 16384, 65536, 131072)]
         prefill_grid = [(1, 1024, 1024), (1, 4096, 4096), (1, 16384, 16384), (4, 4096, 4096),
                         (1, 16384, 512), (1, 65536, 2048), (8, 32768, 512)]
@@ -254,20 +252,14 @@ def run_bench(args: argparse.Namespace) -> dict:
         measure(row, triton_fn)
         measure(Row(kind, "sdpa", b, ctx, ql, w), partial(sdpa_fn, b, ctx, ql, w))
 
-    for w in (None, 4096):
-        for b, ctx in decode_grid:
-            nbytes = needed_kv_bytes(b, ctx, 1, w)
-            if nbytes < 0.4 * torch.cuda.mem_get_info()[0]:
-                case("decode", b, ctx, 1, w)
-            else:
-                print(f"skip decode B={b} ctx={ctx} W={w}: {nbytes / 1e9:.0f} GB of K/V")
-    for w in (None, 4096):
-        for b, ctx, ql in prefill_grid:
-            nbytes = needed_kv_bytes(b, ctx, ql, w) + b * ql * HEADS * HEAD_DIM * 4
-            if nbytes < 0.4 * torch.cuda.mem_get_info()[0]:
-                case("prefill", b, ctx, ql, w)
-            else:
-                print(f"skip prefill B={b} ctx={ctx} q={ql} W={w}: memory")
+    for kind, grid in (("decode", decode_grid), ("prefill", prefill_grid)):
+        for w in (None, 4096):
+            for b, ctx, ql in grid:
+                nbytes = needed_kv_bytes(b, ctx, ql, w) + b * ql * HEADS * HEAD_DIM * 4  # and q, out
+                if nbytes < 0.4 * torch.cuda.mem_get_info()[0]:
+                    case(kind, b, ctx, ql, w)
+                else:
+                    print(f"skip {kind} B={b} ctx={ctx} q={ql} W={w}: {nbytes / 1e9:.0f} GB")
     props = torch.cuda.get_device_properties(0)
     return {"device": props.name, "sm_count": props.multi_processor_count,
             "torch": torch.__version__, "triton": triton.__version__,
@@ -286,21 +278,16 @@ def _fmt(x: float | None, spec: str) -> str:
 
 # (name, (query lengths, sequence lengths), heads, kv heads, head dim, block size, window,
 # softcap, splits, dtype, block_m, block_n): long contexts and gpt-oss shapes beside GRID.
+BF16, F16 = torch.bfloat16, torch.float16
 CHECK_CASES = [
-    ("long-dec-w4096-auto", ([1, 1], [20000, 9000]), 64, 8, 128, 16, 4096, None, None,
-     torch.bfloat16, None, None),
-    ("long-dec-full-split7", ([1, 1], [20000, 9000]), 64, 8, 128, 16, None, None, 7,
-     torch.bfloat16, None, None),
-    ("long-prefill-w4096-cap", ([300, 1, 64], [9000, 5000, 64]), 32, 8, 128, 16, 4096, 30.0,
-     None, torch.bfloat16, None, None),
-    ("long-prefill-full-f16", ([700, 5], [3000, 4100]), 32, 4, 128, 32, None, None, None,
-     torch.float16, None, None),
-    ("r32-dec", ([1, 1, 1], [513, 4096, 77]), 64, 2, 128, 16, 1000, None, None,
-     torch.bfloat16, None, None),
-    ("gptoss-dec-w128-split5", ([1, 1], [20000, 9000]), 64, 8, 64, 16, 128, None, 5,
-     torch.bfloat16, None, None),
-    ("gptoss-prefill-full", ([700, 1], [3000, 4100]), 64, 8, 64, 16, None, None, None,
-     torch.bfloat16, None, None),
+    ("long-dec-w4096-auto", ([1, 1], [20000, 9000]), 64, 8, 128, 16, 4096, None, None, BF16, None, None),
+    ("long-dec-full-split7", ([1, 1], [20000, 9000]), 64, 8, 128, 16, None, None, 7, BF16, None, None),
+    ("long-prefill-w4096-cap", ([300, 1, 64], [9000, 5000, 64]), 32, 8, 128, 16, 4096, 30.0, None, BF16,
+     None, None),
+    ("long-prefill-full-f16", ([700, 5], [3000, 4100]), 32, 4, 128, 32, None, None, None, F16, None, None),
+    ("r32-dec", ([1, 1, 1], [513, 4096, 77]), 64, 2, 128, 16, 1000, None, None, BF16, None, None),
+    ("gptoss-dec-w128-split5", ([1, 1], [20000, 9000]), 64, 8, 64, 16, 128, None, 5, BF16, None, None),
+    ("gptoss-prefill-full", ([700, 1], [3000, 4100]), 64, 8, 64, 16, None, None, None, BF16, None, None),
 ]
 
 
@@ -393,12 +380,10 @@ def run_split_sweep(iters: int = 20) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvstore.benchmarks.kernel_bench``: the options of ``kvstore bench kernels``."""
-    from kvstore.benchmarks.bench import add_kernel_arguments
+    """``python -m kvstore.benchmarks.kernel_bench``: ``kvstore bench kernels``."""
+    from kvstore.cli import main as cli_main
 
-    ap = argparse.ArgumentParser(prog="kvstore bench kernels")
-    add_kernel_arguments(ap)
-    return run_command(ap.parse_args(argv))
+    return cli_main(["bench", "kernels", *(sys.argv[1:] if argv is None else argv)])
 
 
 def run_command(args: argparse.Namespace) -> int:

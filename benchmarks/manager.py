@@ -1,9 +1,7 @@
 """``kvstore bench manager``: what the cache manager's scheduler-facing calls cost, side by
-side with another git revision of kvstore and, optionally, vLLM's v1 ``KVCacheManager``
-(the driver's loop and the workloads: docs/cache_layer.md, "Hot path").
-
-This file is also the worker (``--worker kvstore|vllm``): at module level it imports only
-the standard library, so it runs with nothing but one revision's core on the path.
+side with another git revision of kvstore or vLLM's v1 ``KVCacheManager`` (docs/cache_layer.md,
+"Hot path"). Run as ``manager.py --worker kvstore|vllm SPECS``, this file serves one side; at
+module level it imports only the standard library, so one revision's core on the path is enough.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ import gc
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,8 +34,7 @@ MAX_RUNNING = 64
 TOKEN_BUDGET = 8192
 STEP_TIME = 0.02
 # Pools in blocks (pressured, roomy) per layout.
-POOLS: dict[str, tuple[int, int]] = {"full": (3000, 16000), "hybrid": (4500, 28000),
-                                     "gemma3": (12000, 60000)}
+POOLS: dict[str, tuple[int, int]] = {"full": (3000, 16000), "hybrid": (4500, 28000), "gemma3": (12000, 60000)}
 SCENARIOS: tuple[str, ...] = tuple(f"{layout}/{regime}" for layout in POOLS
                                    for regime in ("pressured", "roomy"))
 # (sliding-window layers, full layers) and KV cache groups per layout.
@@ -64,8 +62,8 @@ class ManagerResult:
     side: str
     scenario: str
     num_blocks: int
-    # per call: lookup, admit, chunk (a running request's next prefill chunk), decode, free,
-    # failed (lookups + admissions refused for lack of room), step (the per-step calls)
+    # lookup, admit, chunk (a running request's next prefill chunk), decode, free, failed
+    # (lookups + admissions refused for lack of room), step (the per-step calls)
     seconds: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     hash_s: float = 0.0
@@ -139,7 +137,7 @@ class Side:
         return out
 
     def grow(self, request: Any, num_new: int) -> bool:
-        """Pages for `num_new` more tokens of a running request."""
+        """Pages for `num_new` more tokens of a running request; False when none are left."""
         return self.manager.allocate_slots(request, num_new) is not None
 
     def free(self, request: Any) -> None:
@@ -147,10 +145,10 @@ class Side:
         self.manager.free(request)
 
     def step_start(self) -> None:
-        """The side's per-step notice to its manager, if any."""
+        """The side's notice to its manager that a step starts, if any."""
 
     def step_end(self) -> None:
-        """The side's work at the end of a step's scheduling, if any."""
+        """The side's work once a step is scheduled, if any."""
 
     def evictions(self) -> int:
         """Cached blocks evicted so far; -1 when the side does not count them."""
@@ -170,8 +168,7 @@ class KvstoreSide(Side):
 
         n_slide, n_full = LAYERS[layout]
         full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_dim=128)
-        slide = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_dim=128,
-                                  window=WINDOW)
+        slide = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_dim=128, window=WINDOW)
         config = make_kv_cache_config([slide] * n_slide + [full] * n_full, num_blocks=num_blocks)
         self.manager = new_manager(config, **options)
         self._request = Request
@@ -193,7 +190,7 @@ class KvstoreSide(Side):
             self._hash(request)
 
     def lookup(self, request: Any) -> tuple[Any, int]:
-        """(hit, hit tokens)."""
+        """The hit and its tokens."""
         computed = self.manager.get_computed_blocks(request)
         return computed, computed.num_computed_tokens
 
@@ -240,8 +237,7 @@ class VllmSide(Side):
         groups = [KVCacheGroupSpec([f"s{g}.{j}" for j in range(per_group)],
                                    SlidingWindowSpec(**kw, sliding_window=WINDOW))
                   for g in range(NUM_GROUPS[layout] - 1)]
-        groups.append(KVCacheGroupSpec([f"f.{j}" for j in range(per_group)],
-                                       FullAttentionSpec(**kw)))
+        groups.append(KVCacheGroupSpec([f"f.{j}" for j in range(per_group)], FullAttentionSpec(**kw)))
         config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.manager = KVCacheManager(config, max_model_len=1 << 20, scheduler_block_size=BLOCK_SIZE,
                                       hash_block_size=BLOCK_SIZE, enable_caching=True)
@@ -263,7 +259,7 @@ class VllmSide(Side):
         request.append_output_token_ids(token)
 
     def lookup(self, request: Any) -> tuple[Any, int]:
-        """(hit, hit tokens)."""
+        """The hit and its tokens."""
         blocks, num_hit, _ = self.manager.get_computed_blocks(request)
         return blocks, num_hit
 
@@ -290,8 +286,7 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
           max_running: int = MAX_RUNNING, budget_tokens: int = TOKEN_BUDGET) -> ManagerResult:
     """Replay `specs` through `side` with vLLM's scheduler loop reduced to the manager calls."""
     perf = time.perf_counter
-    res = ManagerResult(side.name, scenario, num_blocks,
-                        prompt_tokens=sum(len(s.prompt) for s in specs))
+    res = ManagerResult(side.name, scenario, num_blocks, prompt_tokens=sum(len(s.prompt) for s in specs))
     pending = deque(sorted(specs, key=lambda s: s.arrival))
     waiting: deque[tuple[Spec, Any]] = deque()
     running: list[tuple[Spec, Any]] = []
@@ -405,22 +400,15 @@ def run_scenario(kind: str, scenario: str, num_blocks: int, specs: list[Spec],
     return res
 
 
-def worker_main(kind: str) -> None:
-    """Answer JSON commands on stdin with one JSON result a line on stdout."""
-    specs: list[Spec] = []
+def worker_main(kind: str, spec_path: str) -> None:
+    """Print where this side's code lives, then answer each scenario (a JSON line on stdin:
+    `run_scenario`'s keyword arguments) with its result or its error."""
+    mod = __import__("vllm" if kind == "vllm" else "kvstore.kv_cache_manager")
+    print(json.dumps(f"{getattr(mod, '__version__', '')} {mod.__file__}".strip()), flush=True)
+    specs = [Spec(**s) for s in json.loads(Path(spec_path).read_text())]
     for line in sys.stdin:
-        cmd = json.loads(line)
         try:
-            if cmd["cmd"] == "where":
-                mod = __import__("vllm" if kind == "vllm" else "kvstore.kv_cache_manager")
-                version = getattr(mod, "__version__", "")
-                out: dict[str, Any] = {"path": f"{version} {mod.__file__}".strip()}
-            elif cmd["cmd"] == "load":
-                specs = [Spec(**s) for s in json.loads(Path(cmd["path"]).read_text())]
-                out = {"requests": len(specs)}
-            else:
-                out = asdict(run_scenario(kind, cmd["scenario"], cmd["num_blocks"], specs,
-                                          cmd.get("options", {}), cmd.get("scale", False)))
+            out = asdict(run_scenario(kind, specs=specs, **json.loads(line)))
         except Exception as exc:  # reported to the parent, which decides
             out = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(out), flush=True)
@@ -442,39 +430,42 @@ def cache_layer_tree(src_kvstore: Path, dest: Path) -> Path:
 
 
 class Worker:
-    """A worker subprocess serving one side: a kind, an interpreter, a path, options."""
+    """A worker subprocess replaying the specs in `spec_path` on one side: a kind, an
+    interpreter, a path, options."""
 
     def __init__(self, label: str, kind: str, python: str, pythonpath: str | None,
-                 options: dict[str, Any] | None = None) -> None:
+                 spec_path: Path, options: dict[str, Any] | None = None) -> None:
         env = dict(os.environ, PYTHONHASHSEED="0")  # vLLM's NONE_HASH seed
         if pythonpath is not None:
             env["PYTHONPATH"] = pythonpath
         self.label, self.options = label, dict(options or {})
         self.proc = subprocess.Popen(
-            [python, str(Path(__file__).resolve()), "--worker", kind], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env=env, text=True, cwd=tempfile.gettempdir())
-        self.where = str(self.ask({"cmd": "where"}).get("path", "?"))
+            [python, str(Path(__file__).resolve()), "--worker", kind, str(spec_path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd=tempfile.gettempdir())
+        self.where = str(self._read())
 
-    def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """Send one command and wait for its result."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+    def _read(self) -> Any:
+        assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"worker {self.label} exited (rc {self.proc.wait()})")
-        out: dict[str, Any] = json.loads(line)
+        return json.loads(line)
+
+    def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Send one scenario (`run_scenario`'s keyword arguments) and wait for its result."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        out: dict[str, Any] = self._read()
         return out
 
-    def result(self, scenario: str, num_blocks: int | None = None,
-               **extra: Any) -> ManagerResult:
+    def result(self, scenario: str, num_blocks: int | None = None, **extra: Any) -> ManagerResult:
         """Replay `scenario` (on its pool unless `num_blocks`) with this side's options;
         RuntimeError on its error."""
         layout, _, regime = scenario.partition("/")
         if num_blocks is None:
             num_blocks = POOLS[layout][regime == "roomy"]
-        out = self.ask({"cmd": "scenario", "scenario": scenario, "num_blocks": num_blocks,
-                        "options": self.options, **extra})
+        out = self.ask({"scenario": scenario, "num_blocks": num_blocks, "options": self.options, **extra})
         if "error" in out:
             raise RuntimeError(f"{self.label}, {scenario}: {out['error']}")
         return ManagerResult(**{f.name: out[f.name] for f in fields(ManagerResult)})
@@ -571,34 +562,31 @@ def _fmt(x: float | None, digits: int = 1) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the sides of `args` side by side; print per-side tables, ratios and a headline."""
-    num_requests = args.requests or (60 if args.quick else 400)
     repeats = args.repeats or (1 if args.quick else 3)
     t_start = time.perf_counter()
+    specs = make_specs(args.workload, args.requests or (60 if args.quick else 400))
     tmp = Path(tempfile.mkdtemp(prefix="kvstore_manager_"))
-    workers: list[Worker] = []
+    spec_file = tmp / "specs.json"
+    spec_file.write_text(json.dumps([asdict(s) for s in specs]))
     git = ["git", "-C", str(REPO)]
+    workers: list[Worker] = []
     try:
         this = subprocess.run([*git, "describe", "--always", "--dirty"], capture_output=True,
                               text=True).stdout.strip() or "this tree"
         tree = str(cache_layer_tree(REPO / "kvstore", tmp / "this"))
-        workers.append(Worker(f"this ({this})", "kvstore", sys.executable, tree))
+        workers.append(Worker(f"this ({this})", "kvstore", sys.executable, tree, spec_file))
         for options in args.also:
             label = ",".join(f"{k}={v}" for k, v in options.items())
-            workers.append(Worker(f"this, {label}", "kvstore", sys.executable, tree, options))
+            workers.append(Worker(f"this, {label}", "kvstore", sys.executable, tree, spec_file, options))
         if args.vs:
             worktree = tmp / "vs-worktree"
             if subprocess.run([*git, "worktree", "add", "--detach", "-q", str(worktree), args.vs],
                               capture_output=True).returncode:
                 args.usage_error(f"argument --vs: {args.vs!r} is not a revision of {REPO}")
             workers.append(Worker(f"kvstore {args.vs}", "kvstore", sys.executable,
-                                  str(cache_layer_tree(worktree / "kvstore", tmp / "vs"))))
+                                  str(cache_layer_tree(worktree / "kvstore", tmp / "vs")), spec_file))
         if args.vllm:
-            workers.append(Worker("vLLM", "vllm", args.vllm, None))
-        specs = make_specs(args.workload, num_requests)
-        spec_file = tmp / "specs.json"
-        spec_file.write_text(json.dumps([asdict(s) for s in specs]))
-        for w in workers:
-            w.ask({"cmd": "load", "path": str(spec_file)})
+            workers.append(Worker("vLLM", "vllm", args.vllm, None, spec_file))
         print(f"Manager + hashing cost: {args.workload}, {len(specs)} requests, best of "
               f"{repeats} alternated replays\nideal first-admission hit rate "
               f"{ideal_hit_rate(specs):.4f} whole blocks, {ideal_hit_rate(specs, None):.4f} "
@@ -608,38 +596,36 @@ def run(args: argparse.Namespace) -> int:
         best: dict[str, list[ManagerResult]] = {w.label: [] for w in workers}
         for k, scenario in enumerate(args.scenarios, 1):
             print(f"  [{k}/{len(args.scenarios)}] {scenario} ...", file=sys.stderr, flush=True)
-            kept: dict[str, ManagerResult] = {}
-            for _ in range(repeats):
-                for w in workers:
-                    r = w.result(scenario)
-                    if w.label not in kept or r.manager_s < kept[w.label].manager_s:
-                        kept[w.label] = r
-            for w in workers:
-                best[w.label].append(kept[w.label])
+            replays = [[w.result(scenario) for w in workers] for _ in range(repeats)]
+            for w, results in zip(workers, zip(*replays, strict=True), strict=True):
+                best[w.label].append(min(results, key=lambda r: r.manager_s))
         for w in workers:
             print_side(w.label, best[w.label])
         mine = best[workers[0].label]
         for w in workers[1:]:
             print_ratios(w.label, mine, best[w.label])
         if args.scale:
-            print("\nScale: full layout, roomy pools (no eviction)\n")
-            print(f"{'side':<24} {'blocks':>9} {'build s':>7} {'B/block':>7} "
-                  + " ".join(f"{c:>7}" for c in CALLS))
-            for n in (16_000, 100_000) if args.quick else (16_000, 100_000, 1_000_000):
-                for w in workers:
-                    r = w.result("full/roomy", n, scale=True)
-                    print(f"{w.label[:24]:<24} {n:>9,} {r.build_s:>7.2f} {r.bytes_per_block:>7.0f} "
-                          + " ".join(f"{_fmt(r.us(c), 2):>7}" for c in CALLS))
+            print_scale(workers, (16_000, 100_000) if args.quick else (16_000, 100_000, 1_000_000))
         print_headline(workers[0].label, mine, {w.label: best[w.label] for w in workers[1:]},
                        time.perf_counter() - t_start)
     finally:
         for w in workers:
             w.close()
         if args.vs:
-            subprocess.run([*git, "worktree", "remove", "--force", str(tmp / "vs-worktree")],
-                           check=False)
-        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+            subprocess.run([*git, "worktree", "remove", "--force", str(tmp / "vs-worktree")], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def print_scale(workers: list[Worker], pools: tuple[int, ...]) -> None:
+    """Build time, bookkeeping bytes per block and µs per call of each side at each pool."""
+    print("\nScale: full layout, roomy pools (no eviction)\n")
+    print(f"{'side':<24} {'blocks':>9} {'build s':>7} {'B/block':>7} " + " ".join(f"{c:>7}" for c in CALLS))
+    for n in pools:
+        for w in workers:
+            r = w.result("full/roomy", n, scale=True)
+            print(f"{w.label[:24]:<24} {n:>9,} {r.build_s:>7.2f} {r.bytes_per_block:>7.0f} "
+                  + " ".join(f"{_fmt(r.us(c), 2):>7}" for c in CALLS))
 
 
 def print_side(label: str, rows: list[ManagerResult]) -> None:
@@ -685,5 +671,5 @@ def print_headline(label: str, mine: list[ManagerResult],
         print("  run with --vs REV (a git revision) or --vllm PYTHON to compare side by side")
 
 
-if __name__ == "__main__":  # the worker: ``manager.py --worker kvstore|vllm``
-    worker_main(sys.argv[2])
+if __name__ == "__main__":  # the worker: ``manager.py --worker kvstore|vllm SPECS``
+    worker_main(sys.argv[2], sys.argv[3])

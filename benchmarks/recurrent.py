@@ -9,20 +9,15 @@ import argparse
 import gc
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
-
-import numpy as np
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
 from kvstore.benchmarks.manager import new_manager
 from kvstore.benchmarks.output import name_list, positive_int, write_csv, write_json
 from kvstore.benchmarks.simulator import fake_token
 from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
-from kvstore.benchmarks.traces import MOONCAKE_BLOCK_TOKENS, load_mooncake, locate_trace
+from kvstore.benchmarks.traces import locate_trace, mooncake_to_workload
 from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, make_workload
 from kvstore.eviction import EVICTION_POLICIES
 from kvstore.kv_cache_coordinator import ComputedBlocks
@@ -56,8 +51,7 @@ class Layout:
     dtype: str
     source: str
 
-    def specs(self, block_size: int, recurrent: bool = True, all_full: bool = False
-              ) -> list[LayerSpec]:
+    def specs(self, block_size: int, recurrent: bool = True, all_full: bool = False) -> list[LayerSpec]:
         """The layer specs: as the model has them, without the recurrent layers, or with
         every layer full attention."""
         full = FullAttentionSpec(block_size, self.kv_heads, self.head_dim, self.dtype)
@@ -68,12 +62,12 @@ class Layout:
 
     @property
     def state_bytes(self) -> int:
-        """One recurrent layer's state."""
+        """Bytes of one recurrent layer's state."""
         return RecurrentStateSpec(BLOCK_SIZE, self.state, (self.dtype,)).state_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token in one attention layer."""
+        """Bytes of K and V of one token in one attention layer."""
         return 2 * self.kv_heads * self.head_dim * DTYPE_ITEMSIZE[self.dtype]
 
     @property
@@ -120,20 +114,16 @@ class System:
     host_tier_bytes: int = 0
 
 
-def systems(layout: Layout, eviction: str = "worth") -> list[System]:
-    """kvstore (with `eviction`), vllm-align, the oracle and all-full for `layout`."""
+def systems(layout: Layout, eviction: str = "worth", host_gib: Sequence[float] = ()) -> list[System]:
+    """kvstore (with `eviction`), vllm-align, the oracle and all-full for `layout`, then
+    kvstore with a host tier of each size in `host_gib` below the pool."""
     vbs, bs = layout.vllm_block_size, BLOCK_SIZE
     return [System("kvstore", layout.specs(bs), bs, eviction, "checkpoints"),
             System("vllm-align", layout.specs(vbs), vbs, "lru", "align", checkpoint_every_blocks=1),
             System("oracle", layout.specs(bs, recurrent=False), bs, "worth", "chunks"),
-            System("all-full", layout.specs(bs, all_full=True), bs, "lru", "chunks")]
-
-
-def host_systems(layout: Layout, host_gib: Sequence[float], eviction: str = "worth"
-                 ) -> list[System]:
-    """kvstore (with `eviction`) with a host tier of each size in `host_gib` below the pool."""
-    return [System("kvstore+host", layout.specs(BLOCK_SIZE), BLOCK_SIZE, eviction, "checkpoints",
-                   host_tier_bytes=int(gib * GiB)) for gib in host_gib]
+            System("all-full", layout.specs(bs, all_full=True), bs, "lru", "chunks"),
+            *(System("kvstore+host", layout.specs(bs), bs, eviction, "checkpoints",
+                     host_tier_bytes=int(gib * GiB)) for gib in host_gib)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,8 +187,7 @@ def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
     """Serve one request alone (prefill in chunks, then its outputs); returns its
     admission's hit tokens (device and tiers) and the manager calls made (their time added
     to `clock[0]`; the connector's is not counted)."""
-    req = Request(spec.request_id, spec.prompt_token_ids, spec.cache_salt,
-                  max(1, spec.max_tokens))
+    req = Request(spec.request_id, spec.prompt_token_ids, spec.cache_salt, max(1, spec.max_tokens))
     n = req.num_prompt_tokens
     t0 = time.perf_counter()
     lookup = m.get_computed_blocks(req)
@@ -261,19 +250,16 @@ def run_system(requests: Sequence[RequestSpec], system: System, budget: int, lay
     return best
 
 
-def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout: str,
-            workload: str) -> Row:
+def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout: str, workload: str) -> Row:
     config = make_kv_cache_config(system.specs, memory_bytes=budget)
     # Whole blocks only, as a recurrent state has no value inside one.
     options: dict[str, Any] = {"eviction": system.eviction, "enable_partial_hits": False}
     if system.checkpoint_every_blocks is not None:
         options["checkpoint_every_blocks"] = system.checkpoint_every_blocks
-    m = new_manager(config, **options)
     tiers = None
     if system.host_tier_bytes:
-        tiers = PlaceholderConnector(config, layout, host=ModelTier(system.host_tier_bytes,
-                                                                    name="host"))
-        tiers.attach(m)
+        tiers = PlaceholderConnector(config, layout, host=ModelTier(system.host_tier_bytes, name="host"))
+    m = new_manager(config, tiers, **options)
     clock = [0.0]
     hits = calls = 0
     fragmented = 0.0
@@ -293,16 +279,9 @@ def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout
 
 
 def mooncake_requests(name: str, limit: int | None) -> list[RequestSpec]:
-    """A Mooncake trace's rows as prompts without outputs: each 512-token block starts with
-    its hash id + 1, zeros after."""
-    out = []
-    for i, row in enumerate(load_mooncake(locate_trace(name), limit)):
-        n = min(row.input_length, len(row.hash_ids) * MOONCAKE_BLOCK_TOKENS)
-        tokens = np.zeros(n, dtype=np.int64)
-        tokens[::MOONCAKE_BLOCK_TOKENS] = np.asarray(
-            row.hash_ids[:cdiv(n, MOONCAKE_BLOCK_TOKENS)], dtype=np.int64) + 1
-        out.append(RequestSpec(f"m{i}", row.timestamp_ms / 1000, tuple(tokens.tolist()), 1))
-    return out
+    """A Mooncake trace's rows as prompts without outputs (the trace has no output content)."""
+    workload = mooncake_to_workload(locate_trace(name), limit=limit)
+    return [replace(r, max_tokens=1) for r in workload.requests]
 
 
 #: The goals checked per layout, workload and budget, by key.
@@ -332,8 +311,7 @@ def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[Goal]:
     for (layout, workload, budget, system), r in sorted(by.items()):
         if system != "kvstore":
             continue
-        v, o, f = (by.get((layout, workload, budget, s)) for s in ("vllm-align", "oracle",
-                                                                  "all-full"))
+        v, o, f = (by.get((layout, workload, budget, s)) for s in ("vllm-align", "oracle", "all-full"))
         where = f"{layout} {workload} {budget / GiB:.3g} GiB"
         if v is not None:
             ok = r.hit_rate >= 2 * v.hit_rate if v.hit_rate > 0 else r.hit_rate > 0
@@ -342,8 +320,7 @@ def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[Goal]:
             out.append(Goal("vllm", where, ok, f"kvstore {r.hit_rate:.3f} vs vllm-align "
                                                f"{v.hit_rate:.3f}{beyond}",
                             reachable=not beyond))
-        if (o is not None and f is not None and workload in ideal
-                and f.hit_rate >= 0.8 * ideal[workload]):
+        if o is not None and f is not None and workload in ideal and f.hit_rate >= 0.8 * ideal[workload]:
             ok = r.hit_rate >= 0.8 * o.hit_rate
             out.append(Goal("oracle", where, ok,
                             f"kvstore {r.hit_rate:.3f} vs oracle {o.hit_rate:.3f} (all-full "
@@ -416,7 +393,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Every layout x workload x budget x system, the Mooncake rows, then the goals."""
-    console = Console()
     rows: list[Row] = []
     ideal: dict[str, float] = {}
     runs: list[tuple[list[RequestSpec], Layout, int, str, list[System]]] = []
@@ -425,10 +401,10 @@ def run(args: argparse.Namespace) -> int:
                 else {"num_requests": args.requests})
         specs = make_workload(name, seed=0, **size).requests
         ideal[name] = ideal_hit_tokens(specs, BLOCK_SIZE, include_outputs=True).rate
-        runs += [(specs, layout, int(gib * GiB), name, systems(layout, args.eviction) + (
-                     host_systems(layout, args.host_tier_gib, args.eviction)
-                     if layout.name == "qwen3-next" else []))
-                 for layout in (LAYOUTS[n] for n in args.layouts) for gib in args.budgets]
+        for layout in (LAYOUTS[n] for n in args.layouts):
+            host_gib = args.host_tier_gib if layout.name == "qwen3-next" else ()
+            runs += [(specs, layout, int(gib * GiB), name, systems(layout, args.eviction, host_gib))
+                     for gib in args.budgets]
     if args.mooncake:
         trace = mooncake_requests("mooncake_conversation", args.limit)
         layout = LAYOUTS["qwen3-next"]
@@ -437,42 +413,36 @@ def run(args: argparse.Namespace) -> int:
     for specs, layout, budget, workload, row_systems in runs:
         for system in row_systems:
             timed = (system.name in ("kvstore", "oracle") and workload != "mooncake_conversation")
-            r = run_system(specs, system, budget, layout.name, workload,
-                           args.repeats if timed else 1)
+            r = run_system(specs, system, budget, layout.name, workload, args.repeats if timed else 1)
             rows.append(r)
-            host = f" {r.host_tier_bytes / GiB:.3g} GiB" if r.host_tier_bytes else ""
-            console.print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {r.system}"
-                          f"{host}: {r.hit_rate:.3f} ({r.manager_seconds:.1f} s)")
-    args.out.mkdir(parents=True, exist_ok=True)
+            print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {_name(r)}: "
+                  f"{r.hit_rate:.3f} ({r.manager_seconds:.1f} s)", flush=True)
     checked = goals(rows, ideal)
     write_json(args.out / "recurrent.json", {
         "layouts": {n: {**asdict(LAYOUTS[n]), "state_bytes": LAYOUTS[n].state_bytes,
                         "kv_bytes_per_token": LAYOUTS[n].kv_bytes_per_token,
                         "vllm_block_size": LAYOUTS[n].vllm_block_size} for n in args.layouts},
-        "ideal": ideal, "rows": [r.as_dict() for r in rows],
-        "goals": [asdict(g) for g in checked]})
+        "ideal": ideal, "rows": [r.as_dict() for r in rows], "goals": [asdict(g) for g in checked]})
     write_csv(args.out / "recurrent.csv", [r.as_dict() for r in rows])
     for layout_name, workload in dict.fromkeys((r.layout, r.workload) for r in rows):
-        hosted = any(r.host_tier_bytes for r in rows if (r.layout, r.workload) == (layout_name,
-                                                                                  workload))
-        t = Table(title=f"{layout_name}, {workload}: prompt hit rate at one byte budget",
-                  box=box.SIMPLE_HEAD,
-                  caption="+host NG: kvstore with an N GiB host tier below the pool" if hosted
-                  else None)
-        for col in ("GiB", "system", "block", "hit rate", "checkpoints taken/used/evicted",
-                    "frag MiB", "us/call"):
-            t.add_column(col, justify="left" if col == "system" else "right",
-                         min_width=len(col.split()[-1]))
+        print(f"\n{layout_name}, {workload}: prompt hit rate at one byte budget; checkpoints "
+              f"taken/used/evicted")
+        print(f"{'GiB':>6}  {'system':<12} {'block':>5} {'hit rate':>8} {'checkpoints':>17} "
+              f"{'frag MiB':>8} {'us/call':>8}")
         for r in rows:
             if (r.layout, r.workload) == (layout_name, workload):
-                name = f"+host {r.host_tier_bytes / GiB:.3g}G" if r.host_tier_bytes else r.system
-                t.add_row(f"{r.budget_bytes / GiB:.3g}", name, str(r.block_size),
-                          f"{r.hit_rate:.3f}",
-                          f"{r.checkpoints_taken}/{r.checkpoints_used}/{r.checkpoints_evicted}",
-                          f"{r.fragmented_bytes_mean / (1 << 20):.1f}", f"{r.us_per_call:.1f}")
-        console.print(t)
+                checkpoints = f"{r.checkpoints_taken}/{r.checkpoints_used}/{r.checkpoints_evicted}"
+                print(f"{r.budget_bytes / GiB:>6.3g}  {_name(r):<12} {r.block_size:>5} "
+                      f"{r.hit_rate:>8.3f} {checkpoints:>17} "
+                      f"{r.fragmented_bytes_mean / (1 << 20):>8.1f} {r.us_per_call:>8.1f}")
+    print()
     for line in summary(checked):
-        console.print(line)
-    console.print(f"Every cell's figures: {args.out / 'recurrent.json'} (goals), "
-                  f"{args.out / 'recurrent.csv'}")
+        print(line)
+    print(f"Every cell's figures: {args.out / 'recurrent.json'} (goals), "
+          f"{args.out / 'recurrent.csv'}")
     return 0
+
+
+def _name(r: Row) -> str:
+    """The row's system, or ``+host NG`` for kvstore with an N GiB host tier."""
+    return f"+host {r.host_tier_bytes / GiB:.3g}G" if r.host_tier_bytes else r.system

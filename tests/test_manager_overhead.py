@@ -65,13 +65,12 @@ def test_worker_runs_a_scenario_on_a_cache_layer_tree(tmp_path: Path) -> None:
     tree = cache_layer_tree(root / "kvstore", tmp_path / "tree")
     specs = tmp_path / "specs.json"
     specs.write_text(json.dumps([asdict(s) for s in make_specs("shared-prefix", 6)]))
-    worker = Worker("this", "kvstore", sys.executable, str(tree))
+    worker = Worker("this", "kvstore", sys.executable, str(tree), specs)
     try:
         assert str(tree) in worker.where
-        assert worker.ask({"cmd": "load", "path": str(specs)}) == {"requests": 6}
         res = worker.result("hybrid/roomy", 2000)
         assert res.finished == 6
-        bad = worker.ask({"cmd": "scenario", "scenario": "nope/roomy", "num_blocks": 2000})
+        bad = worker.ask({"scenario": "nope/roomy", "num_blocks": 2000, "options": {}})
         assert "error" in bad
     finally:
         worker.close()

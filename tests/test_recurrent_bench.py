@@ -12,7 +12,6 @@ from kvstore.benchmarks.recurrent import (
     LAYOUTS,
     GiB,
     goals,
-    host_systems,
     run_system,
     summary,
     systems,
@@ -61,7 +60,7 @@ def test_a_host_tier_serves_what_the_pool_evicted() -> None:
     work = multi_turn_chat(num_conversations=6, turns=3, seed=1)
     layout = LAYOUTS["qwen3-next"]
     plain = run_system(work.requests, systems(layout)[0], GiB // 2, layout.name, work.name)
-    tiered = run_system(work.requests, host_systems(layout, [4])[0], GiB // 2, layout.name,
+    tiered = run_system(work.requests, systems(layout, host_gib=[4])[-1], GiB // 2, layout.name,
                         work.name)
     assert plain.host_hit_tokens == 0 and plain.host_tier_bytes == 0
     assert tiered.host_tier_bytes == 4 * GiB and tiered.host_hit_tokens > 0

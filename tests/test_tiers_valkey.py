@@ -537,3 +537,17 @@ def test_the_launcher_starts_a_password_protected_server_and_prints_no_secret(tm
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "True"
     assert SECRET not in res.stderr and "***" in res.stderr
+
+
+def test_valkey_url_passes_a_url_through_or_serves_one_for_the_block():
+    from kvstore.benchmarks.valkey_server import valkey_url
+
+    with valkey_url("valkey://127.0.0.1:1/0") as url:
+        assert url == "valkey://127.0.0.1:1/0"
+    with valkey_url(None) as url:
+        store = ValkeyStore(url, timeout_s=2.0)
+        assert store.ping()
+        store.close()
+    after = ValkeyStore(url, timeout_s=TIMEOUT)
+    assert not after.ping()  # stopped with the block
+    after.close()
