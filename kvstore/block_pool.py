@@ -762,6 +762,8 @@ class TwoSizeBlockPool(BlockPool):
         # optional checkpoint not yet settled; the hashes of the last ones refused, with
         # their kind.
         self._admission: dict[str, list[float]] = {}
+        #: Whether a tier below keeps what requests release (see `admit_checkpoint`).
+        self.tiered = False
         self._kind_of: dict[int, str] = {}
         self._refused: dict[BlockHash, str] = {}
 
@@ -909,14 +911,16 @@ class TwoSizeBlockPool(BlockPool):
 
     def admit_checkpoint(self, kind: str) -> bool:
         """Whether to take an optional checkpoint of `kind` (a prompt's or an output's end,
-        which the caller may skip) now: yes when a spare large page is free
-        (`has_spare_large_page`), else only while the kind's chances settle as hits often
-        enough (`ADMIT_HIT_RATIO` of them, decayed, after `ADMIT_WARMUP`). A chance settles
-        as a hit when a checkpoint taken is first hit or a lookup wants one refused, as a
-        miss when one taken is evicted unhit or one refused is no longer remembered (the
-        caller reports refusals through `refused_checkpoint`)."""
+        which the caller may skip) now: yes when the pool is `tiered` (a tier below keeps
+        what requests release: room taken from cached content is lost on the device only,
+        and the checkpoint offloads) or a spare large page is free (`has_spare_large_page`),
+        else only while the kind's chances settle as hits often enough (`ADMIT_HIT_RATIO`
+        of them, decayed, after `ADMIT_WARMUP`). A chance settles as a hit when a
+        checkpoint taken is first hit or a lookup wants one refused, as a miss when one
+        taken is evicted unhit or one refused is no longer remembered (the caller reports
+        refusals through `refused_checkpoint`)."""
         record = self._admission.setdefault(kind, [0.0, 0.0])
-        return (self.has_spare_large_page() or record[0] < ADMIT_WARMUP
+        return (self.tiered or self.has_spare_large_page() or record[0] < ADMIT_WARMUP
                 or record[1] >= ADMIT_HIT_RATIO * record[0])
 
     @property

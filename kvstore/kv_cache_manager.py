@@ -652,6 +652,8 @@ class KVCacheManager:
         if listener is not None and not callable(listener):
             raise TypeError(f"listener must be callable or None, got {type(listener).__name__}")
         self._listener = listener
+        if isinstance(self._pool, TwoSizeBlockPool):
+            self._pool.tiered = listener is not None
         for manager in self._coordinator.managers:
             if isinstance(manager, SlidingWindowManager):
                 manager.drop_log = self._drops if listener is not None else None

@@ -567,6 +567,11 @@ def test_prompt_ends_never_hit_stop_taking_room_from_a_shared_prefix() -> None:
     settled, hit_count = pool.admission["prompt_end"]
     assert settled >= 8 and hit_count == 0
     check_two_size_pool(pool)
+    # With a tier listening to released pages, the pool takes every optional checkpoint.
+    m.set_release_listener(lambda released: None)
+    assert pool.tiered
+    m.set_release_listener(None)
+    assert not pool.tiered
     # A lookup wanting a refused one settles it as a hit.
     again = Request("again", refused[-1].token_ids + [5])
     assert m.get_computed_blocks(again).num_computed_tokens == 8  # no checkpoint at 12

@@ -431,6 +431,9 @@ def test_optional_checkpoints_take_cached_room_only_while_their_kind_is_hit() ->
     assert pool.admission["prompt_end"][1] == 0
     assert pool.admission["prompt_end"][0] >= ADMIT_WARMUP
     assert not pool.admit_checkpoint("prompt_end")
+    pool.tiered = True  # a tier below keeps what is released: every one is taken
+    assert pool.admit_checkpoint("prompt_end")
+    pool.tiered = False
     assert pool.admit_checkpoint("output_end")  # another kind: its own record
     # Lookups wanting refused ones settle them as hits: the kind is admitted again.
     for i in range(3):
