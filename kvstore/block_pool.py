@@ -72,7 +72,8 @@ class CacheStats:
     `recurrent_hits` counts admissions whose hit restored checkpoints, `checkpoints_taken`
     checkpoints indexed, `checkpoints_used` checkpoints copied into a working state by a
     hit, `checkpoints_evicted` checkpoints whose page was taken for reuse (also counted in
-    `evictions`)."""
+    `evictions`), `checkpoints_refused` prompt- and output-end checkpoints not taken (see
+    `TwoSizeBlockPool.admit_checkpoint`)."""
 
     lookups: int = 0
     queried_tokens: int = 0
@@ -86,6 +87,7 @@ class CacheStats:
     checkpoints_taken: int = 0
     checkpoints_used: int = 0
     checkpoints_evicted: int = 0
+    checkpoints_refused: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -932,6 +934,7 @@ class TwoSizeBlockPool(BlockPool):
         """A checkpoint of `kind` at the prefix ending with a block of this hash was refused
         (`admit_checkpoint`); the last `REFUSED_PER_LARGE_PAGE` per large page are
         remembered."""
+        self.stats.checkpoints_refused += 1
         refused = self._refused
         refused.pop(block_hash, None)
         refused[block_hash] = kind

@@ -564,6 +564,7 @@ def test_prompt_ends_never_hit_stop_taking_room_from_a_shared_prefix() -> None:
     assert hits[2:] == [8] * 38
     refused = [req for req in reqs if req.block_hashes[2] in pool.refused]
     assert refused and pool.stats.checkpoints_taken < 38
+    assert pool.stats.checkpoints_refused >= len(refused)
     settled, hit_count = pool.admission["prompt_end"]
     assert settled >= 8 and hit_count == 0
     check_two_size_pool(pool)
