@@ -764,10 +764,10 @@ class TwoSizeBlockPool(BlockPool):
         # optional checkpoint not yet settled; the hashes of the last ones refused, with
         # their kind.
         self._admission: dict[str, list[float]] = {}
-        #: Whether a tier below keeps what requests release (see `admit_checkpoint`).
-        self.tiered = False
         self._kind_of: dict[int, str] = {}
         self._refused: dict[BlockHash, str] = {}
+        # Whether a tier below keeps what requests release (see `admit_checkpoint`).
+        self.tiered = False
 
     def group_kind(self, group_id: int) -> GroupKind:
         """See BlockPool.group_kind; "recurrent" for a recurrent group without given kinds."""
