@@ -868,10 +868,8 @@ class TwoSizeBlockPool(BlockPool):
     def _pop_stale(self) -> KVCacheBlock | None:
         """The free checkpoint no hit used (and not at a branch of its chain) that was freed
         longest ago, if it is stale (taken out of the checkpoint order)."""
-        if not self._unhit:
-            return None
-        page_id, when = next(iter(self._unhit.items()))
-        if when + self._stale_after > self._handed_out:
+        page_id = self._stale_head()
+        if page_id is None:
             return None
         page = self.large_blocks[page_id - self.num_blocks]
         self._large_cached.remove(page)
@@ -902,14 +900,19 @@ class TwoSizeBlockPool(BlockPool):
             del self._stale_evicted[block_hash]
             self._stale_after += self.num_blocks
 
+    def _stale_head(self) -> int | None:
+        """The page id of the free checkpoint no hit used that was freed longest ago, if it
+        is stale."""
+        if not self._unhit:
+            return None
+        page_id, when = next(iter(self._unhit.items()))
+        return page_id if when + self._stale_after <= self._handed_out else None
+
     def has_spare_large_page(self) -> bool:
         """Whether a large page is free that holds nothing of worth: whole and empty, or a
         checkpoint worth nothing or stale."""
-        if self._large_empty or self._large_cached.has_worthless():
-            return True
-        if not self._unhit:
-            return False
-        return next(iter(self._unhit.values())) + self._stale_after <= self._handed_out
+        return (bool(self._large_empty) or self._large_cached.has_worthless()
+                or self._stale_head() is not None)
 
     def admit_checkpoint(self, kind: str) -> bool:
         """Whether to take an optional checkpoint of `kind` (a prompt's or an output's end,
