@@ -73,11 +73,14 @@ def pyplot() -> Any:
     return plt
 
 
-def mark_x(ax: Any, xs: Sequence[float], label: Callable[[float], str]) -> None:
-    """A log x axis whose ticks are exactly `xs`, labelled by `label`."""
+def mark_x(ax: Any, xs: Sequence[float], label: Callable[[float], str], max_labels: int = 12) -> None:
+    """A log x axis with a tick at each of `xs`, labelled by `label`: every one, or every
+    n-th where there are more than `max_labels` (so that labels never overlap)."""
     ticks = sorted(set(xs))
+    step = -(-len(ticks) // max_labels)
     ax.set_xscale("log")
-    ax.set_xticks(ticks, [label(x) for x in ticks], rotation=45, ha="right", fontsize=7)
+    ax.set_xticks(ticks, [label(x) if i % step == 0 else "" for i, x in enumerate(ticks)],
+                  rotation=45, ha="right", fontsize=7)
     ax.minorticks_off()
 
 
@@ -85,7 +88,7 @@ def short_count(n: float) -> str:
     """``10k``, ``2.5M``, ``1G``."""
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
-            return f"{n / scale:g}{unit}"
+            return f"{n / scale:.3g}{unit}"
     return f"{n:g}"
 
 

@@ -614,3 +614,18 @@ def test_documented_bench_command_runs(cmd, tmp_path, capsys, monkeypatch):
         assert "met in" in out.out  # the goals' summary
     elif argv[1] not in ("replay", "manager", "tiers", "kernels"):
         assert "preemption" in out.out  # the headline
+
+
+@pytest.mark.parametrize("n", [4, 12, 13, 25])
+def test_a_log_axis_marks_every_value_and_labels_at_most_twelve(n: int) -> None:
+    from kvstore.benchmarks import output
+
+    plt = output.pyplot()
+    fig, ax = plt.subplots()
+    xs = [10_000 * 1.5 ** i for i in range(n)]
+    output.mark_x(ax, xs, output.short_count)
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert list(ax.get_xticks()) == pytest.approx(xs)
+    assert labels[0] == "10k" and 0 < sum(1 for t in labels if t) <= 12
+    assert all(labels) == (n <= 12)
+    plt.close(fig)
