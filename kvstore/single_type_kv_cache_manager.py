@@ -953,6 +953,10 @@ class RecurrentManager(SingleTypeKVCacheManager):
             return 0
         return 1 + (_checkpoint_of(hit_blocks) is not None and hit_blocks[-1].ref_cnt == 0)
 
+    def _on_every_n(self, position: int) -> bool:
+        """Whether `position` is one of the every-N checkpoint positions (none if N = 0)."""
+        return bool(self._every) and position % self._every == 0
+
     def _due(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int) -> bool:
         """Whether a checkpoint is due at this computed count."""
         if not self._caching or num_computed_tokens == 0:
@@ -962,7 +966,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
             plan.pop(0)
         if plan and plan[0] == num_computed_tokens:
             return True
-        if self._every and num_computed_tokens % self._every == 0:
+        if self._on_every_n(num_computed_tokens):
             return True
         return (num_computed_tokens > num_prompt_tokens
                 and num_computed_tokens % self.block_size == 0)
@@ -1103,7 +1107,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
         pool = self.two_size_pool
         working = self._req_to_blocks[rid][0]
         planned = bool(self._plan[rid]) and self._plan[rid][0] == nc
-        if planned or (self._every and nc % self._every == 0):
+        every_n = self._on_every_n(nc)
+        if planned or every_n:
             if planned:
                 self._plan[rid].pop(0)
             chain = self.chain_block_at(request, nc // self.block_size - 1)
@@ -1117,7 +1122,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
             n, bs = request.num_prompt_tokens, self.block_size
             kind = ("prompt_end" if nc in ((n - 1) // bs * bs, n // bs * bs)
                     else "branch_point" if planned else "every_n")
-            optional = kind == "prompt_end" and not (self._every and nc % self._every == 0)
+            optional = kind == "prompt_end" and not every_n
             if optional and not pool.admit_checkpoint(kind):
                 assert chain.block_hash is not None
                 pool.refused_checkpoint(kind, chain.block_hash)
