@@ -621,15 +621,20 @@ class PendingCopies:
 
     A pin is one reference on a copy's source or destination, held from the moment the copy
     is queued until the worker has run it: `take` hands the queued copies out and releases
-    the pins of the batch it handed out before."""
+    the pins of the batch it handed out before. A copy between two pages the caller keeps
+    holding (`queue_held`) is pinned only if the caller lets go of one of them before then
+    (`pin_pending`)."""
 
-    __slots__ = ("_pool", "_copies", "_pins", "_pins_handed_out")
+    __slots__ = ("_pool", "_copies", "_pins", "_pins_handed_out", "_held", "_held_handed_out")
 
     def __init__(self, pool: BlockPool) -> None:
         self._pool = pool
         self._copies: list[tuple[int, int]] = []
         self._pins: list[KVCacheBlock] = []
         self._pins_handed_out: list[KVCacheBlock] = []
+        # Pages of `queue_held` copies, by id: of the queued batch, of the handed-out one.
+        self._held: dict[int, KVCacheBlock] = {}
+        self._held_handed_out: dict[int, KVCacheBlock] = {}
 
     def pin(self, block: KVCacheBlock) -> None:
         """Mark one reference the caller holds on `block` as held by the pending copies."""
@@ -641,13 +646,35 @@ class PendingCopies:
         self._copies.append((src.block_id, dst.block_id))
         self._pool.stats.copies_queued += 1
 
+    def queue_held(self, src: KVCacheBlock, dst: KVCacheBlock) -> None:
+        """Queue a copy between two pages the caller holds; before it drops its reference on
+        either, it calls `pin_pending` on it."""
+        self.queue(src, dst)
+        self._held[src.block_id] = src
+        self._held[dst.block_id] = dst
+
+    def pin_pending(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Pin those of `blocks` that a `queue_held` copy not run yet reads or writes, until
+        the worker has run it (the caller is about to drop its reference)."""
+        for block in blocks:
+            for held, pins in ((self._held, self._pins),
+                               (self._held_handed_out, self._pins_handed_out)):
+                if block.block_id in held:
+                    block.ref_cnt += 1  # held by the caller: in no free list, and not a use
+                    block.pin_cnt += 1
+                    pins.append(block)
+                    break
+
     def take(self) -> list[tuple[int, int]]:
         """The queued (src, dst) copies, in an order that runs as one gather and one scatter;
         releases the pins of the previous batch."""
+        if not (self._copies or self._pins_handed_out or self._pins or self._held_handed_out):
+            return []
         for block in self._pins_handed_out:
             block.pin_cnt -= 1
         self._pool.free_blocks(self._pins_handed_out)
         self._pins_handed_out, self._pins = self._pins, []
+        self._held_handed_out, self._held = self._held, {}
         pending, self._copies = self._copies, []
         copies = []
         # A copy out of a block that an earlier copy of this batch fills reads that

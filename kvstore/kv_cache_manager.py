@@ -194,7 +194,8 @@ class KVCacheManager:
                                                cache_config.checkpoint_every_blocks)
         self._requests: dict[str, Request] = {}
         self._no_new_blocks: BlockIds = ((),) * len(config.groups)
-        self._num_groups = len(config.groups)
+        # Groups with a page per block of tokens (a recurrent group's large pages are not).
+        self._num_groups = sum(not group.is_recurrent for group in config.groups)
         # Per live request, (lo, hi, max_tokens, request) from its last growth: growing to
         # at most max_tokens with a computed count in [lo, hi) needs nothing until the
         # request's tables change (allocate, free, fork drop the entry).
@@ -459,9 +460,9 @@ class KVCacheManager:
         elif all(m.is_noop(request, num_tokens) for m in coordinator.managers):
             self._note_quiet(request)
             return self._no_new_blocks
-        # Each table position written from the computed count on costs a group at most one
-        # free page (a new page, or a private copy of a shared one): when the free pages
-        # cover that bound the exact plan is not needed.
+        # Each table position written from the computed count on costs a paged group at most
+        # one free page (a new page, or a private copy of a shared one), a recurrent group
+        # none: when the free pages cover that bound the exact plan is not needed.
         bs = self.block_size
         if self._num_groups * (cdiv(num_tokens, bs) - num_computed // bs) > self._pool.num_free_blocks:
             plan = coordinator.num_blocks_needed(request, num_computed, num_tokens, None)
@@ -516,9 +517,10 @@ class KVCacheManager:
         `computed`, or its full-block part alone, or None."""
         num_tokens = computed.num_computed_tokens + num_more_tokens
         num_free = self._pool.num_free_blocks
-        # Every group takes a new page for each position past the hit (and its partial
-        # block): when the free pages do not cover that, neither the hit nor its full-block
-        # part fits, and the exact plan is not needed.
+        # Every paged group takes a new page for each position past the hit (and its partial
+        # block), a recurrent group large pages besides: when the free pages do not cover
+        # that, neither the hit nor its full-block part fits, and the exact plan is not
+        # needed.
         num_hit_blocks = computed.num_full_hit_tokens // self.block_size
         bound = self._num_groups * (cdiv(num_tokens, self.block_size) - num_hit_blocks
                                     - (computed.num_partial_tokens > 0))

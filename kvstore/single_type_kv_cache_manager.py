@@ -1145,9 +1145,9 @@ class RecurrentManager(SingleTypeKVCacheManager):
             page = pool.get_large_pages(1, self.group_id)[0]
         else:
             page = rolling[0]
-            if page.ref_cnt - page.pin_cnt > 1:  # a copy into it is still pending
-                return
-        self._copy(working, page)
+        # Both pages stay the request's: pinned only if it lets go of them first (`free`).
+        # A copy still pending into the page is overwritten after it, in batch order.
+        self._copies.queue_held(working, page)
         self._rolling[rid] = (page, nc)
 
     def _copy(self, src: KVCacheBlock, dst: KVCacheBlock) -> None:
@@ -1219,6 +1219,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         rolling = self._rolling.pop(rid, None)
         if rolling is not None:
             table = [rolling[0], *table]
+            self._copies.pin_pending(table)
         del self._num_cached_blocks[rid]
         del self._last_serial[rid]
         del self._plan[rid]

@@ -360,6 +360,37 @@ def test_checkpoint_at_the_output_end_serves_the_next_turn() -> None:
     assert m.get_computed_blocks(nxt).num_computed_tokens == 8
 
 
+def test_the_output_end_copy_pins_its_pages_only_once_the_request_lets_go() -> None:
+    m = make([FULL, STATE], num_blocks=60)
+    turn = Request("t", [5, 6, 7])
+    run(m, turn, [3])
+    for _ in range(2):  # computed 3 -> 4 -> 5: the step from 4 keeps the state at 4
+        turn.append_token_ids(1)
+        assert m.allocate_slots(turn, 1) is not None
+        if turn.num_computed_tokens < 4:
+            m.take_pending_copies()
+            turn.num_computed_tokens += 1
+    g = next(g for g, group in enumerate(m.config.groups) if group.is_recurrent)
+    working = m.block_table("t")[g][0]
+    assert m.pinned_blocks == ()  # both pages are the request's while it holds them
+    pool = internals(m).pool
+    assert isinstance(pool, TwoSizeBlockPool)
+
+    def refs(page_id: int) -> int:
+        return next(ref for pid, _, _, ref, _ in pool.large_page_states() if pid == page_id)
+
+    m.free(turn)  # before the worker ran the copy: its pins hold the pages now
+    assert len(m.pinned_blocks) == 2 and working in m.pinned_blocks
+    rolling = next(p for p in m.pinned_blocks if p != working)
+    assert refs(working) == refs(rolling) == 1
+    check_two_size_pool(pool, Counter(), Counter(m.pinned_blocks))
+    assert m.take_pending_copies() == [(working, rolling)]
+    assert refs(working) == refs(rolling) == 1  # the worker runs the batch now
+    assert m.take_pending_copies() == []
+    assert refs(working) == refs(rolling) == 0 and m.pinned_blocks == ()
+    check_two_size_pool(pool, Counter(), Counter())
+
+
 def test_salted_requests_do_not_hit_each_others_checkpoints() -> None:
     m = make([FULL, STATE], num_blocks=60)
     a = Request("a", list(range(12)), cache_salt="x")
