@@ -670,9 +670,10 @@ class PendingCopies:
         releases the pins of the previous batch."""
         if not (self._copies or self._pins_handed_out or self._pins or self._held_handed_out):
             return []
-        for block in self._pins_handed_out:
-            block.pin_cnt -= 1
-        self._pool.free_blocks(self._pins_handed_out)
+        if self._pins_handed_out:
+            for block in self._pins_handed_out:
+                block.pin_cnt -= 1
+            self._pool.free_blocks(self._pins_handed_out)
         self._pins_handed_out, self._pins = self._pins, []
         self._held_handed_out, self._held = self._held, {}
         pending, self._copies = self._copies, []
@@ -815,12 +816,17 @@ class TwoSizeBlockPool(BlockPool):
         checkpoint) and split ones with no block in use."""
         return len(self._large_empty) + len(self._large_cached) + len(self._empty_split)
 
-    def large_pages_available(self, hit_blocks: Iterable[KVCacheBlock]) -> int:
-        """`num_free_large_pages` once the free blocks among `hit_blocks` are referenced."""
+    def large_pages_fit(self, n: int, hit_blocks: Iterable[KVCacheBlock]) -> bool:
+        """Whether n large pages are free once the free blocks among `hit_blocks` are
+        referenced (a split page none of whose blocks is in use then has one)."""
+        whole = len(self._large_empty) + len(self._large_cached)
+        if n <= whole:
+            return True
         k = self.large_page_blocks
         taken = {b.block_id // k for b in hit_blocks
                  if b.ref_cnt == 0 and b.block_id != 0 and b.block_id < self.num_blocks}
-        return self.num_free_large_pages - sum(1 for j in taken if j in self._empty_split)
+        split = self._empty_split
+        return n <= whole + len(split) - sum(1 for j in taken if j in split)
 
     @property
     def num_split_pages(self) -> int:
@@ -855,21 +861,11 @@ class TwoSizeBlockPool(BlockPool):
         blocks, then blocks of split cached checkpoints."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > self.num_free_blocks:
-            raise RuntimeError(f"asked for {n} blocks with {self.num_free_blocks} free")
         queue = self.free_queue
-        while n > len(queue) - self._free_cached and self._large_empty:
-            self._split_page(self._large_empty.pop())
-        while n > len(queue) - self._free_cached:
-            spent = self._pop_spent()
-            if spent is None:
-                break
-            self._evict_large(spent)
-            self._split_page(spent)
-        while n > len(queue):
-            page = self._large_cached.pop()
-            self._evict_large(page)
-            self._split_page(page)
+        if n > len(queue) - self._free_cached:
+            if n > self.num_free_blocks:
+                raise RuntimeError(f"asked for {n} blocks with {self.num_free_blocks} free")
+            self._split_for(n)
         blocks = queue.take(n, self._evict_free)
         k = self.large_page_blocks
         used, empty_split = self._used, self._empty_split
@@ -886,6 +882,23 @@ class TwoSizeBlockPool(BlockPool):
             self.in_use_by_group[group_id] += n
             self._handed_out += n
         return blocks
+
+    def _split_for(self, n: int) -> None:
+        """Split large pages until n free blocks are empty (whole empty pages, then spent
+        checkpoints) or, failing that, until n blocks are free (cached checkpoints)."""
+        queue = self.free_queue
+        while n > len(queue) - self._free_cached and self._large_empty:
+            self._split_page(self._large_empty.pop())
+        while n > len(queue) - self._free_cached:
+            spent = self._pop_spent()
+            if spent is None:
+                break
+            self._evict_large(spent)
+            self._split_page(spent)
+        while n > len(queue):
+            page = self._large_cached.pop()
+            self._evict_large(page)
+            self._split_page(page)
 
     def _pop_spent(self) -> KVCacheBlock | None:
         """A free checkpoint worth nothing (where the order tracks chains), else a stale one,
@@ -1027,42 +1040,85 @@ class TwoSizeBlockPool(BlockPool):
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each page (either size); free ones leave their list."""
-        k = self.large_page_blocks
+        k, num_blocks = self.large_page_blocks, self.num_blocks
+        unqueue = self.free_queue.remove
+        used, page_cached, empty_split = self._used, self._page_cached, self._empty_split
+        in_use = self.in_use_by_group
         for block in blocks:
             if block.ref_cnt == 0:
-                if block.block_id == 0:
+                block_id = block.block_id
+                if block_id == 0:
                     raise ValueError("the null block cannot be referenced")
-                if block.block_id >= self.num_blocks:
-                    kind = self._kind_of.pop(block.block_id, None)
-                    if kind is not None:
-                        self._settle(kind, True)
-                    self._large_cached.remove(block)
-                    self._unhit.pop(block.block_id, None)
-                    self.large_in_use_by_group[block.group_id] += 1
-                    self.in_use_by_group[block.group_id] += k
-                    block.ref_cnt += 1
-                    block.uses += 1
-                    continue
-                self.free_queue.remove(block)
-                j = block.block_id // k
-                if block.token_ids is not None:
-                    self._free_cached -= 1
-                    self._page_cached[j] -= 1
-                if self._used[j] == 0:
-                    del self._empty_split[j]
-                self._used[j] += 1
-                self.in_use_by_group[block.group_id] += 1
+                if block_id >= num_blocks:
+                    self._take_free_checkpoint(block)
+                else:
+                    unqueue(block)
+                    j = block_id // k
+                    if block.token_ids is not None:
+                        self._free_cached -= 1
+                        page_cached[j] -= 1
+                    if not used[j]:
+                        del empty_split[j]
+                    used[j] += 1
+                    in_use[block.group_id] += 1
             block.ref_cnt += 1
             block.uses += 1
+
+    def _take_free_checkpoint(self, page: KVCacheBlock) -> None:
+        """A free cached checkpoint is referenced again (a hit): out of the checkpoint order,
+        its kind's chance settled as a hit."""
+        kind = self._kind_of.pop(page.block_id, None)
+        if kind is not None:
+            self._settle(kind, True)
+        self._large_cached.remove(page)
+        self._unhit.pop(page.block_id, None)
+        self.large_in_use_by_group[page.group_id] += 1
+        self.in_use_by_group[page.group_id] += self.large_page_blocks
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock], group_id: int = -1) -> None:
         """Drop one reference per page (either size), in the order given; a split page whose
         blocks are all free and empty returns whole."""
         dropped = self._drop_refs(blocks)
-        now_free = [b for b in dropped if b.block_id < self.num_blocks]
-        large_free = [b for b in dropped if b.block_id >= self.num_blocks]
+        if not dropped:
+            return
+        num_blocks = self.num_blocks
+        now_free = dropped
+        large = [b for b in dropped if b.block_id >= num_blocks]
+        if large:
+            self._freed_large(large)
+            now_free = [b for b in dropped if b.block_id < num_blocks]
+            if not now_free:
+                return
         in_use = self.in_use_by_group
-        for page in large_free:
+        if group_id >= 0:
+            in_use[group_id] -= len(now_free)
+        else:  # pages of several groups: counted per group in one C pass
+            for group, n in Counter(map(_group_of, now_free)).items():
+                in_use[group] -= n
+        k = self.large_page_blocks
+        used, page_cached = self._used, self._page_cached
+        emptied = []
+        num_cached = 0
+        for block in now_free:
+            j = block.block_id // k
+            if block.token_ids is not None:
+                num_cached += 1
+                page_cached[j] += 1
+            used[j] -= 1
+            if not used[j]:
+                emptied.append(j)
+        self._free_cached += num_cached
+        self.free_queue.freed_all(now_free)
+        for j in emptied:
+            self._empty_split[j] = None
+            if not page_cached[j]:  # nothing cached in it: the page returns whole
+                self._large_empty.append(self._merge_page(j))
+
+    def _freed_large(self, pages: list[KVCacheBlock]) -> None:
+        """Large pages whose last reference was dropped: to the empty stack, or (cached) to
+        the checkpoint order."""
+        in_use = self.in_use_by_group
+        for page in pages:
             in_use[page.group_id] -= self.large_page_blocks
             self.large_in_use_by_group[page.group_id] -= 1
             if page.token_ids is None:
@@ -1071,25 +1127,6 @@ class TwoSizeBlockPool(BlockPool):
                 self._large_cached.freed(page)
                 if not page.uses and self._continuations(page.serial) < 2:
                     self._unhit[page.block_id] = self._handed_out
-        if not now_free:
-            return
-        k = self.large_page_blocks
-        used, page_cached = self._used, self._page_cached
-        emptied = []
-        for block in now_free:
-            in_use[block.group_id] -= 1
-            j = block.block_id // k
-            if block.token_ids is not None:
-                self._free_cached += 1
-                page_cached[j] += 1
-            used[j] -= 1
-            if used[j] == 0:
-                emptied.append(j)
-        self.free_queue.freed_all(now_free)
-        for j in emptied:
-            self._empty_split[j] = None
-            if not page_cached[j]:  # nothing cached in it: the page returns whole
-                self._large_empty.append(self._merge_page(j))
 
     def refresh(self, blocks: Iterable[tuple[KVCacheBlock, int]]) -> None:
         """See BlockPool.refresh; free checkpoints move to the tail of their own list."""

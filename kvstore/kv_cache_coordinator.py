@@ -65,7 +65,8 @@ class KVCacheCoordinator:
     """All KV cache groups of one cache over one shared pool."""
 
     __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_free_order",
-                 "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "recurrent")
+                 "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "recurrent",
+                 "_recurrent_groups")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
                  hold_window_pages: bool = True, checkpoint_every: int = 0) -> None:
@@ -101,8 +102,11 @@ class KVCacheCoordinator:
         self._cache_order = tuple(self.managers[g] for g in cache_order)
         # Branch points matter where window groups hold pages for them.
         self._learns_branches = hold_window_pages and bool(full) and len(full) < n
-        # Freeing lists a position's window pages before its full-attention ones.
-        self._free_order = tuple(g for g in range(n) if g not in full) + tuple(full)
+        # Freeing lists a position's window pages before its full-attention ones (a
+        # recurrent group's large pages, on lists of their own, go first, apart).
+        paged = [g for g in range(n) if not config.groups[g].is_recurrent]
+        self._free_order = tuple(g for g in paged if g not in full) + tuple(full)
+        self._recurrent_groups = tuple(g for g in range(n) if g not in paged)
 
     def _verified_prefix(self, request: Request, max_blocks: int
                          ) -> tuple[list[int], list[KVCacheBlock]]:
@@ -363,17 +367,21 @@ class KVCacheCoordinator:
                 manager.checkpoint_at_end(request)
         released = [manager.free(request) for manager in self.managers]
         pool = self.pool
-        if len(released) == 1:  # deepest first, so a chain's root is the last of it evicted
-            table, dropped = released[0]
-            pool.free_blocks([b for b in reversed(table) if b.block_id != 0],
-                             self.managers[0].group_id)
+        if self._recurrent_groups:
+            pool.free_blocks([page for g in self._recurrent_groups for page in released[g][0]])
+        if not self._free_order:
+            return
+        if len(self._free_order) == 1:  # deepest first: a chain's root is evicted last
+            g = self._free_order[0]
+            table, dropped = released[g]
+            pool.free_blocks([b for b in reversed(table) if b.block_id != 0], g)
             if dropped:
                 pool.refresh([(b, serial) for b, serial, _ in reversed(dropped)])
             return
-        # Several groups: one order over all of them, deepest position first (window pages
-        # before the full-attention page at the same position), the pages dropped from
-        # windows earlier in their places. A prefix's pages then leave together from its
-        # end, and its root last, as they would from one all-full table.
+        # Several paged groups: one order over all of them, deepest position first (window
+        # pages before the full-attention page at the same position), the pages dropped
+        # from windows earlier in their places. A prefix's pages then leave together from
+        # its end, and its root last, as they would from one all-full table.
         released = [released[g] for g in self._free_order]
         tables = [table for table, _ in released]
         n = max(len(table) for table in tables)

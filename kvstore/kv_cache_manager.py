@@ -554,8 +554,8 @@ class KVCacheManager:
             return True
         pool = self._pool
         assert isinstance(pool, TwoSizeBlockPool)
-        return plan.num_large <= pool.large_pages_available(
-            b for blocks in computed.blocks for b in blocks)
+        return pool.large_pages_fit(plan.num_large,
+                                    (b for blocks in computed.blocks for b in blocks))
 
     def next_checkpoints(self, request: Request, num_new_tokens: int,
                          computed: ComputedBlocks | None = None) -> list[int]:
