@@ -957,19 +957,21 @@ class RecurrentManager(SingleTypeKVCacheManager):
         """Whether `position` is one of the every-N checkpoint positions (none if N = 0)."""
         return bool(self._every) and position % self._every == 0
 
-    def _due(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int) -> bool:
-        """Whether a checkpoint is due at this computed count."""
+    def _due(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int) -> str:
+        """Why a checkpoint is due at this computed count: "planned" (a position planned at
+        admission), "every_n", "output" (a block boundary past the prompt: the state kept for
+        the output's end), or "" (none)."""
         if not self._caching or num_computed_tokens == 0:
-            return False
+            return ""
         plan = self._plan[request_id]
         while plan and plan[0] < num_computed_tokens:
             plan.pop(0)
         if plan and plan[0] == num_computed_tokens:
-            return True
+            return "planned"
         if self._on_every_n(num_computed_tokens):
-            return True
-        return (num_computed_tokens > num_prompt_tokens
-                and num_computed_tokens % self.block_size == 0)
+            return "every_n"
+        return ("output" if num_computed_tokens > num_prompt_tokens
+                and num_computed_tokens % self.block_size == 0 else "")
 
     def next_checkpoints(self, request: Request, num_new_tokens: int,
                          computed: ComputedBlocks | None = None) -> list[int]:
@@ -1102,13 +1104,14 @@ class RecurrentManager(SingleTypeKVCacheManager):
         count (after every group allocated, so it only takes a large page left free)."""
         rid = request.request_id
         nc = request.num_computed_tokens
-        if not self._due(rid, nc, request.num_prompt_tokens):
+        due = self._due(rid, nc, request.num_prompt_tokens)
+        if not due:
             return
         pool = self.two_size_pool
         working = self._req_to_blocks[rid][0]
-        planned = bool(self._plan[rid]) and self._plan[rid][0] == nc
-        every_n = self._on_every_n(nc)
-        if planned or every_n:
+        if due != "output":
+            planned = due == "planned"
+            every_n = not planned or self._on_every_n(nc)
             if planned:
                 self._plan[rid].pop(0)
             chain = self.chain_block_at(request, nc // self.block_size - 1)
