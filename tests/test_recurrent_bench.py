@@ -12,7 +12,7 @@ from kvstore.benchmarks.recurrent import (
     LAYOUTS,
     GiB,
     goals,
-    run_system,
+    run_systems,
     summary,
     systems,
 )
@@ -34,8 +34,8 @@ def test_a_prefix_shorter_than_vllms_block_hits_in_kvstore_only() -> None:
     work = shared_system_prompts(12, num_prompts=1, system_lens=(300,), user_len=(16, 64),
                                  output_median=8, output_max=16, seed=3)
     layout = LAYOUTS["qwen3-next"]
-    rows = {s.name: run_system(work.requests, s, 2 * GiB, layout.name, work.name)
-            for s in systems(layout)}
+    rows = {r.system: r for r in run_systems(work.requests, systems(layout), 2 * GiB,
+                                             layout.name, work.name)}
     kv, vllm, oracle = rows["kvstore"], rows["vllm-align"], rows["oracle"]
     assert vllm.hit_tokens == 0  # 300 shared tokens: no checkpoint inside a 544-token block
     # The second request learns the branch point at 288 tokens; every later one hits it.
@@ -59,9 +59,9 @@ def test_a_host_tier_serves_what_the_pool_evicted() -> None:
     brings back their blocks and checkpoints, so fewer prompt tokens are computed."""
     work = multi_turn_chat(num_conversations=6, turns=3, seed=1)
     layout = LAYOUTS["qwen3-next"]
-    plain = run_system(work.requests, systems(layout)[0], GiB // 2, layout.name, work.name)
-    tiered = run_system(work.requests, systems(layout, host_gib=[4])[-1], GiB // 2, layout.name,
-                        work.name)
+    plain, tiered = run_systems(work.requests, [systems(layout)[0],
+                                                systems(layout, host_gib=[4])[-1]],
+                                GiB // 2, layout.name, work.name)
     assert plain.host_hit_tokens == 0 and plain.host_tier_bytes == 0
     assert tiered.host_tier_bytes == 4 * GiB and tiered.host_hit_tokens > 0
     assert tiered.computed_tokens < plain.computed_tokens
@@ -72,12 +72,15 @@ def test_repeats_keep_the_hits_and_the_fastest_time_and_goals_name_the_unreachab
     work = shared_system_prompts(6, num_prompts=1, system_lens=(300,), user_len=(16, 64),
                                  output_median=8, output_max=16, seed=3)
     layout = LAYOUTS["qwen3-next"]
-    kv = systems(layout)[0]
-    once = run_system(work.requests, kv, 2 * GiB, layout.name, work.name)
-    thrice = run_system(work.requests, kv, 2 * GiB, layout.name, work.name, repeats=3)
-    assert (thrice.hit_tokens, thrice.calls) == (once.hit_tokens, once.calls)
+    kv, oracle = systems(layout)[0], systems(layout)[2]
+    once = run_systems(work.requests, [kv, oracle], 2 * GiB, layout.name, work.name)
+    thrice = run_systems(work.requests, [kv, oracle], 2 * GiB, layout.name, work.name, repeats=3)
+    assert [(r.system, r.hit_tokens, r.calls) for r in thrice] == [
+        (r.system, r.hit_tokens, r.calls) for r in once]
+    assert [r.system for r in once] == ["kvstore", "oracle"]
     with pytest.raises(ValueError, match="repeats"):
-        run_system(work.requests, kv, 2 * GiB, layout.name, work.name, repeats=0)
+        run_systems(work.requests, [kv], 2 * GiB, layout.name, work.name, repeats=0)
+    once = once[0]
     # 2x of vllm-align's 0.4 is above the oracle's 0.7: a miss no cache could avoid.
     rows = [replace(once, system=name, hit_tokens=int(rate * once.prompt_tokens))
             for name, rate in (("kvstore", 0.6), ("vllm-align", 0.4), ("oracle", 0.7))]
