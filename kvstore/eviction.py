@@ -540,7 +540,7 @@ class WorthCheckpoints(CheckpointOrder):
         self._tie = count()
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._pages)
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         """Orphans, then by priority."""

@@ -99,7 +99,9 @@ class KVCacheCoordinator:
             if g != self._full_group:
                 sets.setdefault(manager.spec, []).append(manager)
         self._search_sets = tuple(tuple(ms) for ms in sets.values())
-        self._cache_order = tuple(self.managers[g] for g in cache_order)
+        # The groups that index blocks, in caching order (a recurrent group indexes none).
+        self._cache_order = tuple(self.managers[g] for g in cache_order
+                                  if not config.groups[g].is_recurrent)
         # Branch points matter where window groups hold pages for them.
         self._learns_branches = hold_window_pages and bool(full) and len(full) < n
         # Freeing lists a position's window pages before its full-attention ones (a
@@ -281,8 +283,10 @@ class KVCacheCoordinator:
             quiet = manager.quiet_range(rid, lo)
             if quiet is None:
                 return None
-            hi = min(hi, quiet[0])
-            max_tokens = min(max_tokens, quiet[1])
+            if quiet[0] < hi:
+                hi = quiet[0]
+            if quiet[1] < max_tokens:
+                max_tokens = quiet[1]
         return lo, hi, max_tokens
 
     def admit(self, request: Request, computed: ComputedBlocks) -> None:
@@ -335,8 +339,6 @@ class KVCacheCoordinator:
         rid = request.request_id
         block_hash = request.block_hashes[i]
         for manager in self._cache_order:
-            if isinstance(manager, RecurrentManager):
-                continue
             table = manager.table(rid)
             if i < len(table):
                 block = table[i]

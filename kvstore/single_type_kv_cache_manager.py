@@ -896,7 +896,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
     a large page. The pool must be a TwoSizeBlockPool."""
 
     __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching", "_kinds",
-                 "hit_kinds", "_known", "_passed", "_refused")
+                 "hit_kinds", "_known", "_passed", "_refused", "two_size_pool")
 
     def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
                  copies: PendingCopies, cache_order: Sequence[int] = (),
@@ -904,6 +904,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
         if not isinstance(pool, TwoSizeBlockPool):
             raise TypeError("a recurrent group needs a TwoSizeBlockPool (pages of two sizes)")
         super().__init__(pool, spec, group_id, copies, cache_order)
+        # The pool, as the two-size pool it is.
+        self.two_size_pool: TwoSizeBlockPool = pool
         self._every = checkpoint_every * self.block_size
         self._caching = pool.enable_caching
         # Per request: planned checkpoint positions past its computed count (sorted).
@@ -925,12 +927,6 @@ class RecurrentManager(SingleTypeKVCacheManager):
         # `TwoSizeBlockPool.admit_checkpoint`).
         self._refused: set[str] = set()
 
-    @property
-    def two_size_pool(self) -> TwoSizeBlockPool:
-        """The pool, as the two-size pool it is."""
-        pool = self.pool
-        assert isinstance(pool, TwoSizeBlockPool)
-        return pool
 
     @staticmethod
     def hit_search(managers: Sequence[SingleTypeKVCacheManager], request: Request,
