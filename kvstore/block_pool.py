@@ -1232,14 +1232,14 @@ class TwoSizeBlockPool(BlockPool):
         super()._evict(block)
         if block_hash is not None and group in self._chain_groups:
             index = self.hash_index
-            if any(b.serial == serial for b in index.blocks(group, block_hash)):
-                return  # a twin keeps the chain
-            for g in self.recurrent_groups:
-                for page in index.blocks(g, block_hash):
-                    if page.serial == serial and not page.orphan:
-                        page.orphan = True
-                        if page.ref_cnt == 0:
-                            self._large_cached.orphaned(page)
+            pages = [page for g in self.recurrent_groups for page in index.blocks(g, block_hash)
+                     if page.serial == serial and not page.orphan]
+            if not pages or any(b.serial == serial for b in index.blocks(group, block_hash)):
+                return  # no checkpoint there, or a twin keeps the chain
+            for page in pages:
+                page.orphan = True
+                if page.ref_cnt == 0:
+                    self._large_cached.orphaned(page)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content of either size; every page returns whole."""
