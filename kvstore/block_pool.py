@@ -353,13 +353,18 @@ class BlockPool:
         `group_id`, when given, is the group every block belongs to."""
         now_free = self._drop_refs(blocks)
         if now_free:
-            in_use = self.in_use_by_group
-            if group_id >= 0:
-                in_use[group_id] -= len(now_free)
-            else:  # pages of several groups: counted per group in one C pass
-                for group, n in Counter(map(_group_of, now_free)).items():
-                    in_use[group] -= n
+            self._count_freed(now_free, group_id)
             self.free_queue.freed_all(now_free)
+
+    def _count_freed(self, blocks: list[KVCacheBlock], group_id: int) -> None:
+        """Lower the in-use counts of the groups of `blocks`, just freed (`group_id`: the
+        group of all of them, or -1)."""
+        in_use = self.in_use_by_group
+        if group_id >= 0:
+            in_use[group_id] -= len(blocks)
+        else:  # pages of several groups: counted per group in one C pass
+            for group, n in Counter(map(_group_of, blocks)).items():
+                in_use[group] -= n
 
     @staticmethod
     def _drop_refs(blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
@@ -1089,12 +1094,7 @@ class TwoSizeBlockPool(BlockPool):
             now_free = [b for b in dropped if b.block_id < num_blocks]
             if not now_free:
                 return
-        in_use = self.in_use_by_group
-        if group_id >= 0:
-            in_use[group_id] -= len(now_free)
-        else:  # pages of several groups: counted per group in one C pass
-            for group, n in Counter(map(_group_of, now_free)).items():
-                in_use[group] -= n
+        self._count_freed(now_free, group_id)
         k = self.large_page_blocks
         used, page_cached = self._used, self._page_cached
         emptied = []
