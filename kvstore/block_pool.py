@@ -654,7 +654,8 @@ class PendingCopies:
     def queue_held(self, src: KVCacheBlock, dst: KVCacheBlock) -> None:
         """Queue a copy between two pages the caller holds; before it drops its reference on
         either, it calls `pin_pending` on it."""
-        self.queue(src, dst)
+        self._copies.append((src.block_id, dst.block_id))
+        self._pool.stats.copies_queued += 1
         self._held[src.block_id] = src
         self._held[dst.block_id] = dst
 
@@ -681,7 +682,12 @@ class PendingCopies:
             self._pool.free_blocks(self._pins_handed_out)
         self._pins_handed_out, self._pins = self._pins, []
         self._held_handed_out, self._held = self._held, {}
-        pending, self._copies = self._copies, []
+        pending = self._copies
+        if not pending:
+            return []
+        self._copies = []
+        if len(pending) == 1:  # nothing to chain
+            return pending
         copies = []
         # A copy out of a block that an earlier copy of this batch fills reads that
         # copy's source instead, so the batch can run as one gather and one scatter.
