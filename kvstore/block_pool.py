@@ -654,8 +654,7 @@ class PendingCopies:
     def queue_held(self, src: KVCacheBlock, dst: KVCacheBlock) -> None:
         """Queue a copy between two pages the caller holds; before it drops its reference on
         either, it calls `pin_pending` on it."""
-        self._copies.append((src.block_id, dst.block_id))
-        self._pool.stats.copies_queued += 1
+        self.queue(src, dst)
         self._held[src.block_id] = src
         self._held[dst.block_id] = dst
 

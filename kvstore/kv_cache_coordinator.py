@@ -369,18 +369,19 @@ class KVCacheCoordinator:
                 manager.checkpoint_at_end(request)
         released = [manager.free(request) for manager in self.managers]
         pool = self.pool
-        if self._recurrent_groups:
-            pool.free_blocks([page for g in self._recurrent_groups for page in released[g][0]])
-        if not self._free_order:
-            return
-        if len(self._free_order) == 1:  # deepest first: a chain's root is evicted last
-            g = self._free_order[0]
+        if self._recurrent_groups:  # large pages, on lists of their own: deepest entry first
+            tables = [released[g][0] for g in self._recurrent_groups]
+            pool.free_blocks([table[i] for i in range(max(map(len, tables)) - 1, -1, -1)
+                              for table in tables if i < len(table)])
+        g = self._free_order[0]
+        if len(self._free_order) == 1 and (len(self.managers) == 1 or not released[g][1]):
+            # One table, deepest first: a chain's root is evicted last.
             table, dropped = released[g]
             pool.free_blocks([b for b in reversed(table) if b.block_id != 0], g)
             if dropped:
                 pool.refresh([(b, serial) for b, serial, _ in reversed(dropped)])
             return
-        # Several paged groups: one order over all of them, deepest position first (window
+        # Several groups: one order over the paged ones, deepest position first (window
         # pages before the full-attention page at the same position), the pages dropped
         # from windows earlier in their places. A prefix's pages then leave together from
         # its end, and its root last, as they would from one all-full table.

@@ -152,7 +152,7 @@ class KVCacheManager:
     __slots__ = ("config", "cache_config", "block_size", "enable_caching", "enable_partial_hits",
                  "_hash_fn",
                  "_pool", "_copies", "_coordinator", "_requests", "_no_new_blocks", "_quiet",
-                 "_num_groups", "_lookups", "_num_lookups", "_listener", "_drops")
+                 "_num_paged_groups", "_lookups", "_num_lookups", "_listener", "_drops")
 
     def __init__(self, config: KVCacheConfig, cache_config: CacheConfig | None = None) -> None:
         if cache_config is None:
@@ -195,7 +195,7 @@ class KVCacheManager:
         self._requests: dict[str, Request] = {}
         self._no_new_blocks: BlockIds = ((),) * len(config.groups)
         # Groups with a page per block of tokens (a recurrent group's large pages are not).
-        self._num_groups = sum(not group.is_recurrent for group in config.groups)
+        self._num_paged_groups = sum(not group.is_recurrent for group in config.groups)
         # Per live request, (lo, hi, max_tokens, request) from its last growth: growing to
         # at most max_tokens with a computed count in [lo, hi) needs nothing until the
         # request's tables change (allocate, free, fork drop the entry).
@@ -464,7 +464,7 @@ class KVCacheManager:
         # one free page (a new page, or a private copy of a shared one), a recurrent group
         # none: when the free pages cover that bound the exact plan is not needed.
         bs = self.block_size
-        if self._num_groups * (cdiv(num_tokens, bs) - num_computed // bs) > self._pool.num_free_blocks:
+        if self._num_paged_groups * (cdiv(num_tokens, bs) - num_computed // bs) > self._pool.num_free_blocks:
             plan = coordinator.num_blocks_needed(request, num_computed, num_tokens, None)
             self._check_pool_holds(rid, plan.num_resident, num_tokens)
             if plan.num_free_needed > self._pool.num_free_blocks + plan.num_released:
@@ -522,7 +522,7 @@ class KVCacheManager:
         # that, neither the hit nor its full-block part fits, and the exact plan is not
         # needed.
         num_hit_blocks = computed.num_full_hit_tokens // self.block_size
-        bound = self._num_groups * (cdiv(num_tokens, self.block_size) - num_hit_blocks
+        bound = self._num_paged_groups * (cdiv(num_tokens, self.block_size) - num_hit_blocks
                                     - (computed.num_partial_tokens > 0))
         if bound > num_free:
             self._check_pool_holds(request.request_id, self._coordinator.num_resident_blocks(

@@ -4,7 +4,7 @@ local layers drop the ones no later query attends."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool, PendingCopies, TwoSizeBlockPool
@@ -927,7 +927,6 @@ class RecurrentManager(SingleTypeKVCacheManager):
         # `TwoSizeBlockPool.admit_checkpoint`).
         self._refused: set[str] = set()
 
-
     @staticmethod
     def hit_search(managers: Sequence[SingleTypeKVCacheManager], request: Request,
                    parents: Sequence[int]) -> HitSearch:
@@ -953,7 +952,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
         """Whether `position` is one of the every-N checkpoint positions (none if N = 0)."""
         return bool(self._every) and position % self._every == 0
 
-    def _due(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int) -> str:
+    def _due(self, request_id: str, num_computed_tokens: int,
+             num_prompt_tokens: int) -> Literal["planned", "every_n", "output", ""]:
         """Why a checkpoint is due at this computed count: "planned" (a position planned at
         admission), "every_n", "output" (a block boundary past the prompt: the state kept for
         the output's end), or "" (none)."""
@@ -1212,7 +1212,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
 
     def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
         """Forget the request; returns its large pages (working state, and the state kept
-        for its output's end) for the caller to free."""
+        for its output's end) for the caller to free, pinned first where a copy between them
+        has not been released yet."""
         rid = request.request_id
         table = self._req_to_blocks.pop(rid)
         rolling = self._rolling.pop(rid, None)

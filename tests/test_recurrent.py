@@ -10,7 +10,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from invariants import check_two_size_pool, checkpoint_order, internals, working_state
+from invariants import (
+    check_two_size_pool,
+    checkpoint_order,
+    internals,
+    spy_evictions,
+    working_state,
+)
 
 from kvstore.block_pool import ADMIT_DECAY, TwoSizeBlockPool
 from kvstore.eviction import EVICTION_POLICIES, WorthCheckpoints
@@ -360,7 +366,10 @@ def test_checkpoint_at_the_output_end_serves_the_next_turn() -> None:
     assert m.get_computed_blocks(nxt).num_computed_tokens == 8
 
 
-def test_the_output_end_copy_pins_its_pages_only_once_the_request_lets_go() -> None:
+@pytest.mark.parametrize("handed_out", [False, True])
+def test_the_output_end_copy_pins_its_pages_only_once_the_request_lets_go(handed_out: bool) -> None:
+    """The request lets go with its copy still queued, or handed out to the worker (which
+    may be running it): the pins hold both pages until the batch after the copy's."""
     m = make([FULL, STATE], num_blocks=60)
     turn = Request("t", [5, 6, 7])
     run(m, turn, [3])
@@ -379,16 +388,43 @@ def test_the_output_end_copy_pins_its_pages_only_once_the_request_lets_go() -> N
     def refs(page_id: int) -> int:
         return next(ref for pid, _, _, ref, _ in pool.large_page_states() if pid == page_id)
 
-    m.free(turn)  # before the worker ran the copy: its pins hold the pages now
+    batch = m.take_pending_copies() if handed_out else None
+    m.free(turn)  # before the worker ran (or finished) the copy: its pins hold the pages now
     assert len(m.pinned_blocks) == 2 and working in m.pinned_blocks
     rolling = next(p for p in m.pinned_blocks if p != working)
     assert refs(working) == refs(rolling) == 1
     check_two_size_pool(pool, Counter(), Counter(m.pinned_blocks))
-    assert m.take_pending_copies() == [(working, rolling)]
-    assert refs(working) == refs(rolling) == 1  # the worker runs the batch now
+    if not handed_out:
+        batch = m.take_pending_copies()
+        assert refs(working) == refs(rolling) == 1  # the worker runs the batch now
+    assert batch == [(working, rolling)]
     assert m.take_pending_copies() == []
     assert refs(working) == refs(rolling) == 0 and m.pinned_blocks == ()
     check_two_size_pool(pool, Counter(), Counter())
+
+
+def test_a_window_beside_a_recurrent_group_frees_its_prefix_root_last() -> None:
+    """A sliding window's pages of a finished request leave deepest first, the pages its
+    window dropped earlier in their places and the root (kept for hits) last, as beside
+    full attention: an eviction for an unrelated request takes the deepest ones."""
+    m = make([WINDOW, STATE], num_blocks=24, eviction="lru", checkpoint_every_blocks=4)
+    a = Request("a", list(range(1, 33)))
+    run(m, a, [4] * 8)
+    m.free(a)
+    m.take_pending_copies()
+    m.take_pending_copies()
+    pool = internals(m).pool
+    evicted: list[int] = []
+    spy_evictions(pool, lambda block: evicted.append(block.token_ids[0] // BS)
+                  if block.group_id == 0 and block.token_ids[0] < 33 else None)
+    f = Request("f", [1000 + j for j in range(44)])
+    assert m.allocate_slots(f, 44, m.get_computed_blocks(f)) is not None
+    assert evicted and 0 not in evicted  # the root stays while deeper pages go
+    m.free(f)
+    m.take_pending_copies()
+    m.take_pending_copies()
+    b = Request("b", list(range(1, 17)) + [200, 201, 202, 203, 204])
+    assert m.get_computed_blocks(b).num_computed_tokens == 16
 
 
 def test_salted_requests_do_not_hit_each_others_checkpoints() -> None:
