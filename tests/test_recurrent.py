@@ -55,6 +55,8 @@ class RecurrentMachine(RuleBasedStateMachine):
         self.pages: dict[int, list[object]] = {}  # block id -> token per slot
         self.states: dict[int, object] = {}  # large page id -> state
         self.next_id = 0
+        # The copies handed out last: the worker may still be running them.
+        self.handed_out: list[tuple[int, int]] = []
 
     @initialize(layout=st.sampled_from(["full", "full+window", "window"]),
                 num_large=st.integers(4, 14), every=st.sampled_from([0, 0, 1, 2]),
@@ -88,7 +90,8 @@ class RecurrentMachine(RuleBasedStateMachine):
     # ---- device ------------------------------------------------------------------------------
     def run_copies(self) -> None:
         n = self.pool.num_blocks
-        for src, dst in self.m.take_pending_copies():
+        self.handed_out = list(self.m.take_pending_copies())
+        for src, dst in self.handed_out:
             if src >= n:
                 assert dst >= n, "a state copied into a block"
                 assert src in self.states, f"copy from large page {src}, never written"
@@ -286,6 +289,11 @@ class RecurrentMachine(RuleBasedStateMachine):
         for i in self.m.pinned_blocks:
             (large if i >= n else small)[i] += 1
         check_two_size_pool(self.pool, small, large)
+        # No page of a copy the worker may still be running is free (whoever let go of it).
+        refs = {b.block_id: b.ref_cnt for b in self.pool.block_states()}
+        refs.update((p[0], p[3]) for p in self.pool.large_page_states())
+        for src, dst in self.handed_out:
+            assert refs[src] > 0 and refs[dst] > 0, f"copy {src} -> {dst} lost a page"
         stats = self.pool.stats
         assert stats.checkpoints_taken - stats.checkpoints_evicted == sum(
             1 for p in self.pool.large_blocks if p.token_ids is not None)
