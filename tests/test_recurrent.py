@@ -435,6 +435,21 @@ def test_a_window_beside_a_recurrent_group_frees_its_prefix_root_last() -> None:
     assert m.get_computed_blocks(b).num_computed_tokens == 16
 
 
+def test_a_prompt_is_admitted_when_its_blocks_and_working_state_fit() -> None:
+    """A recurrent group takes a working state (a large page of 2 blocks here), no page per
+    block: 10 blocks of prompt and the state fit 15 free blocks; 14 blocks and the state
+    do not."""
+    m = make([FULL, STATE], num_blocks=16)
+    assert m.num_free_blocks == 15
+    fits = Request("fits", list(range(40)))
+    assert m.allocate_slots(fits, 40, m.get_computed_blocks(fits)) is not None
+    m.free(fits)
+    m.take_pending_copies()
+    m.take_pending_copies()
+    too_long = Request("too_long", list(range(100, 156)))
+    assert m.allocate_slots(too_long, 56, m.get_computed_blocks(too_long)) is None
+
+
 def test_salted_requests_do_not_hit_each_others_checkpoints() -> None:
     m = make([FULL, STATE], num_blocks=60)
     a = Request("a", list(range(12)), cache_salt="x")
