@@ -227,17 +227,17 @@ def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
     return hit, calls
 
 
-def run_systems(requests: Sequence[RequestSpec], systems: Sequence[System], budget: int,
+def run_systems(requests: Sequence[RequestSpec], compared: Sequence[System], budget: int,
                 layout: str, workload: str, repeats: int = 1) -> list[Row]:
-    """Serve `requests` in arrival order through each system at `budget` bytes, in `repeats`
-    rounds over the systems in turn (the same hits each time), keeping each one's fastest
+    """Serve `requests` in arrival order through each of `compared` at `budget` bytes, in
+    `repeats` rounds over them in turn (the same hits each time), keeping each one's fastest
     manager time: taking turns keeps the ratios of their times steady on a machine that
     slows down for a while. Cyclic GC is off in a replay (as in ``kvstore bench manager``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    best: list[Row | None] = [None] * len(systems)
+    best: list[Row | None] = [None] * len(compared)
     for _ in range(repeats):
-        for i, system in enumerate(systems):
+        for i, system in enumerate(compared):
             gc.collect()
             gc.disable()
             try:
