@@ -16,6 +16,9 @@ from kvstore.specs import GroupKind
 from kvstore.utils import common_prefix_len, hit_rate
 
 _group_of = attrgetter("group_id")
+# Drops remembered for `BlockPool.dropped_since`: a lookup older than the last half of
+# these is recomputed in full.
+_DROPPED_KEPT = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +295,10 @@ class BlockPool:
         self.in_use_by_group: defaultdict[int, int] = defaultdict(int)
         # Bumped whenever cached content is dropped; lookups taken at the same epoch are current.
         self.cache_epoch = 0
+        # The ids of the pages whose content was dropped at epochs `_dropped_base` on, in
+        # order (the older half is forgotten past `_DROPPED_KEPT` entries).
+        self._dropped: list[int] = []
+        self._dropped_base = 0
         self.stats = CacheStats()
         # Per group: pages holding indexed content (full or partial), and evictions so far.
         self.cached_by_group: defaultdict[int, int] = defaultdict(int)
@@ -528,6 +535,18 @@ class BlockPool:
         self.evicted_by_group[group] += 1
         self.stats.evictions += 1
         self.cache_epoch += 1
+        dropped = self._dropped
+        dropped.append(block.block_id)
+        if len(dropped) > _DROPPED_KEPT:
+            del dropped[:_DROPPED_KEPT // 2]
+            self._dropped_base += _DROPPED_KEPT // 2
+
+    def dropped_since(self, epoch: int) -> list[int] | None:
+        """The ids of the pages whose cached content was dropped since `cache_epoch` was
+        `epoch`, or None when that is no longer known (the cache was reset since, or it
+        is too long ago)."""
+        start = epoch - self._dropped_base
+        return None if start < 0 else self._dropped[start:]
 
     def _orphan_children(self, block: KVCacheBlock,
                          siblings: list[tuple[tuple[int, ...], int]]) -> None:
@@ -585,6 +604,8 @@ class BlockPool:
         self.cached_by_group.clear()
         self.free_queue.reset()
         self.cache_epoch += 1
+        self._dropped.clear()
+        self._dropped_base = self.cache_epoch
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
@@ -50,6 +50,17 @@ class ComputedBlocks:
     def num_computed_tokens(self) -> int:
         """Tokens the request need not compute."""
         return self.num_full_hit_tokens + self.num_partial_tokens
+
+
+@dataclass(slots=True)
+class LookupMemo:
+    """A request's last lookup at a cap, kept for its next one (`find_longest_hit`)."""
+
+    request: Request
+    num_tokens: int  # the request's tokens then
+    max_tokens: int
+    computed: ComputedBlocks | None = None
+    found: set[int] | None = None  # the ids of `computed`'s blocks, once asked for
 
 
 class AllocationPlan(NamedTuple):
@@ -147,30 +158,34 @@ class KVCacheCoordinator:
         return parents, blocks
 
     def find_longest_hit(self, request: Request, max_tokens: int, partial: bool,
-                         issuer: object = None, lookup_id: int = 0) -> ComputedBlocks:
+                         issuer: object = None, lookup_id: int = 0,
+                         memo: LookupMemo | None = None) -> ComputedBlocks:
         """The longest prefix of at most `max_tokens` tokens cached for every group.
 
         Whole blocks first: never past the prefix verified in the cache, then each group
         lowers the candidate length in turn until none does (each group's search resumes
         where it stopped, so the lookup is linear in the prompt's blocks per group). Then, if
         `partial`, the next block's leading tokens that every group has under the hit's
-        prefix, at most block_size - 1 of them."""
+        prefix, at most block_size - 1 of them.
+
+        `memo` carries a request's lookups at one cap from one to the next (a request
+        waiting for room is looked up at every step): the last one's whole blocks are found
+        again when none of them was dropped since and the verified prefix cannot have
+        grown. The result is recorded in it."""
         bs = self.block_size
-        parents, spine_blocks = self._verified_prefix(request, max_tokens // bs)
-        num_blocks = len(spine_blocks)
-        searches: list[HitSearch] = []
-        if self._full_group >= 0:  # its chain is the verified prefix
-            searches.append(ChainSearch((self.managers[self._full_group],), request, parents,
-                                        spine_blocks))
-        for managers in self._search_sets:
-            searches.append(managers[0].hit_search(managers, request, parents))
-        num_blocks = agreed_hit(num_blocks, [search.longest for search in searches])
-        # Every group's last answer was exactly num_blocks.
-        per_group: list[list[KVCacheBlock]] = [[] for _ in self.managers]
-        for search in searches:
-            for g, blocks in zip(search.group_ids, search.blocks(num_blocks), strict=True):
-                per_group[g] = blocks
-        hits = tuple(per_group)
+        parents: Sequence[int]
+        last = memo.computed if memo is not None else None
+        if memo is not None and last is not None and self._still_found(request, max_tokens,
+                                                                        memo, last):
+            hits = last.blocks
+            num_blocks = last.num_full_hit_tokens // bs
+            parents = last.parent_serials or (self.pool.root_serial(request.cache_salt),)
+            num_verified, cut = last.num_verified_tokens, last.cut_blocks
+        else:
+            if memo is not None:
+                memo.found = None
+            hits, parents, num_blocks, num_verified, cut = self._whole_blocks(request,
+                                                                               max_tokens // bs)
         full = num_blocks * bs
         parent = parents[num_blocks]
         sources: list[KVCacheBlock | None] = [None] * len(self.managers)
@@ -186,10 +201,63 @@ class KVCacheCoordinator:
                     break
             if num_partial == 0:
                 sources = [None] * len(self.managers)
-        return ComputedBlocks(request.request_id, hits, tuple(sources), full, num_partial,
-                              self.pool.cache_epoch, tuple(parents[:num_blocks + 1]),
-                              len(spine_blocks) * bs, tuple(spine_blocks[num_blocks:]),
-                              issuer, lookup_id)
+        computed = ComputedBlocks(request.request_id, hits, tuple(sources), full, num_partial,
+                                  self.pool.cache_epoch, tuple(parents[:num_blocks + 1]),
+                                  num_verified, cut, issuer, lookup_id)
+        if memo is not None:
+            memo.computed = computed
+        return computed
+
+    def _whole_blocks(self, request: Request, max_blocks: int
+                      ) -> tuple[tuple[list[KVCacheBlock], ...], list[int], int, int,
+                                 tuple[KVCacheBlock, ...]]:
+        """`find_longest_hit`'s whole blocks: per group hit blocks, the parent serials of
+        the verified prefix, the hit's and that prefix's lengths in blocks and tokens, and
+        the verified blocks past the hit."""
+        parents, spine_blocks = self._verified_prefix(request, max_blocks)
+        num_blocks = len(spine_blocks)
+        searches: list[HitSearch] = []
+        if self._full_group >= 0:  # its chain is the verified prefix
+            searches.append(ChainSearch((self.managers[self._full_group],), request, parents,
+                                        spine_blocks))
+        for managers in self._search_sets:
+            searches.append(managers[0].hit_search(managers, request, parents))
+        num_blocks = agreed_hit(num_blocks, [search.longest for search in searches])
+        # Every group's last answer was exactly num_blocks.
+        per_group: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        for search in searches:
+            for g, blocks in zip(search.group_ids, search.blocks(num_blocks), strict=True):
+                per_group[g] = blocks
+        return (tuple(per_group), parents, num_blocks, len(spine_blocks) * self.block_size,
+                tuple(spine_blocks[num_blocks:]))
+
+    def _still_found(self, request: Request, max_tokens: int, memo: LookupMemo,
+                     last: ComputedBlocks) -> bool:
+        """Whether a lookup of `request` at `max_tokens` finds `last`'s whole blocks (its
+        last lookup at that cap): its hit reached the end of the verified prefix, no block of
+        it was dropped since, and that prefix does not go on now. (A hit cut short by a
+        window group, or one with a recurrent group, is looked up again in full.)"""
+        if (self.recurrent or last.num_verified_tokens != last.num_full_hit_tokens
+                or memo.request is not request or memo.num_tokens != request.num_tokens
+                or memo.max_tokens != max_tokens):
+            return False
+        dropped = self.pool.dropped_since(last.cache_epoch)
+        if dropped is None:
+            return False
+        if dropped:
+            found = memo.found
+            if found is None:
+                found = memo.found = {block.block_id for blocks in last.blocks for block in blocks}
+            if not found.isdisjoint(dropped):
+                return False
+        n = last.num_full_hit_tokens // self.block_size
+        hashes = request.block_hashes
+        if n >= min(max_tokens // self.block_size, len(hashes)):
+            return True
+        parent = (last.parent_serials[n] if last.parent_serials
+                  else self.pool.root_serial(request.cache_salt))
+        return self.pool.hash_index.probe_any(self._spine_groups, hashes[n],
+                                              request.block_tokens[n], parent) is None
 
     def parent_serial(self, request: Request, computed: ComputedBlocks) -> int:
         """The serial the block after the hit hangs under (the salt's root without a hit)."""

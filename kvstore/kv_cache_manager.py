@@ -17,7 +17,12 @@ from kvstore.block_pool import (
 from kvstore.errors import RequestTooLargeError
 from kvstore.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, RECURRENT_EVICTION, EvictionPolicy
 from kvstore.hashing import HashFn, hash_block
-from kvstore.kv_cache_coordinator import AllocationPlan, ComputedBlocks, KVCacheCoordinator
+from kvstore.kv_cache_coordinator import (
+    AllocationPlan,
+    ComputedBlocks,
+    KVCacheCoordinator,
+    LookupMemo,
+)
 from kvstore.request import Request, as_count
 from kvstore.single_type_kv_cache_manager import RecurrentManager, SlidingWindowManager
 from kvstore.specs import FullAttentionSpec, KVCacheConfig
@@ -204,7 +209,7 @@ class KVCacheManager:
         self._quiet: dict[str, tuple[int, int, int, Request]] = {}
         # Per request id not yet admitted, the request object looked up last and the id of
         # that lookup: `admit` takes only that lookup, for that object.
-        self._lookups: dict[str, tuple[Request, int]] = {}
+        self._lookups: dict[str, tuple[Request, int, LookupMemo]] = {}
         self._num_lookups = 0
         # Who hears of released pages, and the window drops of the call under way.
         self._listener: ReleaseListener | None = None
@@ -284,12 +289,17 @@ class KVCacheManager:
         request.update_block_hashes(self.block_size, self._hash_fn)
         self._num_lookups += 1
         lookup_id = self._num_lookups
-        self._lookups[rid] = (request, lookup_id)
+        # At least one token is computed so the model yields logits.
+        max_tokens = request.num_tokens - 1
+        entry = self._lookups.get(rid)
+        memo = entry[2] if entry is not None else None
+        if memo is None or memo.request is not request or memo.num_tokens != request.num_tokens:
+            memo = LookupMemo(request, request.num_tokens, max_tokens)
+        self._lookups[rid] = (request, lookup_id, memo)
         if not self.enable_caching:
             return self._no_hit(request, lookup_id)
-        # At least one token is computed so the model yields logits.
-        return self._coordinator.find_longest_hit(request, request.num_tokens - 1,
-                                                  self.enable_partial_hits, self, lookup_id)
+        return self._coordinator.find_longest_hit(request, max_tokens, self.enable_partial_hits,
+                                                  self, lookup_id, memo)
 
     # ---- allocation --------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from invariants import check_pool, queued_events
 
+from kvstore import block_pool
 from kvstore.block import FreeBlockQueue, KVCacheBlock
 from kvstore.block_pool import (
     AllBlocksCleared,
@@ -551,6 +552,31 @@ def test_lazy_eviction_drops_index_entries_and_emits_events() -> None:
     assert pool.reset_prefix_cache()
     assert pool.take_events() == [BlockStored(222, None, tb, 0), AllBlocksCleared()]
     check_pool(pool, Counter())
+
+
+def test_dropped_since_names_the_pages_dropped_and_forgets_across_a_reset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = BlockPool(4)
+    a, b = cached_chain(pool, 2)
+    epoch = pool.cache_epoch
+    assert pool.dropped_since(epoch) == []
+    pool.free_blocks([b, a])
+    pool.get_new_blocks(3, 0)  # the empty page first, then both cached ones, evicted
+    assert pool.dropped_since(epoch) == [b.block_id, a.block_id]
+    assert pool.dropped_since(pool.cache_epoch) == []
+    pool.free_blocks(pool.blocks[1:])
+    assert pool.reset_prefix_cache()
+    assert pool.dropped_since(epoch) is None  # the reset dropped content it does not list
+    assert pool.dropped_since(pool.cache_epoch) == []
+    # Past the pages it keeps, the older half is forgotten: lookups that old are redone.
+    monkeypatch.setattr(block_pool, "_DROPPED_KEPT", 4)
+    start = pool.cache_epoch
+    for _ in range(6):
+        chain = cached_chain(pool, 1)
+        pool.free_blocks(chain)
+        pool.free_blocks(pool.get_new_blocks(3, 0))
+    assert pool.dropped_since(start) is None
+    assert pool.dropped_since(pool.cache_epoch - 1) == [chain[0].block_id]
 
 
 def test_events_off_records_nothing() -> None:

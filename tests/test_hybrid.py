@@ -849,7 +849,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.manager: KVCacheManager | None = None
         self.partial = True
         self.running: dict[str, Request] = {}
-        self.waiting: list[Request] = []  # preempted, to be readmitted
+        self.waiting: list[Request] = []  # preempted or refused, to be readmitted
         self.content: dict[int, list[int | None]] = {}
         self.next_id = 0
 
@@ -957,7 +957,9 @@ class HybridCacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def admit_new(self, data: st.DataObject) -> None:
-        self.admit(self.draw_request(data), data)
+        req = self.draw_request(data)
+        if not self.admit(req, data) and len(self.waiting) < 4:
+            self.waiting.append(req)  # refused: it waits, looked up again when readmitted
 
     @rule(data=st.data())
     def serve(self, data: st.DataObject) -> None:
