@@ -230,9 +230,7 @@ def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
 def run_systems(requests: Sequence[RequestSpec], compared: Sequence[System], budget: int,
                 layout: str, workload: str, repeats: int = 1) -> list[Row]:
     """Serve `requests` in arrival order through each of `compared` at `budget` bytes, in
-    `repeats` rounds over them in turn (the same hits each time), keeping each one's fastest
-    manager time: taking turns keeps the ratios of their times steady on a machine that
-    slows down for a while. Cyclic GC is off in a replay (as in ``kvstore bench manager``)."""
+    `repeats` rounds taken in turn (cyclic GC off), keeping each one's fastest manager time."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     best: list[Row | None] = [None] * len(compared)
@@ -362,8 +360,7 @@ def _sizes(text: str) -> list[float]:
     try:
         out = [float(x) for x in text.split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}") \
-            from None
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}") from None
     if out and min(out) <= 0:
         raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
     return out
