@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from kvstore.benchmarks.manager import new_manager
 from kvstore.benchmarks.output import name_list, positive_int, write_csv, write_json
+from kvstore.benchmarks.replay import CHUNK_TOKENS
 from kvstore.benchmarks.simulator import fake_token
 from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
 from kvstore.benchmarks.traces import locate_trace, mooncake_to_workload
@@ -33,8 +34,6 @@ from kvstore.specs import (
 from kvstore.utils import cdiv, hit_rate
 
 GiB = 1 << 30
-#: Prefill tokens per scheduler step (vLLM's default token budget).
-CHUNK_TOKENS = 8192
 BLOCK_SIZE = 16
 
 
