@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -436,9 +437,9 @@ def add_bench_parser(subparsers: Any) -> None:
         ("replay", "hit rate against capacity on a trace: LRU, pool policies, layouts, MIN",
          replay.add_arguments, replay.run),
         ("tiers", "host tier and store: transfer speeds, two engines sharing a store",
-         add_tier_arguments, _run_tiers),
+         add_tier_arguments, partial(_run_module, "tier_bench")),
         ("kernels", "the paged-attention kernels against SDPA (GPU)",
-         add_kernel_arguments, _run_kernels),
+         add_kernel_arguments, partial(_run_module, "kernel_bench")),
         ("recurrent", "recurrent hybrids: kvstore's checkpoints against vLLM's inflated block",
          recurrent.add_arguments, recurrent.run))
     for name, help_text, add, func in commands:
@@ -461,10 +462,11 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to write the results")
 
 
-def _run_kernels(args: argparse.Namespace) -> int:
-    from kvstore.benchmarks.kernel_bench import run_command
+def _run_module(module: str, args: argparse.Namespace) -> int:
+    """``run_command`` of benchmarks module `module`, imported only now: it needs torch."""
+    import importlib
 
-    return run_command(args)
+    return int(importlib.import_module(f"kvstore.benchmarks.{module}").run_command(args))
 
 
 def add_tier_arguments(p: argparse.ArgumentParser) -> None:
@@ -494,16 +496,6 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=8)
     p.add_argument("--num-blocks", type=positive_int, default=512, help="--engines: pool size")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
-
-
-def _run_tiers(args: argparse.Namespace) -> int:
-    if args.engines:
-        from kvstore.benchmarks.tier_engines import run_command as run_engines
-
-        return run_engines(args)
-    from kvstore.benchmarks.tier_bench import run_command
-
-    return run_command(args)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:

@@ -456,8 +456,7 @@ class Worker:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        out: dict[str, Any] = self._read()
-        return out
+        return dict(self._read())
 
     def result(self, scenario: str, num_blocks: int | None = None, **extra: Any) -> ManagerResult:
         """Replay `scenario` (on its pool unless `num_blocks`) with this side's options;

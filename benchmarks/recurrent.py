@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from kvstore.benchmarks.manager import new_manager
 from kvstore.benchmarks.output import name_list, positive_int, write_csv, write_json
+from kvstore.benchmarks.replay import CHUNK_TOKENS
 from kvstore.benchmarks.simulator import fake_token
 from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
 from kvstore.benchmarks.traces import locate_trace, mooncake_to_workload
@@ -33,8 +34,6 @@ from kvstore.specs import (
 from kvstore.utils import cdiv, hit_rate
 
 GiB = 1 << 30
-#: Prefill tokens per scheduler step (vLLM's default token budget).
-CHUNK_TOKENS = 8192
 BLOCK_SIZE = 16
 
 
@@ -230,9 +229,7 @@ def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
 def run_systems(requests: Sequence[RequestSpec], compared: Sequence[System], budget: int,
                 layout: str, workload: str, repeats: int = 1) -> list[Row]:
     """Serve `requests` in arrival order through each of `compared` at `budget` bytes, in
-    `repeats` rounds over them in turn (the same hits each time), keeping each one's fastest
-    manager time: taking turns keeps the ratios of their times steady on a machine that
-    slows down for a while. Cyclic GC is off in a replay (as in ``kvstore bench manager``)."""
+    `repeats` rounds taken in turn (cyclic GC off), keeping each one's fastest manager time."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     best: list[Row | None] = [None] * len(compared)
@@ -362,8 +359,7 @@ def _sizes(text: str) -> list[float]:
     try:
         out = [float(x) for x in text.split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}") \
-            from None
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}") from None
     if out and min(out) <= 0:
         raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
     return out

@@ -194,10 +194,8 @@ def _curves(what: str, traces: dict[str, Path], capacities: Sequence[int], limit
 def write_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xlabel: str,
                  title: str, meta: dict[str, Any],
                  extra: Callable[[Any, str], None] = lambda ax, name: None) -> dict[str, Any]:
-    """Hit rate against capacity (log x), one panel per trace ("{name}" in `title`), one line
-    per entry of `lines` and what ``extra(axes, trace name)`` draws, as ``{stem}.png``; the
-    rows as ``{stem}.csv`` (without per-group details) and `meta` with the curves as
-    ``{stem}.json``."""
+    """``{stem}.png`` (hit rate against capacity, a panel per trace, a line per entry of
+    `lines`, plus what `extra` draws), ``{stem}.csv`` and ``{stem}.json`` (`meta` + curves)."""
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = output.pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5),
                                          squeeze=False)
@@ -278,16 +276,14 @@ def default_capacities(quick: bool = False) -> list[int]:
 def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None,
                 eviction: str = "lru") -> dict[str, Any]:
     """Replay rows through a BlockPool of ``capacity_blocks`` usable blocks (None: unbounded)
-    under the named policy. Returns the LRU model's totals plus ``pool_blocks`` (capped at the
-    distinct ids: identical results), ``link_breaks`` (a leading id cached but not linked to
-    its parent), ``unlinked_present`` (ids cached after the hit run) and
-    ``partial_tail_tokens`` / ``token_hit_rate_with_tails`` (adding a next turn's reuse of the
-    previous turn's cached partial last block)."""
+    under `eviction`: the LRU model's totals plus ``pool_blocks``, ``link_breaks`` (a leading
+    id cached but not linked to its parent), ``unlinked_present`` (ids cached after the hit
+    run) and ``token_hit_rate_with_tails`` (adding the previous turn's cached partial block)."""
     if capacity_blocks is not None and capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0 or None, got {capacity_blocks}")
     rows = _by_time(requests)
     cap = capacity_blocks
-    pool_blocks = len({h for r in rows for h in r.hash_ids})
+    pool_blocks = len({h for r in rows for h in r.hash_ids})  # more than the distinct ids: no change
     pool_blocks = pool_blocks if cap is None else min(cap, pool_blocks)
     pool = BlockPool(max(pool_blocks, 1) + 1, enable_caching=True, eviction=eviction)
     root = pool.root_serial(None)
@@ -570,10 +566,8 @@ def _fast_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
                   eviction: str = "lru", layout: str = "hybrid") -> dict[str, Any]:
     """Replay rows through a KVCacheManager of `layout` at the bytes of an all-full cache of
-    `capacity_tokens` tokens. Returns the hit totals, ``num_blocks`` (pages), ``truncated``
-    (rows cut to what the pool holds at once), ``cut_tokens`` / ``cut_rate`` (tokens past
-    the hit whose full chain was cached but whose window pages were not) and per group
-    ``groups``: pages stored, evicted, cached at the end and on average, hit."""
+    `capacity_tokens` tokens: hit totals, ``truncated`` rows, ``cut_rate`` (tokens whose full
+    chain was cached but not their window pages) and per-group page counts (``groups``)."""
     specs = layer_specs(layout)
     num_pages = capacity_tokens // BT * len(specs) // make_kv_cache_config(specs, num_blocks=2).num_slots
     config = make_kv_cache_config(specs, num_blocks=num_pages + 1)

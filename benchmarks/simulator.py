@@ -210,15 +210,10 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
              scheduler_config: SchedulerConfig | None = None, step_time: float = 0.02,
              on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
              tiers: TierOptions | None = None, **cache_options: Any) -> SimResult:
-    """Replay requests in arrival order on a virtual clock (each step lasts `step_time`
-    seconds; an idle system jumps to the next arrival) until all have finished.
-
-    `cache_options` are ``CacheConfig`` fields (``enable_caching``, ``eviction``, ...).
-    Decoded tokens are the requests' scripted outputs, else `fake_token`. `on_step` sees
-    the scheduler after each step was scheduled and before it is applied. With `tiers`,
-    each step's offloads and loads run right after it is scheduled, and a server's keys
-    written by the replay are deleted at the end. Raises ValueError when a request can
-    never fit the pool, RuntimeError if pages leak."""
+    """Replay requests in arrival order on a virtual clock of `step_time` seconds a step until
+    all have finished; `cache_options` are ``CacheConfig`` fields, `on_step` sees each step
+    once scheduled, `tiers` adds tiers below the pool. ValueError when a request can never
+    fit the pool, RuntimeError if pages leak."""
     from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
 
     specs = workload.requests if isinstance(workload, Workload) else workload
