@@ -235,9 +235,12 @@ class KVCacheCoordinator:
                      last: ComputedBlocks) -> bool:
         """Whether a lookup of `request` at `max_tokens` finds `last`'s whole blocks (its
         last lookup at that cap): its hit reached the end of the verified prefix, no block of
-        it was dropped since, and that prefix does not go on now. (A hit cut short by a
-        window group, or one with a recurrent group, is looked up again in full.)"""
-        if (self.recurrent or last.num_verified_tokens != last.num_full_hit_tokens
+        it was dropped since, and that prefix does not go on now. Only where the verified
+        prefix is a full-attention group's hit blocks: without such a group its early links
+        are blocks no hit names (below every window). A hit cut short by a window group, or
+        one with a recurrent group, is looked up again in full too."""
+        if (self._full_group < 0 or self.recurrent
+                or last.num_verified_tokens != last.num_full_hit_tokens
                 or memo.request is not request or memo.num_tokens != request.num_tokens
                 or memo.max_tokens != max_tokens):
             return False

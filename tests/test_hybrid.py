@@ -527,6 +527,44 @@ def test_hit_after_early_blocks_were_evicted() -> None:
     assert [b.block_id for b in computed.blocks[0]] == [ids[0][i] for i in range(6)]
 
 
+@pytest.mark.parametrize("layers", [[None, 8], [8], [4, 8]], ids=["full+window", "window",
+                                                                "windows"])
+def test_a_waiting_request_looked_up_again_finds_what_a_fresh_lookup_finds(
+        layers: list[int | None]) -> None:
+    """A request left waiting is looked up at every step: after its hit's early blocks
+    (null entries of a window group's hit, but links of the verified prefix) are evicted, and
+    after the prefix it wants is computed further, its lookup finds what the same prompt's
+    first lookup finds."""
+    m = make_manager(layers, num_blocks=40)
+    prompt = list(range(100, 125))  # 25 tokens, 6 full blocks
+    first = Request("a", prompt[:17])
+    ids = record_ids(m, first, chunk=4)  # blocks 0..3 cached
+    m.free(first)
+    waiting = Request("w", prompt + [1])
+
+    def looked_up_again() -> int:
+        again = m.get_computed_blocks(waiting)
+        fresh = Request("fresh", waiting.token_ids)
+        expected = m.get_computed_blocks(fresh)
+        m.drop_lookup(fresh)
+        assert again.num_computed_tokens == expected.num_computed_tokens
+        assert again.num_verified_tokens == expected.num_verified_tokens
+        assert [[b.block_id for b in blocks] for blocks in again.blocks] == \
+            [[b.block_id for b in blocks] for blocks in expected.blocks]
+        return again.num_full_hit_tokens
+
+    assert looked_up_again() == 16
+    assert looked_up_again() == 16
+    # The prefix goes on: another request computes blocks 4 and 5.
+    second = Request("b", prompt)
+    prefill(m, second, chunk=4)
+    m.free(second)
+    assert looked_up_again() == 24
+    # Block 0 is evicted in every group: the verified prefix ends before it.
+    evict_blocks(m, [table[0] for table in ids])
+    assert looked_up_again() == 0
+
+
 @pytest.mark.parametrize("hold", [False, True])
 def test_a_shared_prefix_hits_while_the_request_that_computed_it_runs(hold: bool) -> None:
     """Window 8 (2 blocks): request a computes a 6-token shared prefix then 14 more tokens,
@@ -855,11 +893,12 @@ class HybridCacheMachine(RuleBasedStateMachine):
 
     @initialize(windows=st.lists(st.sampled_from(WINDOWS), min_size=1, max_size=2, unique=True),
                 full_position=st.integers(0, 2), num_blocks=st.integers(8, 24),
-                partial=st.booleans(), hold=st.booleans())
+                partial=st.booleans(), hold=st.booleans(), with_full=st.booleans())
     def setup(self, windows: list[int], full_position: int, num_blocks: int, partial: bool,
-              hold: bool) -> None:
+              hold: bool, with_full: bool) -> None:
         layers: list[int | None] = list(windows)
-        layers.insert(min(full_position, len(layers)), None)
+        if with_full:  # without: the verified prefix is found in the window groups
+            layers.insert(min(full_position, len(layers)), None)
         self.manager = make_manager(layers, num_blocks, partial, hold)
         self.partial = partial
         for salt in (None, "tenant"):  # so that lookups create no serials later
