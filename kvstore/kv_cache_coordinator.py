@@ -32,7 +32,8 @@ class ComputedBlocks:
     point where later requests are likely to hit; `cut_blocks` are the blocks of that chain
     past the hit. `issuer` and `lookup_id` name the manager and the lookup that made it:
     a result is admitted only by that manager, for that request object, as its latest
-    lookup."""
+    lookup. Its lists are read-only: a waiting request's next lookup may return them
+    again."""
 
     request_id: str
     blocks: tuple[list[KVCacheBlock], ...]
@@ -58,6 +59,7 @@ class LookupMemo:
 
     request: Request
     num_tokens: int  # the request's tokens then
+    cache_salt: str | None  # its salt then (settable while no block is hashed)
     max_tokens: int
     computed: ComputedBlocks | None = None
     found: set[int] | None = None  # the ids of `computed`'s blocks, once asked for
@@ -242,7 +244,7 @@ class KVCacheCoordinator:
         if (self._full_group < 0 or self.recurrent
                 or last.num_verified_tokens != last.num_full_hit_tokens
                 or memo.request is not request or memo.num_tokens != request.num_tokens
-                or memo.max_tokens != max_tokens):
+                or memo.cache_salt != request.cache_salt or memo.max_tokens != max_tokens):
             return False
         dropped = self.pool.dropped_since(last.cache_epoch)
         if dropped is None:

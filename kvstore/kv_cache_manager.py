@@ -293,8 +293,9 @@ class KVCacheManager:
         max_tokens = request.num_tokens - 1
         entry = self._lookups.get(rid)
         memo = entry[2] if entry is not None else None
-        if memo is None or memo.request is not request or memo.num_tokens != request.num_tokens:
-            memo = LookupMemo(request, request.num_tokens, max_tokens)
+        if (memo is None or memo.request is not request or memo.num_tokens != request.num_tokens
+                or memo.cache_salt != request.cache_salt):
+            memo = LookupMemo(request, request.num_tokens, request.cache_salt, max_tokens)
         self._lookups[rid] = (request, lookup_id, memo)
         if not self.enable_caching:
             return self._no_hit(request, lookup_id)

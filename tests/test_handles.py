@@ -111,6 +111,26 @@ def test_a_lookup_that_did_not_fit_can_be_retried() -> None:
     check_manager(m)
 
 
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_request_given_a_salt_after_its_lookup_is_looked_up_under_the_new_salt(
+        partial: bool) -> None:
+    """A prompt shorter than a block may get its salt after a lookup (nothing is hashed):
+    the next lookup is that of the salted prompt, never a reuse of the unsalted one."""
+    m = make(enable_partial_hits=partial)
+    run(m, Request("a", [7, 8, 9], cache_salt="a"))  # a partial block under tenant a
+    waiting = Request("w", [7, 8, 9], cache_salt="a")
+    assert m.get_computed_blocks(waiting).num_partial_tokens == (2 if partial else 0)
+    waiting.cache_salt = "b"
+    again = m.get_computed_blocks(waiting)
+    fresh = Request("fresh", [7, 8, 9], cache_salt="b")
+    expected = m.get_computed_blocks(fresh)
+    m.drop_lookup(fresh)
+    assert again.num_computed_tokens == expected.num_computed_tokens == 0
+    assert again.parent_serials == expected.parent_serials
+    assert m.admit(waiting, 3, again) is not None
+    check_manager(m)
+
+
 @pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
 def test_one_policy_object_orders_one_pool(name: str) -> None:
     policy = make_policy(name)
