@@ -207,8 +207,9 @@ class KVCacheManager:
         # Other requests cannot change it: they can only share its cached pages, and a
         # range is only given while none of its pages from lo on is cached or shared.
         self._quiet: dict[str, tuple[int, int, int, Request]] = {}
-        # Per request id not yet admitted, the request object looked up last and the id of
-        # that lookup: `admit` takes only that lookup, for that object.
+        # Per request id not yet admitted, the request object looked up last, the id of
+        # that lookup (`admit` takes only that lookup, for that object) and what it found
+        # (the next lookup of that object may find it again).
         self._lookups: dict[str, tuple[Request, int, LookupMemo]] = {}
         self._num_lookups = 0
         # Who hears of released pages, and the window drops of the call under way.
