@@ -293,10 +293,8 @@ class BlockPool:
         # Per group counts (a group never counted reads 0): a defaultdict, whose item
         # updates cost a third of a Counter's.
         self.in_use_by_group: defaultdict[int, int] = defaultdict(int)
-        # Bumped whenever cached content is dropped; lookups taken at the same epoch are current.
-        self.cache_epoch = 0
         # The ids of the pages whose content was dropped at epochs `_dropped_base` on, in
-        # order (the older half is forgotten past `_DROPPED_KEPT` entries).
+        # order (the older half is forgotten past `_DROPPED_KEPT` entries; see `cache_epoch`).
         self._dropped: list[int] = []
         self._dropped_base = 0
         self.stats = CacheStats()
@@ -534,12 +532,17 @@ class BlockPool:
         self.cached_by_group[group] -= 1
         self.evicted_by_group[group] += 1
         self.stats.evictions += 1
-        self.cache_epoch += 1
         dropped = self._dropped
         dropped.append(block.block_id)
         if len(dropped) > _DROPPED_KEPT:
             del dropped[:_DROPPED_KEPT // 2]
             self._dropped_base += _DROPPED_KEPT // 2
+
+    @property
+    def cache_epoch(self) -> int:
+        """A count of the drops of cached content (and resets) so far: lookups taken at the
+        same epoch are current."""
+        return self._dropped_base + len(self._dropped)
 
     def dropped_since(self, epoch: int) -> list[int] | None:
         """The ids of the pages whose cached content was dropped since `cache_epoch` was
@@ -603,9 +606,8 @@ class BlockPool:
         self._children.clear()
         self.cached_by_group.clear()
         self.free_queue.reset()
-        self.cache_epoch += 1
+        self._dropped_base = self.cache_epoch + 1  # the reset's own epoch
         self._dropped.clear()
-        self._dropped_base = self.cache_epoch
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True

@@ -55,13 +55,12 @@ class ComputedBlocks:
 
 @dataclass(slots=True)
 class LookupMemo:
-    """A request's last lookup at a cap, kept for its next one (`find_longest_hit`)."""
+    """One request's last lookup, kept for its next one (`find_longest_hit`)."""
 
-    request: Request
-    num_tokens: int  # the request's tokens then
-    cache_salt: str | None  # its salt then (settable while no block is hashed)
-    max_tokens: int
     computed: ComputedBlocks | None = None
+    # The request's token count and salt (settable while no block is hashed) and the cap
+    # of that lookup.
+    key: tuple[int, str | None, int] = (0, None, 0)
     found: set[int] | None = None  # the ids of `computed`'s blocks, once asked for
 
 
@@ -170,13 +169,14 @@ class KVCacheCoordinator:
         `partial`, the next block's leading tokens that every group has under the hit's
         prefix, at most block_size - 1 of them.
 
-        `memo` carries a request's lookups at one cap from one to the next (a request
-        waiting for room is looked up at every step): the last one's whole blocks are found
-        again when none of them was dropped since and the verified prefix cannot have
-        grown. The result is recorded in it."""
+        `memo` carries one request's lookups from one to the next (a request waiting for
+        room is looked up at every step): at the same cap, with the same tokens and salt,
+        the last one's whole blocks are found again when none of them was dropped since and
+        the verified prefix cannot have grown. The result is recorded in it."""
         bs = self.block_size
         parents: Sequence[int]
-        last = memo.computed if memo is not None else None
+        key = (request.num_tokens, request.cache_salt, max_tokens)
+        last = memo.computed if memo is not None and memo.key == key else None
         if memo is not None and last is not None and self._still_found(request, max_tokens,
                                                                         memo, last):
             hits = last.blocks
@@ -185,7 +185,7 @@ class KVCacheCoordinator:
             num_verified, cut = last.num_verified_tokens, last.cut_blocks
         else:
             if memo is not None:
-                memo.found = None
+                memo.key, memo.found = key, None
             hits, parents, num_blocks, num_verified, cut = self._whole_blocks(request,
                                                                                max_tokens // bs)
         full = num_blocks * bs
@@ -236,15 +236,14 @@ class KVCacheCoordinator:
     def _still_found(self, request: Request, max_tokens: int, memo: LookupMemo,
                      last: ComputedBlocks) -> bool:
         """Whether a lookup of `request` at `max_tokens` finds `last`'s whole blocks (its
-        last lookup at that cap): its hit reached the end of the verified prefix, no block of
-        it was dropped since, and that prefix does not go on now. Only where the verified
-        prefix is a full-attention group's hit blocks: without such a group its early links
-        are blocks no hit names (below every window). A hit cut short by a window group, or
-        one with a recurrent group, is looked up again in full too."""
+        last lookup at that cap, with the same tokens and salt): its hit reached the end of
+        the verified prefix, no block of it was dropped since, and that prefix does not go
+        on now. Only where the verified prefix is a full-attention group's hit blocks:
+        without such a group its early links are blocks no hit names (below every window).
+        A hit cut short by a window group, or one with a recurrent group, is looked up again
+        in full too."""
         if (self._full_group < 0 or self.recurrent
-                or last.num_verified_tokens != last.num_full_hit_tokens
-                or memo.request is not request or memo.num_tokens != request.num_tokens
-                or memo.cache_salt != request.cache_salt or memo.max_tokens != max_tokens):
+                or last.num_verified_tokens != last.num_full_hit_tokens):
             return False
         dropped = self.pool.dropped_since(last.cache_epoch)
         if dropped is None:

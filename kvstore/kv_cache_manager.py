@@ -290,18 +290,14 @@ class KVCacheManager:
         request.update_block_hashes(self.block_size, self._hash_fn)
         self._num_lookups += 1
         lookup_id = self._num_lookups
-        # At least one token is computed so the model yields logits.
-        max_tokens = request.num_tokens - 1
         entry = self._lookups.get(rid)
-        memo = entry[2] if entry is not None else None
-        if (memo is None or memo.request is not request or memo.num_tokens != request.num_tokens
-                or memo.cache_salt != request.cache_salt):
-            memo = LookupMemo(request, request.num_tokens, request.cache_salt, max_tokens)
+        memo = entry[2] if entry is not None and entry[0] is request else LookupMemo()
         self._lookups[rid] = (request, lookup_id, memo)
         if not self.enable_caching:
             return self._no_hit(request, lookup_id)
-        return self._coordinator.find_longest_hit(request, max_tokens, self.enable_partial_hits,
-                                                  self, lookup_id, memo)
+        # At least one token is computed so the model yields logits.
+        return self._coordinator.find_longest_hit(request, request.num_tokens - 1,
+                                                  self.enable_partial_hits, self, lookup_id, memo)
 
     # ---- allocation --------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
