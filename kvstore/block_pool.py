@@ -249,13 +249,15 @@ class BlockPool:
     when the pages of the other `num_groups` groups holding an evicted chained block's
     content became useless (every hit through them needs that block). `group_kinds` names
     each group's kind in events (empty: "full" for chained groups, "sliding" for others).
+    `index_children`: keep the index `children` reads even where neither partial hits nor
+    the policy need it.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
                  enable_events: bool = False, index_partial_blocks: bool = True,
                  eviction: str | EvictionPolicy = DEFAULT_EVICTION,
                  chained_groups: frozenset[int] | None = None, num_groups: int = 1,
-                 group_kinds: Sequence[GroupKind] = ()) -> None:
+                 group_kinds: Sequence[GroupKind] = (), index_children: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -285,8 +287,9 @@ class BlockPool:
         self.hash_index = HashIndex()
         # (group, parent serial) -> sorted [(token_ids, block_id)] of full and partial
         # children: kept only where something reads it (partial hits by longest common
-        # prefix, orphan marking by a content-tracking policy).
-        self._index_children = self.index_partial_blocks or self._tracks_content
+        # prefix, orphan marking by a content-tracking policy, `children`).
+        self._index_children = (self.index_partial_blocks or self._tracks_content
+                                or (enable_caching and index_children))
         self._children: dict[tuple[int, int], list[tuple[tuple[int, ...], int]]] = {}
         self._next_serial = 1
         self._events: list[KVCacheEvent] = []
@@ -480,6 +483,14 @@ class BlockPool:
             self._children[key] = [(token_ids, block_id)]
         else:
             insort(siblings, (token_ids, block_id))
+
+    def children(self, group_id: int, serial: int) -> Sequence[tuple[tuple[int, ...], int]]:
+        """The cached full and partial blocks of this group whose parent content is `serial`,
+        as (token ids, block id) sorted by tokens (read only); raises where the pool keeps
+        no such index."""
+        if not self._index_children:
+            raise RuntimeError("this pool keeps no index of children (see index_children)")
+        return self._children.get((group_id, serial), ())
 
     def longest_partial_match(self, group_id: int, parent_serial: int, query: tuple[int, ...]
                               ) -> PartialMatch:
@@ -768,7 +779,8 @@ class TwoSizeBlockPool(BlockPool):
                  enable_events: bool = False, index_partial_blocks: bool = True,
                  eviction: str | EvictionPolicy = DEFAULT_EVICTION,
                  chained_groups: frozenset[int] | None = None, num_groups: int = 1,
-                 bytes_per_block: int = 1, group_kinds: Sequence[GroupKind] = ()) -> None:
+                 bytes_per_block: int = 1, group_kinds: Sequence[GroupKind] = (),
+                 index_children: bool = False) -> None:
         k = large_page_blocks
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"large_page_blocks must be a positive int, got {k!r}")
@@ -776,7 +788,7 @@ class TwoSizeBlockPool(BlockPool):
             raise ValueError(f"a two-size pool needs a multiple of {k} blocks, at least {2 * k} "
                              f"(one large page beside the null block's), got {num_blocks}")
         super().__init__(num_blocks, enable_caching, enable_events, index_partial_blocks,
-                         eviction, chained_groups, num_groups, group_kinds)
+                         eviction, chained_groups, num_groups, group_kinds, index_children)
         self.large_page_blocks = k
         self.bytes_per_block = bytes_per_block
         self.recurrent_groups = recurrent_groups
@@ -1039,7 +1051,7 @@ class TwoSizeBlockPool(BlockPool):
         """How many ways the cached full-attention chain continues after the prefix of
         content `serial` (0 where the checkpoint order tracks no chains)."""
         chain = self._chain_groups
-        return len(self._children.get((min(chain), serial), ())) if chain else 0
+        return len(self.children(min(chain), serial)) if chain else 0
 
     def _evict_free(self, block: KVCacheBlock) -> None:
         """Evict a free cached block the policy is handing out."""

@@ -18,7 +18,12 @@ from kvstore.single_type_kv_cache_manager import (
     agreed_hit,
     make_manager,
 )
-from kvstore.specs import FullAttentionSpec, KVCacheConfig
+from kvstore.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    SlidingWindowSpec,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,13 +119,21 @@ class KVCacheCoordinator:
         # The groups that index blocks, in caching order (a recurrent group indexes none).
         self._cache_order = tuple(self.managers[g] for g in cache_order
                                   if not config.groups[g].is_recurrent)
-        # Branch points matter where window groups hold pages for them.
-        self._learns_branches = hold_window_pages and bool(full) and len(full) < n
+        self._learns_branches = self.learns_branches(config, hold_window_pages)
         # Freeing lists a position's window pages before its full-attention ones (a
         # recurrent group's large pages, on lists of their own, go first, apart).
         paged = [g for g in range(n) if not config.groups[g].is_recurrent]
         self._free_order = tuple(g for g in paged if g not in full) + tuple(full)
         self._recurrent_groups = tuple(g for g in range(n) if g not in paged)
+
+    @staticmethod
+    def learns_branches(config: KVCacheConfig, hold_window_pages: bool) -> bool:
+        """Whether lookups learn branch points: where window groups hold pages for them,
+        beside a full-attention group (the pool must then index children, see `children`)."""
+        specs = [group.spec for group in config.groups]
+        return (hold_window_pages and any(isinstance(s, FullAttentionSpec) for s in specs)
+                and any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec))
+                        for s in specs))
 
     def _verified_prefix(self, request: Request, max_blocks: int
                          ) -> tuple[list[int], list[KVCacheBlock]]:
@@ -377,17 +390,22 @@ class KVCacheCoordinator:
         self.pool.reused(block for block in computed.cut_blocks if block.block_hash is not None)
 
     def _learn_branch_points(self, request: Request, computed: ComputedBlocks) -> None:
-        """Mark where this lookup's verified chain ended before the prompt's last block (a
-        branch point: later prompts sharing the prefix hit there), and have the window
+        """Mark where this lookup's verified chain ended before the prompt's last block while
+        the cache holds another whole block after it (a branch point: later prompts sharing
+        the prefix hit there), and have the window
         groups treat the branch points marked on the hit's chain as likely hit ends: they
         hold their pages there, and share those another request holds (no free page taken),
         so a window a running request keeps for a branch point outlives it."""
         bs = self.block_size
-        hit = computed.blocks[self._full_group]
+        g = self._full_group
+        hit = computed.blocks[g]
         num_verified = computed.num_verified_tokens // bs
         if 0 < num_verified < (request.num_tokens - 1) // bs:
             last = computed.cut_blocks[-1] if computed.cut_blocks else hit[num_verified - 1]
-            last.hint = BRANCH_POINT
+            # A branch only where the cache holds another whole block after it (a
+            # conversation's next turn goes on past its last block: no branch there).
+            if any(len(tokens) == bs for tokens, _ in self.pool.children(g, last.serial)):
+                last.hint = BRANCH_POINT
         ends = [(j + 1) * bs for j, block in enumerate(hit) if block.hint == BRANCH_POINT]
         if ends:
             for manager in self.managers:

@@ -75,9 +75,9 @@ class CacheConfig:
       `kvstore.eviction.EVICTION_POLICIES`) or a policy object used by one manager only;
       None: `lru`, or `worth` for a layout with recurrent groups (checkpoints evicted by
       the compute they save).
-    - `hold_window_pages`: sliding-window groups keep the pages past the window that likely
-      hits need until the request ends (see `KVCacheManager`); off, windows drop every page
-      as they pass it, as vLLM does.
+    - `hold_window_pages`: sliding-window groups keep the pages past the window that hits
+      at branch points need until the request ends (see `KVCacheManager`); off, windows
+      drop every page as they pass it, as vLLM does.
     - `checkpoint_every_blocks`: recurrent groups also take a checkpoint every that many
       blocks (default 512: 8,192 tokens of 16-token blocks, vLLM's default step budget, so
       a long prompt has no fewer checkpoints than vLLM's `align` mode takes in it; 0: only
@@ -142,12 +142,11 @@ class KVCacheManager:
     (see kvstore.eviction; LRU by default, `worth` with recurrent groups).
 
     With `hold_window_pages` (default), a sliding-window group keeps, until the request
-    ends, the pages past its window that likely hits need: those of its first W tokens (any
-    hit that ends within them needs them all) and those in the window before its likely hit
-    ends (prompt end, hit end, branch point, and the branch points earlier lookups marked
-    on its hit's chain, sharing the pages another request holds there). They are let go
-    when a request that runs alone cannot grow otherwise. Off, windows drop every page as
-    they pass it, as vLLM does.
+    ends, the pages past its window that hits are known to need: those in the window before
+    the branch points on its hit's chain (where an earlier lookup left the cached chain at a
+    block after which it goes on another way; the pages another request holds there are
+    shared). They are let go when a request that runs alone cannot grow otherwise. Off,
+    windows drop every page as they pass it, as vLLM does.
 
     Beside it, a connector (tiers below the device pool, as vLLM's KV connectors) supplies
     tokens past a device hit (`admit(..., num_external_tokens=)`) and hears of the pages
@@ -176,6 +175,8 @@ class KVCacheManager:
         eviction = cache_config.eviction
         if eviction is None:
             eviction = RECURRENT_EVICTION if config.has_recurrent else DEFAULT_EVICTION
+        index_children = KVCacheCoordinator.learns_branches(config,
+                                                            cache_config.hold_window_pages)
         if config.has_recurrent:
             # A recurrent state never sits inside a block: no partial hits.
             self.enable_partial_hits = False
@@ -185,13 +186,15 @@ class KVCacheManager:
                 enable_caching, cache_config.enable_events, index_partial_blocks=False,
                 eviction=eviction, chained_groups=chained,
                 num_groups=len(config.groups), bytes_per_block=config.bytes_per_block,
-                group_kinds=tuple(group.kind for group in config.groups))
+                group_kinds=tuple(group.kind for group in config.groups),
+                index_children=index_children)
         else:
             self._pool = BlockPool(config.num_blocks, enable_caching, cache_config.enable_events,
                                    index_partial_blocks=self.enable_partial_hits,
                                    eviction=eviction, chained_groups=chained,
                                    num_groups=len(config.groups),
-                                   group_kinds=tuple(group.kind for group in config.groups))
+                                   group_kinds=tuple(group.kind for group in config.groups),
+                                   index_children=index_children)
         # Copies queued for the worker and the pins that keep their pages alive.
         self._copies = PendingCopies(self._pool)
         self._coordinator = KVCacheCoordinator(config, self._pool, self._copies,

@@ -374,16 +374,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     window, the current chunk for chunked local attention: the spec's window methods say
     which); older pages return to the pool (still cached).
 
-    Except, with `hold` (the default), the pages a likely hit needs: those of a request's
-    first W (or C) tokens (every hit that ends within them, a system prompt or a shared
-    template, needs them all) and those in the window before its likely hit ends (its prompt's end,
-    its lookup's hit end and branch point, and branch points earlier lookups marked on its
-    hit's chain). They stay in its table until it ends, or until a request running alone
-    cannot grow otherwise (`release_held`). Once dropped they are the first pages a busy
-    pool reuses, which leaves the full-attention chain of a shared prefix unusable while
-    the request that computed it still runs."""
+    Except, with `hold` (the default), the pages hits are known to need: those in the window
+    before the branch points marked on the request's hit chain (where a lookup's prompt
+    left a cached chain that goes on another way: prompts sharing the prefix come back
+    there). They stay in its table until it ends, or until a request running alone cannot
+    grow otherwise (`release_held`). Once dropped they are the first pages a busy pool
+    reuses, which leaves the full-attention chain of a shared prefix unusable while the
+    request that computed it still runs. Pages before other likely hit ends (the prompt's
+    end, the lookup's hit end) are not held: a conversation's next turn hits past them."""
 
-    __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_holding", "holds_ends",
+    __slots__ = ("_cursor", "_dropped", "_ends", "_held_ranges", "_holding", "holds_ends",
                  "drop_log")
     spec: LocalAttentionSpec
 
@@ -391,20 +391,19 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                  copies: PendingCopies, cache_order: Sequence[int] = (), hold: bool = True
                  ) -> None:
         super().__init__(pool, spec, group_id, copies, cache_order)
-        span = spec.local_span
-        assert span is not None
         self.holds_ends = hold
-        self._head_blocks = span // self.block_size  # the first W (or C) tokens
-        # Per request: whether it still holds its head and end ranges, and the table index
+        # Per request: whether it still holds pages past the window, and the table index
         # from which entries have not been dropped or kept yet.
         self._holding: dict[str, bool] = {}
         self._cursor: dict[str, int] = {}
         # Cached pages each request dropped from its window (with their content serials).
         self._dropped: dict[str, list[Dropped]] = {}
         # Per request, the table index ranges [start, stop) within the window before a
-        # likely hit end (prompt end, lookup's hit and branch point): held (see above), or
-        # without `hold` freed pages there are tagged worth keeping (KVCacheBlock.hint).
+        # likely hit end (prompt end, lookup's hit and branch points): pages freed there
+        # are tagged worth keeping (KVCacheBlock.hint); and those of the branch points,
+        # held (see above).
         self._ends: dict[str, list[tuple[int, int]]] = {}
+        self._held_ranges: dict[str, list[tuple[int, int]]] = {}
         # Where dropped pages are reported, when someone listens: (request id, group, table
         # index, page id, before a likely hit end, let go of as held).
         self.drop_log: list[tuple[str, int, int, int, bool, bool]] | None = None
@@ -422,10 +421,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                                 self.spec.first_needed_block(request.num_computed_tokens))
         p = request.num_prompt_tokens
         end_range = self.spec.hit_end_range
-        self._ends[request.request_id] = [end_range(p - 1), end_range(p)]
+        self._ends[rid] = [end_range(p - 1), end_range(p)]
+        self._held_ranges[rid] = []
 
     def note_hit_ends(self, request: Request, ends: Sequence[int]) -> None:
-        """Keep the pages before these token counts too (the lookup's hit and branch point)."""
+        """Tag the pages before these token counts too (the lookup's hit and branch point)."""
         ranges = self._ends[request.request_id]
         for end in ends:
             if end > 0:
@@ -436,6 +436,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         super().fork(parent_id, child_id, num_computed_tokens)
         self._dropped[child_id] = []
         self._ends[child_id] = list(self._ends[parent_id])
+        self._held_ranges[child_id] = list(self._held_ranges[parent_id])
         self._holding[child_id] = self._holding[parent_id]
         self._cursor[child_id] = self._cursor[parent_id]
 
@@ -457,7 +458,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 if block.block_id != 0:
                     block.hint = hint
         table, _ = super().free(request)
-        del self._ends[rid], self._holding[rid], self._cursor[rid]
+        del self._ends[rid], self._held_ranges[rid], self._holding[rid], self._cursor[rid]
         return table, self._dropped.pop(rid)
 
     def hold_branch_windows(self, request: Request, ends: Sequence[int],
@@ -470,11 +471,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if not self._holding[rid]:
             return
         table = self._req_to_blocks[rid]
-        ranges = self._ends[rid]
+        ranges, held = self._ends[rid], self._held_ranges[rid]
         pool = self.pool
         for end in ends:
             start, stop = self.spec.hit_end_range(end)
             ranges.append((start, stop))
+            held.append((start, stop))
             for i in range(max(start, 0), min(stop, len(table), len(parents))):
                 if table[i].block_id == 0:
                     block = pool.hash_index.probe(self.group_id, request.block_hashes[i],
@@ -489,11 +491,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         k = min(len(table), self.spec.first_needed_block(num_computed_tokens))
         return sum(1 for i in range(k) if table[i].block_id != 0 and table[i].ref_cnt == 1
                    and self._held(request_id, i))
-
-    def end_blocks(self, request_id: str) -> set[int]:
-        """Table indexes within the window before the request's likely hit ends (its
-        prompt's end, its lookup's hit end and branch points)."""
-        return {i for start, stop in self._ends[request_id] for i in range(max(start, 0), stop)}
 
     def release_held(self, requests: Mapping[str, Request]) -> bool:
         """Stop holding pages past the window for every live request (`requests`, by id; the
@@ -533,9 +530,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Whether table entry i is held past the window (see the class)."""
         if not self._holding[request_id]:
             return False
-        if i < self._head_blocks:
-            return True
-        for start, stop in self._ends[request_id]:
+        for start, stop in self._held_ranges[request_id]:
             if start <= i < stop:
                 return True
         return False
@@ -570,8 +565,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """The first table index from `i` on that is not held past the window (`_held`)."""
         if not self._holding[request_id]:
             return i
-        i = max(i, self._head_blocks)
-        ends = self._ends[request_id]
+        ends = self._held_ranges[request_id]
         moved = True
         while moved:
             moved = False

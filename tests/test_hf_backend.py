@@ -142,12 +142,14 @@ def run_family(model_type: str, seed: int = 0, config: dict[str, Any] | None = N
         check_against_hf(ref, out)
     assert engine.manager.usage == 0.0
 
-    # A pool with room for the longest request alone: preemption and eviction.
+    # A pool with room for the longest request alone: preemption and eviction (outputs
+    # long enough that requests running together outgrow it, windows or not).
     prompts = [tokens(n + k, seed=10 + k) for k in range(3)] + [tokens(5, seed=14)]
-    longest = n + 2 + max_tokens
+    longer = 13
+    longest = n + 2 + longer
     groups = len(make_engine(model, num_blocks=64).config.groups)
     small = make_engine(model, num_blocks=1 + groups * -(-longest // BLOCK), batched=16)
-    outs = small.generate(prompts, greedy(max_tokens))
+    outs = small.generate(prompts, greedy(longer))
     assert small.stats.preemptions > 0 and small.stats.evictions > 0
     for out in outs:
         check_against_hf(ref, out)

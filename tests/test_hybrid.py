@@ -274,7 +274,7 @@ def held(manager: KVCacheManager, g: int, rid: str, i: int) -> bool:
 
 def check_tables_after_allocate(manager: KVCacheManager, req: Request, num_tokens: int) -> None:
     """Right after allocate_slots: windowed tables hold exactly the pages of the next query's
-    window onwards (nulls before, but for a held head), full tables every page; tables cover
+    window onwards (nulls before, but for held pages), full tables every page; tables cover
     `num_tokens`."""
     nc = req.num_computed_tokens
     for g, (window, ids) in enumerate(zip(group_windows(manager), tables(manager, req.request_id),
@@ -566,22 +566,23 @@ def test_a_waiting_request_looked_up_again_finds_what_a_fresh_lookup_finds(
 
 
 @pytest.mark.parametrize("hold", [False, True])
-def test_a_shared_prefix_hits_while_the_request_that_computed_it_runs(hold: bool) -> None:
-    """Window 8 (2 blocks): request a computes a 6-token shared prefix then 14 more tokens,
-    far past its window. Without the held head its windows dropped blocks 0 and 1, which a
-    busy pool reuses first: b, sharing the prefix, finds the full chain and no window. With
-    it, the head stays in a's table and b hits the whole prefix."""
+def test_a_window_no_lookup_branched_from_is_not_held(hold: bool) -> None:
+    """Window 8 (2 blocks): request a computes 20 tokens, far past its window. No lookup
+    ended inside its chain, so even with held windows it keeps no page past its window (a
+    conversation's next turn hits past it): its windows dropped blocks 0 and 1, which a busy
+    pool reuses first, and b, sharing its first 6 tokens, finds the full chain and no
+    window."""
     m = make_manager([None, 8], num_blocks=30, hold=hold)
     shared = list(range(100, 106))
     a = Request("a", shared + list(range(200, 214)))
     prefill(m, a, chunk=4)
     window_table = tables(m, "a")[1]
-    assert (window_table[0] != 0 and window_table[1] != 0) == hold
+    assert window_table[:2] == [0, 0]
     evict_head(m, m.num_free_blocks)  # every free page reused: the dropped ones too
     b = Request("b", shared + [1, 2, 3])
     computed = m.get_computed_blocks(b)
-    assert computed.num_computed_tokens == (6 if hold else 0)  # 4 + a partial hit of 2
-    assert m.allocate_slots(b, b.num_tokens - computed.num_computed_tokens, computed) is not None
+    assert computed.num_computed_tokens == 0
+    assert m.allocate_slots(b, b.num_tokens, computed) is not None
     check_manager(m)
 
 
@@ -628,14 +629,45 @@ def test_a_branch_point_is_learned_and_its_window_shared_while_held(hold: bool) 
     check_manager(m)
 
 
-def test_heads_are_let_go_only_for_a_request_running_alone() -> None:
-    """The held heads cost pages; when a running request cannot grow they are let go only
-    if it runs alone (else the scheduler preempts, keeping the running prefixes' heads)."""
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_lookup_ending_where_the_cached_chain_ends_is_no_branch_point(partial: bool) -> None:
+    """x caches 18 tokens (4 full blocks and, with partial hits, a partial one). y, its
+    next turn, goes on past them: its lookup ends where x's chain ends, so nothing is
+    marked and y holds no window. z leaves x's chain after 8 tokens, where x goes on with a
+    whole block: a branch point, and z holds the window before it."""
+    from kvstore.block import BRANCH_POINT
+
+    m = make_manager([None, 8], num_blocks=64, partial=partial, hold=True)
+    x = Request("x", list(range(100, 118)))
+    prefill(m, x, chunk=4)
+    m.free(x)
+    y = Request("y", x.token_ids + list(range(200, 210)))
+    prefill(m, y, chunk=4)
+    pool = internals(m).pool
+    assert not any(pool.blocks[i].hint == BRANCH_POINT for i in tables(m, "y")[0])
+    assert not any(held(m, 1, "y", i) for i in range(len(tables(m, "y")[1])))
+    z = Request("z", x.token_ids[:8] + [7] * 8)
+    prefill(m, z, chunk=4)
+    assert pool.blocks[tables(m, "z")[0][1]].hint == BRANCH_POINT
+    assert [held(m, 1, "z", i) for i in range(4)] == [True, True, False, False]
+    check_manager(m)
+
+
+def test_held_windows_are_let_go_only_for_a_request_running_alone() -> None:
+    """Held window pages cost pages; when a running request cannot grow they are let go
+    only if it runs alone (else the scheduler preempts, keeping the held windows). x caches
+    16 tokens; a shares its first 8, so its lookup ends at a branch point and it holds the
+    window before it (blocks 0 and 1)."""
     m = make_manager([None, 8], num_blocks=13, hold=True)  # 12 usable pages
+    prefix = list(range(100, 108))
+    x = Request("x", prefix + list(range(400, 408)))
+    prefill(m, x, chunk=4)
+    m.free(x)
     b = Request("b", list(range(300, 303)))
     prefill(m, b)  # 1 page in each group
-    a = Request("a", list(range(100, 120)))  # 20 tokens: 5 full pages, 5 window pages
+    a = Request("a", prefix + list(range(108, 120)))  # 20 tokens: 5 full pages, 5 window pages
     prefill(m, a, chunk=4)
+    assert held(m, 1, "a", 0) and held(m, 1, "a", 1) and not held(m, 1, "a", 2)
     assert m.num_free_blocks == 0 and non_null(tables(m, "a")[1]) == 5
     # Growing a block takes a full and a window page; its window lets go of one.
     for t in range(120, 124):

@@ -217,14 +217,13 @@ class TierConnector:
         self._host_pending: set[bytes] = set()  # keys queued for the host tier, not yet taken
         self._host_keys: list[bytes] = []  # host keys verified by the lookup under way
         self._manager: KVCacheManager | None = None
-        self._holds_windows = False  # the manager holds window pages before likely hit ends
+        self._holds_windows = False  # the manager holds window pages before branch points
         self._hits: dict[str, TierHit] = {}  # by request id: looked up, not yet admitted
         self._loads: list[PendingLoad] = []
         self._holds: list[tuple[int, ...]] = []  # of the hits admitted since the last take
         # Per request, the sliding-window (group, table index) entries to offload when
-        # dropped (window pages are not held), and the requests that let go of held pages.
+        # dropped (window pages are not held).
         self._watch: dict[str, set[tuple[int, int]]] = {}
-        self._let_go: set[str] = set()
 
     @classmethod
     def create(cls, config: KVCacheConfig, model_name: str, *, host_tier_bytes: int | None = None,
@@ -367,7 +366,6 @@ class TierConnector:
                 if hit is not None:
                     self.release(hit.held)
                 self._watch.pop(rid, None)
-                self._let_go.discard(rid)
             n = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
             self.queue_offload_blocks(request, g, [(i, b) for i, b in record.pages if i < n])
             return
@@ -376,11 +374,8 @@ class TierConnector:
             return
         pages: Sequence[tuple[int, int]] = record.pages
         if self._holds_windows:
-            # Held pages reach the tiers at free; those a lone request let go of, as they drop.
-            if record.cause == "held":
-                self._let_go.add(rid)
-            if rid not in self._let_go:
-                return
+            # Held pages reach the tiers at free (or as a lone request lets go of them);
+            # the manager tags those before likely hit ends.
             if mode == "ends":
                 pages = [p for p, near in zip(pages, record.near_end, strict=True) if near]
         elif mode == "ends":
