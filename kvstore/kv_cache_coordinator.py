@@ -385,31 +385,44 @@ class KVCacheCoordinator:
             manager.admit(request, computed.blocks[g], computed.partial_sources[g], parent)
             manager.note_hit_ends(request, ends)
         if self._learns_branches:
-            self._learn_branch_points(request, computed)
+            self._hold_likely_ends(request, computed)
         # A prefix the lookup found but a group cut: it was asked for again.
         self.pool.reused(block for block in computed.cut_blocks if block.block_hash is not None)
 
-    def _learn_branch_points(self, request: Request, computed: ComputedBlocks) -> None:
-        """Mark where this lookup's verified chain ended before the prompt's last block while
-        the cache holds another whole block after it (a branch point: later prompts sharing
-        the prefix hit there), and have the window
-        groups treat the branch points marked on the hit's chain as likely hit ends: they
-        hold their pages there, and share those another request holds (no free page taken),
-        so a window a running request keeps for a branch point outlives it."""
+    def _hold_likely_ends(self, request: Request, computed: ComputedBlocks) -> None:
+        """Have the window groups hold the windows later hits are likely to need, by what
+        the lookup found (verified: the full-attention chain of the prompt's prefix):
+
+        - where the verified chain ends at a page the cache continues with another whole
+          block, the chain branches: prompts sharing the prefix come back there. Before the
+          prompt's last block, the page is marked a branch point (`BRANCH_POINT`);
+        - the window before each branch point marked on the hit's chain (the pages there
+          another request holds are shared, so a window a running request keeps for a
+          branch point outlives it);
+        - the window before the lookup's hit end, where the chain branches there or the
+          prompt repeats a cached one (the chain covers all of its whole blocks);
+        - the first window of a prompt the cache had nothing of.
+
+        A conversation's next turn, which goes on where the cached chain ended, holds
+        none of them."""
         bs = self.block_size
         g = self._full_group
         hit = computed.blocks[g]
         num_verified = computed.num_verified_tokens // bs
-        if 0 < num_verified < (request.num_tokens - 1) // bs:
+        last_block = (request.num_tokens - 1) // bs
+        ends = []
+        if num_verified:
             last = computed.cut_blocks[-1] if computed.cut_blocks else hit[num_verified - 1]
-            # A branch only where the cache holds another whole block after it (a
-            # conversation's next turn goes on past its last block: no branch there).
-            if any(len(tokens) == bs for tokens, _ in self.pool.children(g, last.serial)):
+            branches = any(len(tokens) == bs for tokens, _ in self.pool.children(g, last.serial))
+            if branches and num_verified < last_block:
                 last.hint = BRANCH_POINT
-        ends = [(j + 1) * bs for j, block in enumerate(hit) if block.hint == BRANCH_POINT]
-        if ends:
+            if branches or num_verified >= last_block:
+                ends += [computed.num_full_hit_tokens, computed.num_verified_tokens]
+        ends += [(j + 1) * bs for j, block in enumerate(hit) if block.hint == BRANCH_POINT]
+        if ends or not num_verified:
             for manager in self.managers:
-                manager.hold_branch_windows(request, ends, computed.parent_serials)
+                manager.hold_windows(request, ends, computed.parent_serials,
+                                     head=not num_verified)
 
     def allocate(self, request: Request, num_tokens: int) -> tuple[tuple[int, ...], ...]:
         """Grow every group's table to `num_tokens` tokens (the caller checked it fits);

@@ -75,9 +75,9 @@ class CacheConfig:
       `kvstore.eviction.EVICTION_POLICIES`) or a policy object used by one manager only;
       None: `lru`, or `worth` for a layout with recurrent groups (checkpoints evicted by
       the compute they save).
-    - `hold_window_pages`: sliding-window groups keep the pages past the window that hits
-      at branch points need until the request ends (see `KVCacheManager`); off, windows
-      drop every page as they pass it, as vLLM does.
+    - `hold_window_pages`: sliding-window groups keep the pages past the window that later
+      prompts are likely to hit until the request ends (see `KVCacheManager`); off,
+      windows drop every page as they pass it, as vLLM does.
     - `checkpoint_every_blocks`: recurrent groups also take a checkpoint every that many
       blocks (default 512: 8,192 tokens of 16-token blocks, vLLM's default step budget, so
       a long prompt has no fewer checkpoints than vLLM's `align` mode takes in it; 0: only
@@ -142,11 +142,13 @@ class KVCacheManager:
     (see kvstore.eviction; LRU by default, `worth` with recurrent groups).
 
     With `hold_window_pages` (default), a sliding-window group keeps, until the request
-    ends, the pages past its window that hits are known to need: those in the window before
-    the branch points on its hit's chain (where an earlier lookup left the cached chain at a
-    block after which it goes on another way; the pages another request holds there are
-    shared). They are let go when a request that runs alone cannot grow otherwise. Off,
-    windows drop every page as they pass it, as vLLM does.
+    ends, the pages past its window that what its lookup found says later prompts will
+    hit: the window before the branch points on its hit's chain (where a lookup left the
+    cached chain at a block after which it goes on another way; the pages another request
+    holds there are shared), before its hit end where the chain branches there or the
+    prompt repeats a cached one, and the first W tokens of a prompt the cache had nothing
+    of. They are let go when a request that runs alone cannot grow otherwise. Off, windows
+    drop every page as they pass it, as vLLM does.
 
     Beside it, a connector (tiers below the device pool, as vLLM's KV connectors) supplies
     tokens past a device hit (`admit(..., num_external_tokens=)`) and hears of the pages

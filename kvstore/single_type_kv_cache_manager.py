@@ -310,9 +310,10 @@ class SingleTypeKVCacheManager:
         """Pages `release_held` would free of this request's (held past the window)."""
         return 0
 
-    def hold_branch_windows(self, request: Request, ends: Sequence[int],
-                            parents: Sequence[int]) -> None:
-        """Treat these token counts as likely hit ends (see SlidingWindowManager)."""
+    def hold_windows(self, request: Request, ends: Sequence[int], parents: Sequence[int],
+                     head: bool) -> None:
+        """Hold the windows before these token counts, and the first one if `head` (see
+        SlidingWindowManager)."""
 
     def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
         """Make table entries [start, stop) null and free their pages: fresh pages, not yet
@@ -374,24 +375,30 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     window, the current chunk for chunked local attention: the spec's window methods say
     which); older pages return to the pool (still cached).
 
-    Except, with `hold` (the default), the pages hits are known to need: those in the window
-    before the branch points marked on the request's hit chain (where a lookup's prompt
-    left a cached chain that goes on another way: prompts sharing the prefix come back
-    there). They stay in its table until it ends, or until a request running alone cannot
-    grow otherwise (`release_held`). Once dropped they are the first pages a busy pool
-    reuses, which leaves the full-attention chain of a shared prefix unusable while the
-    request that computed it still runs. Pages before other likely hit ends (the prompt's
-    end, the lookup's hit end) are not held: a conversation's next turn hits past them."""
+    Except, with `hold` (the default), the pages the lookup's evidence says later hits
+    need (`hold_windows`, chosen by the coordinator): the window before each branch point
+    marked on the request's hit chain (where a lookup's prompt left a cached chain that
+    goes on another way: prompts sharing the prefix come back there), the window before
+    the lookup's own hit end where the chain branches there or the prompt repeats a cached
+    one, and the first window of a prompt the cache had nothing of (its prefix may be
+    shared by the next prompts). They stay in its table until it ends, or until a request
+    running alone cannot grow otherwise (`release_held`). Once dropped they are the first
+    pages a busy pool reuses, which leaves the full-attention chain of a shared prefix
+    unusable while the request that computed it still runs. Other ends are not held: a
+    conversation's next turn goes on past its prompt's end and the end of its hit."""
 
-    __slots__ = ("_cursor", "_dropped", "_ends", "_held_ranges", "_holding", "holds_ends",
-                 "drop_log")
+    __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_held_ranges", "_holding",
+                 "holds_ends", "drop_log")
     spec: LocalAttentionSpec
 
     def __init__(self, pool: BlockPool, spec: LocalAttentionSpec, group_id: int,
                  copies: PendingCopies, cache_order: Sequence[int] = (), hold: bool = True
                  ) -> None:
         super().__init__(pool, spec, group_id, copies, cache_order)
+        span = spec.local_span
+        assert span is not None
         self.holds_ends = hold
+        self._head_blocks = span // self.block_size  # the first W (or C) tokens
         # Per request: whether it still holds pages past the window, and the table index
         # from which entries have not been dropped or kept yet.
         self._holding: dict[str, bool] = {}
@@ -461,19 +468,24 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         del self._ends[rid], self._held_ranges[rid], self._holding[rid], self._cursor[rid]
         return table, self._dropped.pop(rid)
 
-    def hold_branch_windows(self, request: Request, ends: Sequence[int],
-                            parents: Sequence[int]) -> None:
+    def hold_windows(self, request: Request, ends: Sequence[int], parents: Sequence[int],
+                     head: bool) -> None:
         """Right after admission: hold the pages in the window before each of these ends
-        (branch points on the hit's chain; `parents[i]`: the serial block i hangs under),
-        and put in the table those below the next query's window that another request holds
-        (shared: no free page is taken, so admission's plan is unchanged)."""
+        (see the class; `parents[i]`: the serial block i hangs under), and those of the
+        first window if `head`; put in the table those below the next query's window that
+        another request holds (shared: no free page is taken, so admission's plan is
+        unchanged)."""
         rid = request.request_id
         if not self._holding[rid]:
             return
         table = self._req_to_blocks[rid]
         ranges, held = self._ends[rid], self._held_ranges[rid]
+        if head:
+            held.append((0, self._head_blocks))
         pool = self.pool
         for end in ends:
+            if end <= 0:
+                continue
             start, stop = self.spec.hit_end_range(end)
             ranges.append((start, stop))
             held.append((start, stop))

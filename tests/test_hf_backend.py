@@ -144,9 +144,9 @@ def run_family(model_type: str, seed: int = 0, config: dict[str, Any] | None = N
 
     # A pool with room for the longest request alone: preemption and eviction (outputs
     # long enough that requests running together outgrow it, windows or not).
-    prompts = [tokens(n + k, seed=10 + k) for k in range(3)] + [tokens(5, seed=14)]
-    longer = 13
-    longest = n + 2 + longer
+    prompts = [tokens(n + k, seed=10 + k) for k in range(4)] + [tokens(5, seed=14)]
+    longer = 9
+    longest = n + 3 + longer
     groups = len(make_engine(model, num_blocks=64).config.groups)
     small = make_engine(model, num_blocks=1 + groups * -(-longest // BLOCK), batched=16)
     outs = small.generate(prompts, greedy(longer))

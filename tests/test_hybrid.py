@@ -566,23 +566,22 @@ def test_a_waiting_request_looked_up_again_finds_what_a_fresh_lookup_finds(
 
 
 @pytest.mark.parametrize("hold", [False, True])
-def test_a_window_no_lookup_branched_from_is_not_held(hold: bool) -> None:
-    """Window 8 (2 blocks): request a computes 20 tokens, far past its window. No lookup
-    ended inside its chain, so even with held windows it keeps no page past its window (a
-    conversation's next turn hits past it): its windows dropped blocks 0 and 1, which a busy
-    pool reuses first, and b, sharing its first 6 tokens, finds the full chain and no
-    window."""
+def test_a_shared_prefix_hits_while_the_request_that_computed_it_runs(hold: bool) -> None:
+    """Window 8 (2 blocks): request a computes a 6-token shared prefix then 14 more tokens,
+    far past its window. Without the held head its windows dropped blocks 0 and 1, which a
+    busy pool reuses first: b, sharing the prefix, finds the full chain and no window. With
+    it, the head stays in a's table and b hits the whole prefix."""
     m = make_manager([None, 8], num_blocks=30, hold=hold)
     shared = list(range(100, 106))
     a = Request("a", shared + list(range(200, 214)))
     prefill(m, a, chunk=4)
     window_table = tables(m, "a")[1]
-    assert window_table[:2] == [0, 0]
+    assert (window_table[0] != 0 and window_table[1] != 0) == hold
     evict_head(m, m.num_free_blocks)  # every free page reused: the dropped ones too
     b = Request("b", shared + [1, 2, 3])
     computed = m.get_computed_blocks(b)
-    assert computed.num_computed_tokens == 0
-    assert m.allocate_slots(b, b.num_tokens, computed) is not None
+    assert computed.num_computed_tokens == (6 if hold else 0)  # 4 + a partial hit of 2
+    assert m.allocate_slots(b, b.num_tokens - computed.num_computed_tokens, computed) is not None
     check_manager(m)
 
 
@@ -651,6 +650,39 @@ def test_a_lookup_ending_where_the_cached_chain_ends_is_no_branch_point(partial:
     assert pool.blocks[tables(m, "z")[0][1]].hint == BRANCH_POINT
     assert [held(m, 1, "z", i) for i in range(4)] == [True, True, False, False]
     check_manager(m)
+
+
+def test_heads_are_let_go_only_for_a_request_running_alone() -> None:
+    """The held heads cost pages; when a running request cannot grow they are let go only
+    if it runs alone (else the scheduler preempts, keeping the running prefixes' heads)."""
+    m = make_manager([None, 8], num_blocks=13, hold=True)  # 12 usable pages
+    b = Request("b", list(range(300, 303)))
+    prefill(m, b)  # 1 page in each group
+    a = Request("a", list(range(100, 120)))  # 20 tokens: 5 full pages, 5 window pages
+    prefill(m, a, chunk=4)
+    assert m.num_free_blocks == 0 and non_null(tables(m, "a")[1]) == 5
+    # Growing a block takes a full and a window page; its window lets go of one.
+    for t in range(120, 124):
+        a.append_token_ids(t)
+    before = snapshot(m)
+    assert m.allocate_slots(a, 4) is None  # b runs too: refused, nothing let go
+    assert snapshot(m) == before
+    m.free(b)
+    released = False
+    while not released:
+        free_before, head_before = m.num_free_blocks, tables(m, "a")[1][:2]
+        assert m.allocate_slots(a, 4) is not None  # alone: never refused
+        released = tables(m, "a")[1][:2] == [0, 0]
+        if released:  # only once nothing else was left; then all the window has passed
+            assert free_before + 1 < 2 and 0 not in head_before
+            passed = first_needed(8, a.num_computed_tokens) // BS
+            assert tables(m, "a")[1][:passed] == [0] * passed
+        check_tables_after_allocate(m, a, a.num_computed_tokens + 4)
+        check_manager(m)
+        a.num_computed_tokens += 4
+        for t in range(4):
+            a.append_token_ids(t)
+    assert not any(held(m, 1, "a", i) for i in range(len(tables(m, "a")[1])))
 
 
 def test_held_windows_are_let_go_only_for_a_request_running_alone() -> None:
