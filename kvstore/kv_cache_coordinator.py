@@ -128,8 +128,9 @@ class KVCacheCoordinator:
 
     @staticmethod
     def learns_branches(config: KVCacheConfig, hold_window_pages: bool) -> bool:
-        """Whether lookups learn branch points: where window groups hold pages for them,
-        beside a full-attention group (the pool must then index children, see `children`)."""
+        """Whether admissions choose window pages to hold past the window and learn branch
+        points: window groups beside a full-attention group, holding on (the pool must then
+        index children, see `children`)."""
         specs = [group.spec for group in config.groups]
         return (hold_window_pages and any(isinstance(s, FullAttentionSpec) for s in specs)
                 and any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec))
@@ -399,12 +400,10 @@ class KVCacheCoordinator:
         - the window before each branch point marked on the hit's chain (the pages there
           another request holds are shared, so a window a running request keeps for a
           branch point outlives it);
-        - the window before the lookup's hit end, where the chain branches there or the
-          prompt repeats a cached one (the chain covers all of its whole blocks);
-        - the first window of a prompt the cache had nothing of.
-
-        A conversation's next turn, which goes on where the cached chain ended, holds
-        none of them."""
+        - the window before the lookup's hit end, unless the cache shows the chain ended
+          there (no whole block continues it, and the prompt extends a cached partial
+          one): a conversation's next turn goes on past it;
+        - the first window of a prompt the cache had nothing of."""
         bs = self.block_size
         g = self._full_group
         hit = computed.blocks[g]
@@ -413,10 +412,17 @@ class KVCacheCoordinator:
         ends = []
         if num_verified:
             last = computed.cut_blocks[-1] if computed.cut_blocks else hit[num_verified - 1]
-            branches = any(len(tokens) == bs for tokens, _ in self.pool.children(g, last.serial))
+            children = self.pool.children(g, last.serial)
+            branches = any(len(tokens) == bs for tokens, _ in children)
             if branches and num_verified < last_block:
                 last.hint = BRANCH_POINT
-            if branches or num_verified >= last_block:
+            # Where no whole block continues the chain and the prompt extends a cached
+            # partial one, the chain ended there: a conversation's next turn.
+            start = num_verified * bs
+            ended = not branches and any(
+                tuple(request.token_ids[start:start + len(tokens)]) == tokens
+                for tokens, _ in children)
+            if not ended:
                 ends += [computed.num_full_hit_tokens, computed.num_verified_tokens]
         ends += [(j + 1) * bs for j, block in enumerate(hit) if block.hint == BRANCH_POINT]
         if ends or not num_verified:

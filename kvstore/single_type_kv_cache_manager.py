@@ -379,13 +379,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     need (`hold_windows`, chosen by the coordinator): the window before each branch point
     marked on the request's hit chain (where a lookup's prompt left a cached chain that
     goes on another way: prompts sharing the prefix come back there), the window before
-    the lookup's own hit end where the chain branches there or the prompt repeats a cached
-    one, and the first window of a prompt the cache had nothing of (its prefix may be
-    shared by the next prompts). They stay in its table until it ends, or until a request
-    running alone cannot grow otherwise (`release_held`). Once dropped they are the first
-    pages a busy pool reuses, which leaves the full-attention chain of a shared prefix
-    unusable while the request that computed it still runs. Other ends are not held: a
-    conversation's next turn goes on past its prompt's end and the end of its hit."""
+    the lookup's own hit end unless the cache shows the chain simply ended there (a
+    conversation's next turn goes on past it), and the first window of a prompt the cache
+    had nothing of (its prefix may be shared by the next prompts). They stay in its table
+    until it ends, or until a request running alone cannot grow otherwise
+    (`release_held`). Once dropped they are the first pages a busy pool reuses, which
+    leaves the full-attention chain of a shared prefix unusable while the request that
+    computed it still runs. The window before the prompt's end is not held."""
 
     __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_held_ranges", "_holding",
                  "holds_ends", "drop_log")
@@ -407,8 +407,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self._dropped: dict[str, list[Dropped]] = {}
         # Per request, the table index ranges [start, stop) within the window before a
         # likely hit end (prompt end, lookup's hit and branch points): pages freed there
-        # are tagged worth keeping (KVCacheBlock.hint); and those of the branch points,
-        # held (see above).
+        # are tagged worth keeping (KVCacheBlock.hint). And the ranges it holds (see above).
         self._ends: dict[str, list[tuple[int, int]]] = {}
         self._held_ranges: dict[str, list[tuple[int, int]]] = {}
         # Where dropped pages are reported, when someone listens: (request id, group, table

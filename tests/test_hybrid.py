@@ -629,11 +629,14 @@ def test_a_branch_point_is_learned_and_its_window_shared_while_held(hold: bool) 
 
 
 @pytest.mark.parametrize("partial", [False, True])
-def test_a_lookup_ending_where_the_cached_chain_ends_is_no_branch_point(partial: bool) -> None:
+def test_a_conversations_next_turn_marks_no_branch_point_and_holds_no_window(
+        partial: bool) -> None:
     """x caches 18 tokens (4 full blocks and, with partial hits, a partial one). y, its
     next turn, goes on past them: its lookup ends where x's chain ends, so nothing is
-    marked and y holds no window. z leaves x's chain after 8 tokens, where x goes on with a
-    whole block: a branch point, and z holds the window before it."""
+    marked; with partial hits the cache shows the chain ended there (y extends x's cached
+    partial block) and y holds no window; without, nothing shows it, and y holds the
+    window before its hit end (blocks 2 and 3). z leaves x's chain after 8 tokens, where
+    x goes on with a whole block: a branch point, and z holds the window before it."""
     from kvstore.block import BRANCH_POINT
 
     m = make_manager([None, 8], num_blocks=64, partial=partial, hold=True)
@@ -644,7 +647,8 @@ def test_a_lookup_ending_where_the_cached_chain_ends_is_no_branch_point(partial:
     prefill(m, y, chunk=4)
     pool = internals(m).pool
     assert not any(pool.blocks[i].hint == BRANCH_POINT for i in tables(m, "y")[0])
-    assert not any(held(m, 1, "y", i) for i in range(len(tables(m, "y")[1])))
+    held_y = [held(m, 1, "y", i) for i in range(len(tables(m, "y")[1]))]
+    assert held_y == [False, False] + [not partial] * 2 + [False] * (len(held_y) - 4)
     z = Request("z", x.token_ids[:8] + [7] * 8)
     prefill(m, z, chunk=4)
     assert pool.blocks[tables(m, "z")[0][1]].hint == BRANCH_POINT
