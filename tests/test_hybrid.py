@@ -656,49 +656,19 @@ def test_a_conversations_next_turn_marks_no_branch_point_and_holds_no_window(
     check_manager(m)
 
 
-def test_heads_are_let_go_only_for_a_request_running_alone() -> None:
-    """The held heads cost pages; when a running request cannot grow they are let go only
-    if it runs alone (else the scheduler preempts, keeping the running prefixes' heads)."""
-    m = make_manager([None, 8], num_blocks=13, hold=True)  # 12 usable pages
-    b = Request("b", list(range(300, 303)))
-    prefill(m, b)  # 1 page in each group
-    a = Request("a", list(range(100, 120)))  # 20 tokens: 5 full pages, 5 window pages
-    prefill(m, a, chunk=4)
-    assert m.num_free_blocks == 0 and non_null(tables(m, "a")[1]) == 5
-    # Growing a block takes a full and a window page; its window lets go of one.
-    for t in range(120, 124):
-        a.append_token_ids(t)
-    before = snapshot(m)
-    assert m.allocate_slots(a, 4) is None  # b runs too: refused, nothing let go
-    assert snapshot(m) == before
-    m.free(b)
-    released = False
-    while not released:
-        free_before, head_before = m.num_free_blocks, tables(m, "a")[1][:2]
-        assert m.allocate_slots(a, 4) is not None  # alone: never refused
-        released = tables(m, "a")[1][:2] == [0, 0]
-        if released:  # only once nothing else was left; then all the window has passed
-            assert free_before + 1 < 2 and 0 not in head_before
-            passed = first_needed(8, a.num_computed_tokens) // BS
-            assert tables(m, "a")[1][:passed] == [0] * passed
-        check_tables_after_allocate(m, a, a.num_computed_tokens + 4)
-        check_manager(m)
-        a.num_computed_tokens += 4
-        for t in range(4):
-            a.append_token_ids(t)
-    assert not any(held(m, 1, "a", i) for i in range(len(tables(m, "a")[1])))
-
-
-def test_held_windows_are_let_go_only_for_a_request_running_alone() -> None:
+@pytest.mark.parametrize("why", ["head", "branch"])
+def test_held_windows_are_let_go_only_for_a_request_running_alone(why: str) -> None:
     """Held window pages cost pages; when a running request cannot grow they are let go
-    only if it runs alone (else the scheduler preempts, keeping the held windows). x caches
-    16 tokens; a shares its first 8, so its lookup ends at a branch point and it holds the
-    window before it (blocks 0 and 1)."""
+    only if it runs alone (else the scheduler preempts, keeping the held windows). a holds
+    blocks 0 and 1 past its window: its first window (the cache had none of its prompt),
+    or the window before a branch point (x cached 16 tokens; a shares its first 8, where x
+    goes on with a whole block)."""
     m = make_manager([None, 8], num_blocks=13, hold=True)  # 12 usable pages
     prefix = list(range(100, 108))
-    x = Request("x", prefix + list(range(400, 408)))
-    prefill(m, x, chunk=4)
-    m.free(x)
+    if why == "branch":
+        x = Request("x", prefix + list(range(400, 408)))
+        prefill(m, x, chunk=4)
+        m.free(x)
     b = Request("b", list(range(300, 303)))
     prefill(m, b)  # 1 page in each group
     a = Request("a", prefix + list(range(108, 120)))  # 20 tokens: 5 full pages, 5 window pages
