@@ -486,7 +486,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if end <= 0:
                 continue
             start, stop = self.spec.hit_end_range(end)
-            ranges.append((start, stop))
+            if (start, stop) not in ranges:  # the hit ends are tagged already
+                ranges.append((start, stop))
             held.append((start, stop))
             for i in range(max(start, 0), min(stop, len(table), len(parents))):
                 if table[i].block_id == 0:
