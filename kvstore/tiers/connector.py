@@ -217,7 +217,7 @@ class TierConnector:
         self._host_pending: set[bytes] = set()  # keys queued for the host tier, not yet taken
         self._host_keys: list[bytes] = []  # host keys verified by the lookup under way
         self._manager: KVCacheManager | None = None
-        self._holds_windows = False  # the manager holds window pages before branch points
+        self._holds_windows = False  # the manager holds window pages likely hits need
         self._hits: dict[str, TierHit] = {}  # by request id: looked up, not yet admitted
         self._loads: list[PendingLoad] = []
         self._holds: list[tuple[int, ...]] = []  # of the hits admitted since the last take
