@@ -191,7 +191,8 @@ class S3FIFOPolicy(EvictionPolicy):
     adaptive: ClassVar[bool] = False
 
     def __init__(self, small_fraction: float = 0.25) -> None:
-        if not 0.0 < small_fraction < 1.0:
+        if isinstance(small_fraction, bool) or not isinstance(small_fraction, (int, float)) \
+                or not 0.0 < small_fraction < 1.0:
             raise ValueError(f"small_fraction must be in (0, 1), got {small_fraction}")
         self.small_fraction = small_fraction
         self._lists = [FreeBlockQueue() for _ in range(4)]

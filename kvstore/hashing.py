@@ -30,6 +30,14 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     return xxhash.xxh3_128_intdigest(parent.to_bytes(16, "little") + pack(*token_ids))
 
 
+def check_block_hash(value: object, what: str = "block_hash") -> int:
+    """A block hash: an int in [0, 2**128) (ValueError otherwise), as every hash function
+    must return."""
+    if type(value) is not int or not 0 <= value < 1 << 128:
+        raise ValueError(f"{what} must be a 128-bit unsigned int, got {value!r:.60}")
+    return value
+
+
 def make_keyed_hash(secret: bytes) -> HashFn:
     """A block hash keyed by a per-deployment secret: BLAKE2b-128 keyed with `secret` over the
     parent hash and the block's token ids (as int64). Without the secret nobody can predict a

@@ -430,6 +430,13 @@ class KVCacheCoordinator:
                 manager.hold_windows(request, ends, computed.parent_serials,
                                      head=not num_verified)
 
+    def num_allocated_tokens(self, request_id: str) -> int | None:
+        """The tokens a live request's pages cover (every paged group's table has one entry
+        per block), or None in a layout without paged groups."""
+        if not self._cache_order:
+            return None
+        return len(self._cache_order[0].table(request_id)) * self.block_size
+
     def allocate(self, request: Request, num_tokens: int) -> tuple[tuple[int, ...], ...]:
         """Grow every group's table to `num_tokens` tokens (the caller checked it fits);
         returns the ids of the pages appended to each group's table."""

@@ -69,8 +69,9 @@ class CacheConfig:
       computes everything; the options below then have no effect).
     - `enable_partial_hits`: also hit the leading tokens of a cached block (copy-on-write).
     - `enable_events`: record BlockStored / BlockRemoved events (`take_events`).
-    - `hash_fn`: the block hash, (parent hash, token ids) -> hash; `make_keyed_hash(secret)`
-      where prompts come from untrusted users. Every request a manager sees is hashed with it.
+    - `hash_fn`: the block hash, (parent hash, token ids) -> hash, an int in [0, 2**128);
+      `make_keyed_hash(secret)` where prompts come from untrusted users. Every request a
+      manager sees is hashed with it (and its block size).
     - `eviction`: the policy ordering free cached pages for reuse, by name (see
       `kvstore.eviction.EVICTION_POLICIES`) or a policy object used by one manager only;
       None: `lru`, or `worth` for a layout with recurrent groups (checkpoints evicted by
@@ -99,10 +100,11 @@ class CacheConfig:
             if f.type == "bool" and type(value) is not bool:
                 raise TypeError(f"CacheConfig.{f.name} must be a bool, got "
                                 f"{type(value).__name__} {value!r:.60}")
-        every = self.checkpoint_every_blocks
-        if type(every) is not int or every < 0:
+        every = as_count(self.checkpoint_every_blocks)
+        if every is None or every < 0:
             raise ValueError(f"CacheConfig.checkpoint_every_blocks must be an int >= 0, got "
-                             f"{every!r:.60}")
+                             f"{self.checkpoint_every_blocks!r:.60}")
+        object.__setattr__(self, "checkpoint_every_blocks", every)
         if not callable(self.hash_fn):
             raise TypeError(f"CacheConfig.hash_fn must be callable, got {self.hash_fn!r:.60}")
         if isinstance(self.eviction, str):
@@ -161,6 +163,9 @@ class KVCacheManager:
                  "_num_paged_groups", "_lookups", "_num_lookups", "_listener", "_drops")
 
     def __init__(self, config: KVCacheConfig, cache_config: CacheConfig | None = None) -> None:
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig (make_kv_cache_config), got "
+                            f"{type(config).__name__}")
         if cache_config is None:
             cache_config = CacheConfig()
         elif not isinstance(cache_config, CacheConfig):
@@ -459,9 +464,13 @@ class KVCacheManager:
                 num_computed + num_new_tokens > request.num_tokens:
             num_computed = self._check_progress(request)
             self._check_length(request, num_computed, num_new_tokens)
+        coordinator = self._coordinator
+        covered = coordinator.num_allocated_tokens(rid)
+        if covered is not None and num_computed > covered:
+            raise ValueError(f"request {rid!r}: {num_computed} tokens computed, but its pages "
+                             f"cover {covered}: progress ran past what was allocated")
         request.update_block_hashes(self.block_size, self._hash_fn)
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
-        coordinator = self._coordinator
         quiet = self._quiet.pop(rid, None)
         if quiet is not None:
             if quiet[0] <= num_computed < quiet[1] and num_tokens <= quiet[2]:

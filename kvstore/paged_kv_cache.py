@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kvstore.kernels import copy_blocks, write_kv
+from kvstore.request import as_count
 from kvstore.specs import KVCacheConfig, RecurrentStateSpec
 
 
@@ -196,10 +197,21 @@ class PagedKVCache:
 
     def gather(self, layer: int, block_ids: Sequence[int], start: int, end: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions [start, end) of a sequence with this block table."""
+        """K and V of positions [start, end) of a sequence with this block table (0 <=
+        start <= end <= the table's tokens; ValueError otherwise, or for an id that is not a
+        block of this cache)."""
         k_cache, v_cache = self.layer_caches(layer)
-        pos = torch.arange(start, end, device=self.device)
-        blocks = torch.as_tensor(list(block_ids), device=self.device)[pos // self.block_size]
+        ids = [as_count(b) for b in block_ids]
+        first, last = as_count(start), as_count(end)
+        if first is None or last is None or not 0 <= first <= last <= len(ids) * self.block_size:
+            raise ValueError(f"positions [{start!r}, {end!r}) are not in a table of {len(ids)} "
+                             f"blocks of {self.block_size} tokens")
+        for given, i in zip(block_ids, ids, strict=True):
+            if i is None or not 0 <= i < k_cache.shape[0]:
+                raise ValueError(f"block id {given!r} is not a block of this cache (0 to "
+                                 f"{k_cache.shape[0] - 1})")
+        pos = torch.arange(first, last, device=self.device)
+        blocks = torch.as_tensor(ids, device=self.device)[pos // self.block_size]
         offs = pos % self.block_size
         return k_cache[blocks, offs], v_cache[blocks, offs]
 

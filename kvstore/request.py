@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.hashing import BlockHash, HashFn, root_hash
+from kvstore.hashing import BlockHash, HashFn, check_block_hash, hash_block, root_hash
 
 # Token ids are stored and hashed as int64: they must lie in [0, MAX_TOKEN_ID).
 MAX_TOKEN_ID = 1 << 63
@@ -46,6 +46,18 @@ def check_count(value: Any, what: str, minimum: int = 0) -> int:
     if n < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {n}")
     return n
+
+
+def _check_hashes(hashes: list[BlockHash], block_tokens: list[tuple[int, ...]],
+                  start: int) -> None:
+    """Check the hashes from `start` on (a custom hash function's); if one is bad, drop
+    them and their blocks' tokens (the next call computes them again) and raise."""
+    try:
+        for h in hashes[start:]:
+            check_block_hash(h, "the hash function's result")
+    except ValueError:
+        del hashes[start:], block_tokens[start:]
+        raise
 
 
 def _token(value: Any, what: str) -> int:
@@ -123,6 +135,7 @@ class Request:
         "block_hashes",
         "block_tokens",
         "hash_fn",
+        "hash_block_size",
         "max_tokens",
     )
 
@@ -147,8 +160,10 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         # The token ids of each hashed block, as the tuples the pool stores and compares.
         self.block_tokens: list[tuple[int, ...]] = []
-        # The function `block_hashes` were computed with (None until the first is).
+        # The function and block size `block_hashes` were computed with (None and 0 until
+        # the first is).
         self.hash_fn: HashFn | None = None
+        self.hash_block_size = 0
         self.max_tokens = max_tokens
 
     @property
@@ -190,23 +205,31 @@ class Request:
 
     def update_block_hashes(self, block_size: int, hash_fn: HashFn) -> list[BlockHash]:
         """Hash the blocks that became full since the last call; earlier hashes are kept.
-        ValueError if earlier hashes were computed with another function."""
-        if hash_fn is not self.hash_fn:
+        ValueError if earlier hashes were computed with another function or block size, or
+        if a hash function other than `hash_block` returns something other than an int in
+        [0, 2**128)."""
+        if hash_fn is not self.hash_fn or block_size != self.hash_block_size:
             if self.block_hashes:
-                raise ValueError(f"request {self.request_id!r} was hashed with another hash "
-                                 "function than this cache's")
+                what = "hash function" if hash_fn is not self.hash_fn else (
+                    f"block size ({self.hash_block_size}, not {block_size})")
+                raise ValueError(f"request {self.request_id!r} was hashed with another {what} "
+                                 "than this cache's")
             self.hash_fn = hash_fn
+            self.hash_block_size = block_size
         hashes = self.block_hashes
         n_full = len(self.token_ids) // block_size
         if len(hashes) < n_full:
+            start = len(hashes)
             parent = hashes[-1] if hashes else root_hash(self._cache_salt)
             tokens = self.token_ids
             block_tokens = self.block_tokens
-            for i in range(len(hashes), n_full):
+            for i in range(start, n_full):
                 block = tuple(tokens[i * block_size : (i + 1) * block_size])
                 parent = hash_fn(parent, block)
                 hashes.append(parent)
                 block_tokens.append(block)
+            if hash_fn is not hash_block:
+                _check_hashes(hashes, block_tokens, start)
         return hashes
 
     def fork(self, child_id: str) -> Request:
@@ -223,6 +246,7 @@ class Request:
         self.block_hashes = list(other.block_hashes)
         self.block_tokens = list(other.block_tokens)
         self.hash_fn = other.hash_fn
+        self.hash_block_size = other.hash_block_size
 
     def __repr__(self) -> str:
         return (

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Any, Literal
 
+from kvstore.request import as_count
 from kvstore.utils import cdiv
 
 #: A computed count no request reaches: where a page that never leaves the window leaves it.
@@ -42,9 +43,7 @@ class AttentionSpec:
             raise TypeError("AttentionSpec is a base: use FullAttentionSpec, SlidingWindowSpec "
                             "or ChunkedLocalAttentionSpec")
         for name in ("block_size", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
+            _positive_field(self, name)
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
 
     @property
@@ -147,9 +146,7 @@ class MLASpec(FullAttentionSpec):
 
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "rope_dim"):
-            value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
-                raise ValueError(f"MLASpec.{name} must be a positive int, got {value!r}")
+            _positive_field(self, name)
         latent = self.kv_lora_rank + self.rope_dim
         if latent % 2:
             raise ValueError(f"MLASpec: a latent of {latent} elements (kv_lora_rank "
@@ -175,8 +172,7 @@ class SlidingWindowSpec(AttentionSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window <= 0:
-            raise ValueError(f"SlidingWindowSpec.window must be a positive int, got {self.window!r}")
+        _positive_field(self, "window")
 
     @property
     def sliding_window(self) -> int | None:
@@ -210,9 +206,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not _is_int(self.chunk) or self.chunk <= 0:
-            raise ValueError(f"ChunkedLocalAttentionSpec.chunk must be a positive int, got "
-                             f"{self.chunk!r}")
+        _positive_field(self, "chunk")
 
     @property
     def sliding_window(self) -> int | None:
@@ -261,18 +255,19 @@ class RecurrentStateSpec:
     dtypes: tuple[str, ...] = ("float16",)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.block_size) or self.block_size <= 0:
-            raise ValueError(f"RecurrentStateSpec.block_size must be a positive int, got "
-                             f"{self.block_size!r}")
-        if isinstance(self.shapes, (str, bytes)) or not self.shapes:
+        _positive_field(self, "block_size")
+        if not isinstance(self.shapes, (tuple, list)) or not self.shapes:
             raise ValueError(f"RecurrentStateSpec.shapes needs at least one state shape, got "
                              f"{self.shapes!r}")
-        shapes = tuple(tuple(shape) for shape in self.shapes)
-        for shape in shapes:
-            if not shape or not all(_is_int(d) and d > 0 for d in shape):
+        for shape in self.shapes:
+            if not isinstance(shape, (tuple, list)) or not shape or not all(
+                    _is_int(d) and d > 0 for d in shape):
                 raise ValueError(f"RecurrentStateSpec: state shape {shape!r} must be a non-empty "
-                                 "tuple of positive ints")
-        dtypes = (self.dtypes,) if isinstance(self.dtypes, str) else tuple(self.dtypes)
+                                 "tuple of positive ints (shapes is a tuple of them: ((3, 5),) "
+                                 "for one state)")
+        shapes = tuple(tuple(shape) for shape in self.shapes)
+        dtypes = (tuple(self.dtypes) if isinstance(self.dtypes, (tuple, list))
+                  else (self.dtypes,))  # one name or torch dtype for every state
         if len(dtypes) == 1:
             dtypes = dtypes * len(shapes)
         if len(dtypes) != len(shapes):
@@ -376,6 +371,10 @@ class KVCacheConfig:
         if not groups or not all(isinstance(g, KVCacheGroup) for g in groups):
             raise ValueError("a cache config needs at least one KVCacheGroup")
         object.__setattr__(self, "groups", groups)
+        for g, group in enumerate(groups):
+            if not isinstance(group.spec, (AttentionSpec, RecurrentStateSpec)):
+                raise ValueError(f"group {g} has no layer spec (an AttentionSpec or a "
+                                 f"RecurrentStateSpec): {group.spec!r:.60}")
         layers = [layer for g in groups for layer in g.layer_ids]
         if len(set(layers)) != len(layers):
             raise ValueError(f"a layer is in two groups: {sorted(layers)}")
@@ -396,8 +395,7 @@ class KVCacheConfig:
                                      f"{attention[0]} has {first.block_size}: all groups of one "
                                      "pool must use one block size")
                 continue
-            if not isinstance(group.spec, AttentionSpec):
-                raise ValueError(f"group {g} has no attention spec: {group.spec!r:.60}")
+            assert isinstance(group.spec, AttentionSpec)
             if not 1 <= len(group.layer_ids) <= self.num_slots:
                 raise ValueError(f"group {g} has {len(group.layer_ids)} layers for "
                                  f"{self.num_slots} slots")
@@ -477,6 +475,15 @@ class KVCacheConfig:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _positive_field(spec: Any, name: str) -> None:
+    """Check that a spec's field is a positive count (`as_count`) and store it as an int."""
+    value = getattr(spec, name)
+    n = as_count(value)
+    if n is None or n <= 0:
+        raise ValueError(f"{type(spec).__name__}.{name} must be a positive int, got {value!r}")
+    object.__setattr__(spec, name, n)
 
 
 def _page_mismatch(spec: AttentionSpec, first: AttentionSpec, what: str, first_what: str) -> str:

@@ -31,6 +31,7 @@ from kvstore.specs import (
     KVCacheConfig,
     KVCacheGroup,
     KVCacheSpec,
+    RecurrentStateSpec,
     SlidingWindowSpec,
     make_kv_cache_config,
 )
@@ -825,3 +826,74 @@ def test_pool_keeps_no_table_of_salts() -> None:
     roots = {pool.root_serial(s) for s in (None, "", "\x00", "\x00\x00", "a", "\x00a", "é")}
     assert len(roots) == 7 and all(r < 0 for r in roots)
     assert pool.root_serial("a") == pool.root_serial("a")
+
+
+# ---- requests shared between caches, progress past the pages, custom hashes ----------------
+
+
+def test_a_request_hashed_at_another_block_size_is_refused() -> None:
+    """A request's hashes name blocks of one size: a cache of another block size must not
+    look them up (its blocks of 8 tokens would be found under 4-token hashes)."""
+    small = KVCacheManager(make_kv_cache_config([FullAttentionSpec(4, 1, 8)], num_blocks=20))
+    large = KVCacheManager(make_kv_cache_config([FullAttentionSpec(8, 1, 8)], num_blocks=20))
+    r = Request("r", list(range(1, 10)))
+    small.get_computed_blocks(r)
+    before = snapshot(large)
+    with pytest.raises(ValueError, match="block size"):
+        large.get_computed_blocks(r)
+    with pytest.raises(ValueError, match="block size"):
+        large.allocate_slots(r, 9)
+    assert snapshot(large) == before
+
+
+def test_progress_past_the_allocated_pages_is_refused_and_changes_nothing() -> None:
+    m = manager([None], 10)
+    r = Request("r", list(range(12)))
+    assert m.allocate_slots(r, 4, m.get_computed_blocks(r)) is not None
+    r.num_computed_tokens = 8  # pages cover 4 tokens
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="cover 4"):
+        m.allocate_slots(r, 1)
+    assert snapshot(m) == before
+    r.num_computed_tokens = 4
+    assert m.allocate_slots(r, 1) is not None
+    check_manager(m)
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 128, "x", 1.5])
+def test_a_hash_function_returning_no_block_hash_is_refused(bad: object) -> None:
+    m = manager([None], 10, hash_fn=lambda parent, tokens: bad)  # type: ignore[arg-type, return-value]
+    r = Request("r", list(range(9)))
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="128-bit unsigned int"):
+        m.get_computed_blocks(r)
+    assert snapshot(m) == before and r.block_hashes == [] and r.block_tokens == []
+
+
+def test_gather_refuses_positions_and_ids_outside_the_table() -> None:
+    cache = PagedKVCache(make_kv_cache_config([FullAttentionSpec(4, 1, 2, "float32")],
+                                              num_blocks=8))
+    for start, end in ((-4, 0), (0, 12), (5, 2), (0.5, 2)):
+        with pytest.raises(ValueError, match="not in a table of 2 blocks"):
+            cache.gather(0, [2, 3], start, end)  # type: ignore[arg-type]
+    for table in ([2, 99], [2, -1], [2, None]):
+        with pytest.raises(ValueError, match="is not a block of this cache"):
+            cache.gather(0, table, 0, 8)  # type: ignore[arg-type]
+    k, _ = cache.gather(0, [2, 3], 2, 6)
+    assert k.shape[0] == 4
+
+
+def test_config_types_get_clear_errors() -> None:
+    with pytest.raises(TypeError, match="KVCacheConfig"):
+        KVCacheManager(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no layer spec"):
+        KVCacheConfig(8, (KVCacheGroup("x", (0,)),), 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\(\(3, 5\),\)"):
+        RecurrentStateSpec(4, (3, 5))  # type: ignore[arg-type]
+    # One torch dtype for every state, and numpy counts, as everywhere.
+    spec = RecurrentStateSpec(np.int64(4), ((3, 5),), torch.float32)  # type: ignore[arg-type]
+    assert spec.dtypes == ("float32",) and type(spec.block_size) is int
+    window = SlidingWindowSpec(np.int64(4), 1, 8, window=np.int64(8))
+    assert (type(window.block_size), type(window.window)) == (int, int)
+    every = CacheConfig(checkpoint_every_blocks=np.int64(4)).checkpoint_every_blocks
+    assert type(every) is int and every == 4

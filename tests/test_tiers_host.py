@@ -548,3 +548,71 @@ def test_values_kept_in_process_skip_the_checksum_and_leave_it_with_their_copies
     # a trusted reader still checks size, layout, key and tokens
     assert decode_block(layout, keys[1], TOKENS[0], views[1], trusted=True) is None
     assert decode_block(layout, keys[2], TOKENS[2], bytes(views[2])[:-1], trusted=True) is None
+
+
+def test_a_handle_released_twice_is_refused_and_other_holds_stay():
+    tier = HostTier(300)  # 3 slots
+    its = items(6)
+    tier.store(its[:1])
+    view = tier.load([its[0][0]])[0]
+    reader, other = tier.hold([its[0][0]]), tier.hold([its[0][0]])
+    tier.release(other)
+    with pytest.raises(ValueError, match="released already"):
+        tier.release(other)
+    with pytest.raises(ValueError, match="did not return"):
+        tier.release(tuple(reader))  # an equal tuple is not the handle
+    tier.store([(its[0][0], b"n" * 100)])  # replaced: the old slot stays the reader's
+    tier.store(its[1:6])
+    assert bytes(view) == its[0][1]
+    tier.release(reader)
+    tier.release(tier.hold([b"k" * 32]))  # nothing held: an empty handle, released as a no-op
+
+
+def test_connector_refuses_bad_settings():
+    from kvstore.tiers.connector import TierConnector
+
+    config = make_kv_cache_config([FullAttentionSpec(BS, HEADS, DIM)], num_blocks=8)
+    host = HostTier(1 << 16)
+    for kwargs, error in (({"recent_keys": -1}, ValueError), ({"recent_keys": "x"}, TypeError),
+                          ({"remember_s": True}, ValueError), ({"host": "x"}, TypeError),
+                          ({"store": object()}, TypeError)):
+        with pytest.raises(error):
+            TierConnector(config, "m", **{"host": host, **kwargs})
+    with pytest.raises(TypeError, match="KVCacheConfig"):
+        TierConnector("cfg", "m", host=host)  # type: ignore[arg-type]
+
+
+def test_an_admission_on_another_device_hit_than_the_tier_lookup_is_refused():
+    """The tier hit starts where the device hit its lookup followed ended: admitted on a
+    later, longer device hit, its loads would land on the wrong pages."""
+    from kvstore.kv_cache_manager import KVCacheManager
+    from kvstore.tiers.connector import TierConnector
+
+    config = make_kv_cache_config([FullAttentionSpec(BS, HEADS, DIM)], num_blocks=16)
+    m = KVCacheManager(config)
+    tiers = TierConnector(config, "m", host=HostTier(1 << 20))
+    tiers.attach(m)
+    cache = PagedKVCache(config)
+    prompt = list(range(100, 121))
+    a = Request("a", prompt[:13])
+    m.admit(a, 13)
+    a.num_computed_tokens = 13
+    m.free(a)
+    tiers.take_transfers().run(cache)  # a's blocks, into the host tier
+    assert m.reset_prefix_cache()
+    b = Request("b", prompt)
+    with pytest.raises(TypeError, match="get_computed_blocks"):
+        tiers.lookup(b, None)  # type: ignore[arg-type]
+    external = tiers.lookup(b, m.get_computed_blocks(b))
+    assert external == 12
+    x = Request("x", prompt[:5])  # meanwhile block 0 is computed on the device
+    m.admit(x, 5)
+    x.num_computed_tokens = 5
+    m.free(x)
+    later = m.get_computed_blocks(b)
+    assert later.num_full_hit_tokens == 4
+    m.admit(b, 1, later, 0, external)
+    with pytest.raises(ValueError, match="tier lookup followed one of 0"):
+        tiers.admitted(b, later, external)
+    assert "b" in tiers.hits  # kept for a drop or an admission that matches
+    assert tiers.drop_lookup(b)

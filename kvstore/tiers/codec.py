@@ -17,7 +17,7 @@ from typing import TypeAlias, TypeVar
 
 import xxhash
 
-from kvstore.hashing import BlockHash, root_hash
+from kvstore.hashing import BlockHash, check_block_hash, root_hash
 from kvstore.specs import (
     DTYPE_ITEMSIZE,
     FullAttentionSpec,
@@ -166,9 +166,7 @@ class BlockLayout:
 
 
 def _check_hash(value: int, what: str) -> bytes:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 128:
-        raise ValueError(f"{what} must be a 128-bit unsigned int, got {value!r}")
-    return value.to_bytes(16, "little")
+    return check_block_hash(value, what).to_bytes(16, "little")
 
 
 def block_key(layout: BlockLayout, block_hash: BlockHash, salt_root: BlockHash,

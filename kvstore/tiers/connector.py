@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 from kvstore.hashing import root_hash
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import BlockIds, KVCacheManager, ReleasedPages
-from kvstore.request import Request
+from kvstore.request import Request, check_count
 from kvstore.single_type_kv_cache_manager import (
     agreed_hit,
     longest_checkpoint_hit,
@@ -137,6 +137,10 @@ class TierHitStats:
 WINDOW_OFFLOADS = ("ends", "all", "none")
 
 
+# What a tier must offer (the `Tier` protocol's methods).
+_TIER_METHODS = ("contains", "present", "load", "store", "flush", "close")
+
+
 class TierConnector:
     """The tiers of one engine (``host`` then ``store``, either optional), with the block
     layout of each KV cache group and the bookkeeping of what was offloaded.
@@ -171,8 +175,17 @@ class TierConnector:
                  store: Tier | None = None, extra: str = "",
                  recent_keys: int = 1 << 16, window_offload: str = "ends",
                  remember_s: float | None = 60.0, sealer: Sealer | None = None) -> None:
-        if remember_s is not None and not (isinstance(remember_s, (int, float)) and remember_s > 0):
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        if remember_s is not None and (isinstance(remember_s, bool) or not (
+                isinstance(remember_s, (int, float)) and remember_s > 0)):
             raise ValueError(f"remember_s must be a positive number of seconds or None, got {remember_s!r}")
+        recent_keys = check_count(recent_keys, "recent_keys")
+        for name, tier in (("host", host), ("store", store)):
+            missing = [m for m in _TIER_METHODS if not callable(getattr(tier, m, None))]
+            if tier is not None and missing:
+                raise TypeError(f"{name} must be a Tier (kvstore.tiers.base), got "
+                                f"{type(tier).__name__} without {', '.join(missing)}")
         if window_offload not in WINDOW_OFFLOADS:
             raise ValueError(f"window_offload must be one of {WINDOW_OFFLOADS}, got {window_offload!r}")
         self.window_offload = window_offload
@@ -291,6 +304,9 @@ class TierConnector:
         none. What it found is kept for ``admitted`` (a request looked up again at the same
         hit and length reuses it), until ``drop_lookup``."""
         manager = self._attached()
+        if not isinstance(computed, ComputedBlocks):
+            raise TypeError(f"computed must be the manager's get_computed_blocks result, got "
+                            f"{type(computed).__name__}")
         rid = request.request_id
         previous = self._hits.pop(rid, None)
         bs = self.block_size
@@ -323,6 +339,11 @@ class TierConnector:
             if hit is None or hit.num_blocks * bs != num_external_tokens:
                 raise ValueError(f"request {rid!r} was admitted with {num_external_tokens} "
                                  "external tokens its lookup did not find")
+            if hit.start * bs != hit_end:
+                self._hits[rid] = hit
+                raise ValueError(f"request {rid!r} was admitted on a device hit of {hit_end} "
+                                 f"tokens, but its tier lookup followed one of "
+                                 f"{hit.start * bs}: pass the lookup the admission used")
             tables = manager.block_table(rid)
             stop = hit.start + hit.num_blocks
             for g, table in enumerate(tables):
@@ -512,7 +533,7 @@ class TierConnector:
         if end == 0:
             return None
         hold = getattr(self.host, "hold", None)
-        held = tuple(hold(host_keys)) if hold is not None and host_keys else ()
+        held = hold(host_keys) if hold is not None and host_keys else ()
         # The tiers' shares of the run, cut at its end.
         cut, left = [], end
         for n in per_tier:

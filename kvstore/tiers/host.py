@@ -109,6 +109,7 @@ class HostTier:
         self._free_pages: list[int] = []
         self._partial: list[OrderedDict[int, None]] = []  # per size: carved pages with a free slot
         self._held: dict[int, int] = {}  # slot -> holds
+        self._holds: dict[int, _Hold] = {}  # the handles not yet released, by id
         self._retired: set[int] = set()  # held slots whose key was replaced or dropped
         self._unchecked: set[int] = set()  # slots sealed without their checksum
         self._chunks: list[Any] = []  # uint8 tensors [pages, page bytes]
@@ -458,17 +459,28 @@ class HostTier:
 
     def hold(self, keys: Sequence[bytes]) -> tuple[int, ...]:
         """Keep the slots of these keys (those held) from reuse until ``release`` of the
-        returned handle, so views from ``load`` stay valid."""
+        returned handle (the slots, empty when none is held), so views from ``load`` stay
+        valid."""
         check_keys(keys)
         with self._lock:
             slots = tuple(self._index[k] for k in keys if k in self._index)
+            if not slots:
+                return ()
+            handle = _Hold(slots)
+            self._holds[id(handle)] = handle
             for slot in slots:
                 self._held[slot] = self._held.get(slot, 0) + 1
-        return slots
+        return handle
 
     def release(self, handle: Sequence[int]) -> None:
-        """Undo one ``hold``."""
+        """Undo one ``hold``; ValueError for a handle `hold` did not return or that was
+        released already (nothing changes)."""
+        if not handle:
+            return
         with self._lock:
+            if self._holds.pop(id(handle), None) is not handle:
+                raise ValueError("release of a handle this tier's hold did not return, or "
+                                 "released already")
             for slot in handle:
                 n = self._held.get(slot, 0) - 1
                 if n > 0:
@@ -505,9 +517,17 @@ class HostTier:
             for partial in self._partial:
                 partial.clear()
             self._held.clear()
+            self._holds.clear()
             self._retired.clear()
             self._unchecked.clear()
             self._nbytes = 0
+
+
+class _Hold(tuple[int, ...]):
+    """The slots one `HostTier.hold` kept: its handle for `release`, told apart from an
+    equal tuple by identity."""
+
+    __slots__ = ()
 
 
 def _slot_classes(slot_nbytes: int | Sequence[int] | None) -> tuple[int, ...]:
