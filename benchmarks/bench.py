@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvstore.benchmarks import output, sweep, traces
-from kvstore.benchmarks.output import RunInfo, name_list, non_negative_int, positive_int
+from kvstore.benchmarks.output import RunInfo, name_list, non_negative_int, out_file, positive_int
 from kvstore.benchmarks.simulator import StepTime, TierOptions, open_store, parse_mem_store
 from kvstore.benchmarks.sweep import MODEL_SHAPES, POLICIES, SweepResult, SweepRow, format_bytes, policy_named
 from kvstore.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from kvstore.engine.scheduler import SchedulerConfig
 from kvstore.eviction import EVICTION_POLICIES
+from kvstore.specs import DTYPE_ITEMSIZE, dtype_name
 
 # CLI name -> trace_file key.
 TRACE_WORKLOADS: dict[str, str] = {
@@ -200,7 +201,11 @@ def print_table(result: SweepResult, console: Any, wide: bool = False) -> list[s
         console.print(f"the table needs {width} columns even without "
                       f"{', '.join(drop)} (long policy names): it is in table.txt only")
         return drop
+    shown = console.width
+    if wide:  # every column at its natural width, wider than the console if need be
+        console.width = max(shown, width)
     console.print(table)
+    console.width = shown
     if not wide:
         console.print(table_legend(result), style="dim")
     if (group := _group_table(result)) is not None:
@@ -367,17 +372,18 @@ def _pool_sizes(text: str) -> str:
     return text
 
 
-def _store_spec(text: str) -> str:
-    """``mem``, ``mem:SIZE`` or a Valkey URL (its syntax; reachability is checked later)."""
+def _store_spec(text: str, mem: bool = True) -> str:
+    """A Valkey URL, or with `mem` also ``mem`` or ``mem:SIZE`` (its syntax; reachability is
+    checked later)."""
     from kvstore.tiers.valkey_store import parse_store_url, redact_url
 
     text = text.strip()
     try:
-        if parse_mem_store(text) is False:
+        if not mem or parse_mem_store(text) is False:
             parse_store_url(text)
     except ValueError as e:
-        raise ValueError(f"{str(e).replace(text, redact_url(text))}; or mem, or mem:SIZE for an "
-                         "in-process store") from None
+        raise ValueError(str(e).replace(text, redact_url(text))
+                         + ("; or mem, or mem:SIZE for an in-process store" if mem else "")) from None
     return text
 
 
@@ -390,15 +396,6 @@ def _step_time(text: str) -> StepTime:
     if not (a >= 0 and b >= 0) or a + b == 0 or math.isinf(a + b):
         raise ValueError(f"A and B must be finite, >= 0 and not both 0, got {text!r}")
     return StepTime(a / 1e3, b / 1e6)
-
-
-def _out_folder(text: str) -> Path:
-    path = Path(text).expanduser()
-    found = next((p for p in (path, *path.parents) if p.exists()), path)
-    if found.exists() and not found.is_dir():
-        what = "is a file" if found == path else f"is under {found}, which is a file"
-        raise ValueError(f"{text} {what}; give a folder")
-    return path
 
 
 def _trace_path(text: str) -> Path:
@@ -418,6 +415,20 @@ def _trace_help() -> str:
             f"../shared/traces.")
 
 
+class _Questions(argparse._SubParsersAction):
+    """``kvstore bench``'s subcommands: a sweep option given before one is a usage error
+    (the subcommand's own defaults would silently replace it)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        given = [f"--{k.replace('_', '-')}" for k, v in vars(namespace).items()
+                 if v != parser.get_default(k)]
+        if given:
+            raise argparse.ArgumentError(
+                self, f"{', '.join(given)} given before {values[0]}: put options after the question")
+        super().__call__(parser, namespace, values, option_string)
+
+
 def add_bench_parser(subparsers: Any) -> None:
     """Register ``bench`` (the sweep, also ``bench sweep``) and one subcommand per
     question: ``manager``, ``replay``, ``tiers``, ``kernels``, ``recurrent``."""
@@ -425,11 +436,11 @@ def add_bench_parser(subparsers: Any) -> None:
 
     doc = __doc__.split("\n\n")[1] if __doc__ else None
     p = subparsers.add_parser(
-        "bench", help="benchmarks: the sweep (default), manager, replay, tiers, kernels",
+        "bench", help="benchmarks: the sweep (default), manager, replay, tiers, kernels, recurrent",
         description=f"{doc} Other questions are subcommands.", epilog=_trace_help())
     _add_arguments(p)
     p.set_defaults(func=run_bench, usage_error=p.error)
-    sub = p.add_subparsers(title="questions", metavar="QUESTION")
+    sub = p.add_subparsers(title="questions", metavar="QUESTION", action=_Questions)
     commands = (
         ("sweep", "hit rate and cost against KV memory (the default)", _add_arguments, run_bench),
         ("manager", "what the cache manager's calls cost, against a revision or vLLM",
@@ -458,7 +469,7 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-bench", action="store_true", help="with --check: check only")
     p.add_argument("--split-sweep", action="store_true",
                    help="only time small-batch decode at every split-KV factor")
-    p.add_argument("--json", type=Path, default=Path("results/kernel_bench.json"),
+    p.add_argument("--json", type=out_file, default=Path("results/kernel_bench.json"),
                    help="where to write the results")
 
 
@@ -475,7 +486,7 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", action="store_true",
                    help="two engine processes sharing one store: B's store hits on A's "
                         "prefixes, and both outputs against one engine without tiers")
-    p.add_argument("--store", type=_arg_type(_store_spec), metavar="URL",
+    p.add_argument("--store", type=_arg_type(partial(_store_spec, mem=False)), metavar="URL",
                    help="valkey:// URL (default: start a valkey-server on 127.0.0.1)")
     p.add_argument("--no-store", action="store_true", help="transfers: skip the store part")
     p.add_argument("--device", default=None, help="transfers: torch device (default: cuda if "
@@ -487,7 +498,8 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--kv-heads", type=positive_int, default=8)
     p.add_argument("--head-dim", type=positive_int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", type=_arg_type(dtype_name), default="bfloat16",
+                   help=f"KV page dtype: {', '.join(DTYPE_ITEMSIZE)}")
     p.add_argument("--reps", type=positive_int, default=9)
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--prefixes", type=positive_int, default=8, help="--engines: shared prefixes")
@@ -495,7 +507,7 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-len", type=positive_int, default=20)
     p.add_argument("--max-tokens", type=positive_int, default=8)
     p.add_argument("--num-blocks", type=positive_int, default=512, help="--engines: pool size")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--json", type=out_file, default=None, help="also write the results here")
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -532,7 +544,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scheduler: tokens per step")
     p.add_argument("--max-num-seqs", type=positive_int, default=256,
                    help="scheduler: requests running at once")
-    p.add_argument("--out", default=Path("results/bench"), type=_arg_type(_out_folder),
+    p.add_argument("--out", default=Path("results/bench"), type=output.out_folder,
                    metavar="DIR", help="each run writes into a fresh DIR/YYYYMMDD-HHMMSS/")
     p.add_argument("--in-place", action="store_true",
                    help="write into --out itself, replacing files of the same names")
@@ -593,6 +605,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if tiers.store:
         _check_store(tiers.store, error)
     out: Path = args.out
+    output.check_folder(out, error)
     points = args.points if args.points is not None else (QUICK_POINTS if args.quick else DEFAULT_POINTS)
     run = RunInfo.now(_arguments(args), seed=args.seed)
     console = Console()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvstore.benchmarks.output import write_json
+from kvstore.benchmarks.output import check_folder, write_json
 from kvstore.kernels import AttentionMetadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 64, 8, 128, 16
@@ -396,6 +396,8 @@ def run_command(args: argparse.Namespace) -> int:
         print("kernel_bench: TRITON_INTERPRET=1 is set; unset it to run compiled kernels",
               file=sys.stderr)
         return 2
+    if not args.skip_bench:
+        check_folder(args.json.parent, args.usage_error, "--json")
     print(f"device: {torch.cuda.get_device_name(0)}")
     if args.split_sweep:
         write_json(args.json, {"device": torch.cuda.get_device_name(0), "splits": run_split_sweep()})

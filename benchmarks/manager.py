@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:  # the worker imports only the standard library at module level
     from kvstore.benchmarks.tier_model import PlaceholderConnector
@@ -521,7 +521,10 @@ def ideal_hit_rate(specs: list[Spec], block_size: int | None = BLOCK_SIZE) -> fl
 
 
 def _option(text: str) -> dict[str, Any]:
-    """argparse type: ``KEY=VALUE[,KEY=VALUE]`` (true/false, numbers, else strings)."""
+    """argparse type: ``KEY=VALUE[,KEY=VALUE]`` (true/false, numbers, else strings), `CacheConfig`
+    fields with values it accepts."""
+    from kvstore.kv_cache_manager import CacheConfig
+
     out: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
@@ -530,7 +533,26 @@ def _option(text: str) -> dict[str, Any]:
         low = value.lower()
         out[key] = (low == "true" if low in ("true", "false")
                     else int(value) if value.lstrip("-").isdigit() else value)
+    known = [f.name for f in fields(CacheConfig)]
+    if unknown := [k for k in out if k not in known]:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    try:
+        CacheConfig(**out)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return out
+
+
+def _check_vllm(python: str, error: Callable[[str], NoReturn]) -> None:
+    """A usage error unless `python` runs and finds vLLM."""
+    try:
+        found = subprocess.run([python, "-c", "import importlib.util as u; "
+                                "print(u.find_spec('vllm') is not None)"],
+                               capture_output=True, text=True).stdout.strip() == "True"
+    except OSError as e:
+        error(f"argument --vllm: cannot run {python}: {e.strerror or e}")
+    if not found:
+        error(f"argument --vllm: {python} has no vLLM (install it under that interpreter)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -539,7 +561,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--quick", action="store_true", help="60 requests, one repeat")
     p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
-    p.add_argument("--requests", type=positive_int, help="requests (default: 400, 60 with --quick)")
+    p.add_argument("--requests", type=positive_int, metavar="N",
+                   help="requests (default: 400, 60 with --quick); with --workload chat, N // 5 "
+                        "conversations of 3 to 8 turns, each turn a request")
     p.add_argument("--repeats", type=positive_int, help="alternated replays, fastest kept "
                    "(default: 3, 1 with --quick)")
     p.add_argument("--scenarios", type=name_list(tuple(SCENARIOS)), default=list(SCENARIOS),
@@ -561,6 +585,8 @@ def _fmt(x: float | None, digits: int = 1) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the sides of `args` side by side; print per-side tables, ratios and a headline."""
+    if args.vllm:
+        _check_vllm(args.vllm, args.usage_error)
     repeats = args.repeats or (1 if args.quick else 3)
     t_start = time.perf_counter()
     specs = make_specs(args.workload, args.requests or (60 if args.quick else 400))

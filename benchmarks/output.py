@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,39 @@ def run_folder(out: Path, in_place: bool = False) -> Path:
             continue
         return path
     raise FileExistsError(f"no free run folder name under {out} for {stamp}")
+
+
+def out_folder(text: str) -> Path:
+    """argparse type: an output folder, not a file nor under one (whether it can be created is
+    checked when the run starts: `check_folder`)."""
+    path = Path(text).expanduser()
+    found = next((p for p in (path, *path.parents) if p.exists()), path)
+    if found.exists() and not found.is_dir():
+        what = "is a file" if found == path else f"is under {found}, which is a file"
+        raise argparse.ArgumentTypeError(f"{text} {what}; give a folder")
+    return path
+
+
+def out_file(text: str) -> Path:
+    """argparse type: an output file, not a folder, whose folder `out_folder` accepts."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    out_folder(str(path.parent))
+    return path
+
+
+def check_folder(path: Path, error: Callable[[str], NoReturn], flag: str = "--out") -> None:
+    """Before a run's work: a usage error (`error`, the parser's) naming `flag` unless the
+    output folder `path` can be created. Tried by creating it; the folders that were new are
+    removed again (the run creates them when it writes)."""
+    new = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        error(f"argument {flag}: cannot create the folder {path}: {e.strerror or e}")
+    for p in new:  # deepest first
+        p.rmdir()
 
 
 def name_list(known: Sequence[str]) -> Callable[[str], list[str]]:

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvstore.benchmarks.manager import new_manager
-from kvstore.benchmarks.output import name_list, positive_int, write_csv, write_json
+from kvstore.benchmarks.output import (
+    check_folder,
+    name_list,
+    out_folder,
+    positive_int,
+    write_csv,
+    write_json,
+)
 from kvstore.benchmarks.replay import CHUNK_TOKENS
 from kvstore.benchmarks.simulator import fake_token
 from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
@@ -277,9 +284,9 @@ def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout
                tiers.stats.host_hit_tokens if tiers is not None else 0)
 
 
-def mooncake_requests(name: str, limit: int | None) -> list[RequestSpec]:
+def mooncake_requests(path: Path, limit: int | None) -> list[RequestSpec]:
     """A Mooncake trace's rows as prompts without outputs (the trace has no output content)."""
-    workload = mooncake_to_workload(locate_trace(name), limit=limit)
+    workload = mooncake_to_workload(path, limit=limit)
     return [replace(r, max_tokens=1) for r in workload.requests]
 
 
@@ -373,11 +380,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="LIST", help=f"comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--budgets", type=_sizes, default=[0.5, 1, 2, 4, 8, 16], metavar="GIB",
                    help="comma list of byte budgets in GiB")
-    p.add_argument("--requests", type=int, default=200, help="requests per workload")
+    p.add_argument("--requests", type=positive_int, default=200, help="requests per workload")
     p.add_argument("--mooncake", type=_sizes, default=[1e6, 3e6, 1e7], metavar="TOKENS",
                    help="budgets for the Mooncake conversation trace with the qwen3-next "
                         "layout, in tokens of its attention K/V (empty: skip)")
-    p.add_argument("--limit", type=int, default=None, help="first N rows of the trace")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N rows of the trace")
     p.add_argument("--host-tier-gib", type=_sizes, default=[16], metavar="GIB",
                    help="host tiers below kvstore's pool for the qwen3-next layout, in GiB: a "
                         "kvstore+host row each (empty: none)")
@@ -386,11 +393,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fastest manager time kept (the Mooncake rows run once)")
     p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="worth",
                    help="kvstore's eviction policy")
-    p.add_argument("--out", type=Path, default=Path("results/recurrent"), help="output folder")
+    p.add_argument("--out", type=out_folder, default=Path("results/recurrent"), help="output folder")
 
 
 def run(args: argparse.Namespace) -> int:
     """Every layout x workload x budget x system, the Mooncake rows, then the goals."""
+    if args.mooncake:
+        try:
+            trace_path = locate_trace("mooncake_conversation", option=None)
+        except FileNotFoundError as e:
+            args.usage_error(f"argument --mooncake: the Mooncake replay {e}; or skip it with "
+                             f"--mooncake ''")
+    check_folder(args.out, args.usage_error)
     rows: list[Row] = []
     ideal: dict[str, float] = {}
     runs: list[tuple[list[RequestSpec], Layout, int, str, list[System]]] = []
@@ -404,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
             runs += [(specs, layout, int(gib * GiB), name, systems(layout, args.eviction, host_gib))
                      for gib in args.budgets]
     if args.mooncake:
-        trace = mooncake_requests("mooncake_conversation", args.limit)
+        trace = mooncake_requests(trace_path, args.limit)
         layout = LAYOUTS["qwen3-next"]
         runs += [(trace, layout, layout.budget_of_tokens(int(tokens)), "mooncake_conversation",
                   systems(layout, args.eviction)[:3]) for tokens in args.mooncake]

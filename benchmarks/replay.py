@@ -106,7 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-tokens", type=_store_tokens, metavar="LIST",
                    help="tiers: comma list of store capacities in tokens, inf for unbounded "
                         "(default: inf, 10x and 1x --device-tokens)")
-    p.add_argument("--out", type=Path, default=Path("results/replay"), help="output folder")
+    p.add_argument("--out", type=output.out_folder, default=Path("results/replay"),
+                   help="output folder")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,7 +129,8 @@ def _run(args: argparse.Namespace) -> int:
         except FileNotFoundError as e:
             return args.usage_error(f"argument --trace: {e}")
     limit = args.limit if args.limit is not None else (2000 if args.quick else None)
-    out, caps, policies = Path(args.out), args.capacities, args.policies
+    out, caps, policies = args.out, args.capacities, args.policies
+    output.check_folder(out, args.usage_error)
     t0 = time.perf_counter()
     headline: list[str] = []
     if "lru" in args.what:

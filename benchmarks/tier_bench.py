@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import xxhash
 
-from kvstore.benchmarks.output import write_json
+from kvstore.benchmarks.output import check_folder, write_json
 from kvstore.hashing import hash_block, root_hash
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.specs import FullAttentionSpec, make_kv_cache_config
@@ -231,12 +231,19 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(args: argparse.Namespace) -> int:
     """Measure the transfers (or with ``--engines`` run two engines), print a table (and JSON
     with ``--json``)."""
+    from kvstore.benchmarks.bench import _check_store
+    from kvstore.cli import _resolve_device
+
+    if args.store:
+        _check_store(args.store, args.usage_error)
+    if args.json:
+        check_folder(args.json.parent, args.usage_error, "--json")
     if args.engines:
         return run_engines(args)
     if args.pool_blocks < 2 * args.blocks + 1:
         args.usage_error(f"argument --pool-blocks: need at least 2 * --blocks + 1 = "
                          f"{2 * args.blocks + 1}, got {args.pool_blocks}")
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device = str(_resolve_device(args.device, args.usage_error))
     args.layers = args.layers or 8
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -65,9 +65,10 @@ def trace_file(name: str) -> Path:
     return folder / TRACE_FILES[name]
 
 
-def locate_trace(name: str) -> Path:
+def locate_trace(name: str, option: str | None = "--trace PATH") -> Path:
     """The existing file of trace `name`; FileNotFoundError saying where to download it and
-    how to point kvstore at it (a pip install ships no traces)."""
+    how to point kvstore at it (a pip install ships no traces): `option`, where the command
+    has one, or the environment variable."""
     try:
         path = trace_file(name)
     except FileNotFoundError as e:  # no trace folder at all
@@ -77,10 +78,10 @@ def locate_trace(name: str) -> Path:
             return path
         where = f"not in {path.parent}"
     repo, source = TRACE_SOURCES[name]
+    how = f"pass {option}, or set" if option else "set"
     raise FileNotFoundError(f"needs the trace file {TRACE_FILES[name]} ({where}), which a pip "
-                            f"install does not ship: download {source} from {repo}, then pass "
-                            f"--trace PATH, or set {ENV_VAR} to the folder holding it as "
-                            f"{TRACE_FILES[name]}")
+                            f"install does not ship: download {source} from {repo}, then {how} "
+                            f"{ENV_VAR} to the folder holding it as {TRACE_FILES[name]}")
 
 
 # ------------------------------------------------------------------------- Mooncake

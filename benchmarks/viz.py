@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.benchmarks.output import pyplot, save_figure
+from kvstore.benchmarks.output import check_folder, out_file, pyplot, save_figure
 from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.workloads import RequestSpec
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -171,13 +171,22 @@ def add_viz_parser(subparsers: Any) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-partial-hits", action="store_true")
-    p.add_argument("--out", default="results/viz/pool_layout.png", help="PNG path")
+    p.add_argument("--out", type=_png_path, default=Path("results/viz/pool_layout.png"),
+                   help="PNG path (.png added when it has another suffix)")
     p.add_argument("--no-png", action="store_true", help="print the ASCII map only")
     p.set_defaults(func=run_viz_command, usage_error=p.error)
 
 
+def _png_path(text: str) -> Path:
+    """argparse type: an output file, ``.png`` appended unless it ends so (as matplotlib
+    would save it)."""
+    return out_file(text if text.lower().endswith(".png") else text + ".png")
+
+
 def run_viz_command(args: argparse.Namespace) -> int:
     """Print the per-step ASCII map and write the PNG."""
+    if not args.no_png:
+        check_folder(args.out.parent, args.usage_error)
     try:
         recorder, result = run_viz(args.num_blocks, args.block_size, args.max_num_batched_tokens,
                                    not args.no_prefix_caching, not args.no_partial_hits)
@@ -195,9 +204,8 @@ def run_viz_command(args: argparse.Namespace) -> int:
           f"by partial hits, {result.copies} copies), {result.evictions} evictions, "
           f"{result.preemptions} preemptions, {result.steps} steps")
     if not args.no_png:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        plot_layout(recorder.snapshots, out,
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        plot_layout(recorder.snapshots, args.out,
                     f"Pool layout: {args.num_blocks - 1} blocks x {args.block_size} tokens")
-        print(f"wrote {out}")
+        print(f"wrote {args.out}")
     return 0

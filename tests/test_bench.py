@@ -444,12 +444,63 @@ def test_bench_subcommands_reject_bad_values_with_a_usage_error(capsys):
     for argv, bad in ((["bench", "replay", "--trace", "/no/such/trace.jsonl"], "/no/such/trace"),
                       (["bench", "replay", "--what", "nope"], "nope"),
                       (["bench", "manager", "--scenarios", "full/nope"], "full/nope"),
+                      (["bench", "manager", "--also", "foo=bar"], "unknown foo"),
+                      (["bench", "manager", "--also", "eviction=nope"], "'nope'"),
+                      (["bench", "manager", "--vllm", "/no/such/python"], "/no/such/python"),
+                      (["bench", "tiers", "--dtype", "foo"], "'foo'"),
+                      (["bench", "tiers", "--device", "foo"], "'foo'"),
+                      (["bench", "tiers", "--store", "mem"], "'mem'"),
+                      (["bench", "tiers", "--store", "valkey://127.0.0.1:1/0"], "cannot reach"),
+                      (["bench", "recurrent", "--requests", "0"], "--requests"),
+                      (["bench", "recurrent", "--limit", "-3"], "--limit"),
+                      (["bench", "--quick", "sweep"], "--quick given before sweep"),
+                      (["bench", "--limit", "5", "manager"], "--limit given before manager"),
                       (["bench", "--policies", "nope"], "nope")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert bad in err and "Traceback" not in err
+
+
+def test_options_after_a_question_apply_to_it():
+    from kvstore.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "sweep", "--quick", "--limit", "5"])
+    assert args.quick and args.limit == 5
+
+
+def test_bench_output_paths_are_checked_before_the_work(tmp_path, capsys, monkeypatch):
+    """An --out or --json that cannot be a folder (a file) or cannot be created, or a missing
+    trace: a usage error before any replay runs."""
+    from kvstore.benchmarks import bench
+    from kvstore.cli import main
+
+    monkeypatch.setattr(bench, "_sweep_with_progress", lambda *a, **k: pytest.fail("ran the sweep"))
+    monkeypatch.setenv("KVSTORE_TRACES", str(tmp_path / "none"))
+    file = tmp_path / "file"
+    file.write_text("")
+    cases = [(["bench", "replay", "--out", str(file)], "is a file"),
+             (["bench", "recurrent", "--out", str(file)], "is a file"),
+             (["bench", "tiers", "--json", str(tmp_path)], "is a folder"),
+             (["viz", "--out", str(file / "layout.png")], "is a file"),
+             (["bench", "recurrent", "--mooncake", "1e6"], "--mooncake ''")]
+    if Path("/proc/self").is_dir():  # Linux: nothing can be created in /proc
+        cases += [(["bench", "--quick", "--out", "/proc/kvstore-none/out"], "cannot create"),
+                  (["viz", "--out", "/proc/kvstore-none/layout.png"], "cannot create")]
+    for argv, bad in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and bad in err and len(err.splitlines()) == 1, (argv, err)
+
+
+def test_viz_out_gets_the_png_suffix_it_is_saved_with(tmp_path, capsys):
+    from kvstore.cli import main
+
+    assert main(["viz", "--out", str(tmp_path / "layout")]) == 0
+    assert (tmp_path / "layout.png").is_file() and not (tmp_path / "layout").exists()
+    assert f"wrote {tmp_path / 'layout.png'}" in capsys.readouterr().out
 
 
 def test_store_password_never_printed_or_recorded(tmp_path, capsys):
@@ -467,6 +518,19 @@ def test_store_password_never_printed_or_recorded(tmp_path, capsys):
     assert "secret" not in TierOptions(None, url).describe()
     args = build_parser().parse_args(["bench", "--store", url])
     assert "secret" not in json.dumps(_arguments(args), default=str)
+
+
+def test_wide_table_is_never_cut():
+    """--wide prints every column whole, however narrow the console (a pipe)."""
+    from rich.console import Console
+
+    w = load_bench_workload("mixed_default", limit=6, seed=1)
+    res = run_sweep(w, shape="tiny", block_size=16, num_points=2, policies=["paged"], jobs=1)
+    console = Console(width=80, record=True, color_system=None)
+    print_table(res, console, wide=True)
+    text = console.export_text()
+    assert "…" not in text and "KV budget" in text and "idle KV" in text
+    assert max(map(len, text.splitlines())) > 80 and console.width == 80
 
 
 def test_table_that_cannot_fit_says_so(monkeypatch):

@@ -161,6 +161,29 @@ def test_help_lists_defaults_and_traces(capsys):
     assert "(default: 512)" in " ".join(capsys.readouterr().out.split())
 
 
+def test_bench_help_names_every_question(capsys):
+    from kvstore.cli import build_parser
+
+    questions = ("manager", "replay", "tiers", "kernels", "recurrent")
+    assert all(callable(build_parser().parse_args(["bench", q]).func) for q in questions)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    summary = text.split("benchmarks:")[1].split(" viz ")[0]
+    assert [q for q in questions if q not in summary] == []
+
+
+def test_generate_synopsis_in_the_docs_names_every_model():
+    from pathlib import Path
+
+    from kvstore.cli import DEMO_MODELS, HYBRID_MODELS, REAL_MODELS
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "engine.md").read_text()
+    synopsis = text.split("## `kvstore generate`")[1].split("```")[1]
+    assert [m for m in (*DEMO_MODELS, *HYBRID_MODELS, *REAL_MODELS)
+            if not re.search(rf"\b{m}\b", synopsis)] == []
+
+
 def test_building_the_parser_imports_no_torch():
     code = ("import sys; from kvstore.cli import build_parser; build_parser().format_help(); "
             "sys.exit('torch' in sys.modules)")
