@@ -511,41 +511,54 @@ class BlockPool:
                     best, best_len = self.blocks[block_id], n
         return PartialMatch(best, best_len)
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        """Drop a block's content from every index (telling a content-tracking policy, and
-        marking the children orphans when no twin keeps the content)."""
-        block_hash = block.block_hash
-        if self._index_children:
+    def _evict(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop cached blocks' content from every index, in order (telling a content-tracking
+        policy, and marking the children orphans when no twin keeps the content)."""
+        if not self._index_children:
+            self._drop_content(blocks)
+            return
+        children, tracks = self._children, self._tracks_content
+        for block in blocks:
             key = (block.group_id, block.parent_serial)
-            siblings = self._children[key]
-            del siblings[bisect_left(siblings, (block.token_ids, block.block_id))]
-            if self._tracks_content:
+            siblings = children[key]
+            if len(siblings) == 1:  # most blocks: the only child of their parent
+                del children[key]
+                siblings = []
+            else:
+                del siblings[bisect_left(siblings, (block.token_ids, block.block_id))]
+                if not siblings:
+                    del children[key]
+            if tracks:
                 if self._evicted_hook is not None:
                     self._evicted_hook(block)
-                if block_hash is not None and (self._chained_groups is None
-                                               or block.group_id in self._chained_groups):
+                if block.block_hash is not None and (self._chained_groups is None
+                                                     or block.group_id in self._chained_groups):
                     self._orphan_children(block, siblings)
-            if not siblings:
-                del self._children[key]
-        self._drop_content(block)
+                self._drop_content([block])
+        if not tracks:
+            self._drop_content(blocks)
 
-    def _drop_content(self, block: KVCacheBlock) -> None:
-        """Remove a page's hash-index entry (announced as removed) and its content, counted as
-        an eviction of its group."""
-        block_hash, group = block.block_hash, block.group_id
-        if block_hash is not None:
-            self.hash_index.remove(group, block_hash, block)
-            if self.enable_events:
-                self._events.append(BlockRemoved(block_hash, group, self.group_kind(group)))
-        block.block_hash = block.token_ids = None
-        block.serial = block.parent_serial = 0
-        block.orphan = False
-        self.cached_by_group[group] -= 1
-        self.evicted_by_group[group] += 1
-        self.stats.evictions += 1
+    def _drop_content(self, blocks: list[KVCacheBlock]) -> None:
+        """Remove pages' hash-index entries (announced as removed) and their content, each
+        counted as an eviction of its group."""
+        remove = self.hash_index.remove
+        events = self._events if self.enable_events else None
+        cached, evicted = self.cached_by_group, self.evicted_by_group
+        for block in blocks:
+            block_hash, group = block.block_hash, block.group_id
+            if block_hash is not None:
+                remove(group, block_hash, block)
+                if events is not None:
+                    events.append(BlockRemoved(block_hash, group, self.group_kind(group)))
+            block.block_hash = block.token_ids = None
+            block.serial = block.parent_serial = 0
+            block.orphan = False
+            cached[group] -= 1
+            evicted[group] += 1
+        self.stats.evictions += len(blocks)
         dropped = self._dropped
-        dropped.append(block.block_id)
-        if len(dropped) > _DROPPED_KEPT:
+        dropped += [block.block_id for block in blocks]
+        while len(dropped) > _DROPPED_KEPT:
             del dropped[:_DROPPED_KEPT // 2]
             self._dropped_base += _DROPPED_KEPT // 2
 
@@ -1053,11 +1066,13 @@ class TwoSizeBlockPool(BlockPool):
         chain = self._chain_groups
         return len(self.children(min(chain), serial)) if chain else 0
 
-    def _evict_free(self, block: KVCacheBlock) -> None:
-        """Evict a free cached block the policy is handing out."""
-        self._free_cached -= 1
-        self._page_cached[block.block_id // self.large_page_blocks] -= 1
-        self._evict(block)
+    def _evict_free(self, blocks: list[KVCacheBlock]) -> None:
+        """Evict free cached blocks the policy is handing out."""
+        self._free_cached -= len(blocks)
+        page_cached, k = self._page_cached, self.large_page_blocks
+        for block in blocks:
+            page_cached[block.block_id // k] -= 1
+        self._evict(blocks)
 
     def _split_page(self, page: KVCacheBlock) -> None:
         """Hand a whole free empty large page's blocks to the free queue."""
@@ -1079,7 +1094,7 @@ class TwoSizeBlockPool(BlockPool):
         for block in self.blocks[j * k:(j + 1) * k]:
             queue.remove(block)
             if block.token_ids is not None:
-                self._evict(block)
+                self._evict([block])
         self._split[j] = False
         return self.large_blocks[j]
 
@@ -1261,21 +1276,24 @@ class TwoSizeBlockPool(BlockPool):
         kind = self._kind_of.pop(page.block_id, None)
         if kind is not None:
             self._settle(kind, False)
-        self._drop_content(page)
+        self._drop_content([page])
         self._large_cached.forget(page)
         self.stats.checkpoints_evicted += 1
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def _evict(self, blocks: list[KVCacheBlock]) -> None:
         """See BlockPool._evict; evicting the last block of a chain position also leaves the
-        checkpoints of that position without their chain (told to the checkpoint order)."""
-        block_hash, serial, group = block.block_hash, block.serial, block.group_id
-        super()._evict(block)
-        if block_hash is not None and group in self._chain_groups:
-            index = self.hash_index
+        checkpoints of that position without their chain (told to the checkpoint order, one
+        block at a time)."""
+        index, chain_groups, evict = self.hash_index, self._chain_groups, super()._evict
+        for block in blocks:
+            block_hash, serial, group = block.block_hash, block.serial, block.group_id
+            evict([block])
+            if block_hash is None or group not in chain_groups:
+                continue
             pages = [page for g in self.recurrent_groups for page in index.blocks(g, block_hash)
                      if page.serial == serial and not page.orphan]
             if not pages or any(b.serial == serial for b in index.blocks(group, block_hash)):
-                return  # no checkpoint there, or a twin keeps the chain
+                continue  # no checkpoint there, or a twin keeps the chain
             for page in pages:
                 page.orphan = True
                 if page.ref_cnt == 0:

@@ -66,7 +66,7 @@ __all__ = [
     "make_policy",
 ]
 
-Evict = Callable[[KVCacheBlock], None]
+Evict = Callable[[list[KVCacheBlock]], None]
 
 
 class EvictionPolicy:
@@ -101,8 +101,9 @@ class EvictionPolicy:
         raise NotImplementedError
 
     def take(self, n: int, evict: Evict) -> list[KVCacheBlock]:
-        """Remove n free pages for reuse, calling `evict` on each that holds content before
-        choosing the next (the caller checked that n pages are free)."""
+        """Remove n free pages for reuse, calling `evict` on those that hold content (in the
+        order taken; a policy whose choice depends on what an eviction orphans evicts each
+        before choosing the next) (the caller checked that n pages are free)."""
         raise NotImplementedError
 
     def freed_all(self, blocks: list[KVCacheBlock]) -> None:
@@ -145,9 +146,9 @@ class LRUPolicy(FreeBlockQueue, EvictionPolicy):
     def take(self, n: int, evict: Evict) -> list[KVCacheBlock]:
         """The first n pages of the queue; their content is evicted in that order."""
         blocks = self.popleft_n(n)
-        for block in blocks:
-            if block.token_ids is not None:
-                evict(block)
+        cached = [block for block in blocks if block.token_ids is not None]
+        if cached:
+            evict(cached)
         return blocks
 
     def freed_all(self, blocks: list[KVCacheBlock]) -> None:
@@ -281,7 +282,7 @@ class S3FIFOPolicy(EvictionPolicy):
                 if len(remember) > cap:
                     remember.popitem(last=False)
             if block.token_ids is not None:
-                evict(block)
+                evict([block])
             out.append(block)
         self._size -= n
         return out

@@ -274,15 +274,17 @@ class SingleTypeKVCacheManager:
         parent_serial = self._last_serial[rid]
         pool = self.pool
         twin_serial, twin_groups = pool.twin_serial, self._twin_groups
+        fresh = False  # whether parent_serial was made by this call: no block has it as parent
         for i in range(first, last):
             block = table[i]
             if block.block_hash is not None:  # shared with a fork that cached it already
                 parent_serial = block.serial
+                fresh = False
                 continue
             tokens = block_tokens[i]
             # The serial of this content in whichever group holds it already, so that the
             # serial names the prefix in every group (a windowed run is checked against it).
-            serial = twin_serial(hashes[i], parent_serial, tokens, twin_groups)
+            serial = 0 if fresh else twin_serial(hashes[i], parent_serial, tokens, twin_groups)
             if block.block_id == 0:
                 # Null below the window of a tier hit: nothing to index; the chain goes on
                 # with the serial of a group that holds the block (full attention caches
@@ -292,6 +294,7 @@ class SingleTypeKVCacheManager:
                     break
                 parent_serial = serial
                 continue
+            fresh = not serial
             parent_serial = pool.cache_full_block(block, hashes[i], tokens, parent_serial,
                                                   hashes[i - 1] if i else None,
                                                   serial or pool.new_serial())

@@ -144,9 +144,10 @@ def spy_evictions(pool: BlockPool, check: Callable[[KVCacheBlock], None]) -> Non
     """Call ``check`` on each block the pool is about to evict, before it is evicted."""
     evict = pool._evict
 
-    def checked(block: KVCacheBlock) -> None:
-        check(block)
-        evict(block)
+    def checked(blocks: list[KVCacheBlock]) -> None:
+        for block in blocks:
+            check(block)
+        evict(blocks)
 
     pool._evict = checked  # type: ignore[method-assign]
 
