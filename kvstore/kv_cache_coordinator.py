@@ -430,11 +430,9 @@ class KVCacheCoordinator:
                 manager.hold_windows(request, ends, computed.parent_serials,
                                      head=not num_verified)
 
-    def num_allocated_tokens(self, request_id: str) -> int | None:
+    def num_allocated_tokens(self, request_id: str) -> int:
         """The tokens a live request's pages cover (every paged group's table has one entry
-        per block), or None in a layout without paged groups."""
-        if not self._cache_order:
-            return None
+        per block)."""
         return len(self._cache_order[0].table(request_id)) * self.block_size
 
     def allocate(self, request: Request, num_tokens: int) -> tuple[tuple[int, ...], ...]:

@@ -465,11 +465,6 @@ class KVCacheManager:
             num_computed = self._check_progress(request)
             self._check_length(request, num_computed, num_new_tokens)
         coordinator = self._coordinator
-        covered = coordinator.num_allocated_tokens(rid)
-        if covered is not None and num_computed > covered:
-            raise ValueError(f"request {rid!r}: {num_computed} tokens computed, but its pages "
-                             f"cover {covered}: progress ran past what was allocated")
-        request.update_block_hashes(self.block_size, self._hash_fn)
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         quiet = self._quiet.pop(rid, None)
         if quiet is not None:
@@ -479,9 +474,17 @@ class KVCacheManager:
                 return self._no_new_blocks
             # A range ends where some group has work (a block to cache or to add, a page
             # leaving the window): no need to ask every group whether it has any.
-        elif all(m.is_noop(request, num_tokens) for m in coordinator.managers):
+        elif num_computed <= coordinator.num_allocated_tokens(rid) and all(
+                m.is_noop(request, num_tokens) for m in coordinator.managers):
             self._note_quiet(request)
             return self._no_new_blocks
+        # Past the quiet range: the progress must lie within the pages, and the blocks it
+        # filled are hashed.
+        covered = coordinator.num_allocated_tokens(rid)
+        if num_computed > covered:
+            raise ValueError(f"request {rid!r}: {num_computed} tokens computed, but its pages "
+                             f"cover {covered}: progress ran past what was allocated")
+        request.update_block_hashes(self.block_size, self._hash_fn)
         # Each table position written from the computed count on costs a paged group at most
         # one free page (a new page, or a private copy of a shared one), a recurrent group
         # none: when the free pages cover that bound the exact plan is not needed.
