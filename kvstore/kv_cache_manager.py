@@ -597,6 +597,10 @@ class KVCacheManager:
         if n is None or n < 0:
             raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
         if computed is not None:
+            if not isinstance(computed, ComputedBlocks) or computed.issuer is not self or \
+                    computed.request_id != request.request_id:
+                raise ValueError(f"computed must be this manager's lookup of "
+                                 f"{request.request_id!r}")
             self._coordinator.check_shape(request, computed)
             if request.request_id in self._requests:
                 raise ValueError(f"request {request.request_id!r} is admitted already: its "

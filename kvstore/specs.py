@@ -325,6 +325,15 @@ class KVCacheGroup:
     layer_ids: tuple[int, ...]
     kept_whole: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        for name in ("layer_ids", "kept_whole"):
+            value = getattr(self, name)
+            if not isinstance(value, (tuple, list)) or not all(
+                    _is_int(i) and i >= 0 for i in value):
+                raise ValueError(f"KVCacheGroup.{name} must be a tuple of layer ids (ints >= 0), "
+                                 f"got {value!r:.60}")
+            object.__setattr__(self, name, tuple(int(i) for i in value))
+
     @property
     def is_recurrent(self) -> bool:
         """Whether the group's layers keep a recurrent state (large pages), not K/V pages."""
@@ -367,9 +376,11 @@ class KVCacheConfig:
                              f"{self.num_blocks!r}")
         if not _is_int(self.num_slots) or self.num_slots < 1:
             raise ValueError(f"num_slots must be a positive int, got {self.num_slots!r}")
+        if not isinstance(self.groups, (tuple, list)) or not self.groups or not all(
+                isinstance(g, KVCacheGroup) for g in self.groups):
+            raise ValueError(f"a cache config needs a tuple of KVCacheGroups, got "
+                             f"{self.groups!r:.60}")
         groups = tuple(self.groups)
-        if not groups or not all(isinstance(g, KVCacheGroup) for g in groups):
-            raise ValueError("a cache config needs at least one KVCacheGroup")
         object.__setattr__(self, "groups", groups)
         for g, group in enumerate(groups):
             if not isinstance(group.spec, (AttentionSpec, RecurrentStateSpec)):
@@ -385,8 +396,6 @@ class KVCacheConfig:
         first = groups[attention[0]].spec
         assert isinstance(first, AttentionSpec)
         for g, group in enumerate(groups):
-            if not all(_is_int(layer) and layer >= 0 for layer in group.layer_ids):
-                raise ValueError(f"group {g} layer ids must be ints >= 0, got {group.layer_ids!r}")
             if isinstance(group.spec, RecurrentStateSpec):
                 if not group.layer_ids:
                     raise ValueError(f"group {g} has no layers")

@@ -897,3 +897,17 @@ def test_config_types_get_clear_errors() -> None:
     assert (type(window.block_size), type(window.window)) == (int, int)
     every = CacheConfig(checkpoint_every_blocks=np.int64(4)).checkpoint_every_blocks
     assert type(every) is int and every == 4
+
+
+def test_groups_and_lookups_of_another_request_get_clear_errors() -> None:
+    with pytest.raises(ValueError, match="layer_ids"):
+        KVCacheGroup(FullAttentionSpec(4, 1, 8), ([0],))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tuple of KVCacheGroups"):
+        KVCacheConfig(8, KVCacheGroup(FullAttentionSpec(4, 1, 8), (0,)), 1)  # type: ignore[arg-type]
+    config = make_kv_cache_config([FullAttentionSpec(4, 1, 8),
+                                   RecurrentStateSpec(4, ((16, 16),))], num_blocks=16)
+    m = KVCacheManager(config)
+    a, b = Request("a", list(range(9))), Request("b", list(range(9)))
+    m.get_computed_blocks(a)
+    with pytest.raises(ValueError, match="lookup of 'a'"):
+        m.next_checkpoints(a, 8, m.get_computed_blocks(b))
