@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvstore.request import as_count
+
 from ._triton import HAS_TRITON, cdiv, check_device, next_pow2, require_triton
 
 __all__ = ["write_kv", "copy_blocks"]
@@ -98,7 +100,9 @@ def write_kv(
     ``slot_mapping[t] = block * block_size + offset``; negative slots (padding) are skipped.
 
     Exact (a bitwise copy). Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``
-    with any strides and must have the dtype of ``key``/``value``. Slots must be distinct.
+    with any strides and must have the dtype of ``key``/``value``. Slots must be distinct:
+    on CPU a repeated slot raises ``ValueError`` and one outside the pool ``IndexError``; on
+    other devices they are not checked (that would cost a device sync).
     """
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(f"key/value must be [T, num_kv_heads, head_dim] and equal, got "
@@ -118,12 +122,18 @@ def write_kv(
         raise TypeError(f"dtype mismatch: key {key.dtype}, value {value.dtype}, caches "
                         f"{key_cache.dtype}/{value_cache.dtype}")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    if block_size == 0:
+        raise ValueError(f"caches must have block_size >= 1, got shape {tuple(key_cache.shape)}")
     if key.shape[0] == 0:
         return
     if slot_mapping.device.type == "cpu":  # free to check on the host
         if int(slot_mapping.max()) >= num_blocks * block_size:
             raise IndexError(f"slot {int(slot_mapping.max())} outside a pool of "
                              f"{num_blocks * block_size} slots")
+        slots, counts = slot_mapping[slot_mapping >= 0].unique(return_counts=True)
+        if counts.numel() and int(counts.max()) > 1:
+            raise ValueError(f"slot_mapping repeats slot(s) {slots[counts > 1].tolist()}; "
+                             "slots must be distinct")
     if _pick_backend(backend, key.device) == "torch":
         valid = slot_mapping >= 0
         slots = slot_mapping[valid].long()
@@ -162,9 +172,16 @@ def _normalize_pairs(pairs: Sequence[tuple[int, int]] | torch.Tensor) -> list[tu
             raise ValueError(f"pairs tensor must be [N, 2], got {tuple(pairs.shape)}")
         pairs = pairs.tolist()
     out = []
-    for p in pairs:
-        src, dst = p
-        out.append((int(src), int(dst)))
+    for k, pair in enumerate(pairs):  # as PagedKVCache.copy_blocks checks them
+        if isinstance(pair, torch.Tensor):
+            pair = pair.tolist()
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"copy {k}: expected a (src, dst) pair of block ids, got "
+                             f"{pair!r:.60}")
+        src, dst = as_count(pair[0]), as_count(pair[1])
+        if src is None or dst is None:
+            raise TypeError(f"copy {k}: block ids must be ints, got {pair!r:.60}")
+        out.append((src, dst))
     return out
 
 
@@ -189,7 +206,8 @@ def copy_blocks(
     """Copy page ``src`` onto page ``dst`` in every cache tensor, for each ``(src, dst)``.
 
     ``caches`` is a list of page tensors (dim 0 = block id) or of ``(key_cache,
-    value_cache)`` pairs. Exact (bitwise). Raises ValueError when a destination repeats,
+    value_cache)`` pairs. Exact (bitwise). Raises TypeError for an id that is not an int
+    (``as_count``), ValueError for a pair that is not a pair, when a destination repeats,
     when a destination is also a source in the same batch (the result would depend on the
     order), or when an id is outside the pool. On CUDA every tensor that shares dtype size
     and page size moves in one kernel launch.

@@ -9,10 +9,16 @@ the metadata is built, per-call checks in :func:`check_attention_inputs`.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
+
+from kvstore.request import as_count
 
 __all__ = ["AttentionMetadata", "check_attention_inputs"]
 
@@ -98,13 +104,35 @@ class AttentionMetadata:
         return self.seq_lens.device
 
 
-_SINK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_span(value: Any, name: str) -> int | None:
+    """``window``/``chunk``: None or a count >= 1 (see ``as_count``), as an int."""
+    if value is None:
+        return None
+    n = as_count(value)
+    if n is None or n < 1:
+        raise ValueError(f"{name} must be None or an int >= 1, got {type(value).__name__} "
+                         f"{value!r:.60}")
+    return n
+
+
+def _check_softcap(softcap: Any) -> float | None:
+    """``softcap``: None or 0 (off), or a finite real > 0, as a float."""
+    if softcap is None:
+        return None
+    if (isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real)
+            or not math.isfinite(softcap) or softcap < 0):
+        raise ValueError(f"softcap must be None, 0 (off) or a finite number > 0, got "
+                         f"{type(softcap).__name__} {softcap!r:.60}")
+    return float(softcap)
 
 
 def _check_sinks(sinks: torch.Tensor, num_heads: int, device: torch.device) -> None:
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"sinks must be None or a tensor, got {type(sinks).__name__}")
-    if sinks.dtype not in _SINK_DTYPES:
+    if sinks.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"sinks must be float32, float16 or bfloat16, got {sinks.dtype}")
     if sinks.shape != (num_heads,):
         raise ValueError(
@@ -123,11 +151,15 @@ def check_attention_inputs(
     softcap: float | None,
     sinks: torch.Tensor | None = None,
     chunk: int | None = None,
-) -> None:
+) -> tuple[int | None, float | None, int | None]:
     """Raise ``ValueError`` unless ``q`` and one layer's caches fit ``metadata`` and
     ``window``/``softcap``/``sinks``/``chunk`` are valid: the checks shared by the reference and the
-    kernel. ``sinks`` must be None or a float32/float16/bfloat16 tensor ``[num_heads]`` on
-    ``q``'s device (``TypeError`` for a non-tensor or another dtype).
+    kernel. ``q`` and the caches must be float32/float16/bfloat16 with ``block_size >= 1``;
+    ``window`` and ``chunk`` None or an int >= 1 (a numpy integer counts, a bool or float does
+    not); ``softcap`` None, 0 (off) or a finite number > 0; ``sinks`` None or a
+    float32/float16/bfloat16 tensor ``[num_heads]`` on ``q``'s device (``TypeError`` for a
+    non-tensor or another dtype, as for ``q`` and the caches). Returns ``(window, softcap,
+    chunk)`` as Python int, float, int (or None).
 
     On CPU it also checks the values that depend on ``q`` and the pool: ``cu_seqlens_q``
     ends at ``q``'s row count, the table is wide enough for every ``seq_len`` and holds
@@ -144,22 +176,22 @@ def check_attention_inputs(
             f"key_cache {tuple(key_cache.shape)} and value_cache "
             f"{tuple(value_cache.shape)} differ in shape"
         )
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+    if block_size == 0:
+        raise ValueError(f"caches must have block_size >= 1, got shape {tuple(key_cache.shape)}")
     if key_cache.shape[3] != head_dim:
         raise ValueError(f"head_dim mismatch: q has {head_dim}, cache {key_cache.shape[3]}")
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be None or >= 1, got {window}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk must be None or an int >= 1, got {chunk!r}")
-    if softcap is not None and softcap < 0:
-        raise ValueError(f"softcap must be None, 0 (off) or > 0, got {softcap}")
+    layer_args = _check_span(window, "window"), _check_softcap(softcap), _check_span(chunk, "chunk")
     if sinks is not None:
         _check_sinks(sinks, num_heads, q.device)
     if metadata.device.type != "cpu":
-        return
+        return layer_args
     table = metadata.block_table
     total_q = int(metadata.cu_seqlens_q[-1])
     if total_q != q.shape[0]:
@@ -175,3 +207,4 @@ def check_attention_inputs(
             )
     if table.numel() and (table.min() < 0 or table.max() >= num_blocks):
         raise ValueError(f"block_table holds ids outside [0, {num_blocks})")
+    return layer_args

@@ -92,7 +92,8 @@ def paged_attention_reference(
     sink's probability is dropped, so the weights of the keys sum to less than 1. The sink
     is neither scaled nor capped. Returns a tensor shaped and typed like ``q``.
     """
-    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap, sinks, chunk)
+    window, softcap, chunk = check_attention_inputs(q, key_cache, value_cache, metadata, window,
+                                                    softcap, sinks, chunk)
     block_table = metadata.block_table
     num_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]

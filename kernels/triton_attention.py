@@ -389,12 +389,11 @@ def paged_attention(
     tiles each program visited, for tests that prove the loop is window-bounded.
     """
     require_triton()
-    check_attention_inputs(q, key_cache, value_cache, metadata, window, softcap, sinks, chunk)
+    window, softcap, chunk = check_attention_inputs(q, key_cache, value_cache, metadata, window,
+                                                    softcap, sinks, chunk)
     block_table = metadata.block_table
     check_device(_paged_attn_kernel, q, key_cache, value_cache, block_table,
                  metadata.cu_seqlens_q, metadata.seq_lens)
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"unsupported dtype {q.dtype}")
     if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
         raise TypeError(
             f"q, key_cache, value_cache dtypes differ: {q.dtype}, {key_cache.dtype}, "

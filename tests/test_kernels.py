@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,6 +209,49 @@ def test_bad_inputs_raise_clear_errors():
         c2 = make_case([3], [20], 8, 2, 64, 16, None)
         paged_attention(c2.q, c2.key_cache, c2.value_cache,
                         replace(c2.metadata, max_seqlen_q=2), c2.scale)
+
+
+BACKENDS = ["reference", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_must_be_off_or_finite_positive(backend):
+    """NaN or inf made an all-NaN output; a bool or a string is no cap either."""
+    case = make_case([1], [9], 2, 1, 16, 4, None)
+    for bad in (float("nan"), float("inf"), -float("inf"), -1.0, True, "2.0", torch.tensor(2.0)):
+        with pytest.raises(ValueError, match="softcap must be None, 0 \\(off\\) or a finite"):
+            attention(*case.args(), softcap=bad, backend=backend)
+    off = attention(*case.args(), backend=backend)
+    assert torch.equal(attention(*case.args(), softcap=0, backend=backend), off)
+    torch.testing.assert_close(attention(*case.args(), softcap=np.float64(2.0), backend=backend),
+                               attention(*case.args(), softcap=2.0, backend=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_and_chunk_are_counts(backend):
+    """window 2.5 was truncated to 2 and True ran as 1 (or crashed the reference); numpy
+    integers are ints for both window and chunk, as ``as_count`` takes them."""
+    case = make_case([2], [9], 2, 1, 16, 4, None)
+    for name in ("window", "chunk"):
+        for bad in (2.5, True, np.True_, np.float64(2.0), "2", 0):
+            with pytest.raises(ValueError, match=f"{name} must be None or an int >= 1"):
+                attention(*case.args(), **{name: bad}, backend=backend)
+        want = attention(*case.args(), **{name: 2}, backend=backend)
+        assert torch.equal(attention(*case.args(), **{name: np.int64(2)}, backend=backend), want)
+        assert torch.equal(attention(*case.args(), **{name: np.uint8(2)}, backend=backend), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_size_zero_and_non_float_dtypes_are_refused(backend):
+    case = make_case([1], [5], 2, 1, 8, 4, None)
+    q, kc, vc, meta, scale = case.args()
+    empty = kc[:, :0]
+    with pytest.raises(ValueError, match="block_size >= 1"):
+        attention(q, empty, empty, meta, scale, backend=backend)
+    for bad, name in (((q.long(), kc.long(), vc.long()), "q"), ((q, kc.long(), vc), "key_cache"),
+                      ((q, kc, vc.double()), "value_cache")):
+        with pytest.raises(TypeError, match=f"{name} must be float32, float16 or bfloat16"):
+            attention(*bad, meta, scale, backend=backend)
 
 
 def test_metadata_checks_each_batch_once():

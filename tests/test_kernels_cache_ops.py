@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,36 @@ def test_write_kv_rejects_bad_input():
         write_kv(key, key, kc, vc, torch.tensor([0, 48]))
     with pytest.raises(TypeError, match="int32 or int64"):
         write_kv(key, key, kc, vc, torch.tensor([0.0, 1.0]))
+
+
+def test_write_kv_refuses_repeated_slots_and_empty_pages_on_cpu():
+    """A repeated slot let the last write win; block_size 0 divided by zero."""
+    kc, vc = torch.zeros(3, 4, 1, 8), torch.zeros(3, 4, 1, 8)
+    key = torch.randn(3, 1, 8)
+    for backend in ("torch", "triton") if HAS_KERNELS else ("torch",):
+        with pytest.raises(ValueError, match=r"repeats slot\(s\) \[4\]"):
+            write_kv(key, key, kc, vc, torch.tensor([4, 4, 5]), backend=backend)
+    assert not kc.any() and not vc.any()  # refused before anything was written
+    write_kv(key, key, kc, vc, torch.tensor([-1, -1, 5]))  # padding may repeat
+    empty = torch.zeros(3, 0, 1, 8)
+    with pytest.raises(ValueError, match="block_size >= 1"):
+        write_kv(key, key, empty, empty, torch.tensor([-1, -1, -1]))
+
+
+def test_copy_blocks_ids_are_ints_and_pairs_are_pairs():
+    """(1.7, 2) copied block 1; a 3-tuple failed to unpack. Checked as PagedKVCache does."""
+    caches = _layers(1, torch.float32)
+    before = [t.clone() for kv in caches for t in kv]
+    for bad in ([(1.7, 2)], [(True, 2)], [(1, "2")], torch.tensor([[1.0, 2.0]])):
+        with pytest.raises(TypeError, match="copy 0: block ids must be ints"):
+            copy_blocks(caches, bad)
+    for bad in ([(1, 2, 3)], [(1,)], [5], [(3, 4), "ab"]):
+        with pytest.raises(ValueError, match=r"copy \d: expected a \(src, dst\) pair"):
+            copy_blocks(caches, bad)
+    assert all(torch.equal(a, b) for a, b in zip([t for kv in caches for t in kv], before,
+                                                 strict=True))
+    copy_blocks(caches, [(np.int64(2), np.int32(5)), torch.tensor([3, 6])])
+    assert torch.equal(caches[0][0][5], before[0][2]) and torch.equal(caches[0][1][6], before[1][3])
 
 
 def _layers(n, dtype, seed=0):
