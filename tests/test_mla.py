@@ -156,3 +156,15 @@ def test_decode_kernel_refuses_what_it_does_not_run() -> None:
         mla_decode(q_lat[..., :8], q_rope, kc, vc, md, 0.25)
     with pytest.raises(TypeError, match="one dtype"):
         mla_decode(q_lat.half(), q_rope, kc, vc, md, 0.25)
+
+
+def test_latents_split_otherwise_have_other_tier_keys() -> None:
+    """Two MLA layouts with one latent width but another split between the compressed K/V
+    and the rope part give pages of one size; the tiers must never load one as the other."""
+    from kvstore.tiers import BlockLayout
+
+    layouts = [BlockLayout.for_group("m", make_kv_cache_config(
+        [MLASpec(16, kv_lora_rank=rank, rope_dim=rope)], num_blocks=4), 0)
+        for rank, rope in ((512, 64), (448, 128))]
+    assert layouts[0].payload_nbytes == layouts[1].payload_nbytes
+    assert layouts[0].digest != layouts[1].digest

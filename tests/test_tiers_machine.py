@@ -110,7 +110,11 @@ class TieredManagerMachine(RuleBasedStateMachine):
             return  # stays waiting, its hit (and holds) recorded for a retry
         del self.waiting[rid]
         self._worker()
-        request.num_computed_tokens = request.num_tokens
+        # The step computes the tokens scheduled from where the admission put the request
+        # (the full-block part of its hit when the partial block's copy did not fit).
+        scheduled = request.num_tokens - self._hit(computed, external)
+        request.num_computed_tokens = min(request.num_tokens,
+                                          request.num_computed_tokens + scheduled)
         self.running[rid] = request
 
     @precondition(lambda self: self.waiting)
@@ -144,7 +148,7 @@ class TieredManagerMachine(RuleBasedStateMachine):
             self.finish(rid)  # preempted: its computed content stays cached, then offloaded
             return
         self._worker()
-        request.num_computed_tokens = request.num_tokens
+        request.num_computed_tokens += 1
 
     def finish(self, rid: str) -> None:
         self.manager.free(self.running.pop(rid))

@@ -423,3 +423,50 @@ def test_external_tokens_take_fresh_pages_with_the_window_below_the_hit_end_null
     assert records[w].pages == tuple((i, b) for i, b in enumerate(table[w]) if b)
     manager.set_release_listener(None)
     assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def test_a_request_freed_before_its_loads_ran_offloads_none_of_their_pages() -> None:
+    """Offloads run before loads in a step: a request let go of between its admission on a
+    tier hit and the step's transfers must not offload the pages its loads have yet to fill
+    (they would reach the host tier holding whatever the pages held before)."""
+    import torch
+
+    from kvstore.paged_kv_cache import PagedKVCache
+    from kvstore.tiers import HostTier
+    from kvstore.tiers.host import gather_blocks
+
+    config = make_kv_cache_config([FullAttentionSpec(BS, 1, 8, "float32")], num_blocks=30)
+    store = HostTier(1 << 20)  # stands for the shared store
+    prompt = list(range(100, 113))  # 3 full blocks and 1 token
+    a = TierConnector(config, "m", store=store)
+    ma = attached(config, a)
+    cache_a = PagedKVCache(config)
+    r = Request("a", prompt)
+    assert ma.admit(r, len(prompt)) is not None
+    for t in cache_a.key_caches + cache_a.value_caches:
+        t.fill_(1.0)
+    truth = gather_blocks(cache_a, 0, ma.block_table("a")[0][:3]).clone()
+    r.num_computed_tokens = len(prompt)
+    ma.free(r)
+    a.take_transfers().run(cache_a)
+
+    host = HostTier(1 << 20)
+    b = TierConnector(config, "m", host=host, store=store)
+    mb = attached(config, b)
+    cache_b = PagedKVCache(config)
+    for t in cache_b.key_caches + cache_b.value_caches:
+        t.fill_(-7.0)  # what fresh pages held before
+    r2 = Request("b", prompt)
+    computed = mb.get_computed_blocks(r2)
+    external = b.lookup(r2, computed)
+    assert external == 12
+    assert mb.admit(r2, 1, computed, num_external_tokens=external) is not None
+    b.admitted(r2, computed, external)
+    mb.free(r2)  # let go of before the worker ran the step's transfers
+    b.take_transfers().run(cache_b)
+    assert len(host) == 0  # nothing offloaded from pages no load had filled
+    r3 = Request("c", prompt)  # the loads still ran, into the pages cached at the free
+    computed = mb.get_computed_blocks(r3)
+    assert computed.num_full_hit_tokens == 12  # the loaded pages, cached at the free
+    assert torch.equal(gather_blocks(cache_b, 0, [b.block_id for b in computed.blocks[0]]),
+                       truth)

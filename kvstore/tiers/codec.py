@@ -11,7 +11,7 @@ import struct
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import TypeAlias, TypeVar
 
@@ -147,20 +147,14 @@ class BlockLayout:
 
     @cached_property
     def digest(self) -> bytes:
-        """16-byte BLAKE2b digest of everything that gives the payload its meaning."""
+        """16-byte BLAKE2b digest of everything that gives the payload its meaning: the
+        model, every field of the spec, the layers and the packing."""
         s = self.spec
-        desc: dict[str, object]
-        if isinstance(s, RecurrentStateSpec):
-            desc = {"codec": CODEC_VERSION, "model": self.model, "kind": type(s).__name__,
-                    "block_size": s.block_size, "shapes": [list(x) for x in s.shapes],
-                    "dtypes": list(s.dtypes), "layer_ids": list(self.layer_ids),
-                    "packing": "layer,state", "extra": self.extra}
-        else:
-            desc = {"codec": CODEC_VERSION, "model": self.model, "kind": type(s).__name__,
-                    "block_size": s.block_size, "num_kv_heads": s.num_kv_heads,
-                    "head_dim": s.head_dim, "dtype": s.dtype, "window": s.sliding_window,
-                    "layer_ids": list(self.layer_ids),
-                    "packing": "block,layer,kv,token,head,dim", "extra": self.extra}
+        spec = {f.name: getattr(s, f.name) for f in fields(s)}
+        packing = "layer,state" if isinstance(s, RecurrentStateSpec) else "block,layer,kv,token,head,dim"
+        desc = {"codec": CODEC_VERSION, "model": self.model, "kind": type(s).__name__,
+                "spec": spec, "layer_ids": list(self.layer_ids), "packing": packing,
+                "extra": self.extra}
         text = json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(text, digest_size=DIGEST_NBYTES, person=b"kvstore-layout").digest()
 
@@ -283,7 +277,10 @@ def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Bu
             trusted: bool = False) -> str | None:
     if value is None:
         return "miss"
-    view = memoryview(value).cast("B")
+    try:
+        view = memoryview(value).cast("B")
+    except TypeError:  # not a contiguous bytes-like object: no value of this codec
+        return "bad_header"
     if view.nbytes != layout.value_nbytes:
         return "wrong_size"
     magic, version, _flags, digest, stored_key, n_tokens, n_payload, checksum = _HEADER.unpack_from(view)

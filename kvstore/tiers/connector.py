@@ -381,6 +381,9 @@ class TierConnector:
         request = record.request
         rid = request.request_id
         g = record.group_id
+        # A page whose load has not run yet holds no content to offload (the request was
+        # let go of between its admission and the step's transfers).
+        loading = {b for load in self._loads if load.group_id == g for b in load.block_ids}
         if record.cause == "free":
             if g == 0:
                 hit = self._hits.pop(rid, None)
@@ -388,7 +391,8 @@ class TierConnector:
                     self.release(hit.held)
                 self._watch.pop(rid, None)
             n = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
-            self.queue_offload_blocks(request, g, [(i, b) for i, b in record.pages if i < n])
+            self.queue_offload_blocks(request, g, [(i, b) for i, b in record.pages
+                                                   if i < n and b not in loading])
             return
         mode = self.window_offload
         if mode == "none":
@@ -402,6 +406,7 @@ class TierConnector:
         elif mode == "ends":
             watch = self._watch.get(rid, ())
             pages = [(i, b) for i, b in pages if (g, i) in watch]
+        pages = [(i, b) for i, b in pages if b not in loading]
         if pages:
             self.queue_offload_blocks(request, g, pages)
 
