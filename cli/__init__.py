@@ -146,7 +146,7 @@ def _add_generate(subparsers: SubparsersAction) -> None:
     p.add_argument("--n", type=_int_in(1, MAX_DEMO_SAMPLES), default=1,
                    help="samples per prompt (forked)")
     p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=_int_in(0), default=0, help="weights, prompts and sampling seed")
+    p.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0, help="weights, prompts and sampling seed")
     p.add_argument("--block-size", type=_int_in(1), default=16, help="tokens per block")
     p.add_argument("--num-blocks", type=_int_in(2), default=512,
                    help="pool size incl. the null block; it must hold any one prompt with its "

@@ -241,22 +241,22 @@ def generate_with_progress(engine: LLMEngine, prompts: Sequence[Sequence[int]],
     """``engine.generate(prompts, sampling)``, step by step, telling ``progress`` what the
     step did: prompt tokens left to prefill, then tokens generated and requests done."""
     progress.stage(f"{what}: {len(prompts)} request(s), {sum(map(len, prompts))} prompt tokens")
-    ids = [engine.add_request(p, sampling) for p in prompts]
-    results: dict[str, RequestOutput] = {}
     steps = 0
-    while len(results) < len(ids) and engine.has_unfinished_requests:
-        for out in engine.step():
-            results[out.request_id] = out
+
+    def report(done: list[RequestOutput]) -> None:
+        nonlocal steps
         steps += 1
         live = [*engine.scheduler.running, *engine.scheduler.waiting]
         to_prefill = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in live)
         generated = (sum(r.num_output_tokens for r in live)
-                     + sum(len(s.token_ids) for o in results.values() for s in o.outputs))
+                     + sum(len(s.token_ids) for o in done for s in o.outputs))
         phase = (f"prefill, {to_prefill} prompt tokens to go" if to_prefill
                  else f"decode, {generated} tokens generated")
-        progress.update(f"{what}: step {steps}, {phase}, {len(results)}/{len(ids)} done")
+        progress.update(f"{what}: step {steps}, {phase}, {len(done)}/{len(prompts)} done")
+
+    outs = engine.generate(prompts, sampling, on_step=report)
     progress.end()
-    return [results[i] for i in ids if i in results]
+    return outs
 
 
 def run_chat_demo(chat: ChatModel, sampling: SamplingParams, config: EngineConfig,

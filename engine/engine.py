@@ -8,20 +8,21 @@ forks for ``n > 1``, frees of finished requests). See ``docs/engine.md``.
 
 from __future__ import annotations
 
-import itertools
+import math
+import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from kvstore.engine.runner import ModelRunner, ModelRunnerOutput
-from kvstore.engine.scheduler import Scheduler, SchedulerConfig
+from kvstore.engine.runner import ModelRunner, ModelRunnerOutput, check_attention_backend
+from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.paged_kv_cache import PagedKVCache
-from kvstore.request import Request, as_token_list
+from kvstore.request import Request, as_token_list, check_count
 from kvstore.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -33,6 +34,7 @@ from kvstore.specs import (
     dtype_name,
     make_kv_cache_config,
 )
+from kvstore.tiers.connector import WINDOW_OFFLOADS
 from kvstore.utils import hit_rate
 
 if TYPE_CHECKING:
@@ -57,6 +59,8 @@ class SamplingParams:
     None). ``n > 1`` yields ``n`` samples that share the prompt's pages (forked at the
     first sampled token). A sample stops after ``max_tokens`` tokens or at a token in
     ``stop_token_ids``. ``return_logits`` keeps each chosen step's full logits row.
+    Checked when made: counts as :func:`kvstore.request.as_count` takes them, a finite
+    ``temperature``, a ``seed`` in ``[0, 2**63)``, a sequence of token ids and a bool.
     """
 
     max_tokens: int
@@ -67,13 +71,23 @@ class SamplingParams:
     return_logits: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "max_tokens", check_count(self.max_tokens, "max_tokens", 1))
+        object.__setattr__(self, "n", check_count(self.n, "n", 1))
+        t = self.temperature
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Real):
+            raise TypeError(f"temperature must be a float, got {type(t).__name__} {t!r:.60}")
+        if not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {t!r}")
+        if self.seed is not None:
+            seed = check_count(self.seed, "seed")
+            if seed >= 2**63:
+                raise ValueError(f"seed must be < 2**63, got {seed}")
+            object.__setattr__(self, "seed", seed)
+        object.__setattr__(self, "stop_token_ids",
+                           tuple(as_token_list(self.stop_token_ids, "stop_token_ids")))
+        if not isinstance(self.return_logits, bool):
+            raise TypeError(f"return_logits must be a bool, got "
+                            f"{type(self.return_logits).__name__} {self.return_logits!r:.60}")
 
 
 @dataclass
@@ -229,11 +243,11 @@ ATTENTION_BACKENDS = ("reference", "triton", "auto")
 @dataclass(frozen=True)
 class TierConfig:
     """Tiers below device memory (docs/tiers.md): a host-memory tier of `host_tier_bytes`
-    and/or the shared store at `store_url` (`valkey://...`, `valkey+cluster://...`, `mem`),
-    whose calls give up after `store_timeout_s`. `model_name` names the K/V layout in the
-    store's keys (default: a fingerprint of the model's config, weights and block size);
-    `window_offload` is which released sliding-window pages are offloaded (`"ends"`,
-    `"all"`, `"none"`); `store_key` (an operator secret of 32+ bytes, or a key file's path)
+    and/or the shared store at `store_url` (`valkey://...`, `valkey+cluster://...`), whose
+    calls give up after `store_timeout_s` seconds. `model_name` names the K/V layout in
+    the store's keys (default: a fingerprint of the model's config, weights and block
+    size); `window_offload` is which released sliding-window pages are offloaded
+    (`"ends"`, `"all"`, `"none"`); `store_key` (an operator secret of 16+ bytes, or a key file's path)
     seals the store's values per tenant and keys its keys."""
 
     host_tier_bytes: int | None = None
@@ -244,6 +258,23 @@ class TierConfig:
     store_key: bytes | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.host_tier_bytes is not None:
+            object.__setattr__(self, "host_tier_bytes",
+                               check_count(self.host_tier_bytes, "TierConfig.host_tier_bytes"))
+        for name in ("store_url", "model_name"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"TierConfig.{name} must be a str or None, got "
+                                f"{type(value).__name__} {value!r:.60}")
+        t = self.store_timeout_s
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Real):
+            raise TypeError(f"TierConfig.store_timeout_s must be a number of seconds, got "
+                            f"{type(t).__name__} {t!r:.60}")
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"TierConfig.store_timeout_s must be positive and finite, got {t!r}")
+        if self.window_offload not in WINDOW_OFFLOADS:
+            raise ValueError(f"TierConfig.window_offload must be one of "
+                             f"{', '.join(WINDOW_OFFLOADS)}, got {self.window_offload!r:.60}")
         if self.store_key is not None and not self.store_url:
             raise ValueError("store_key seals store values: it needs a store_url")
         if not self.host_tier_bytes and not self.store_url:
@@ -255,11 +286,12 @@ class EngineConfig:
     """An `LLMEngine`'s settings, checked when made.
 
     The pool holds `num_blocks` pages (the null block included) or as many as
-    `memory_bytes` holds, of `block_size` tokens; `max_num_batched_tokens` bounds the
-    tokens of one step (longer prompts are prefilled in chunks) and `max_num_seqs` the
-    running requests; `attention_backend` is ``"reference"``, ``"triton"`` or ``"auto"``
-    (see :class:`~kvstore.engine.runner.ModelRunner`); `typical_tokens`, the length a
-    request usually reaches, lets a hybrid model's cache keep a few sliding layers whole
+    `memory_bytes` holds (exactly one is given), of `block_size` tokens;
+    `max_num_batched_tokens` bounds the tokens of one step (longer prompts are prefilled
+    in chunks) and `max_num_seqs` the running requests; `attention_backend` is
+    ``"reference"``, ``"triton"`` or ``"auto"`` (see
+    :class:`~kvstore.engine.runner.ModelRunner`); `typical_tokens`, the length a request
+    usually reaches, lets a hybrid model's cache keep a few sliding layers whole
     where that packs the layers without padding (see :func:`kvstore.specs.group_layers`);
     `cache` says how the manager caches (:class:`~kvstore.CacheConfig`: its hash function,
     eviction policy, ...); `tiers` adds a host tier and a shared store."""
@@ -276,9 +308,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+            value = check_count(getattr(self, name), f"EngineConfig.{name}", 1)
+            object.__setattr__(self, name, value)
+        for name, minimum in (("num_blocks", 2), ("memory_bytes", 1), ("typical_tokens", 1)):
+            if (value := getattr(self, name)) is not None:
+                object.__setattr__(self, name, check_count(value, f"EngineConfig.{name}", minimum))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineConfig.attention_backend must be one of "
                              f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
@@ -288,6 +322,9 @@ class EngineConfig:
         if self.tiers is not None and not isinstance(self.tiers, TierConfig):
             raise TypeError(f"EngineConfig.tiers must be a TierConfig or None, got "
                             f"{type(self.tiers).__name__}")
+        if (self.num_blocks is None) == (self.memory_bytes is None):
+            raise ValueError("EngineConfig needs exactly one of num_blocks and memory_bytes (the "
+                             f"pool's size), got {self.num_blocks!r} and {self.memory_bytes!r}")
 
 
 def _fork_seed(seed: int, k: int) -> int:
@@ -295,26 +332,39 @@ def _fork_seed(seed: int, k: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + k * 0xBF58476D1CE4E5B9) % (2**63 - 1)
 
 
+def _model_device(model: HFCausalLM, device: torch.device | str | None) -> torch.device:
+    """`device`, or the model's when None; ValueError if the model's parameters are
+    elsewhere (the cache must be where the model computes K/V)."""
+    own = next(model.parameters()).device
+    if device is None:
+        return own
+    device = torch.device(device)
+    if device.type == own.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != own.type or (device.index is not None and own.index is not None
+                                   and device.index != own.index):
+        raise ValueError(f"device {device} is not the model's ({own}): move the model there "
+                         "or leave device None")
+    return device
+
+
 class LLMEngine:
     """Continuous batching with prefix caching over one model and one paged KV cache,
-    set up by an :class:`EngineConfig` (its defaults if None) on `device` (the model's
-    if None)."""
+    set up by an :class:`EngineConfig` (which sizes the pool) on `device` (the model's;
+    None: where its parameters are)."""
 
-    def __init__(self, model: HFCausalLM, config: EngineConfig | None = None,
+    def __init__(self, model: HFCausalLM, config: EngineConfig,
                  device: torch.device | str | None = None) -> None:
-        if config is None:
-            config = EngineConfig()
-        elif not isinstance(config, EngineConfig):
+        if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         from kvstore.models.hf import HFCausalLM
 
         if not isinstance(model, HFCausalLM):
             raise TypeError(f"model must be an HFCausalLM (kvstore.models.hf: wrap a transformers "
                             f"model with HFCausalLM(model)), got {type(model).__name__}")
-        if device is None:
-            device = next(model.parameters()).device
+        device = _model_device(model, device)
+        check_attention_backend(config.attention_backend, device)
         self.engine_config = config
-        self.model = model.eval()
         self.config: KVCacheConfig = make_kv_cache_config(
             kv_cache_specs(model, config.block_size), memory_bytes=config.memory_bytes,
             num_blocks=config.num_blocks, typical_tokens=config.typical_tokens)
@@ -334,45 +384,76 @@ class LLMEngine:
             self.scheduler = Scheduler(self.manager, SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs), self.tiers)
+            self.cache = PagedKVCache(self.config, device=device)
+            self.cache.bind(self.manager)
+            self.runner = ModelRunner(model, self.cache, config.attention_backend)
         except BaseException:
-            if self.tiers is not None:  # a cache setting the tiers refuse: stop their threads
+            if self.tiers is not None:  # stop the tiers' threads
                 self.tiers.close()
             raise
-        self.cache = PagedKVCache(self.config, device=device)
-        self.cache.bind(self.manager)
-        self.runner = ModelRunner(model, self.cache, config.attention_backend)
+        self.model = model.eval()
         self._groups: dict[str, _Group] = {}
         self._samples: dict[str, _Sample] = {}  # running sequence id -> its state
-        self._ids = itertools.count()
+        self._next_id = 0  # the number of the next automatic request id
         self._idle_steps = 0
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int] | np.ndarray | torch.Tensor,
                     sampling: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None) -> str:
-        """Queue a prompt; returns its request id (generated when not given)."""
+        """Queue a prompt; returns its request id (when not given, the next ``req-<n>`` that
+        no live request has). Bad input raises before anything is queued."""
+        next_id = self._next_id
+        if request_id is None:
+            (request_id,), next_id = self._auto_ids(1)
+        self._queue(self._new_request(prompt_token_ids, sampling, request_id, cache_salt),
+                    sampling)
+        self._next_id = next_id
+        return request_id
+
+    def _auto_ids(self, count: int) -> tuple[list[str], int]:
+        """The next `count` automatic request ids that no live request has, and the number
+        to go on from."""
+        ids: list[str] = []
+        n = self._next_id
+        while len(ids) < count:
+            if (rid := f"req-{n}") not in self._groups:
+                ids.append(rid)
+            n += 1
+        return ids, n
+
+    def _new_request(self, prompt_token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+                     sampling: SamplingParams, request_id: str, cache_salt: str | None
+                     ) -> Request:
+        """A checked request that the scheduler takes; queues nothing."""
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if isinstance(prompt_token_ids, torch.Tensor):
             prompt_token_ids = prompt_token_ids.tolist()
-        prompt = as_token_list(prompt_token_ids, "prompt_token_ids")
-        vocab = self.model.config.vocab_size
-        if prompt and max(prompt) >= vocab:
-            raise ValueError(f"token id {max(prompt)} is outside the vocabulary ({vocab})")
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
+        request = Request(request_id, prompt_token_ids, cache_salt=cache_salt,
+                          max_tokens=sampling.max_tokens)
         if request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id!r}")
-        request = Request(request_id, prompt, cache_salt=cache_salt,
-                          max_tokens=sampling.max_tokens)
+        vocab = self.model.config.vocab_size
+        if max(request.token_ids) >= vocab:
+            raise ValueError(f"token id {max(request.token_ids)} is outside the vocabulary "
+                             f"({vocab})")
+        self.scheduler.check_request(request, sampling.n)
+        return request
+
+    def _queue(self, request: Request, sampling: SamplingParams) -> None:
+        """Queue a request `_new_request` checked."""
         seed = sampling.seed
         if sampling.temperature > 0 and seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
-        group = _Group(request_id, prompt, sampling, [None] * sampling.n, [None] * sampling.n)
+        rid = request.request_id
+        group = _Group(rid, list(request.token_ids), sampling, [None] * sampling.n,
+                       [None] * sampling.n)
         group.samples[0] = self._new_sample(group, 0, seed)
         group.requests[0] = request
         self.scheduler.add_request(request, sampling.n)
-        self._groups[request_id] = group
-        self._samples[request_id] = group.samples[0]  # type: ignore[assignment]
-        return request_id
+        self._groups[rid] = group
+        self._samples[rid] = group.samples[0]  # type: ignore[assignment]
 
     def _new_sample(self, group: _Group, index: int, seed: int | None) -> _Sample:
         gen = None
@@ -384,10 +465,13 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request (waiting or running, with every sample it forked) and release its
         pages; it produces no output. Returns whether it was unfinished."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
+        return self._abort(request_id, "abort")
+
+    def _abort(self, request_id: str, reason: str) -> bool:
+        """`abort_request` with finish reason `reason`."""
+        if self._groups.pop(request_id, None) is None:
             return False
-        for request in self.scheduler.abort(request_id):
+        for request in self.scheduler.abort(request_id, reason):
             self._samples.pop(request.request_id, None)
         return True
 
@@ -398,7 +482,9 @@ class LLMEngine:
 
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample one step; returns the requests that finished in it."""
+        """Schedule, run and sample one step; returns the requests that finished in it. If
+        running or sampling the step raises, its requests end (finish reason ``"error"``,
+        no output, their pages freed) and the error propagates."""
         output = self.scheduler.schedule()
         if not output.scheduled:
             self.runner.execute(output, self.manager, self._take_transfers())  # still runs copies
@@ -414,19 +500,35 @@ class LLMEngine:
                 group.num_cached_tokens = item.start
                 group.hit_checkpoint_kind = self.manager.hit_checkpoint_kind(
                     item.request.request_id)
-        result = self.runner.execute(output, self.manager, self._take_transfers())
-        drawn = self._sample(result)
+        try:
+            drawn = self._sample(self.runner.execute(output, self.manager, self._take_transfers()))
+        except BaseException:
+            self._fail(output)
+            raise
         update = self.scheduler.update(output, {rid: d.tokens for rid, d in drawn.items()})
         reasons = {r.request_id: "length" for r in update.finished}
         children = {f.parent.request_id: f.children for f in update.forks}
         for rid, d in drawn.items():
             self._record(rid, d, children.get(rid, ()), reasons)
+        self._release_when_idle()
+        return self._collect(reasons)
+
+    def _release_when_idle(self) -> None:
         if not self.scheduler.has_unfinished:
             # Idle: this step's copies have run, so release their sources' pins now rather
             # than at the next schedule (nothing can have queued new copies).
             self._run_transfers()
             self.cache.copy_blocks(self.manager.take_pending_copies())
-        return self._collect(reasons)
+
+    def _fail(self, output: SchedulerOutput) -> None:
+        """End the requests of a step that raised, with every sample of theirs."""
+        for item in output.scheduled:
+            # The step may have written part of a recurrent state: cache nothing of it.
+            item.request.num_computed_tokens = 0
+        for rid in {self._samples[item.request.request_id].group.request_id
+                    for item in output.scheduled}:
+            self._abort(rid, "error")
+        self._release_when_idle()
 
     def _sample(self, result: ModelRunnerOutput) -> dict[str, _Drawn]:
         """n tokens for a forking request's first sample, one for every other sampler."""
@@ -506,18 +608,34 @@ class LLMEngine:
                              group.hit_checkpoint_kind)
 
     def generate(self, prompts: Sequence[Sequence[int] | np.ndarray | torch.Tensor],
-                 sampling: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+                 sampling: SamplingParams | Sequence[SamplingParams],
+                 on_step: Callable[[list[RequestOutput]], None] | None = None
+                 ) -> list[RequestOutput]:
         """Run the prompts to completion (with whatever else is queued); outputs in input
-        order."""
+        order. Every prompt is checked before any is queued; if a step raises, the prompts'
+        unfinished requests are aborted. `on_step(finished)` is called after each step with
+        the outputs of the prompts finished so far."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) \
             else list(sampling)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids, next_id = self._auto_ids(len(prompts))
+        requests = [self._new_request(p, sp, rid, None)
+                    for p, sp, rid in zip(prompts, params, ids, strict=True)]
+        for request, sp in zip(requests, params, strict=True):
+            self._queue(request, sp)
+        self._next_id = next_id
         results: dict[str, RequestOutput] = {}
-        while len(results) < len(ids) and self.has_unfinished_requests:
-            for out in self.step():
-                results[out.request_id] = out
+        try:
+            while len(results) < len(ids) and self.has_unfinished_requests:
+                for out in self.step():
+                    results[out.request_id] = out
+                if on_step is not None:
+                    on_step(list(results.values()))
+        except BaseException:
+            for rid in ids:
+                self._abort(rid, "abort")
+            raise
         return [results[i] for i in ids if i in results]
 
     # ---- stats -------------------------------------------------------------------------------

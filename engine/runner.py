@@ -27,6 +27,7 @@ import torch
 from kvstore import kernels
 from kvstore.engine.scheduler import SchedulerOutput
 from kvstore.kernels import mla as mla_kernels
+from kvstore.kernels._triton import HAS_TRITON, is_interpreted
 from kvstore.kernels.mla import split_latent
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.paged_kv_cache import PagedKVCache
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
     from kvstore.models.hf import HFCausalLM
     from kvstore.tiers.connector import TierTransfers
 
-__all__ = ["BatchInputs", "ModelRunner", "ModelRunnerOutput", "PagedAttention", "build_batch"]
+__all__ = ["BatchInputs", "ModelRunner", "ModelRunnerOutput", "PagedAttention", "build_batch",
+           "check_attention_backend"]
 
 _BACKENDS = ("reference", "triton", "auto")
 
@@ -169,6 +171,23 @@ def build_batch(output: SchedulerOutput, manager: KVCacheManager, block_size: in
     )
 
 
+def check_attention_backend(backend: str, device: torch.device) -> None:
+    """ValueError unless `backend` can run on `device`: one of ``"reference"``, ``"triton"``
+    (needs Triton; off CUDA, kernels interpreted: ``TRITON_INTERPRET=1`` set before they
+    were imported) and ``"auto"``."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend != "triton":
+        return
+    if not HAS_TRITON:
+        raise ValueError("attention_backend='triton': Triton is not installed; use 'reference'")
+    from kvstore.kernels.triton_attention import _paged_attn_kernel
+
+    if device.type != "cuda" and not is_interpreted(_paged_attn_kernel):
+        raise ValueError(f"attention_backend='triton' on {device} needs TRITON_INTERPRET=1 set "
+                         "before kvstore.kernels is imported; use 'reference' or 'auto' there")
+
+
 class ModelRunner:
     """Runs scheduler steps of an :class:`~kvstore.models.hf.HFCausalLM` over a
     :class:`PagedKVCache`.
@@ -179,9 +198,7 @@ class ModelRunner:
 
     def __init__(self, model: HFCausalLM, cache: PagedKVCache,
                  attention_backend: str = "reference") -> None:
-        if attention_backend not in _BACKENDS:
-            raise ValueError(f"attention_backend must be one of {_BACKENDS}, "
-                             f"got {attention_backend!r}")
+        check_attention_backend(attention_backend, cache.device)
         self.model = model
         self.cache = cache
         self.attention_backend = attention_backend

@@ -134,6 +134,14 @@ class Scheduler:
 
     def add_request(self, request: Request, n: int = 1) -> None:
         """Queue a request; with n > 1 it forks into n samples at its first sampled token."""
+        self.check_request(request, n)
+        self.waiting.append(request)
+        if n > 1:
+            self.num_samples[request.request_id] = n
+
+    def check_request(self, request: Request, n: int = 1) -> None:
+        """Raise the error `add_request` would raise for the request and its n samples;
+        changes nothing."""
         if FORK_SEP in request.request_id:
             raise ValueError(f"request id {request.request_id!r} must not contain {FORK_SEP!r} "
                              "(the scheduler names forked samples with it)")
@@ -149,9 +157,6 @@ class Scheduler:
                 f"{request.max_tokens} output tokens) may need {need} blocks; the pool has "
                 f"{self.manager.num_usable_blocks}", request_id=request.request_id,
                 blocks_needed=need, blocks_available=self.manager.num_usable_blocks)
-        self.waiting.append(request)
-        if n > 1:
-            self.num_samples[request.request_id] = n
 
     def max_blocks_needed(self, request: Request, n: int = 1) -> int:
         """Most pages the request (and its n - 1 forks, which share the prompt's pages) can
@@ -285,14 +290,17 @@ class Scheduler:
         self.stats.finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
 
-    def abort(self, request_id: str) -> list[Request]:
-        """Remove a waiting or running request and the samples forked from it (finish
-        reason "abort"), releasing their pages and what their lookups hold; returns them
+    def abort(self, request_id: str, reason: str = "abort") -> list[Request]:
+        """Remove a request and the samples forked from it, waiting or running (finish
+        reason `reason`), releasing their pages and what their lookups hold; returns them
         (empty when none is live under that id)."""
         prefix = request_id + FORK_SEP
-        waiting = [r for r in self.waiting if r.request_id == request_id]
-        running = [r for r in self.running
-                   if r.request_id == request_id or r.request_id.startswith(prefix)]
+
+        def ours(r: Request) -> bool:
+            return r.request_id == request_id or r.request_id.startswith(prefix)
+
+        waiting = [r for r in self.waiting if ours(r)]
+        running = [r for r in self.running if ours(r)]
         for request in waiting:
             self.manager.drop_lookup(request)
             if self.connector is not None:
@@ -305,7 +313,7 @@ class Scheduler:
         for request in out:
             self.num_samples.pop(request.request_id, None)
             self._computed_before_preemption.pop(request.request_id, None)
-            self._count_finished(request, "abort")
+            self._count_finished(request, reason)
         return out
 
     def _preempt(self, request: Request) -> None:

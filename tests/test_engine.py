@@ -466,8 +466,8 @@ def test_sliding_layers_kept_whole_match_hf() -> None:
 
 
 @pytest.mark.parametrize(("make", "error", "match"), [
-    (lambda: EngineConfig(block_size=0), ValueError, "block_size must be a positive int"),
-    (lambda: EngineConfig(max_num_seqs=2.0), ValueError, "max_num_seqs must be a positive int"),
+    (lambda: EngineConfig(block_size=0), ValueError, "block_size must be >= 1"),
+    (lambda: EngineConfig(max_num_seqs=2.0), TypeError, "max_num_seqs must be an int"),
     (lambda: EngineConfig(attention_backend="flash"), ValueError, "attention_backend must be"),
     (lambda: EngineConfig(cache={"enable_caching": False}), TypeError, "cache must be a CacheConfig"),
     (lambda: EngineConfig(tiers={"store_url": "mem"}), TypeError, "tiers must be a TierConfig"),
