@@ -616,3 +616,33 @@ def test_an_admission_on_another_device_hit_than_the_tier_lookup_is_refused():
         tiers.admitted(b, later, external)
     assert "b" in tiers.hits  # kept for a drop or an admission that matches
     assert tiers.drop_lookup(b)
+
+
+def test_an_arena_that_cannot_grow_drops_the_stores_and_grows_once_memory_is_back(monkeypatch):
+    src = filled_cache(seed=3)
+    layout = BlockLayout.for_group("m", src.config, 1)
+    keys = request_keys(layout, chain(TOKENS), None)
+    tier = HostTier(3 * HostTier.slot_nbytes_for(layout))
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", no_memory)
+        assert tier.store_blocks(src, layout, 1, [2, 6, 7], keys, TOKENS) == 0
+        tier.store([(keys[0], b"v" * 64)])  # a dropped store, as in a full tier: no raise
+    assert len(tier) == 0 and tier.arena_bytes == 0
+    assert tier.stats["dropped_stores"] == 4 and tier.stats["alloc_errors"] >= 1
+    assert tier.store_blocks(src, layout, 1, [2, 6, 7], keys, TOKENS) == 3
+    assert tier.contains(keys) == 3
+
+
+def test_store_takes_memoryviews_of_any_format_and_refuses_non_contiguous_ones():
+    tier = HostTier(1 << 20)
+    grid = np.arange(64, dtype=np.uint8).reshape(8, 8)
+    good = (b"g" * 32, memoryview(grid))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        tier.store([good, (b"n" * 32, memoryview(grid[:, ::2]))])
+    assert len(tier) == 0  # refused before anything is stored
+    tier.store([good, (b"q" * 32, memoryview(grid.tobytes()).cast("q"))])
+    assert tier.peek([b"g" * 32, b"q" * 32]) == [grid.tobytes()] * 2

@@ -3,11 +3,14 @@ faults (killed, hung, full), concurrent writers, and a 3-master cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import threading
 import time
 from array import array
 from types import SimpleNamespace
+from urllib.parse import quote
 
 import pytest
 import torch
@@ -26,7 +29,7 @@ from kvstore.tiers import (  # noqa: E402
     request_keys,
     restore_payloads,
 )
-from kvstore.tiers.valkey_store import ValkeyStore, parse_store_url  # noqa: E402
+from kvstore.tiers.valkey_store import ValkeyStore, parse_store_url, redact_url  # noqa: E402
 
 try:
     find_server_binary()
@@ -551,3 +554,158 @@ def test_valkey_url_passes_a_url_through_or_serves_one_for_the_block():
     after = ValkeyStore(url, timeout_s=TIMEOUT)
     assert not after.ping()  # stopped with the block
     after.close()
+
+
+@contextlib.contextmanager
+def _slow_link(port: int, chunk: int = 4096, delay: float = 0.05):
+    """A proxy on 127.0.0.1 to ``port`` passing the server's answers on ``chunk`` bytes
+    every ``delay`` seconds (its requests at once); yields the proxy's port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def pump(src: socket.socket, dst: socket.socket, slow: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(chunk):
+                dst.sendall(data)
+                if slow:
+                    time.sleep(delay)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = listener.accept()
+                server = socket.create_connection(("127.0.0.1", port))
+                for a, b, slow in ((client, server, False), (server, client, True)):
+                    threading.Thread(target=pump, args=(a, b, slow), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+
+
+def test_a_server_that_drips_its_answer_is_a_miss_within_the_timeout(server, store):
+    keys = [os.urandom(32) for _ in range(2)]
+    assert store.store_now([(k, os.urandom(128 << 10)) for k in keys]) == 2
+    host, port = parse_store_url(server.url)[0].split("//")[1].split("/")[0].rsplit(":", 1)
+    with _slow_link(int(port)) as slow:  # 256 KiB at 80 KiB/s: 3 s to answer in full
+        url = server.url.replace(f"{host}:{port}", f"127.0.0.1:{slow}")
+        st = ValkeyStore(url, namespace=store.namespace, timeout_s=TIMEOUT, sync_stores=True)
+        t0 = time.monotonic()
+        assert st.load(keys) == [None, None]
+        assert time.monotonic() - t0 < 1.5  # the round trip's 0.5 s, and the greeting's
+        assert st.stats["errors"] == 1 and "Timeout" in (st.last_error or "")
+        st.close()
+
+
+def _hung_listener() -> socket.socket:
+    """A socket on 127.0.0.1 that takes connections (the kernel's backlog) and never answers."""
+    return socket.create_server(("127.0.0.1", 0), backlog=16)
+
+
+def test_a_hung_cluster_costs_one_timeout_per_call_not_one_per_node():
+    hung = [_hung_listener() for _ in range(3)]
+    try:
+        url = "valkey+cluster://" + ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in hung)
+        st = ValkeyStore(url, timeout_s=TIMEOUT, retry_interval_s=0.1, sync_stores=True)
+        keys = [os.urandom(32) for _ in range(4)]
+        for _ in range(2):  # the slot map read from the first seed only, then past the retry
+            assert _bounded(st.contains, keys, limit=2 * TIMEOUT) == 0
+            time.sleep(0.15)
+        assert st.stats["errors"] == 2 and "Timeout" in (st.last_error or "")
+        # nodes marked down are not asked again before their retry time, not even for the map
+        st._down_until = 0.0
+        st._node_down = {(s.getsockname()[0], s.getsockname()[1]): time.monotonic() + 60 for s in hung}
+        assert _bounded(st.contains, keys, limit=0.2) == 0
+        assert st.stats["errors"] == 2 and st.stats["skipped"] >= 1
+        st.close()
+    finally:
+        for s in hung:
+            s.close()
+
+
+@pytest.mark.parametrize("url", [
+    "valkey://:s3cr/et@127.0.0.1:6379/0",
+    "valkey://user:s3cr#et@127.0.0.1:6379/0",
+    "valkey://user:s3cr?et@127.0.0.1:6379/0",
+    "valkey:/:s3cret@127.0.0.1:6379/0",
+    "valkey//:s3cret@127.0.0.1:6379/0",
+    "valkey:///:s3cret@127.0.0.1:6379/0",
+    "valkey://127.0.0.1:6379/0?password=s3cret",
+    "valkey://user:s3cret@127.0.0.1:6379/0?password=s3cret",
+    "valkey://user:s3cret@127.0.0.1:6379/0?client_name=a&&s3cret",
+    "valkey://:s3cret@[::1:6379/0",
+    "valkey+cluster://:s3cret@127.0.0.1:1,[::1:2",
+])
+def test_no_error_for_a_malformed_url_shows_its_password_or_query(url):
+    with pytest.raises(ValueError, match="store URL") as info:
+        ValkeyStore(url)
+    assert "s3cr" not in str(info.value)
+    assert "s3cr" not in redact_url(url)
+
+
+def test_redact_url_hides_query_values_and_shows_nothing_of_a_malformed_url():
+    assert redact_url("valkey://:pw@h:1/0?password=pw&socket_timeout=0.2#pw") == \
+        "valkey://:***@h:1/0?password=***&socket_timeout=0.2#***"
+    assert redact_url("valkey://:s3cr/et@h:1/0") == "<malformed URL, not shown>"
+    assert redact_url("valkey:/:s3cret@h:1/0") == "<malformed URL, not shown>"
+
+
+@pytest.mark.parametrize("url", ["valkey://127.0.0.1:0/0", "valkey://127.0.0.1:/0",
+                                 "valkey+cluster://127.0.0.1:1,127.0.0.1:"])
+def test_port_0_or_an_empty_port_is_refused_not_taken_for_6379(url):
+    with pytest.raises(ValueError, match="port in 1..65535"):
+        ValkeyStore(url)
+
+
+def test_client_names_are_refused_at_construction_as_the_server_would_refuse_them(server):
+    import redis
+
+    client = redis.Redis.from_url(parse_store_url(server.url)[0])
+    for name in ("engine-1", "!~", "engine 1", "a\nb", "é", "a\x7f", "a\tb"):
+        try:
+            client.client_setname(name)
+            server_takes = True
+        except redis.ResponseError:
+            server_takes = False
+        try:
+            ValkeyStore(f"{server.url}?client_name={quote(name)}").close()
+            store_takes = True
+        except ValueError as exc:
+            assert "client_name" in str(exc)
+            store_takes = False
+        assert store_takes == server_takes, name
+    client.close()
+
+
+def test_memoryviews_of_any_item_format_or_shape_are_stored_as_their_bytes(store):
+    import numpy as np
+    import redis
+
+    raw = b"A" * 6 + b"\r\n*1\r\n$8\r\nFLUSHALL\r\n" + b"B" * 6  # 32 bytes: 4 items of 'q'
+    grid = np.arange(400, dtype=np.uint8).reshape(4, 100)
+    items = [(b"a" * 32, b"x" * 100), (b"q" * 32, memoryview(raw).cast("q")),
+             (b"g" * 32, memoryview(grid)), (b"c" * 32, b"w" * 100)]
+    assert store.store_now(items) == 4 and store.stats["errors"] == 0
+    got = store.load([k for k, _ in items])
+    assert [bytes(v) for v in got] == [b"x" * 100, raw, grid.tobytes(), b"w" * 100]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        store.store([(b"n" * 32, memoryview(grid[:, ::2]))])
+    client = redis.Redis.from_url(store.client_url)
+    assert client.dbsize() >= 4  # nothing flushed
+    client.close()
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"timeout_s": float("inf")}, "timeout_s"), ({"retry_interval_s": float("inf")}, "retry_interval_s"),
+    ({"connect_timeout_s": float("inf")}, "connect_timeout_s"),
+    ({"ttl_s": "5"}, "ttl_s"), ({"ttl_s": float("inf")}, "ttl_s"), ({"ttl_s": 0.0001}, "ttl_s"),
+])
+def test_non_finite_or_mistyped_seconds_are_refused_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ValkeyStore("valkey://127.0.0.1:1/0", **kwargs)

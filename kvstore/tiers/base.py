@@ -92,8 +92,12 @@ def check_keys(keys: Sequence[bytes]) -> None:
             raise ValueError(f"key {i} must be {KEY_NBYTES} bytes (from block_key), got {k!r:.60}")
 
 
-def check_items(items: Sequence[StoreItem]) -> None:
-    """ValueError unless every item is (32-byte key, bytes-like value)."""
+def check_items(items: Sequence[StoreItem]) -> list[StoreItem]:
+    """The items, each value a ``bytes``, ``bytearray`` or flat byte memoryview (a
+    memoryview of another shape or item format is recast as one: its ``len`` is then its
+    size, as a backend writing ``len`` bytes expects). ValueError unless every item is
+    (32-byte key, bytes-like value), a memoryview value C-contiguous."""
+    out = []
     for i, item in enumerate(items):
         if not isinstance(item, tuple) or len(item) != 2:
             raise ValueError(f"store item {i} must be a (key, value) pair, got {type(item).__name__}")
@@ -102,6 +106,12 @@ def check_items(items: Sequence[StoreItem]) -> None:
             raise ValueError(f"store item {i}: key must be {KEY_NBYTES} bytes, got {key!r:.60}")
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise ValueError(f"store item {i}: value must be bytes-like, got {type(value).__name__}")
+        if isinstance(value, memoryview):
+            if not value.c_contiguous:
+                raise ValueError(f"store item {i}: a memoryview value must be C-contiguous")
+            value = value.cast("B")
+        out.append((key, value))
+    return out
 
 
 def leading_run(present: Sequence[bool]) -> int:

@@ -185,7 +185,8 @@ class HostTier:
         return checked_copy(view) if slot in self._unchecked else bytes(view)
 
     def _grow(self) -> bool:
-        """Allocate the next chunk of pages; False at the capacity."""
+        """Allocate the next chunk of pages; False at the capacity, or when the chunk cannot
+        be allocated (counted ``alloc_errors``; a later call tries again)."""
         total = self.num_slots
         have = len(self._page_class)
         if have >= total:
@@ -197,7 +198,11 @@ class HostTier:
             self._per_chunk = max(1, min(total, _CHUNK_BYTES // self.slot_nbytes))
         n = min(self._per_chunk, total - have)  # the last chunk stops at the capacity
         pin = torch.cuda.is_available() if self._pin is None else self._pin
-        chunk = torch.empty((n, self.slot_nbytes), dtype=torch.uint8, pin_memory=bool(pin))
+        try:
+            chunk = torch.empty((n, self.slot_nbytes), dtype=torch.uint8, pin_memory=bool(pin))
+        except (RuntimeError, MemoryError):  # host memory short: the tier stays this size for now
+            self.stats.add("alloc_errors")
+            return False
         self._chunks.append(chunk)
         self._rows.append(chunk.numpy())
         ids = n * self._ids
@@ -369,12 +374,12 @@ class HostTier:
     def store(self, items: Sequence[StoreItem]) -> None:
         """Copy the values into slots as most recent, evicting the least recent to make room;
         a value larger than every slot (or than the capacity) is dropped and counted."""
-        check_items(items)
+        items = check_items(items)
         evicted: list[StoreItem] = []
         dropped = 0
         with self._lock:
             for key, value in items:
-                view = memoryview(value).cast("B")
+                view = memoryview(value)
                 slot = self._place(key, view.nbytes, 0, evicted)
                 if slot is None:
                     dropped += 1

@@ -13,6 +13,7 @@ itself, so a master that is down is a miss for its slots only)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import warnings
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 from kvstore.tiers.base import (
     BackgroundWriter,
@@ -48,26 +49,50 @@ class StoreConfigWarning(UserWarning):
     database index, ACL): every lookup misses until it is fixed."""
 
 
+def _split(url: str) -> SplitResult | None:
+    """``url``'s parts when it reads as ``scheme://netloc...`` with no ``@`` after the
+    netloc; else None: where its user-info ends is unclear (a ``/``, ``?`` or ``#`` in a
+    password not percent-encoded, a scheme typo, a bad IPv6 address)."""
+    if "://" not in url:
+        return None
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    if "@" in parts.path + parts.query + parts.fragment:
+        return None
+    return parts
+
+
 def redact_url(url: str) -> str:
-    """``url`` with the password (or a user-info without ``:``, which may be one) replaced
-    by ``***``; anything else unchanged. Never raises for a str."""
+    """``url`` safe to show: the password (or a user-info without ``:``, which may be one)
+    as ``***``, and so the value of each query option outside ``URL_OPTIONS`` and any
+    fragment; a URL that does not parse (``_split``) is not shown at all, nor a string
+    holding ``@``, ``?`` or ``#`` without ``://``. Never raises."""
     if not isinstance(url, str):
         return f"<{type(url).__name__}>"
-    head, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    end = len(rest)
-    for c in "/?#":
-        i = rest.find(c)
-        if i != -1:
-            end = min(end, i)
-    netloc, tail = rest[:end], rest[end:]
-    userinfo, at, hosts = netloc.rpartition("@")
-    if not at:
-        return url
-    user, colon, _ = userinfo.partition(":")
-    redacted = f"{user}:***" if colon else "***"
-    return f"{head}://{redacted}@{hosts}{tail}"
+    if "://" not in url and not any(c in url for c in "@?#"):
+        return url  # no URL: nothing in it can be a password
+    parts = _split(url)
+    if parts is None:
+        return "<malformed URL, not shown>"
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    shown = f"{parts.scheme}://"
+    if at:
+        shown += f"{userinfo.partition(':')[0]}:***@" if ":" in userinfo else "***@"
+    shown += hosts + parts.path
+    if parts.query:
+        pieces = [p.partition("=") for p in parts.query.split("&")]
+        shown += "?" + "&".join(name + eq + (value if unquote(name) in URL_OPTIONS else "***")
+                                if eq else "***" for name, eq, value in pieces)
+    return shown + ("#***" if parts.fragment else "")
+
+
+def _positive_seconds(name: str, value: object) -> float:
+    """``value`` as a float; ValueError naming ``name`` unless it is a finite number > 0."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    return float(value)
 
 
 def _seconds(name: str, text: str) -> float:
@@ -75,9 +100,7 @@ def _seconds(name: str, text: str) -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"{name}={text!r} is not a number of seconds") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError(f"{name}={text!r} must be a positive number of seconds")
-    return value
+    return _positive_seconds(name, value)
 
 
 def _flag(name: str, text: str) -> bool:
@@ -101,13 +124,21 @@ def _text(name: str, text: str) -> str:
     return text
 
 
+def _client_name(name: str, text: str) -> str:
+    # the server refuses a name with a space, a newline or a character outside '!'..'~'
+    if not text or not all("!" <= c <= "~" for c in text):
+        raise ValueError(f"{name}={text!r} must be printable ASCII without spaces (Valkey "
+                         "refuses other names, and with them every connection)")
+    return text
+
+
 #: The query options a store URL may carry, each parsed and checked at construction. The
 #: ``ssl_*`` ones need a TLS scheme. ``socket_timeout`` / ``socket_connect_timeout`` may
 #: only lower the store's ``timeout_s`` / ``connect_timeout_s``.
 URL_OPTIONS: dict[str, Callable[[str, str], Any]] = {
     "socket_timeout": _seconds,
     "socket_connect_timeout": _seconds,
-    "client_name": _text,
+    "client_name": _client_name,
     "ssl_cert_reqs": _cert_reqs,
     "ssl_ca_certs": _text,
     "ssl_ca_path": _text,
@@ -135,7 +166,12 @@ def _parse(url: str) -> _Address:
     if not isinstance(url, str):
         raise ValueError(f"store URL must be a str, got {type(url).__name__}")
     shown = redact_url(url)
-    parts = urlsplit(url)
+    parts = _split(url)
+    if parts is None:
+        raise ValueError(f"store URL {shown!r} is malformed: expected scheme://[user:password@]"
+                         "host:port/db ([address]:port for IPv6); percent-encode '/', '?', "
+                         "'#', '@' and '%' in a password, and '@' after the host (%2F, %3F, "
+                         "%23, %40, %25)")
     scheme = parts.scheme.lower()
     if scheme not in _SCHEMES and scheme not in _CLUSTER_SCHEMES:
         raise ValueError(f"store URL {shown!r}: scheme must be one of "
@@ -150,14 +186,17 @@ def _parse(url: str) -> _Address:
         password = unquote(pw) if colon else None
     nodes = []
     for entry in hostlist.split(","):
-        sub = urlsplit("//" + entry)
-        if not sub.hostname:
-            raise ValueError(f"store URL {shown!r} has no host (expected valkey://host:port/db)")
         try:
-            port = sub.port
-        except ValueError as exc:
-            raise ValueError(f"store URL {shown!r}: {exc}") from None
-        nodes.append((sub.hostname, port or _DEFAULT_PORT))
+            sub = urlsplit("//" + entry)
+            host, port = sub.hostname, sub.port
+        except ValueError:  # a bad IPv6 address, or a port that is no number in 0..65535
+            host, port = entry, -1
+        if not host:
+            raise ValueError(f"store URL {shown!r} has no host (expected valkey://host:port/db)")
+        if port in (0, -1) or port is None and entry.endswith(":"):
+            raise ValueError(f"store URL {shown!r}: {entry!r} must be host:port with a port in "
+                             "1..65535 ([address]:port for IPv6)")
+        nodes.append((host, port or _DEFAULT_PORT))
     if len(nodes) > 1 and not cluster:
         raise ValueError(f"store URL {shown!r}: several hosts name cluster seeds "
                          "(valkey+cluster://h1:p1,h2:p2); one server takes one host")
@@ -172,7 +211,8 @@ def _parse(url: str) -> _Address:
     try:
         pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError:
-        raise ValueError(f"store URL {shown!r}: malformed query {parts.query!r}") from None
+        raise ValueError(f"store URL {shown!r}: malformed query (expected "
+                         "?option=value&option=value)") from None
     for name, text in pairs:
         if name not in URL_OPTIONS:
             raise ValueError(f"store URL {shown!r}: unsupported option {name!r} "
@@ -241,18 +281,16 @@ class ValkeyStore:
         address = _parse(url)
         if not isinstance(namespace, bytes):
             raise ValueError(f"namespace must be bytes, got {type(namespace).__name__}")
-        if ttl_s is not None and not ttl_s > 0:
-            raise ValueError(f"ttl_s must be positive or None, got {ttl_s!r}")
-        for what, v in (("timeout_s", timeout_s), ("retry_interval_s", retry_interval_s),
-                        ("connect_timeout_s", timeout_s if connect_timeout_s is None else connect_timeout_s)):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise ValueError(f"{what} must be a positive number of seconds, got {v!r}")
+        if ttl_s is not None and round(_positive_seconds("ttl_s", ttl_s) * 1000) < 1:
+            raise ValueError(f"ttl_s must be at least 0.001 (expiry is in milliseconds), got {ttl_s!r}")
+        self.timeout_s = _positive_seconds("timeout_s", timeout_s)
+        self.connect_timeout_s = _positive_seconds(
+            "connect_timeout_s", timeout_s if connect_timeout_s is None else connect_timeout_s)
+        self.retry_interval_s = _positive_seconds("retry_interval_s", retry_interval_s)
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
         if not isinstance(max_connections, int) or max_connections < 1:
             raise ValueError(f"max_connections must be a positive int, got {max_connections!r}")
-        self.timeout_s = float(timeout_s)
-        self.connect_timeout_s = float(connect_timeout_s if connect_timeout_s is not None else timeout_s)
         for option, bound, what in (("socket_timeout", self.timeout_s, "timeout_s"),
                                     ("socket_connect_timeout", self.connect_timeout_s,
                                      "connect_timeout_s")):
@@ -268,8 +306,7 @@ class ValkeyStore:
         #: The ``redis``-client URL; it holds the password, never print it.
         self.client_url = address.client_url
         self.namespace = namespace
-        self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
-        self.retry_interval_s = float(retry_interval_s)
+        self.ttl_ms = None if ttl_s is None else round(ttl_s * 1000)
         self.chunk = chunk
         self.max_connections = max_connections
         self.stats = TierStats()
@@ -301,7 +338,8 @@ class ValkeyStore:
         opts: dict[str, Any] = dict(socket_timeout=self.timeout_s,
                                     socket_connect_timeout=self.connect_timeout_s,
                                     retry=Retry(NoBackoff(), 0), max_connections=self.max_connections,
-                                    username=a.username, password=a.password, db=a.db, ssl=a.tls)
+                                    username=a.username, password=a.password, db=a.db, ssl=a.tls,
+                                    redis_connect_func=_bound_round_trips)
         opts.update(a.options)
         return opts
 
@@ -340,7 +378,7 @@ class ValkeyStore:
                           "and writes are dropped until this is fixed", StoreConfigWarning, stacklevel=3)
 
     def _failed(self, exc: BaseException) -> None:
-        """The server (every node, for a cluster) failed: drop connections, skip it a while."""
+        """The server failed: drop connections, skip it a while."""
         self.stats.add("errors")
         self._failures += 1
         self._note_error(exc)
@@ -386,24 +424,24 @@ class ValkeyStore:
 
     def _slot_map(self) -> list[tuple[str, int] | None] | None:
         """The cluster's slot -> master map, read again after a failure or a redirection
-        (from the first answering node among those known, then the URL's seeds); None
-        while no node answers."""
+        (from the first answering node among those known, then the URL's seeds, skipping
+        nodes down and giving up once ``timeout_s`` has passed); None while no node
+        answers."""
         now = time.monotonic()
         if now < self._down_until:
             return None
         if self._slots is not None and not self._refresh:
             return self._slots
-        seeds = list(dict.fromkeys(self._known + self._address.nodes))
-        seeds.sort(key=lambda n: not self._node_up(n, now))  # nodes not known down first
-        last: Exception | None = None
+        seeds = [n for n in dict.fromkeys(self._known + self._address.nodes) if self._node_up(n, now)]
+        failed = False
         for node in seeds:
+            if failed and time.monotonic() > now + self.timeout_s:
+                break  # the cluster is hung, not just a seed down: one timeout per call
             try:
                 reply = self._node_client(node).execute_command("CLUSTER", "SLOTS")
             except Exception as exc:
-                last = exc
-                with self._lock:
-                    client = self._node_clients.pop(node, None)
-                _close_all([client])
+                self._node_failed(node, exc)
+                failed = True
                 if _operator_error(exc):
                     break
                 continue
@@ -419,9 +457,9 @@ class ValkeyStore:
                 self._slots, self._refresh = slots, False
                 self._known = tuple(dict.fromkeys(known)) or self._known
             return slots
-        assert last is not None
-        self._failed(last)
-        return None
+        if failed:  # no node answered: skip them all a while, as a single server
+            self._down_until = time.monotonic() + self.retry_interval_s
+        return None  # (or every node is down: skipped, as their keys are)
 
     def _call(self, op: str, names: Sequence[bytes], values: Sequence[Buffer] = ()) -> list[Any] | None:
         """Run one command per name (``exists``, ``get``, ``set`` with ``values``,
@@ -567,9 +605,9 @@ class ValkeyStore:
     def store(self, items: Sequence[StoreItem]) -> None:
         """Queue (key, value) pairs for the background writer (or write them now when
         ``sync_stores``); never raises for a store that is down or full."""
-        check_items(items)
+        items = check_items(items)
         if self._writer is None:
-            self.store_now(list(items))
+            self.store_now(items)
             return
         dropped = self._writer.submit(items)
         if dropped and self.on_written is not None:
@@ -577,7 +615,9 @@ class ValkeyStore:
 
     def store_now(self, items: Sequence[StoreItem]) -> int:
         """Write pairs in pipelined SETs now; returns how many the server accepted. Refused
-        writes (e.g. out of memory under ``noeviction``) and failures count as dropped."""
+        writes (e.g. out of memory under ``noeviction``) and failures count as dropped.
+        ValueError for bad items, as ``store``."""
+        items = check_items(items)
         if not items:
             return 0
         results = self._call("set", [self.namespace + k for k, _ in items], [v for _, v in items])
@@ -638,6 +678,62 @@ def _queue(pipe: Any, op: str, name: bytes, value: Buffer | None, ttl_ms: int | 
         pipe.set(name, value, px=ttl_ms)
     else:
         pipe.delete(name)
+
+
+class _RoundTrip:
+    """A connected socket (plain or TLS) whose round trips each end ``timeout`` seconds
+    after they begin (the first send after a read begins one): each send and blocking read
+    waits at most the time left, then raises ``TimeoutError`` (``socket.timeout``), so a
+    server that drips its answer holds a call no longer than a hung one. Everything else is
+    the socket's own."""
+
+    def __init__(self, sock: Any, timeout: float) -> None:
+        self._sock = sock
+        self._timeout = timeout
+        self._wait: float | None = timeout  # what the client last asked for (settimeout)
+        self._deadline = 0.0
+        self._answered = True  # read since the last send: the next send begins a round trip
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def settimeout(self, wait: float | None) -> None:
+        self._wait = wait
+
+    def gettimeout(self) -> float | None:
+        return self._wait
+
+    def _arm(self) -> None:
+        wait = self._wait
+        if wait != 0:  # 0: a poll, which never waits
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("round trip exceeded the store's timeout")
+            wait = left if wait is None else min(wait, left)
+        self._sock.settimeout(wait)
+
+    def sendall(self, *args: Any) -> None:
+        if self._answered:
+            self._deadline, self._answered = time.monotonic() + self._timeout, False
+        self._arm()
+        self._sock.sendall(*args)
+
+    def recv(self, *args: Any) -> Any:
+        self._arm()
+        self._answered = True
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> Any:
+        self._arm()
+        self._answered = True
+        return self._sock.recv_into(*args)
+
+
+def _bound_round_trips(connection: Any) -> None:
+    """The client calls this as each connection opens: bound its round trips by its socket
+    timeout (``_RoundTrip``), then greet the server as the client would."""
+    connection._sock = _RoundTrip(connection._sock, connection.socket_timeout)
+    connection.on_connect()
 
 
 def _close_all(clients: Sequence[Any]) -> None:
