@@ -467,23 +467,20 @@ class KVCacheManager:
         coordinator = self._coordinator
         num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         quiet = self._quiet.pop(rid, None)
-        if quiet is not None:
-            if quiet[0] <= num_computed < quiet[1] and num_tokens <= quiet[2]:
-                # Most decode steps: the pages exist, nothing to cache, drop or copy.
-                self._quiet[rid] = quiet
-                return self._no_new_blocks
-            # A range ends where some group has work (a block to cache or to add, a page
-            # leaving the window): no need to ask every group whether it has any.
-        elif num_computed <= coordinator.num_allocated_tokens(rid) and all(
-                m.is_noop(request, num_tokens) for m in coordinator.managers):
-            self._note_quiet(request)
+        if quiet is not None and quiet[0] <= num_computed < quiet[1] and num_tokens <= quiet[2]:
+            # Most decode steps: the pages exist, nothing to cache, drop or copy.
+            self._quiet[rid] = quiet
             return self._no_new_blocks
-        # Past the quiet range: the progress must lie within the pages, and the blocks it
-        # filled are hashed.
+        # Past the quiet range (it ends where some group has work: a block to cache or to
+        # add, a page leaving the window), or none known: the progress must lie within the
+        # pages; without a range, each group is asked whether it has work.
         covered = coordinator.num_allocated_tokens(rid)
         if num_computed > covered:
             raise ValueError(f"request {rid!r}: {num_computed} tokens computed, but its pages "
                              f"cover {covered}: progress ran past what was allocated")
+        if quiet is None and all(m.is_noop(request, num_tokens) for m in coordinator.managers):
+            self._note_quiet(request)
+            return self._no_new_blocks
         request.update_block_hashes(self.block_size, self._hash_fn)
         # Each table position written from the computed count on costs a paged group at most
         # one free page (a new page, or a private copy of a shared one), a recurrent group
