@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvstore.engine.runner import ModelRunner, ModelRunnerOutput, check_attention_backend
+from kvstore.engine.runner import (
+    ATTENTION_BACKENDS,
+    ModelRunner,
+    ModelRunnerOutput,
+    check_attention_backend,
+)
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.paged_kv_cache import PagedKVCache
@@ -235,9 +240,6 @@ def kv_cache_specs(model: HFCausalLM, block_size: int
         if layer_indexer is not None and layer_indexer(i) is not None:
             specs.append(FullAttentionSpec(block_size, 1, c.head_dim, dtype))
     return specs
-
-
-ATTENTION_BACKENDS = ("reference", "triton", "auto")
 
 
 @dataclass(frozen=True)

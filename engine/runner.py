@@ -37,10 +37,10 @@ if TYPE_CHECKING:
     from kvstore.models.hf import HFCausalLM
     from kvstore.tiers.connector import TierTransfers
 
-__all__ = ["BatchInputs", "ModelRunner", "ModelRunnerOutput", "PagedAttention", "build_batch",
-           "check_attention_backend"]
+__all__ = ["ATTENTION_BACKENDS", "BatchInputs", "ModelRunner", "ModelRunnerOutput",
+           "PagedAttention", "build_batch", "check_attention_backend"]
 
-_BACKENDS = ("reference", "triton", "auto")
+ATTENTION_BACKENDS = ("reference", "triton", "auto")
 
 
 @dataclass
@@ -175,8 +175,8 @@ def check_attention_backend(backend: str, device: torch.device) -> None:
     """ValueError unless `backend` can run on `device`: one of ``"reference"``, ``"triton"``
     (needs Triton; off CUDA, kernels interpreted: ``TRITON_INTERPRET=1`` set before they
     were imported) and ``"auto"``."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend != "triton":
         return
     if not HAS_TRITON:
