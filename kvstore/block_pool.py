@@ -274,6 +274,8 @@ class BlockPool:
         self.free_queue = make_policy(eviction)
         self.free_queue.attach(self.blocks[1:])
         self._tracks_content = self.free_queue.tracks_content
+        # Whether an eviction marks what it leaves without its chain (see `_orphan_children`).
+        self._marks_orphans = self._tracks_content
         # The policy's `evicted` hook, or None where it keeps the base class's no-op.
         self._evicted_hook = (self.free_queue.evicted if type(self.free_queue).evicted
                               is not EvictionPolicy.evicted else None)
@@ -517,7 +519,7 @@ class BlockPool:
         if not self._index_children:
             self._drop_content(blocks)
             return
-        children, tracks = self._children, self._tracks_content
+        children, tracks = self._children, self._marks_orphans
         for block in blocks:
             key = (block.group_id, block.parent_serial)
             siblings = children[key]
@@ -828,6 +830,8 @@ class TwoSizeBlockPool(BlockPool):
             frozenset() if not self._large_cached.tracks_chains
             else (chained_groups if chained_groups is not None
                   else frozenset(range(num_groups))) - recurrent_groups)
+        if self._chain_groups:  # evictions look for the checkpoints they leave chainless
+            self._marks_orphans = self._index_children = True
         # Split pages none of whose blocks is in use, in the order they became so.
         self._empty_split: dict[int, None] = {}
         # Free blocks of split pages that hold cached content: in all, and per page.
@@ -1091,10 +1095,11 @@ class TwoSizeBlockPool(BlockPool):
         del self._empty_split[j]
         self._free_cached -= self._page_cached[j]
         self._page_cached[j] = 0
-        for block in self.blocks[j * k:(j + 1) * k]:
+        blocks = self.blocks[j * k:(j + 1) * k]
+        # Evicted while still queued: an eviction can move another of them (an orphan).
+        self._evict([block for block in blocks if block.token_ids is not None])
+        for block in blocks:
             queue.remove(block)
-            if block.token_ids is not None:
-                self._evict([block])
         self._split[j] = False
         return self.large_blocks[j]
 
@@ -1280,24 +1285,25 @@ class TwoSizeBlockPool(BlockPool):
         self._large_cached.forget(page)
         self.stats.checkpoints_evicted += 1
 
-    def _evict(self, blocks: list[KVCacheBlock]) -> None:
-        """See BlockPool._evict; evicting the last block of a chain position also leaves the
-        checkpoints of that position without their chain (told to the checkpoint order, one
-        block at a time)."""
-        index, chain_groups, evict = self.hash_index, self._chain_groups, super()._evict
-        for block in blocks:
-            block_hash, serial, group = block.block_hash, block.serial, block.group_id
-            evict([block])
-            if block_hash is None or group not in chain_groups:
-                continue
-            pages = [page for g in self.recurrent_groups for page in index.blocks(g, block_hash)
-                     if page.serial == serial and not page.orphan]
-            if not pages or any(b.serial == serial for b in index.blocks(group, block_hash)):
-                continue  # no checkpoint there, or a twin keeps the chain
-            for page in pages:
-                page.orphan = True
-                if page.ref_cnt == 0:
-                    self._large_cached.orphaned(page)
+    def _orphan_children(self, block: KVCacheBlock,
+                         siblings: list[tuple[tuple[int, ...], int]]) -> None:
+        """See BlockPool._orphan_children; evicting the last block of a chain position also
+        leaves the checkpoints of that position without their chain (told to the checkpoint
+        order)."""
+        super()._orphan_children(block, siblings)
+        if block.group_id not in self._chain_groups:
+            return
+        block_hash, serial, index = block.block_hash, block.serial, self.hash_index
+        assert block_hash is not None
+        pages = [page for g in self.recurrent_groups for page in index.blocks(g, block_hash)
+                 if page.serial == serial and not page.orphan]
+        if not pages or any(b is not block and b.serial == serial
+                            for b in index.blocks(block.group_id, block_hash)):
+            return  # no checkpoint there, or a twin keeps the chain
+        for page in pages:
+            page.orphan = True
+            if page.ref_cnt == 0:
+                self._large_cached.orphaned(page)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content of either size; every page returns whole."""

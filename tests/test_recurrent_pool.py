@@ -18,7 +18,7 @@ from kvstore.block_pool import (
     REFUSED_PER_LARGE_PAGE,
     TwoSizeBlockPool,
 )
-from kvstore.eviction import EVICTION_POLICIES, WorthCheckpoints
+from kvstore.eviction import EVICTION_POLICIES, LRUPolicy, WorthCheckpoints
 from kvstore.specs import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -229,6 +229,34 @@ def test_checkpoints_without_their_chain_go_first_then_the_least_worth() -> None
     taken = pool.get_large_pages(1, RECURRENT)[0]
     assert taken is pages[0] and taken.token_ids is None  # the orphan goes first
     assert pages[1].block_hash == 12  # the other stays findable
+    check_two_size_pool(pool)
+
+
+class _LRUBlocksWorthCheckpoints(LRUPolicy):
+    """LRU for blocks, free checkpoints by worth: a block order that tracks no content."""
+
+    checkpoints = WorthCheckpoints
+
+
+def test_a_block_order_tracking_no_content_still_orphans_checkpoints() -> None:
+    # As a manager makes it: no partial blocks indexed.
+    pool = TwoSizeBlockPool(8, 2, frozenset({RECURRENT}), eviction=_LRUBlocksWorthCheckpoints(),
+                            chained_groups=frozenset({0}), num_groups=2,
+                            index_partial_blocks=False)
+    blocks = pool.get_new_blocks(2, 0)
+    pool.cache_full_block(blocks[0], 11, (1,), 7, serial=5)
+    pool.cache_full_block(blocks[1], 12, (2,), 5, serial=6)
+    pages = pool.get_large_pages(2, RECURRENT)
+    pool.cache_checkpoint(pages[0], 11, (1,), 7, 5, worth=8)
+    pool.cache_checkpoint(pages[1], 12, (2,), 5, 6, worth=1)
+    pool.free_blocks(pages)  # freeing a checkpoint asks the children index how its chain goes on
+    pool.free_blocks(blocks)
+    taken = pool.get_new_blocks(2, 0)  # the empty block, then the first cached one freed
+    assert taken[0].block_hash is None and taken[1] is blocks[0]
+    assert pages[0].orphan and not pages[1].orphan  # block 1's eviction left it chainless
+    taken = pool.get_large_pages(1, RECURRENT)[0]
+    assert taken is pages[0] and taken.token_ids is None  # the orphan goes first
+    assert pages[1].block_hash == 12
     check_two_size_pool(pool)
 
 
