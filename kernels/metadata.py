@@ -129,6 +129,11 @@ def _check_softcap(softcap: Any) -> float | None:
     return float(softcap)
 
 
+def _check_scale(scale: float) -> None:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+
+
 def _check_sinks(sinks: torch.Tensor, num_heads: int, device: torch.device) -> None:
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"sinks must be None or a tensor, got {type(sinks).__name__}")
@@ -151,10 +156,12 @@ def check_attention_inputs(
     softcap: float | None,
     sinks: torch.Tensor | None = None,
     chunk: int | None = None,
+    scale: float | None = None,
 ) -> tuple[int | None, float | None, int | None]:
     """Raise ``ValueError`` unless ``q`` and one layer's caches fit ``metadata`` and
     ``window``/``softcap``/``sinks``/``chunk`` are valid: the checks shared by the reference and the
-    kernel. ``q`` and the caches must be float32/float16/bfloat16 with ``block_size >= 1``;
+    kernel. ``q`` and the caches must share one dtype of float32/float16/bfloat16
+    (``TypeError``), with ``block_size >= 1``; ``scale`` (when given) a finite number > 0;
     ``window`` and ``chunk`` None or an int >= 1 (a numpy integer counts, a bool or float does
     not); ``softcap`` None, 0 (off) or a finite number > 0; ``sinks`` None or a
     float32/float16/bfloat16 tensor ``[num_heads]`` on ``q``'s device (``TypeError`` for a
@@ -163,7 +170,7 @@ def check_attention_inputs(
 
     On CPU it also checks the values that depend on ``q`` and the pool: ``cu_seqlens_q``
     ends at ``q``'s row count, the table is wide enough for every ``seq_len`` and holds
-    only ids inside the pool."""
+    only ids inside the pool, and no sink is NaN or +inf (-inf is no sink)."""
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
     if q.dim() != 3 or key_cache.dim() != 4 or value_cache.dim() != 4:
@@ -179,6 +186,11 @@ def check_attention_inputs(
     for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+        raise TypeError(f"q, key_cache and value_cache must share one dtype, got {q.dtype}, "
+                        f"{key_cache.dtype}, {value_cache.dtype}")
+    if scale is not None:
+        _check_scale(scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     if block_size == 0:
@@ -192,6 +204,8 @@ def check_attention_inputs(
         _check_sinks(sinks, num_heads, q.device)
     if metadata.device.type != "cpu":
         return layer_args
+    if sinks is not None and bool((torch.isnan(sinks) | (sinks == math.inf)).any()):
+        raise ValueError("sinks must be finite or -inf (no sink), got NaN or +inf")
     table = metadata.block_table
     total_q = int(metadata.cu_seqlens_q[-1])
     if total_q != q.shape[0]:

@@ -60,7 +60,7 @@ def _sequences(key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: Att
 
 
 def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, key_cache: torch.Tensor,
-           value_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+           value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> None:
     """ValueError unless the queries and pages fit each other and ``metadata``."""
     if q_latent.dim() != 3 or q_rope.shape[:2] != q_latent.shape[:2] or q_rope.dim() != 3:
         raise ValueError(f"expected q_latent [T, H, r] and q_rope [T, H, rope], got "
@@ -74,7 +74,7 @@ def _check(q_latent: torch.Tensor, q_rope: torch.Tensor, key_cache: torch.Tensor
                          f"elements, the pages hold latents of {latent}")
     # The shared checks (table, boundaries, page shapes) with the latent as one KV head.
     check_attention_inputs(q_latent[..., :1].expand(-1, -1, key_cache.shape[3]), key_cache,
-                           value_cache, metadata, None, None)
+                           value_cache, metadata, None, None, scale=scale)
 
 
 def mla_attention_reference(q_latent: torch.Tensor, q_rope: torch.Tensor,
@@ -89,7 +89,7 @@ def mla_attention_reference(q_latent: torch.Tensor, q_rope: torch.Tensor,
     prefix alike. With ``selected`` (int ``[T, k]``, token positions, ``-1`` for none, as
     :func:`indexer_topk` returns) each query attends only the visible tokens it lists
     (DeepSeek sparse attention). Returns a tensor typed like ``q_latent``."""
-    _check(q_latent, q_rope, key_cache, value_cache, metadata)
+    _check(q_latent, q_rope, key_cache, value_cache, metadata, scale)
     if selected is not None and (selected.dim() != 2 or selected.shape[0] != q_latent.shape[0]):
         raise ValueError(f"selected must be [T, k] for {q_latent.shape[0]} queries, got "
                          f"{tuple(selected.shape)}")
@@ -270,7 +270,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, key_cache: torch.Te
     (``max_seqlen_q <= 1``; ValueError otherwise). ``q_latent``, ``q_rope`` and the pages
     share one dtype of fp32/fp16/bf16. Returns ``[T, H, r]``."""
     require_triton()
-    _check(q_latent, q_rope, key_cache, value_cache, metadata)
+    _check(q_latent, q_rope, key_cache, value_cache, metadata, scale)
     if metadata.max_seqlen_q > 1:
         raise ValueError(f"mla_decode runs one query per sequence, got max_seqlen_q "
                          f"{metadata.max_seqlen_q}")

@@ -93,7 +93,7 @@ def paged_attention_reference(
     is neither scaled nor capped. Returns a tensor shaped and typed like ``q``.
     """
     window, softcap, chunk = check_attention_inputs(q, key_cache, value_cache, metadata, window,
-                                                    softcap, sinks, chunk)
+                                                    softcap, sinks, chunk, scale)
     block_table = metadata.block_table
     num_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]

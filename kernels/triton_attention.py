@@ -390,15 +390,10 @@ def paged_attention(
     """
     require_triton()
     window, softcap, chunk = check_attention_inputs(q, key_cache, value_cache, metadata, window,
-                                                    softcap, sinks, chunk)
+                                                    softcap, sinks, chunk, scale)
     block_table = metadata.block_table
     check_device(_paged_attn_kernel, q, key_cache, value_cache, block_table,
                  metadata.cu_seqlens_q, metadata.seq_lens)
-    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
-        raise TypeError(
-            f"q, key_cache, value_cache dtypes differ: {q.dtype}, {key_cache.dtype}, "
-            f"{value_cache.dtype}"
-        )
     cu_seqlens_q = metadata.cu_seqlens_q.contiguous()
     seq_lens = metadata.seq_lens.contiguous()
     total_q, num_heads, head_dim = q.shape

@@ -254,6 +254,37 @@ def test_block_size_zero_and_non_float_dtypes_are_refused(backend):
             attention(*bad, meta, scale, backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_dtypes_and_bad_scales_are_refused_by_both_backends(backend):
+    """The reference ran fp16 q over fp32 caches where the kernel refused them; a NaN, zero
+    or negative scale gave NaN or reversed attention."""
+    case = make_case([1], [5], 2, 1, 8, 4, None)
+    q, kc, vc, meta, scale = case.args()
+    for bad in ((q.half(), kc, vc), (q, kc.bfloat16(), vc), (q, kc, vc.half())):
+        with pytest.raises(TypeError, match="share one dtype"):
+            attention(*bad, meta, scale, backend=backend)
+    for bad_scale in (float("nan"), float("inf"), 0.0, -scale, True, "0.5"):
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            attention(q, kc, vc, meta, bad_scale, backend=backend)
+    assert torch.equal(attention(q, kc, vc, meta, np.float32(scale), backend=backend),
+                       attention(q, kc, vc, meta, float(np.float32(scale)), backend=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_or_plus_inf_sinks_are_refused(backend):
+    """-inf is no sink; NaN or +inf made every output row NaN."""
+    case = make_case([1], [5], 2, 1, 8, 4, None)
+    q, kc, vc, meta, scale = case.args()
+    for value in (float("nan"), float("inf")):
+        sinks = torch.zeros(q.shape[1])
+        sinks[-1] = value
+        with pytest.raises(ValueError, match="sinks must be finite or -inf"):
+            attention(q, kc, vc, meta, scale, sinks=sinks, backend=backend)
+    no_sink = torch.full((q.shape[1],), -float("inf"))
+    torch.testing.assert_close(attention(q, kc, vc, meta, scale, sinks=no_sink, backend=backend),
+                               attention(q, kc, vc, meta, scale, backend=backend))
+
+
 def test_metadata_checks_each_batch_once():
     """Per-batch checks run when the metadata is built, for the reference and kernel alike."""
     case = make_case([2, 1], [10, 30], 4, 4, 16, 16, None)
