@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from kvstore.benchmarks import output, sweep, traces
 from kvstore.benchmarks.output import RunInfo, name_list, non_negative_int, out_file, positive_int
-from kvstore.benchmarks.simulator import StepTime, TierOptions, open_store, parse_mem_store
+from kvstore.benchmarks.simulator import StepTime, TierOptions, check_store, parse_mem_store
 from kvstore.benchmarks.sweep import MODEL_SHAPES, POLICIES, SweepResult, SweepRow, format_bytes, policy_named
 from kvstore.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from kvstore.engine.scheduler import SchedulerConfig
@@ -603,7 +603,7 @@ def run_bench(args: argparse.Namespace) -> int:
         flag = "--host-tier-bytes" if tiers.host_bytes else "--store"
         error(f"argument {flag}: tiers need a caching policy in --policies")
     if tiers.store:
-        _check_store(tiers.store, error)
+        check_store(tiers.store, error)
     out: Path = args.out
     output.check_folder(out, error)
     points = args.points if args.points is not None else (QUICK_POINTS if args.quick else DEFAULT_POINTS)
@@ -658,21 +658,6 @@ def _sweep_with_progress(console: Any, workload: Workload, **options: Any) -> Sw
 
         return sweep.run_sweep(workload, progress=on_done, **options,
                                on_start=lambda n: progress.update(task, total=n))
-
-
-def _check_store(spec: str, error: Callable[[str], NoReturn]) -> None:
-    """A Valkey store must answer before the sweep starts."""
-    if parse_mem_store(spec) is not False:
-        return
-    store = open_store(spec)
-    try:
-        if not store.ping():  # type: ignore[attr-defined]
-            from kvstore.tiers.valkey_store import redact_url
-
-            error(f"argument --store: cannot reach {redact_url(spec)} "
-                  f"({getattr(store, 'last_error', None) or 'no answer'})")
-    finally:
-        store.close()
 
 
 def _save_interrupted(partial: SweepResult, out: Path, in_place: bool, run: RunInfo) -> int:

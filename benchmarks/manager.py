@@ -544,15 +544,16 @@ def _option(text: str) -> dict[str, Any]:
 
 
 def _check_vllm(python: str, error: Callable[[str], NoReturn]) -> None:
-    """A usage error unless `python` runs and finds vLLM."""
+    """A usage error unless `python` runs and imports vLLM's v1 KVCacheManager."""
     try:
-        found = subprocess.run([python, "-c", "import importlib.util as u; "
-                                "print(u.find_spec('vllm') is not None)"],
-                               capture_output=True, text=True).stdout.strip() == "True"
-    except OSError as e:
-        error(f"argument --vllm: cannot run {python}: {e.strerror or e}")
-    if not found:
-        error(f"argument --vllm: {python} has no vLLM (install it under that interpreter)")
+        found = subprocess.run([python, "-c", "import vllm.v1.core.kv_cache_manager"],
+                               capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        error(f"argument --vllm: cannot run {python}: {getattr(e, 'strerror', None) or e}")
+    if found.returncode:
+        why = (found.stderr.strip().splitlines() or [f"exit status {found.returncode}"])[-1]
+        error(f"argument --vllm: {python} cannot import vllm.v1.core.kv_cache_manager ({why}); "
+              "install vLLM under that interpreter")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -577,10 +578,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "eviction=window or enable_partial_hits=false (repeatable)")
     p.add_argument("--scale", action="store_true", help="also pools of 16k, 100k and 1M "
                    "blocks (full layout, roomy): build time, bytes per block, call costs")
-
-
-def _fmt(x: float | None, digits: int = 1) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -644,41 +641,40 @@ def run(args: argparse.Namespace) -> int:
 
 def print_scale(workers: list[Worker], pools: tuple[int, ...]) -> None:
     """Build time, bookkeeping bytes per block and µs per call of each side at each pool."""
+    from kvstore.benchmarks.output import fmt, text_table
+
+    rows = [(w.label[:24], f"{n:,}", f"{r.build_s:.2f}", f"{r.bytes_per_block:.0f}",
+             *(fmt(r.us(c), ".2f") for c in CALLS))
+            for n in pools for w in workers for r in [w.result("full/roomy", n, scale=True)]]
     print("\nScale: full layout, roomy pools (no eviction)\n")
-    print(f"{'side':<24} {'blocks':>9} {'build s':>7} {'B/block':>7} " + " ".join(f"{c:>7}" for c in CALLS))
-    for n in pools:
-        for w in workers:
-            r = w.result("full/roomy", n, scale=True)
-            print(f"{w.label[:24]:<24} {n:>9,} {r.build_s:>7.2f} {r.bytes_per_block:>7.0f} "
-                  + " ".join(f"{_fmt(r.us(c), 2):>7}" for c in CALLS))
+    print(text_table(("side", "blocks", "build s", "B/block", *CALLS), rows))
 
 
 def print_side(label: str, rows: list[ManagerResult]) -> None:
     """One side's table: µs per call, seconds in all, hit rate, preemptions, evictions."""
+    from kvstore.benchmarks.output import fmt, text_table
+
     print(f"\n{label}: µs/call (mean), s in all, first-admission hit rate")
-    print(f"{'scenario':<16} {'lookup':>6} {'admit':>6} {'chunk':>6} {'decode':>6} {'free':>6} "
-          f"{'s':>6} {'hit':>6} {'preempt':>7} {'evict':>6}")
-    for r in rows:
-        print(f"{r.scenario:<16} {_fmt(r.us('lookup')):>6} {_fmt(r.us('admit')):>6} "
-              f"{_fmt(r.us('chunk')):>6} {_fmt(r.us('decode'), 2):>6} {_fmt(r.us('free')):>6} "
-              f"{r.manager_s:>6.3f} {r.hit_rate:>6.4f} {r.preemptions:>7} "
-              f"{r.evictions if r.evictions >= 0 else '-':>6}")
+    print(text_table(("scenario", "lookup", "admit", "chunk", "decode", "free", "s", "hit",
+                      "preempt", "evict"),
+                     ([r.scenario, *(fmt(r.us(c), ".2f" if c == "decode" else ".1f")
+                                     for c in ("lookup", "admit", "chunk", "decode", "free")),
+                       f"{r.manager_s:.3f}", f"{r.hit_rate:.4f}", r.preemptions,
+                       r.evictions if r.evictions >= 0 else "-"] for r in rows)))
 
 
 def print_ratios(label: str, mine: list[ManagerResult], other: list[ManagerResult]) -> None:
     """Per scenario, this revision's time over `label`'s (below 1: faster here)."""
-    print(f"\nthis / {label}: time per call (below 1: faster here)")
-    print(f"{'scenario':<16} {'total':>6} " + " ".join(f"{c:>6}" for c in CALLS)
-          + f" {'hit here':>8} {'there':>6}")
+    from kvstore.benchmarks.output import text_table
 
     def ratio(a: ManagerResult, b: ManagerResult, call: str) -> str:
         x, y = a.us(call), b.us(call)
         return f"{x / y:.2f}" if x is not None and y else "-"
 
-    for a, b in zip(mine, other, strict=True):
-        print(f"{a.scenario:<16} {a.manager_s / b.manager_s:>6.3f} "
-              + " ".join(f"{ratio(a, b, c):>6}" for c in CALLS)
-              + f" {a.hit_rate:>8.4f} {b.hit_rate:>6.4f}")
+    print(f"\nthis / {label}: time per call (below 1: faster here)")
+    print(text_table(("scenario", "total", *CALLS, "hit here", "there"), (
+        [a.scenario, f"{a.manager_s / b.manager_s:.3f}", *(ratio(a, b, c) for c in CALLS),
+         f"{a.hit_rate:.4f}", f"{b.hit_rate:.4f}"] for a, b in zip(mine, other, strict=True))))
 
 
 def print_headline(label: str, mine: list[ManagerResult],

@@ -8,7 +8,7 @@ import csv
 import json
 import shlex
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -169,3 +169,26 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
 positive_int = _int_at_least(1)  # argparse type: an int >= 1
 non_negative_int = _int_at_least(0)  # argparse type: an int >= 0
+
+
+def text_table(head: Sequence[str], rows: Iterable[Sequence[Any]], left: Container[int] = (0,),
+               width: int = 80) -> str:
+    """`rows` under `head` as aligned plain text, a space between columns: the columns at the
+    indices in `left` left-aligned, the others right-aligned. A first cell too long to keep
+    the lines within `width` gets a line of its own."""
+    cells = [[str(c) for c in head], *([str(c) for c in r] for r in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    widths[0] = max(len(head[0]), min(widths[0], width - sum(widths[1:]) - len(widths) + 1))
+    lines = []
+    for r in cells:
+        if len(r[0]) > widths[0]:
+            lines.append(r[0])
+            r = ["", *r[1:]]
+        lines.append(" ".join(c.ljust(w) if i in left else c.rjust(w)
+                              for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+    return "\n".join(lines)
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    """`x` formatted by `spec`, ``-`` for None."""
+    return "-" if x is None else format(x, spec)

@@ -19,6 +19,7 @@ from kvstore.benchmarks.output import (
     name_list,
     out_folder,
     positive_int,
+    text_table,
     write_csv,
     write_json,
 )
@@ -442,14 +443,11 @@ def run(args: argparse.Namespace) -> int:
     for layout_name, workload in dict.fromkeys((r.layout, r.workload) for r in rows):
         print(f"\n{layout_name}, {workload}: prompt hit rate at one byte budget; checkpoints "
               f"taken/used/evicted")
-        print(f"{'GiB':>6}  {'system':<12} {'block':>5} {'hit rate':>8} {'checkpoints':>17} "
-              f"{'frag MiB':>8} {'us/call':>8}")
-        for r in rows:
-            if (r.layout, r.workload) == (layout_name, workload):
-                checkpoints = f"{r.checkpoints_taken}/{r.checkpoints_used}/{r.checkpoints_evicted}"
-                print(f"{r.budget_bytes / GiB:>6.3g}  {_name(r):<12} {r.block_size:>5} "
-                      f"{r.hit_rate:>8.3f} {checkpoints:>17} "
-                      f"{r.fragmented_bytes_mean / (1 << 20):>8.1f} {r.us_per_call:>8.1f}")
+        print(text_table(("GiB", "system", "block", "hit rate", "checkpoints", "frag MiB", "us/call"), (
+            [f"{r.budget_bytes / GiB:.3g}", _name(r), r.block_size, f"{r.hit_rate:.3f}",
+             f"{r.checkpoints_taken}/{r.checkpoints_used}/{r.checkpoints_evicted}",
+             f"{r.fragmented_bytes_mean / (1 << 20):.1f}", f"{r.us_per_call:.1f}"]
+            for r in rows if (r.layout, r.workload) == (layout_name, workload)), left=(1,)))
     print()
     for line in summary(checked):
         print(line)

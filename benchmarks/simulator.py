@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import xxhash
 
@@ -65,6 +65,21 @@ def open_store(spec: str) -> Tier:
     if mem is False:
         return ValkeyStore(spec, sync_stores=True, timeout_s=2.0)
     return ModelTier(None if mem is None else int(mem), name="store")
+
+
+def check_store(spec: str, error: Callable[[str], NoReturn]) -> None:
+    """A usage error (`error`, the parser's) unless a Valkey store `spec` answers now."""
+    if parse_mem_store(spec) is not False:
+        return
+    store = open_store(spec)
+    try:
+        if not store.ping():  # type: ignore[attr-defined]
+            from kvstore.tiers.valkey_store import redact_url
+
+            error(f"argument --store: cannot reach {redact_url(spec)} "
+                  f"({getattr(store, 'last_error', None) or 'no answer'})")
+    finally:
+        store.close()
 
 
 @dataclass(frozen=True)

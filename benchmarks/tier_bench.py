@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import xxhash
 
-from kvstore.benchmarks.output import check_folder, write_json
+from kvstore.benchmarks.output import check_folder, text_table, write_json
 from kvstore.hashing import hash_block, root_hash
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.specs import FullAttentionSpec, make_kv_cache_config
@@ -231,11 +231,11 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(args: argparse.Namespace) -> int:
     """Measure the transfers (or with ``--engines`` run two engines), print a table (and JSON
     with ``--json``)."""
-    from kvstore.benchmarks.bench import _check_store
-    from kvstore.cli import _resolve_device
+    from kvstore.benchmarks.simulator import check_store
+    from kvstore.cli import resolve_device
 
     if args.store:
-        _check_store(args.store, args.usage_error)
+        check_store(args.store, args.usage_error)
     if args.json:
         check_folder(args.json.parent, args.usage_error, "--json")
     if args.engines:
@@ -243,7 +243,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.pool_blocks < 2 * args.blocks + 1:
         args.usage_error(f"argument --pool-blocks: need at least 2 * --blocks + 1 = "
                          f"{2 * args.blocks + 1}, got {args.pool_blocks}")
-    args.device = str(_resolve_device(args.device, args.usage_error))
+    args.device = str(resolve_device(args.device, args.usage_error))
     args.layers = args.layers or 8
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -251,12 +251,9 @@ def run_command(args: argparse.Namespace) -> int:
     cfg = rows.pop("config")
     print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in cfg.items()), 80,
                         subsequent_indent="  "))
-    print(f"{'path':48s} {'path GB/s':>10s} {'plain GB/s':>11s} {'ratio':>6s}")
-    for name, r in rows.items():
-        if len(name) > 48:  # a long path name gets a line of its own
-            print(name)
-            name = ""
-        print(f"{name:48s} {r['path_GBps']:10.3f} {r['plain_GBps']:11.3f} {r['ratio']:6.2f}")
+    print(text_table(("path", "path GB/s", "plain GB/s", "ratio"), (
+        [name, f"{r['path_GBps']:.3f}", f"{r['plain_GBps']:.3f}", f"{r['ratio']:.2f}"]
+        for name, r in rows.items())))
     print("ratio: the path's speed over its baseline, a plain copy of the same bytes (the\n"
           "store rows: raw pipelined SET / GET); above 1: faster")
     if args.json:

@@ -183,13 +183,13 @@ def _run_generate_or_chat(args: argparse.Namespace) -> int:
     if args.model in REAL_MODELS:
         from kvstore.cli.generate import run_chat_cli
 
-        return run_chat_cli(args, _resolve_device(args.device, args.usage_error))
+        return run_chat_cli(args, resolve_device(args.device, args.usage_error))
     if args.max_tokens is None:
         args.max_tokens = DEMO_MAX_TOKENS
     return _run_generate(args)
 
 
-def _resolve_device(spec: str | None, error: Callable[[str], NoReturn]) -> torch.device:
+def resolve_device(spec: str | None, error: Callable[[str], NoReturn]) -> torch.device:
     """The torch device `spec` names, checked to exist here (cuda if available by default)."""
     import torch
 
@@ -247,7 +247,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from kvstore.engine.engine import SamplingParams
 
     error = args.usage_error
-    device = _resolve_device(args.device, error)
+    device = resolve_device(args.device, error)
     if (args.backend == "triton" and device.type != "cuda"
             and os.environ.get("TRITON_INTERPRET") != "1"):
         error(f"argument --backend: triton needs a CUDA device (this run is on {device}); use "

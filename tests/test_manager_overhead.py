@@ -74,3 +74,20 @@ def test_worker_runs_a_scenario_on_a_cache_layer_tree(tmp_path: Path) -> None:
         assert "error" in bad
     finally:
         worker.close()
+
+
+def test_vllm_that_cannot_import_its_manager_is_a_usage_error(tmp_path: Path, capsys,
+                                                              monkeypatch) -> None:
+    """--vllm: an interpreter whose vLLM lacks a working v1 KVCacheManager is refused before
+    any replay, naming the import that failed."""
+    from kvstore.cli import main
+
+    (tmp_path / "vllm" / "v1").mkdir(parents=True)
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "vllm" / "v1" / "__init__.py").write_text("raise ImportError('broken build')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(manager, "make_specs", lambda *a, **k: pytest.fail("ran the replay"))
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "manager", "--vllm", sys.executable])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "vllm.v1.core.kv_cache_manager" in err and "broken build" in err
