@@ -23,7 +23,6 @@ from kvstore.benchmarks.output import (
     write_csv,
     write_json,
 )
-from kvstore.benchmarks.replay import CHUNK_TOKENS
 from kvstore.benchmarks.simulator import fake_token
 from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
 from kvstore.benchmarks.traces import locate_trace, mooncake_to_workload
@@ -43,6 +42,8 @@ from kvstore.utils import cdiv, hit_rate
 
 GiB = 1 << 30
 BLOCK_SIZE = 16
+# Prefill chunk (tokens), vLLM's default token budget per step.
+CHUNK_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -189,12 +190,12 @@ def _step_end(m: KVCacheManager, req: Request, nc: int, end: int, stops: Stops, 
     return last if stops == "align" and nc < last < end else end
 
 
-def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
-          clock: list[float], tiers: PlaceholderConnector | None = None) -> tuple[int, int]:
-    """Serve one request alone (prefill in chunks, then its outputs); returns its
-    admission's hit tokens (device and tiers) and the manager calls made (their time added
-    to `clock[0]`; the connector's is not counted)."""
-    req = Request(spec.request_id, spec.prompt_token_ids, spec.cache_salt, max(1, spec.max_tokens))
+def serve(m: KVCacheManager, req: Request, stops: Stops, bs: int, clock: list[float],
+          tiers: PlaceholderConnector | None = None, outputs: Sequence[int] = ()
+          ) -> tuple[int, int, ComputedBlocks]:
+    """Serve one request alone (prefill in chunks, then its ``max_tokens`` outputs: `outputs`,
+    else stand-ins); returns its admission's hit tokens (device and tiers), the manager calls
+    made (their time added to `clock[0]`; the connector's is not counted) and its lookup."""
     n = req.num_prompt_tokens
     t0 = time.perf_counter()
     lookup = m.get_computed_blocks(req)
@@ -214,24 +215,24 @@ def serve(m: KVCacheManager, spec: RequestSpec, stops: Stops, bs: int,
         clock[0] += time.perf_counter() - t0
         calls += 2 + (stops == "checkpoints" and nc < n)  # next_checkpoints in prefill only
         if ids is None:
-            raise RuntimeError(f"{spec.request_id} ({n} prompt tokens) does not fit the pool")
+            raise RuntimeError(f"{req.request_id} ({n} prompt tokens) does not fit the pool")
         if tiers is not None:
             if computed is not None:
                 tiers.admitted(req, computed, external)
             tiers.take_transfers().run(None)
         computed = None
         req.num_computed_tokens = nc = end
-        if end == n and spec.max_tokens > 1:  # the outputs, decoded (all but the last fed)
-            req.append_token_ids(list(spec.output_token_ids or [
-                fake_token(req.request_id, n + i) for i in range(spec.max_tokens)]))
-            target = n + spec.max_tokens - 1
+        if end == n and req.max_tokens > 1:  # the outputs, decoded (all but the last fed)
+            req.append_token_ids(list(outputs or [
+                fake_token(req.request_id, n + i) for i in range(req.max_tokens)]))
+            target = n + req.max_tokens - 1
     t0 = time.perf_counter()
     m.free(req)
     m.take_pending_copies()
     clock[0] += time.perf_counter() - t0
     if tiers is not None:
         tiers.take_transfers().run(None)  # its blocks and checkpoints, into the host tier
-    return hit, calls
+    return hit, calls, lookup
 
 
 def run_systems(requests: Sequence[RequestSpec], compared: Sequence[System], budget: int,
@@ -271,7 +272,8 @@ def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout
     hits = calls = 0
     fragmented = 0.0
     for spec in sorted(requests, key=lambda r: r.arrival):
-        hit, c = serve(m, spec, system.stops, system.block_size, clock, tiers)
+        req = Request(spec.request_id, spec.prompt_token_ids, spec.cache_salt, max(1, spec.max_tokens))
+        hit, c, _ = serve(m, req, system.stops, system.block_size, clock, tiers, spec.output_token_ids or ())
         hits += hit
         calls += c
         fragmented += m.fragmented_bytes

@@ -21,6 +21,7 @@ import numpy as np
 from kvstore.benchmarks import output
 from kvstore.benchmarks import traces as tr
 from kvstore.benchmarks.manager import new_manager
+from kvstore.benchmarks.recurrent import serve
 from kvstore.benchmarks.sweep import ModelShape
 from kvstore.benchmarks.traces import HitCount, MooncakeRequest, leading_run, load_mooncake
 from kvstore.block import KVCacheBlock
@@ -549,8 +550,6 @@ def format_policies(curves: Curves, policies: Sequence[str]) -> list[str]:
 LAYOUT = ModelShape("gemma-3-27b-like", num_layers=62, num_kv_heads=16, head_dim=128)
 FULL_LAYERS = 10
 CAPACITIES: tuple[int, ...] = (300_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000)
-# Prefill chunk (tokens), vLLM's default token budget per step.
-CHUNK_TOKENS = 8192
 
 
 def layer_specs(layout: str) -> list[KVCacheSpec]:
@@ -587,19 +586,8 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
         num_tokens = min(row.input_length, len(ids) * BT)
         tokens = np.zeros(num_tokens, dtype=np.int64)
         tokens[::BT] = np.asarray(ids[:-(-num_tokens // BT)]) + 1
-        req = Request(f"r{n}", tokens)
-        computed = manager.get_computed_blocks(req)
+        _, _, computed = serve(manager, Request(f"r{n}", tokens), "chunks", BT, [0.0])
         hit_pages += [sum(1 for b in blocks if b.block_id != 0) for blocks in computed.blocks]
-        end = min(num_tokens, computed.num_computed_tokens + CHUNK_TOKENS)  # prefill in chunks
-        grown = manager.admit(req, end - computed.num_computed_tokens, computed)
-        while grown is not None and end < num_tokens:
-            req.num_computed_tokens = end
-            end = min(num_tokens, end + CHUNK_TOKENS)
-            grown = manager.grow(req, end - req.num_computed_tokens)
-        if grown is None:
-            raise RuntimeError(f"row {n} ({len(ids)} blocks) does not fit {num_pages} pages")
-        req.num_computed_tokens = end
-        manager.free(req)
         for ev in manager.take_events():
             if isinstance(ev, BlockStored):
                 stored[ev.group_id] += 1
