@@ -40,7 +40,7 @@ from kvstore.specs import (
     make_kv_cache_config,
 )
 from kvstore.tiers.connector import WINDOW_OFFLOADS
-from kvstore.utils import hit_rate
+from kvstore.utils import check_seconds, hit_rate
 
 if TYPE_CHECKING:
     from kvstore.models.hf import HFCausalLM
@@ -268,12 +268,7 @@ class TierConfig:
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"TierConfig.{name} must be a str or None, got "
                                 f"{type(value).__name__} {value!r:.60}")
-        t = self.store_timeout_s
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Real):
-            raise TypeError(f"TierConfig.store_timeout_s must be a number of seconds, got "
-                            f"{type(t).__name__} {t!r:.60}")
-        if not (math.isfinite(t) and t > 0):
-            raise ValueError(f"TierConfig.store_timeout_s must be positive and finite, got {t!r}")
+        check_seconds(self.store_timeout_s, "TierConfig.store_timeout_s")
         if self.window_offload not in WINDOW_OFFLOADS:
             raise ValueError(f"TierConfig.window_offload must be one of "
                              f"{', '.join(WINDOW_OFFLOADS)}, got {self.window_offload!r:.60}")

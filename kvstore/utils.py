@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 
@@ -27,3 +29,14 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 def hit_rate(hit_tokens: int, queried_tokens: int) -> float:
     """Hit tokens over queried tokens (0 when nothing was queried)."""
     return hit_tokens / queried_tokens if queried_tokens else 0.0
+
+
+def check_seconds(value: object, what: str) -> float:
+    """A positive finite number of seconds, as a float: TypeError naming `what` unless a real
+    number (a bool is not one), ValueError unless finite and > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__} "
+                        f"{value!r:.60}")
+    if not 0 < float(value) < math.inf:
+        raise ValueError(f"{what} must be a positive finite number of seconds, got {value!r}")
+    return float(value)

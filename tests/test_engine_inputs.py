@@ -77,7 +77,7 @@ def test_sampling_counts_follow_as_count() -> None:
     (lambda: TierConfig(host_tier_bytes=1 << 20, window_offload="bogus"), ValueError,
      "TierConfig.window_offload must be one of"),
     (lambda: TierConfig(store_url="valkey://h", store_timeout_s=math.nan), ValueError,
-     "TierConfig.store_timeout_s must be positive"),
+     "TierConfig.store_timeout_s must be a positive finite number"),
     (lambda: TierConfig(store_url="valkey://h", store_timeout_s="1"), TypeError,
      "TierConfig.store_timeout_s must be a number"),
 ])

@@ -574,7 +574,8 @@ def test_connector_refuses_bad_settings():
     config = make_kv_cache_config([FullAttentionSpec(BS, HEADS, DIM)], num_blocks=8)
     host = HostTier(1 << 16)
     for kwargs, error in (({"recent_keys": -1}, ValueError), ({"recent_keys": "x"}, TypeError),
-                          ({"remember_s": True}, ValueError), ({"host": "x"}, TypeError),
+                          ({"remember_s": True}, TypeError), ({"remember_s": 0}, ValueError),
+                          ({"remember_s": float("nan")}, ValueError), ({"host": "x"}, TypeError),
                           ({"store": object()}, TypeError)):
         with pytest.raises(error):
             TierConnector(config, "m", **{"host": host, **kwargs})

@@ -29,7 +29,12 @@ from kvstore.tiers import (  # noqa: E402
     request_keys,
     restore_payloads,
 )
-from kvstore.tiers.valkey_store import ValkeyStore, parse_store_url, redact_url  # noqa: E402
+from kvstore.tiers.valkey_store import (  # noqa: E402
+    MAX_TTL_MS,
+    ValkeyStore,
+    parse_store_url,
+    redact_url,
+)
 
 try:
     find_server_binary()
@@ -701,11 +706,26 @@ def test_memoryviews_of_any_item_format_or_shape_are_stored_as_their_bytes(store
     client.close()
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"timeout_s": float("inf")}, "timeout_s"), ({"retry_interval_s": float("inf")}, "retry_interval_s"),
-    ({"connect_timeout_s": float("inf")}, "connect_timeout_s"),
-    ({"ttl_s": "5"}, "ttl_s"), ({"ttl_s": float("inf")}, "ttl_s"), ({"ttl_s": 0.0001}, "ttl_s"),
+@pytest.mark.parametrize("kwargs, name, error", [
+    ({"timeout_s": float("inf")}, "timeout_s", ValueError),
+    ({"retry_interval_s": float("inf")}, "retry_interval_s", ValueError),
+    ({"connect_timeout_s": float("inf")}, "connect_timeout_s", ValueError),
+    ({"timeout_s": True}, "timeout_s", TypeError), ({"ttl_s": "5"}, "ttl_s", TypeError),
+    ({"ttl_s": float("inf")}, "ttl_s", ValueError), ({"ttl_s": 0.0001}, "ttl_s", ValueError),
+    # Finite, but a deadline past the server's millisecond clock: every store would fail.
+    ({"ttl_s": 1e300}, "ttl_s", ValueError), ({"ttl_s": MAX_TTL_MS / 1000 + 1}, "ttl_s", ValueError),
 ])
-def test_non_finite_or_mistyped_seconds_are_refused_naming_the_argument(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+def test_non_finite_or_mistyped_seconds_are_refused_naming_the_argument(kwargs, name, error):
+    with pytest.raises(error, match=name):
         ValkeyStore("valkey://127.0.0.1:1/0", **kwargs)
+
+
+def test_the_longest_ttl_accepted_is_one_the_server_sets(server):
+    store = ValkeyStore(server.url, namespace=os.urandom(4).hex().encode() + b":",
+                        ttl_s=MAX_TTL_MS / 1000, timeout_s=2.0)
+    try:
+        key = os.urandom(32)
+        assert store.store_now([(key, b"v" * 64)]) == 1 and store.stats["errors"] == 0
+        assert store.contains([key]) == 1
+    finally:
+        store.close()

@@ -52,6 +52,7 @@ from kvstore.single_type_kv_cache_manager import (
 from kvstore.specs import AttentionSpec, FullAttentionSpec, KVCacheConfig
 from kvstore.tiers.base import StoreItem, Tier, load_verified
 from kvstore.tiers.codec import REJECT_REASONS, BlockLayout, Buffer, decode_block, request_keys
+from kvstore.utils import check_seconds
 
 if TYPE_CHECKING:
     from kvstore.paged_kv_cache import PagedKVCache
@@ -177,9 +178,8 @@ class TierConnector:
                  remember_s: float | None = 60.0, sealer: Sealer | None = None) -> None:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        if remember_s is not None and (isinstance(remember_s, bool) or not (
-                isinstance(remember_s, (int, float)) and remember_s > 0)):
-            raise ValueError(f"remember_s must be a positive number of seconds or None, got {remember_s!r}")
+        if remember_s is not None:
+            remember_s = check_seconds(remember_s, "remember_s")
         recent_keys = check_count(recent_keys, "recent_keys")
         for name, tier in (("host", host), ("store", store)):
             missing = [m for m in _TIER_METHODS if not callable(getattr(tier, m, None))]

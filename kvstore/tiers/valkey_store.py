@@ -13,7 +13,6 @@ itself, so a master that is down is a miss for its slots only)."""
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import warnings
@@ -32,6 +31,7 @@ from kvstore.tiers.base import (
     leading_run,
 )
 from kvstore.tiers.codec import Buffer
+from kvstore.utils import check_seconds
 
 __all__ = ["URL_OPTIONS", "StoreConfigWarning", "ValkeyStore", "parse_store_url", "redact_url"]
 
@@ -39,6 +39,9 @@ _SCHEMES = {"valkey": "redis", "valkeys": "rediss", "redis": "redis", "rediss": 
 _CLUSTER_SCHEMES = {"valkey+cluster": "redis", "valkeys+cluster": "rediss",
                     "redis+cluster": "redis", "rediss+cluster": "rediss"}
 _DEFAULT_PORT = 6379
+#: The longest expiry a store sets, in milliseconds (about 146 million years): the server
+#: refuses one whose deadline passes the range of its millisecond clock.
+MAX_TTL_MS = 1 << 62
 _NUM_SLOTS = 16384
 #: Called with the keys the server accepted and the keys that were not written.
 WrittenFn = Callable[[Sequence[bytes], Sequence[bytes]], None]
@@ -88,19 +91,12 @@ def redact_url(url: str) -> str:
     return shown + ("#***" if parts.fragment else "")
 
 
-def _positive_seconds(name: str, value: object) -> float:
-    """``value`` as a float; ValueError naming ``name`` unless it is a finite number > 0."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
-    return float(value)
-
-
 def _seconds(name: str, text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise ValueError(f"{name}={text!r} is not a number of seconds") from None
-    return _positive_seconds(name, value)
+    return check_seconds(value, name)
 
 
 def _flag(name: str, text: str) -> bool:
@@ -281,12 +277,15 @@ class ValkeyStore:
         address = _parse(url)
         if not isinstance(namespace, bytes):
             raise ValueError(f"namespace must be bytes, got {type(namespace).__name__}")
-        if ttl_s is not None and round(_positive_seconds("ttl_s", ttl_s) * 1000) < 1:
-            raise ValueError(f"ttl_s must be at least 0.001 (expiry is in milliseconds), got {ttl_s!r}")
-        self.timeout_s = _positive_seconds("timeout_s", timeout_s)
-        self.connect_timeout_s = _positive_seconds(
-            "connect_timeout_s", timeout_s if connect_timeout_s is None else connect_timeout_s)
-        self.retry_interval_s = _positive_seconds("retry_interval_s", retry_interval_s)
+        ttl_ms = None if ttl_s is None else round(check_seconds(ttl_s, "ttl_s") * 1000)
+        if ttl_ms is not None and not 1 <= ttl_ms <= MAX_TTL_MS:
+            raise ValueError(f"ttl_s must be in [0.001, {MAX_TTL_MS // 1000}] (expiry is in "
+                             f"milliseconds, and the server refuses one past its clock's "
+                             f"range), got {ttl_s!r}")
+        self.timeout_s = check_seconds(timeout_s, "timeout_s")
+        self.connect_timeout_s = check_seconds(
+            timeout_s if connect_timeout_s is None else connect_timeout_s, "connect_timeout_s")
+        self.retry_interval_s = check_seconds(retry_interval_s, "retry_interval_s")
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
         if not isinstance(max_connections, int) or max_connections < 1:
@@ -306,7 +305,7 @@ class ValkeyStore:
         #: The ``redis``-client URL; it holds the password, never print it.
         self.client_url = address.client_url
         self.namespace = namespace
-        self.ttl_ms = None if ttl_s is None else round(ttl_s * 1000)
+        self.ttl_ms = ttl_ms
         self.chunk = chunk
         self.max_connections = max_connections
         self.stats = TierStats()
