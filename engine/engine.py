@@ -431,6 +431,11 @@ class LLMEngine:
                           max_tokens=sampling.max_tokens)
         if request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id!r}")
+        limit = getattr(self.model.config, "max_positions", None)
+        if limit is not None and request.num_prompt_tokens + request.max_tokens > limit:
+            raise ValueError(f"request {request_id!r}: {request.num_prompt_tokens} prompt + "
+                             f"{request.max_tokens} output tokens exceed the model's "
+                             f"{limit} positions (max_position_embeddings)")
         vocab = self.model.config.vocab_size
         if max(request.token_ids) >= vocab:
             raise ValueError(f"token id {max(request.token_ids)} is outside the vocabulary "

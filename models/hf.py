@@ -75,6 +75,9 @@ class HFModelConfig:
     latent: tuple[int, int] | None = None
     states: tuple[StateShape | None, ...] = ()
     index_dim: int | None = None
+    #: The most positions (prompt and output tokens) the model was made for, its
+    #: ``max_position_embeddings`` (None: the config names none).
+    max_positions: int | None = None
 
     def attention_layers(self) -> set[int]:
         """The layers that run attention (every layer but a hybrid's recurrent ones)."""
@@ -183,7 +186,9 @@ def hf_model_config(hf_config: Any, dtype: torch.dtype,
         hf_config=hf_config.to_json_string(use_diff=False) if hasattr(hf_config, "to_json_string")
         else json.dumps(dict(hf_config), sort_keys=True, default=str),
         chunks=() if is_hybrid(hf_config) else layer_chunks(hf_config), latent=latent,
-        states=states, index_dim=_index_dim(hf_config, latent))
+        states=states, index_dim=_index_dim(hf_config, latent),
+        max_positions=None if _get(hf_config, "max_position_embeddings") is None else _positive_int(
+            hf_config, "max_position_embeddings", _get(hf_config, "max_position_embeddings")))
 
 
 _INDEXED_MODEL_TYPES = ("deepseek_v32",)

@@ -116,9 +116,23 @@ def test_auto_ids_skip_taken_ones_and_failed_adds_use_none(llama: HFCausalLM) ->
     engine = LLMEngine(llama, EngineConfig(num_blocks=64, block_size=4))
     sp = SamplingParams(max_tokens=2)
     assert engine.add_request([1, 2, 3], sp, request_id="req-1") == "req-1"
-    with pytest.raises(RequestTooLargeError):
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=10**4))
+    with pytest.raises(RequestTooLargeError):  # within the model's 512 positions, not the pool
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=400))
     assert [engine.add_request([1, 2, 3], sp) for _ in range(2)] == ["req-0", "req-2"]
+
+
+def test_a_request_longer_than_the_model_positions_is_refused_up_front(llama: HFCausalLM) -> None:
+    """It was queued and ran past max_position_embeddings (512 in the tiny preset)."""
+    limit = llama.config.max_positions
+    assert limit == 512
+    engine = LLMEngine(llama, EngineConfig(num_blocks=1024, block_size=4))
+    before = snapshot(engine)
+    with pytest.raises(ValueError, match="exceed the model's 512 positions"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=limit - 2))
+    with pytest.raises(ValueError, match="exceed the model's 512 positions"):
+        engine.generate([[1, 2], list(range(1, 500))], SamplingParams(max_tokens=20))
+    assert snapshot(engine) == before
+    assert engine.add_request([1, 2, 3], SamplingParams(max_tokens=limit - 3)) == "req-0"
 
 
 def test_generate_queues_nothing_when_a_prompt_is_bad(llama: HFCausalLM) -> None:
@@ -180,14 +194,15 @@ def test_a_step_that_raises_ends_its_requests(llama: HFCausalLM,
     assert len(out.outputs[0].token_ids) == 4
 
 
-def test_learned_positions_past_their_table_do_not_stall_the_engine() -> None:
+def test_learned_positions_past_their_table_are_refused_before_queueing() -> None:
+    """A prompt running past gpt2's position table failed mid-step (IndexError)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=4, vocab_size=64,
                                   n_positions=16, bos_token_id=None, eos_token_id=None)
     engine = LLMEngine(HFCausalLM(AutoModelForCausalLM.from_config(config).eval()),
                        EngineConfig(num_blocks=32, block_size=4))
-    with pytest.raises(IndexError):
+    with pytest.raises(ValueError, match="12 prompt \\+ 8 output tokens exceed the model's 16"):
         engine.generate([tokens(12, 1, 64), tokens(3, 2, 64)], SamplingParams(max_tokens=8))
     assert not engine.has_unfinished_requests and engine.manager.usage == 0.0
     (out,) = engine.generate([tokens(5, 2, 64)], SamplingParams(max_tokens=2))
