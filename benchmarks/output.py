@@ -8,6 +8,7 @@ import csv
 import json
 import shlex
 import sys
+import textwrap
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -187,6 +188,12 @@ def text_table(head: Sequence[str], rows: Iterable[Sequence[Any]], left: Contain
         lines.append(" ".join(c.ljust(w) if i in left else c.rjust(w)
                               for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
     return "\n".join(lines)
+
+
+def wrap(text: str, width: int = 80) -> str:
+    """`text` in lines of at most `width` columns, the later ones indented by two."""
+    return textwrap.fill(text, width, subsequent_indent="  ", break_on_hyphens=False,
+                         break_long_words=False)
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:

@@ -20,6 +20,7 @@ from kvstore.benchmarks.output import (
     out_folder,
     positive_int,
     text_table,
+    wrap,
     write_csv,
     write_json,
 )
@@ -443,8 +444,8 @@ def run(args: argparse.Namespace) -> int:
         "ideal": ideal, "rows": [r.as_dict() for r in rows], "goals": [asdict(g) for g in checked]})
     write_csv(args.out / "recurrent.csv", [r.as_dict() for r in rows])
     for layout_name, workload in dict.fromkeys((r.layout, r.workload) for r in rows):
-        print(f"\n{layout_name}, {workload}: prompt hit rate at one byte budget; checkpoints "
-              f"taken/used/evicted")
+        print("\n" + wrap(f"{layout_name}, {workload}: prompt hit rate at one byte budget; "
+                          "checkpoints taken/used/evicted"))
         print(text_table(("GiB", "system", "block", "hit rate", "checkpoints", "frag MiB", "us/call"), (
             [f"{r.budget_bytes / GiB:.3g}", _name(r), r.block_size, f"{r.hit_rate:.3f}",
              f"{r.checkpoints_taken}/{r.checkpoints_used}/{r.checkpoints_evicted}",
@@ -452,9 +453,9 @@ def run(args: argparse.Namespace) -> int:
             for r in rows if (r.layout, r.workload) == (layout_name, workload)), left=(1,)))
     print()
     for line in summary(checked):
-        print(line)
-    print(f"Every cell's figures: {args.out / 'recurrent.json'} (goals), "
-          f"{args.out / 'recurrent.csv'}")
+        print(wrap(line))
+    print(wrap(f"Every cell's figures: {args.out / 'recurrent.json'} (goals), "
+               f"{args.out / 'recurrent.csv'}"))
     return 0
 
 

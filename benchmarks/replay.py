@@ -142,13 +142,13 @@ def _run(args: argparse.Namespace) -> int:
                   f"{rows[0]['capacity_tokens']:,} tokens .. {rows[-1]['token_hit_rate']:.3f} at "
                   f"{rows[-1]['capacity_tokens']:,}")
         if result["comparison"]:
-            print("\n".join(format_paper(result["comparison"])))
+            _show(out, "mooncake_hit_rate", PAPER_LEGEND, *format_paper(result["comparison"]))
         agree = all(r["agree"] for rows in curves.values() for r in rows)
         headline.append(f"LRU: the pool {'equals' if agree else 'DIFFERS FROM'} the LRU model at "
                         f"every capacity ({out}/mooncake_hit_rate.png)")
     if "policies" in args.what:
         curves = run_eviction_replay(out, traces, caps or GAP_CAPACITIES, policies, limit)["curves"]
-        print("\n".join(format_policies(curves, policies)))
+        _show(out, "eviction_hit_rate", POLICIES_LEGEND, *format_policies(curves, policies))
         best = max((r[p] - r.get("lru", r[p]), p, n, r["capacity_tokens"])
                    for n, rows in curves.items() for r in rows for p in policies)
         headline.append(f"policies: best gain over LRU {best[0]:+.3f} ({best[1]}, {best[2]} at "
@@ -156,15 +156,33 @@ def _run(args: argparse.Namespace) -> int:
     if "layouts" in args.what:
         curves = run_hybrid_replay(out, traces, caps or CAPACITIES, policies, limit,
                                    args.jobs)["curves"]
-        print("\n".join(format_layouts(curves, policies) + format_groups(curves, policies)))
+        _show(out, "eviction_hybrid", LAYOUTS_LEGEND, *format_layouts(curves, policies))
+        _show(out, "eviction_hybrid_groups", GROUPS_LEGEND, *format_groups(curves, policies))
         worst = min((r[p] - r["full_lru"], p, n, r["capacity_tokens"])
                     for n, rows in curves.items() for r in rows for p in policies)
         headline.append(f"layouts: the hybrid's largest loss against all-full LRU {worst[0]:+.3f} "
                         f"({worst[1]}, {worst[2]} at {worst[3]:,} tokens)")
     if "tiers" in args.what:
         headline += [_tiers(name, path, args, limit) for name, path in traces.items()]
-    print("\n" + "\n".join(headline) + f"\n({time.perf_counter() - t0:.0f} s; files in {out}/)")
+    print("\n" + "\n".join(output.wrap(line) for line in headline)
+          + f"\n({time.perf_counter() - t0:.0f} s; files in {out}/)")
     return 0
+
+
+Table = tuple[list[str], list[list[str]]]  # header, rows; each row's first cell a trace name
+
+
+def _show(out: Path, stem: str, legend: str, head: list[str], rows: list[list[str]]) -> None:
+    """Print a table per trace (at most 80 columns, the trace's name above it) and the
+    legend; write them all as one Markdown table, the legend under it, to ``{stem}.md``."""
+    left = (0, head.index("policy") - 1) if "policy" in head else (0,)
+    for name in dict.fromkeys(r[0] for r in rows):
+        print(f"\n{name}:\n" + output.text_table(
+            head[1:], [r[1:] for r in rows if r[0] == name], left))
+    print(output.wrap(legend))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text("\n".join([*_markdown(head, rows), "", legend, ""]),
+                                    encoding="utf-8")
 
 
 def _by_time(requests: Iterable[MooncakeRequest]) -> list[MooncakeRequest]:
@@ -189,8 +207,8 @@ def _curves(what: str, traces: dict[str, Path], capacities: Sequence[int], limit
                 print(f"  {what} {name}: [{i}/{len(capacities)}] {cap:,} tokens ...",
                       file=sys.stderr, flush=True)
                 curves[name].append(row(rows, cap))
-        log(f"{what} {name}: {len(rows)} requests, {len(capacities)} capacities in "
-            f"{time.perf_counter() - t0:.1f}s{note(curves[name])}")
+        log(output.wrap(f"{what} {name}: {len(rows)} requests, {len(capacities)} capacities in "
+                  f"{time.perf_counter() - t0:.1f}s{note(curves[name])}"))
     return curves
 
 
@@ -248,8 +266,8 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
     for label, tokens in zip(store_labels, stores, strict=True):
         runs[label] = tr.mooncake_lru_replay(rows, dev // n, instances=n,
                                              tier_blocks=None if tokens is None else tokens // BT)
-    print(f"\ntiers {name}: {len(rows)} requests, device {args.device_tokens:,} tokens, host "
-          f"{args.host_tokens:,}; block / token hit rate")
+    print("\n" + output.wrap(f"tiers {name}: {len(rows)} requests, device {args.device_tokens:,} "
+                       f"tokens, host {args.host_tokens:,}; block / token hit rate"))
     for label, r in runs.items():
         print(f"  {label:32s} {r['block_hit_rate']:6.3f} {r['token_hit_rate']:6.3f}")
     keep = ("block_hit_rate", "token_hit_rate", "device_hit_rate", "tier_hit_blocks",
@@ -398,14 +416,18 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
          "comparison": comparison}, paper_and_ceiling)
 
 
-def format_paper(comparison: Sequence[Row]) -> list[str]:
-    """A markdown table: at each of the paper's capacities, its hit rate, the pool's, and the
-    pool's with the previous turn's partial block, each with its difference to the paper."""
-    return _markdown(["trace", "capacity (tokens)", "paper Fig. 9", "kvstore pool (= LRU model)",
-                      "diff", "+ previous turn's partial block", "diff"], (
+PAPER_LEGEND = ("paper: the Mooncake paper's Fig. 9, read by eye; pool: kvstore's pool, equal to "
+                "the LRU model; +tail: the pool with the previous turn's partial block "
+                "cached (an estimate); diff: against the paper")
+
+
+def format_paper(comparison: Sequence[Row]) -> Table:
+    """At each of the paper's capacities (tokens), its hit rate, the pool's, and the pool's
+    with the previous turn's partial block, each with its difference to the paper."""
+    return ["trace", "capacity", "paper", "pool", "diff", "+tail", "diff"], [
         [c["trace"], f"{c['capacity_tokens']:,}", f"{c['paper']:.3f}", f"{c['kvstore']:.3f}",
          f"{c['kvstore'] - c['paper']:+.3f}", f"{c['with_tails']:.3f}",
-         f"{c['with_tails'] - c['paper']:+.3f}"] for c in comparison))
+         f"{c['with_tails'] - c['paper']:+.3f}"] for c in comparison]
 
 
 # --------------------------------------- policies: online policies, the reuse oracle, MIN
@@ -532,15 +554,21 @@ def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
         {"capacities_tokens": list(capacities), "policies": list(policies), "limit": limit})
 
 
-def format_policies(curves: Curves, policies: Sequence[str]) -> list[str]:
-    """A markdown table: per trace and capacity, each policy's hit rate (gap closed) and MIN."""
+POLICIES_LEGEND = ("token hit rate (whole 512-token blocks) per eviction policy, and the "
+                   "share of the LRU-to-MIN gap it closes; oracle: the reuse oracle (LRU that "
+                   "knows which blocks never return); MIN: Belady's offline optimum")
+
+
+def format_policies(curves: Curves, policies: Sequence[str]) -> Table:
+    """Per trace and capacity, each policy's hit rate (gap closed), the reuse oracle's and
+    MIN's."""
     def cell(r: Row, p: str) -> str:
         g = r.get(f"{p}_gap_closed")
-        return f"{r[p]:.3f}" + ("" if p == "lru" or g is None else f" ({g:+.0%})")
+        return f"{r[p]:.3f}" + ("" if p == "lru" or g is None else f" {g:+.0%}")
 
-    return _markdown(["trace", "capacity", *policies, "reuse oracle", "MIN"], (
+    return ["trace", "capacity", *policies, "oracle", "MIN"], [
         [name, _million(r), *(cell(r, p) for p in [*policies, "reuse_oracle"]),
-         f"{r['min']:.3f}"] for name, rows in curves.items() for r in rows))
+         f"{r['min']:.3f}"] for name, rows in curves.items() for r in rows]
 
 
 # ------------------------------------------ layouts: a hybrid layout through the manager
@@ -627,26 +655,33 @@ def capacity_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap: 
     return row
 
 
-def format_layouts(curves: Curves, policies: Sequence[str]) -> list[str]:
-    """A markdown table: per trace and capacity, all-full LRU, each hybrid policy, the bound."""
-    return _markdown(["trace", "budget", "all-full lru", *(f"hybrid {p}" for p in policies),
-                      "bound"], ([name, _million(r), *(f"{r[k]:.3f}" for k in
-                                                        ["full_lru", *policies, "bound"])]
-                                 for name, rows in curves.items() for r in rows))
+LAYOUTS_LEGEND = ("token hit rate (whole 512-token blocks) of the hybrid layout under each "
+                  "policy; all-full lru: every layer full attention, LRU; bound: the full "
+                  "group alone with every byte (windowed pages free)")
+GROUPS_LEGEND = ("pages of the full group and of the window groups: mean cached, evicted and "
+                 "hit (k/M: thousands/millions); cut: the input share a window cut from a "
+                 "full-attention hit")
 
 
-def format_groups(curves: Curves, policies: Sequence[str]) -> list[str]:
-    """A markdown table: per trace, capacity and policy, pages mean cached / evicted / hit for
-    the full group and the window groups, and the input share a window cut from a full hit."""
-    def cell(r: Row, p: str, kind: str) -> str:
+def format_layouts(curves: Curves, policies: Sequence[str]) -> Table:
+    """Per trace and budget, all-full LRU, the hybrid layout under each policy, the bound."""
+    return ["trace", "budget", "all-full lru", *policies, "bound"], [
+        [name, _million(r), *(f"{r[k]:.3f}" for k in ["full_lru", *policies, "bound"])]
+        for name, rows in curves.items() for r in rows]
+
+
+def format_groups(curves: Curves, policies: Sequence[str]) -> Table:
+    """Per trace, budget and policy, pages mean cached / evicted / hit for the full group and
+    the window groups, and the input share a window cut from a full-attention hit."""
+    def cells(r: Row, p: str, kind: str) -> list[str]:
         gs = [g for g in r["groups"][p] if g["kind"] == kind]
-        return (f"{sum(g['cached_mean'] for g in gs):,.0f} / {sum(g['evicted'] for g in gs):,} / "
-                f"{sum(g['hit_pages'] for g in gs):,}")
+        return [output.short_count(round(sum(g[k] for g in gs)))
+                for k in ("cached_mean", "evicted", "hit_pages")]
 
-    return _markdown(["trace", "budget", "policy", "full: mean cached / evicted / hit",
-                      "window: mean cached / evicted / hit", "cut by a window"], (
-        [name, _million(r), p, cell(r, p, "full"), cell(r, p, "window"), f"{r[f'{p}_cut']:.3f}"]
-        for name, rows in curves.items() for r in rows for p in policies))
+    return ["trace", "budget", "policy", "full kept", "evicted", "hit", "window kept", "evicted",
+            "hit", "cut"], [
+        [name, _million(r), p, *cells(r, p, "full"), *cells(r, p, "window"), f"{r[f'{p}_cut']:.3f}"]
+        for name, rows in curves.items() for r in rows for p in policies]
 
 
 def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path],

@@ -155,6 +155,32 @@ def test_run_mooncake_replay_writes_figure(tmp_path):
     assert res["ceiling"]["synthetic"] == mooncake_lru_replay(rows, None)["token_hit_rate"]
 
 
+def test_replay_prints_tables_within_80_columns_and_writes_them_as_markdown(tmp_path, capsys):
+    """Every `bench replay` table fits 80 columns on stdout, a table per trace, and is written
+    whole (every trace, its legend) as Markdown into --out."""
+    from kvstore.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    with open(trace, "w") as f:
+        for r in _random_trace(random.Random(2), 60):
+            f.write(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)})
+                    + "\n")
+    out = tmp_path / "o"
+    assert main(["bench", "replay", "--trace", str(trace), "--what", "policies,layouts",
+                 "--capacities", "100000,1000000", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    wide = [line for line in printed.splitlines() if len(line) > 80 and str(out) not in line]
+    assert not wide
+    # Rows: a capacity each (one trace, named by its file), a capacity and policy each.
+    for stem, head, n in (("eviction_hit_rate", "| trace | capacity | lru |", 2),
+                          ("eviction_hybrid", "| trace | budget | all-full lru |", 2),
+                          ("eviction_hybrid_groups", "| trace | budget | policy |", 10)):
+        md = (out / f"{stem}.md").read_text()
+        assert md.startswith(head) and md.count("\n| trace | ") == n
+        assert md.splitlines()[-1] in printed.replace("\n  ", " ")  # the legend, as printed
+
+
 # ----------------------------------------------------------------------------- sweep
 
 
