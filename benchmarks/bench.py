@@ -400,6 +400,8 @@ def _step_time(text: str) -> StepTime:
 
 def _trace_path(text: str) -> Path:
     path = Path(text).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{text} is a folder; give a trace file")
     if not path.is_file():
         raise ValueError(f"{text}: no such file")
     return path
@@ -492,20 +494,26 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="transfers: torch device (default: cuda if "
                    "available, else cpu)")
     p.add_argument("--blocks", type=positive_int, default=64, help="transfers: blocks per batch")
-    p.add_argument("--pool-blocks", type=positive_int, default=512)
+    p.add_argument("--pool-blocks", type=positive_int, default=512,
+                   help="transfers: blocks in the device pool")
     p.add_argument("--layers", type=positive_int, default=None,
                    help="layers in the group (default: 8 for transfers, 4 for --engines)")
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--kv-heads", type=positive_int, default=8)
-    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    p.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads per layer")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="head dimension")
     p.add_argument("--dtype", type=_arg_type(dtype_name), default="bfloat16",
                    help=f"KV page dtype: {', '.join(DTYPE_ITEMSIZE)}")
-    p.add_argument("--reps", type=positive_int, default=9)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--reps", type=positive_int, default=9,
+                   help="transfers: timed repetitions, median kept")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads (default: torch's own)")
     p.add_argument("--prefixes", type=positive_int, default=8, help="--engines: shared prefixes")
-    p.add_argument("--prefix-len", type=positive_int, default=250)
-    p.add_argument("--suffix-len", type=positive_int, default=20)
-    p.add_argument("--max-tokens", type=positive_int, default=8)
+    p.add_argument("--prefix-len", type=positive_int, default=250,
+                   help="--engines: tokens per shared prefix")
+    p.add_argument("--suffix-len", type=positive_int, default=20,
+                   help="--engines: tokens after the prefix per prompt")
+    p.add_argument("--max-tokens", type=positive_int, default=8,
+                   help="--engines: tokens generated per prompt")
     p.add_argument("--num-blocks", type=positive_int, default=512, help="--engines: pool size")
     p.add_argument("--json", type=out_file, default=None, help="also write the results here")
 
@@ -534,7 +542,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction", type=name_list(tuple(EVICTION_POLICIES)), default=None,
                    metavar="LIST",
                    help="comma list of eviction policies: each caching policy runs once per "
-                        "name, as NAME@EVICTION (default: lru)")
+                        "name, as NAME@EVICTION (as NAME for lru) (default: lru)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK_POINTS} pool sizes, the first {QUICK_LIMIT} requests")
@@ -597,7 +605,8 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as e:
         error(f"argument --pool-sizes: {e}")
     if not workload.requests:
-        error(f"argument --workload: {args.workload} has no requests")
+        where = f"--trace: {args.trace}" if args.trace else f"--workload: {args.workload}"
+        error(f"argument {where} has no requests")
     tiers = TierOptions(args.host_tier_bytes, args.store, args.window_offload)
     if tiers and not any(policy_named(p).enable_caching for p in policies):
         flag = "--host-tier-bytes" if tiers.host_bytes else "--store"
@@ -637,7 +646,9 @@ def run_bench(args: argparse.Namespace) -> int:
     folder = output.run_folder(out, args.in_place)
     written = write_results(result, folder, run)
     if dropped:
-        console.print(f"left out to fit {TABLE_WIDTH} columns: {', '.join(dropped)}; every column "
+        narrow = dict(_COLUMNS)  # the names the legend and docs use
+        console.print(f"left out to fit {TABLE_WIDTH} columns: "
+                      f"{', '.join(narrow[c] or c for c in dropped)}; every column "
                       f"is in {folder}/table.txt (or run with --wide)", style="dim")
     pngs = ", ".join(sorted(p.name for p in written if p.suffix == ".png"))
     console.print(f"wrote {len(written)} files to {folder}/ (sweep.json, sweep.csv, tables.md, "
@@ -671,7 +682,7 @@ def _save_interrupted(partial: SweepResult, out: Path, in_place: bool, run: RunI
         folder = output.run_folder(out, in_place)
         write_results(partial, folder, run, figures=False)
     print(f"kvstore bench: interrupted; kept the {m.completed_replays} of {m.total_replays} "
-          f"replays that finished in {folder}/ (sweep.json, sweep.csv, tables.md)",
+          f"replays that finished in {folder}/ (sweep.json, sweep.csv, tables.md, table.txt)",
           file=sys.stderr)
     return EXIT_INTERRUPTED
 

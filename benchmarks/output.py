@@ -147,16 +147,21 @@ def check_folder(path: Path, error: Callable[[str], NoReturn], flag: str = "--ou
 def name_list(known: Sequence[str]) -> Callable[[str], list[str]]:
     """argparse type: a comma list of names among `known`, duplicates dropped."""
     def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
+        names = [n.strip() for n in text.split(",")]
+        if not any(names):
+            raise argparse.ArgumentTypeError(f"no names given; known: {', '.join(known)}")
+        if "" in names:
+            raise argparse.ArgumentTypeError(f"an empty name in {text!r}")
         bad = [n for n in names if n not in known]
-        if bad or not names:
+        if bad:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; known: "
                                              f"{', '.join(known)}")
         return list(dict.fromkeys(names))
     return parse
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
+def int_at_least(low: int) -> Callable[[str], int]:
+    """argparse type: an int >= `low`."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -168,8 +173,8 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-positive_int = _int_at_least(1)  # argparse type: an int >= 1
-non_negative_int = _int_at_least(0)  # argparse type: an int >= 0
+positive_int = int_at_least(1)  # argparse type: an int >= 1
+non_negative_int = int_at_least(0)  # argparse type: an int >= 0
 
 
 def text_table(head: Sequence[str], rows: Iterable[Sequence[Any]], left: Container[int] = (0,),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -28,6 +29,7 @@ from kvstore.benchmarks.simulator import fake_token
 from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
 from kvstore.benchmarks.traces import locate_trace, mooncake_to_workload
 from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens, make_workload
+from kvstore.errors import RequestTooLargeError
 from kvstore.eviction import EVICTION_POLICIES
 from kvstore.kv_cache_coordinator import ComputedBlocks
 from kvstore.kv_cache_manager import KVCacheManager
@@ -216,7 +218,8 @@ def serve(m: KVCacheManager, req: Request, stops: Stops, bs: int, clock: list[fl
         clock[0] += time.perf_counter() - t0
         calls += 2 + (stops == "checkpoints" and nc < n)  # next_checkpoints in prefill only
         if ids is None:
-            raise RuntimeError(f"{req.request_id} ({n} prompt tokens) does not fit the pool")
+            raise RequestTooLargeError(f"{req.request_id} ({n} prompt tokens) does not fit the "
+                                       "pool", request_id=req.request_id)
         if tiers is not None:
             if computed is not None:
                 tiers.admitted(req, computed, external)
@@ -368,7 +371,7 @@ WORKLOADS = ("shared_system_prompts", "multi_turn_chat", "mixed_default")
 
 def _sizes(text: str) -> list[float]:
     try:
-        out = [float(x) for x in text.split(",") if x]
+        out = [float(x) for x in text.split(",")] if text.strip() else []
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}") from None
     if out and min(out) <= 0:
@@ -388,7 +391,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mooncake", type=_sizes, default=[1e6, 3e6, 1e7], metavar="TOKENS",
                    help="budgets for the Mooncake conversation trace with the qwen3-next "
                         "layout, in tokens of its attention K/V (empty: skip)")
-    p.add_argument("--limit", type=positive_int, default=None, help="first N rows of the trace")
+    p.add_argument("--limit", type=positive_int, default=None,
+                   help="first N rows of the trace (default: every row)")
     p.add_argument("--host-tier-gib", type=_sizes, default=[16], metavar="GIB",
                    help="host tiers below kvstore's pool for the qwen3-next layout, in GiB: a "
                         "kvstore+host row each (empty: none)")
@@ -426,16 +430,32 @@ def run(args: argparse.Namespace) -> int:
         layout = LAYOUTS["qwen3-next"]
         runs += [(trace, layout, layout.budget_of_tokens(int(tokens)), "mooncake_conversation",
                   systems(layout, args.eviction)[:3]) for tokens in args.mooncake]
+    if not runs:
+        args.usage_error("nothing to run: --budgets and --mooncake are both empty")
+    for _, layout, budget, workload, row_systems in runs:
+        flag = "--mooncake" if workload == "mooncake_conversation" else "--budgets"
+        for system in row_systems:  # a budget too small for the layout's pages
+            try:
+                make_kv_cache_config(system.specs, memory_bytes=budget)
+            except ValueError as e:
+                args.usage_error(f"argument {flag}: {budget / GiB:.3g} GiB is too small for "
+                                 f"{layout.name} ({system.name}): {e}")
     for specs, layout, budget, workload, row_systems in runs:
         # kvstore's and the oracle's times are compared: replayed in turns, best kept.
         timed = [s for s in row_systems if s.name in ("kvstore", "oracle")
                  and workload != "mooncake_conversation"]
         once = [s for s in row_systems if s not in timed]
-        for r in (run_systems(specs, timed, budget, layout.name, workload, args.repeats)
-                  + run_systems(specs, once, budget, layout.name, workload)):
+        try:
+            done = (run_systems(specs, timed, budget, layout.name, workload, args.repeats)
+                    + run_systems(specs, once, budget, layout.name, workload))
+        except RequestTooLargeError as e:
+            flag = "--mooncake" if workload == "mooncake_conversation" else "--budgets"
+            args.usage_error(f"argument {flag}: {budget / GiB:.3g} GiB cannot hold a request of "
+                             f"{workload} on {layout.name}: {e}")
+        for r in done:
             rows.append(r)
-            print(f"{r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {_name(r)}: "
-                  f"{r.hit_rate:.3f} ({r.manager_seconds:.1f} s)", flush=True)
+            print(f"  {r.layout} {r.workload} {r.budget_bytes / GiB:.3g} GiB {_name(r)}: "
+                  f"{r.hit_rate:.3f} ({r.manager_seconds:.1f} s)", file=sys.stderr, flush=True)
     checked = goals(rows, ideal)
     write_json(args.out / "recurrent.json", {
         "layouts": {n: {**asdict(LAYOUTS[n]), "state_bytes": LAYOUTS[n].state_bytes,

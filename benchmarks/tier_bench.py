@@ -256,8 +256,12 @@ def run_command(args: argparse.Namespace) -> int:
         for name, r in rows.items())))
     print("ratio: the path's speed over its baseline, a plain copy of the same bytes (the\n"
           "store rows: raw pipelined SET / GET); above 1: faster")
+    worst = min(rows, key=lambda name: rows[name]["ratio"])
+    print("\n" + textwrap.fill(f"slowest against its baseline: {worst}, "
+                               f"{rows[worst]['ratio']:.2f}x its speed", 80))
     if args.json:
         write_json(args.json, {"config": cfg, "rows": rows})
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -303,6 +307,8 @@ def serve(role: str, store_url: str | None, a: argparse.Namespace, q: Any) -> No
 
 def in_child(role: str, url: str | None, a: argparse.Namespace) -> dict[str, Any]:
     """`serve` in a fresh (spawned) process."""
+    print(f"  engine {role.upper()}{' (store)' if url else ', no tiers'} ...", file=sys.stderr,
+          flush=True)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     options = argparse.Namespace(**{k: getattr(a, k) for k in ENGINE_OPTIONS})
@@ -336,14 +342,16 @@ def run_engines(a: argparse.Namespace) -> int:
     }
     if a.json:
         write_json(a.json, result)
-    print(f"A computed {prefix_tokens} prefix tokens (full blocks) over {n} prefixes; "
-          f"B loaded {second['store_hit_tokens']} of them from the store: "
-          f"{result['fraction']:.3f}")
+    print(textwrap.fill(f"A computed {prefix_tokens} prefix tokens (full blocks) over {n} "
+                        f"prefixes; B loaded {second['store_hit_tokens']} of them from the "
+                        f"store: {result['fraction']:.3f}", 80))
     print(f"tokens equal to one engine without tiers: A {result['a_tokens_equal']}, "
           f"B {result['b_tokens_equal']}")
     print(f"computed tokens: A {first['computed_tokens']}, B {second['computed_tokens']}; "
           f"seconds: A {first['seconds']}, B {second['seconds']}")
     ok = result["fraction"] >= 0.95 and result["a_tokens_equal"] and result["b_tokens_equal"]
+    if a.json:
+        print(f"wrote {a.json}")
     return 0 if ok else 1
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.benchmarks.output import check_folder, out_file, pyplot, save_figure
+from kvstore.benchmarks.output import check_folder, int_at_least, out_file, positive_int, pyplot, save_figure
 from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.workloads import RequestSpec
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -166,9 +166,12 @@ def add_viz_parser(subparsers: Any) -> None:
         "viz", help="draw the block pool's layout step by step (ASCII and PNG)",
         description="Replay a small built-in scenario through the real scheduler and cache "
                     "and draw the pool after every step.")
-    p.add_argument("--num-blocks", type=int, default=13, help="pool size incl. the null block")
-    p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8)
+    p.add_argument("--num-blocks", type=int_at_least(2), default=13,
+                   help="pool size incl. the null block (default: 13)")
+    p.add_argument("--block-size", type=positive_int, default=4,
+                   help="tokens per block (default: 4)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8,
+                   help="tokens scheduled per step (default: 8)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-partial-hits", action="store_true")
     p.add_argument("--out", type=_png_path, default=Path("results/viz/pool_layout.png"),
@@ -180,6 +183,8 @@ def add_viz_parser(subparsers: Any) -> None:
 def _png_path(text: str) -> Path:
     """argparse type: an output file, ``.png`` appended unless it ends so (as matplotlib
     would save it)."""
+    if Path(text).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
     return out_file(text if text.lower().endswith(".png") else text + ".png")
 
 

