@@ -520,8 +520,9 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="mixed_default",
-                   choices=sorted(WORKLOADS) + list(TRACE_WORKLOADS),
-                   help="built-in workload, or a trace (the last four; see below for their files)")
+                   choices=sorted(WORKLOADS) + list(TRACE_WORKLOADS), metavar="NAME",
+                   help=f"built-in workload ({', '.join(sorted(WORKLOADS))}) or a trace "
+                        f"({', '.join(TRACE_WORKLOADS)}; see below for their files)")
     p.add_argument("--trace", metavar="PATH", type=_arg_type(_trace_path),
                    help=f"trace file for a trace workload (default: ${traces.ENV_VAR}/<file name>, "
                         "else ../shared/traces in a source checkout)")
@@ -529,7 +530,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"first N requests (default: all of a built-in workload, "
                         f"{DEFAULT_TRACE_LIMIT} of a trace, {QUICK_LIMIT} with --quick)")
     p.add_argument("--model-shape", default="llama-3-8b", choices=sorted(MODEL_SHAPES),
-                   help="model whose KV bytes per token size the pools")
+                   metavar="NAME", help=f"model whose KV bytes per token size the pools: "
+                                        f"{', '.join(sorted(MODEL_SHAPES))}")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     p.add_argument("--pool-sizes", metavar="LIST", type=_arg_type(_pool_sizes),
                    help="comma list of KV budgets (1GiB,512MiB) or all-full block counts "

@@ -388,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run the check and/or the benchmark the options ask for; return the exit status."""
+    if args.skip_bench and not args.check:
+        args.usage_error("argument --skip-bench: only with --check (it skips the timing after "
+                         "the check)")
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device found; this benchmark needs an NVIDIA GPU "
               "(the CPU tests cover correctness under TRITON_INTERPRET=1)", file=sys.stderr)

@@ -563,7 +563,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="60 requests, one repeat")
     p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
     p.add_argument("--requests", type=positive_int, metavar="N",
-                   help="requests (default: 400, 60 with --quick); with --workload chat, N // 5 "
+                   help="requests (default: 400, 60 with --quick); with --workload chat, max(1, N // 5) "
                         "conversations of 3 to 8 turns, each turn a request")
     p.add_argument("--repeats", type=positive_int, help="alternated replays, fastest kept "
                    "(default: 3, 1 with --quick)")
@@ -613,8 +613,10 @@ def run(args: argparse.Namespace) -> int:
               f"{repeats} alternated replays\nideal first-admission hit rate "
               f"{ideal_hit_rate(specs):.4f} whole blocks, {ideal_hit_rate(specs, None):.4f} "
               f"token-exact")
-        for w in workers:
-            print(f"  {w.label}: {w.where}")
+        for w in workers:  # a kvstore worker runs a temporary copy of a kvstore/ tree
+            source = (f"kvstore/ at {args.vs}" if w.label == f"kvstore {args.vs}"
+                      else f"{REPO / 'kvstore'}" if w.label.startswith("this") else w.where)
+            print(f"  {w.label}: {source}")
         best: dict[str, list[ManagerResult]] = {w.label: [] for w in workers}
         for k, scenario in enumerate(args.scenarios, 1):
             print(f"  [{k}/{len(args.scenarios)}] {scenario} ...", file=sys.stderr, flush=True)
@@ -634,7 +636,8 @@ def run(args: argparse.Namespace) -> int:
         for w in workers:
             w.close()
         if args.vs:
-            subprocess.run([*git, "worktree", "remove", "--force", str(tmp / "vs-worktree")], check=False)
+            subprocess.run([*git, "worktree", "remove", "--force", str(tmp / "vs-worktree")],
+                           check=False, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

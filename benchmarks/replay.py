@@ -66,7 +66,7 @@ def _trace(text: str) -> tuple[str, Path]:
 def _tokens(text: str) -> list[int]:
     """argparse type: a comma list of token counts >= 1 (``1e6`` allowed)."""
     try:
-        caps = [int(float(c)) for c in text.replace("_", "").split(",") if c.strip()]
+        caps = [int(float(c)) for c in text.replace("_", "").split(",")]
     except (ValueError, OverflowError):
         caps = []
     if not caps or min(caps) < 1:
@@ -77,7 +77,11 @@ def _tokens(text: str) -> list[int]:
 
 def _store_tokens(text: str) -> list[int | None]:
     """argparse type: a comma list of token counts, ``inf`` for unbounded."""
-    return [None if t.strip() == "inf" else _tokens(t)[0] for t in text.split(",") if t.strip()]
+    parts = [t.strip() for t in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of token counts >= 1 or inf, got {text!r}")
+    return [None if t == "inf" else _tokens(t)[0] for t in parts]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

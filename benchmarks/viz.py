@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import argparse
 import string
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.benchmarks.output import check_folder, int_at_least, out_file, positive_int, pyplot, save_figure
+from kvstore.benchmarks.output import (
+    check_folder,
+    int_at_least,
+    out_file,
+    positive_int,
+    pyplot,
+    save_figure,
+    wrap,
+)
 from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.workloads import RequestSpec
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -200,14 +209,20 @@ def run_viz_command(args: argparse.Namespace) -> int:
     width = len(recorder.snapshots[0].cells) * 3 if recorder.snapshots else 0
     print(f"pool of {args.num_blocks - 1} blocks x {args.block_size} tokens (block 0, the null "
           "block, not shown)")
-    print(f"legend: {LEGEND}")
+    print(wrap(f"legend: {LEGEND}"))
     print(f"{'step':>4}  {'blocks 1..' + str(args.num_blocks - 1):<{width}}  running / waiting  events")
     for s in recorder.snapshots:
-        print(f"{s.step:>4}  {''.join(f'[{c}]' for c in s.cells)}  {''.join(s.running) or '-':>7} / "
-              f"{''.join(s.waiting) or '-':<7} {'; '.join(s.events)}")
-    print(f"hits {result.hit_tokens} of {result.queried_tokens} tokens ({result.partial_hit_tokens} "
-          f"by partial hits, {result.copies} copies), {result.evictions} evictions, "
-          f"{result.preemptions} preemptions, {result.steps} steps")
+        row = (f"{s.step:>4}  {''.join(f'[{c}]' for c in s.cells)}  {''.join(s.running) or '-':>7} / "
+               f"{''.join(s.waiting) or '-':<7} ")
+        # Events wrap under their column (the map itself is as wide as the pool).
+        events = textwrap.wrap("; ".join(s.events), max(80 - len(row), 10)) or [""]
+        print((row + events[0]).rstrip())
+        for line in events[1:]:
+            print(" " * len(row) + line)
+    print(wrap(f"hits {result.hit_tokens} of {result.queried_tokens} tokens "
+               f"({result.partial_hit_tokens} by partial hits, {result.copies} copies), "
+               f"{result.evictions} evictions, {result.preemptions} preemptions, "
+               f"{result.steps} steps"))
     if not args.no_png:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         plot_layout(recorder.snapshots, args.out,

@@ -130,6 +130,10 @@ def render_demo(result: DemoResult, console: Any = None) -> None:
                          " ".join(map(str, s.token_ids)), s.finish_reason or "")
     console.print(outs)
     _render_stats_and_layout(result.stats, result.layout, console)
+    st = result.stats
+    console.print(f"{st.hit_tokens} of {st.queried_tokens} prompt tokens came from the cache "
+                  f"({st.partial_hit_tokens} by a partial hit); {st.finished} requests finished "
+                  f"in {st.steps} steps, {st.computed_tokens} tokens computed")
 
 
 # --------------------------------------------------------------------------- real text
