@@ -257,8 +257,8 @@ def run_command(args: argparse.Namespace) -> int:
     print("ratio: the path's speed over its baseline, a plain copy of the same bytes (the\n"
           "store rows: raw pipelined SET / GET); above 1: faster")
     worst = min(rows, key=lambda name: rows[name]["ratio"])
-    print("\n" + textwrap.fill(f"slowest against its baseline: {worst}, "
-                               f"{rows[worst]['ratio']:.2f}x its speed", 80))
+    print("\n" + textwrap.fill(f"slowest against its baseline ({rows[worst]['ratio']:.2f}x its "
+                               f"speed): {worst}", 80, subsequent_indent="  "))
     if args.json:
         write_json(args.json, {"config": cfg, "rows": rows})
         print(f"wrote {args.json}")
