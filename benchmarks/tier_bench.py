@@ -12,7 +12,6 @@ import argparse
 import multiprocessing as mp
 import statistics
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 import xxhash
 
-from kvstore.benchmarks.output import check_folder, text_table, write_json
+from kvstore.benchmarks.output import check_folder, text_table, wrap, write_json
 from kvstore.hashing import hash_block, root_hash
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.specs import FullAttentionSpec, make_kv_cache_config
@@ -249,16 +248,15 @@ def run_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     rows = run(args)
     cfg = rows.pop("config")
-    print(textwrap.fill("config: " + ", ".join(f"{k}={v}" for k, v in cfg.items()), 80,
-                        subsequent_indent="  "))
+    print(wrap("config: " + ", ".join(f"{k}={v}" for k, v in cfg.items())))
     print(text_table(("path", "path GB/s", "plain GB/s", "ratio"), (
         [name, f"{r['path_GBps']:.3f}", f"{r['plain_GBps']:.3f}", f"{r['ratio']:.2f}"]
         for name, r in rows.items())))
     print("ratio: the path's speed over its baseline, a plain copy of the same bytes (the\n"
           "store rows: raw pipelined SET / GET); above 1: faster")
     worst = min(rows, key=lambda name: rows[name]["ratio"])
-    print("\n" + textwrap.fill(f"slowest against its baseline ({rows[worst]['ratio']:.2f}x its "
-                               f"speed): {worst}", 80, subsequent_indent="  "))
+    print("\n" + wrap(f"slowest against its baseline ({rows[worst]['ratio']:.2f}x its speed): "
+                      f"{worst}"))
     if args.json:
         write_json(args.json, {"config": cfg, "rows": rows})
         print(f"wrote {args.json}")
@@ -342,9 +340,9 @@ def run_engines(a: argparse.Namespace) -> int:
     }
     if a.json:
         write_json(a.json, result)
-    print(textwrap.fill(f"A computed {prefix_tokens} prefix tokens (full blocks) over {n} "
-                        f"prefixes; B loaded {second['store_hit_tokens']} of them from the "
-                        f"store: {result['fraction']:.3f}", 80))
+    print(wrap(f"A computed {prefix_tokens} prefix tokens (full blocks) over {n} prefixes; B "
+               f"loaded {second['store_hit_tokens']} of them from the store: "
+               f"{result['fraction']:.3f}"))
     print(f"tokens equal to one engine without tiers: A {result['a_tokens_equal']}, "
           f"B {result['b_tokens_equal']}")
     print(f"computed tokens: A {first['computed_tokens']}, B {second['computed_tokens']}; "
