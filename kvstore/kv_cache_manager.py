@@ -586,9 +586,7 @@ class KVCacheManager:
         so the model writes the state out. From the request's computed count; for a request
         about to be admitted, pass its lookup as `computed`: the positions then count from
         its hit and include the branch point the lookup found. Empty without a recurrent
-        group."""
-        if not self._coordinator.recurrent:
-            return []
+        group (the arguments are checked all the same)."""
         self._check_request(request)
         n = as_count(num_new_tokens)
         if n is None or n < 0:
@@ -602,6 +600,8 @@ class KVCacheManager:
             if request.request_id in self._requests:
                 raise ValueError(f"request {request.request_id!r} is admitted already: its "
                                  "positions count from its computed tokens (pass no lookup)")
+        if not self._coordinator.recurrent:
+            return []
         return self._coordinator.next_checkpoints(request, n, computed)
 
     def hit_checkpoint_kind(self, request_id: str) -> str | None:

@@ -899,6 +899,21 @@ def test_config_types_get_clear_errors() -> None:
     assert type(every) is int and every == 4
 
 
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_next_checkpoints_checks_its_arguments_with_or_without_a_recurrent_group(
+        recurrent: bool) -> None:
+    specs = [FullAttentionSpec(4, 1, 8)] + ([RecurrentStateSpec(4, ((16, 16),))] if recurrent
+                                            else [])
+    m = KVCacheManager(make_kv_cache_config(specs, num_blocks=16))
+    a, b = Request("a", list(range(9))), Request("b", list(range(9)))
+    for n in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="num_new_tokens"):
+            m.next_checkpoints(a, n)
+    with pytest.raises(ValueError, match="lookup of 'a'"):
+        m.next_checkpoints(a, 8, m.get_computed_blocks(b))
+    assert (m.next_checkpoints(a, 8, m.get_computed_blocks(a)) != []) == recurrent
+
+
 def test_groups_and_lookups_of_another_request_get_clear_errors() -> None:
     with pytest.raises(ValueError, match="layer_ids"):
         KVCacheGroup(FullAttentionSpec(4, 1, 8), ([0],))  # type: ignore[arg-type]
