@@ -600,6 +600,9 @@ class KVCacheManager:
             if request.request_id in self._requests:
                 raise ValueError(f"request {request.request_id!r} is admitted already: its "
                                  "positions count from its computed tokens (pass no lookup)")
+            self._check_length(request, computed.num_computed_tokens, n)
+        else:
+            self._check_length(request, self._check_progress(request), n)
         if not self._coordinator.recurrent:
             return []
         return self._coordinator.next_checkpoints(request, n, computed)
@@ -672,6 +675,7 @@ class KVCacheManager:
         self._quiet.pop(parent.request_id, None)  # its pages become shared
         self._coordinator.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
         self._requests[child.request_id] = child
+        self._lookups.pop(child.request_id, None)  # admitted: its lookup is spent
 
     def set_release_listener(self, listener: ReleaseListener | None) -> None:
         """Call `listener` with a `ReleasedPages` record whenever a request lets go of pages

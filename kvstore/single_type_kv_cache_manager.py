@@ -336,7 +336,10 @@ class SingleTypeKVCacheManager:
         self.cache_blocks(request, num_computed)
         bs = self.block_size
         tail = num_computed // bs
-        if self.pool.index_partial_blocks and num_computed % bs and tail < len(table):
+        # The partial tail hangs under the serial of the block before it: only when the chain
+        # is indexed up to there (a run below a tier hit's window may not be).
+        if self.pool.index_partial_blocks and num_computed % bs and tail < len(table) \
+                and self._num_cached_blocks[rid] == tail:
             block = table[tail]
             if block.ref_cnt - block.pin_cnt == 1 and block.token_ids is None and block.block_id != 0:
                 self.pool.cache_partial_block(

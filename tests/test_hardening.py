@@ -27,6 +27,7 @@ from kvstore.kv_cache_manager import CacheConfig, KVCacheManager
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.request import Request
 from kvstore.specs import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroup,
@@ -912,6 +913,53 @@ def test_next_checkpoints_checks_its_arguments_with_or_without_a_recurrent_group
     with pytest.raises(ValueError, match="lookup of 'a'"):
         m.next_checkpoints(a, 8, m.get_computed_blocks(b))
     assert (m.next_checkpoints(a, 8, m.get_computed_blocks(a)) != []) == recurrent
+
+
+@pytest.mark.parametrize("spec", [SlidingWindowSpec(4, 1, 8, "float32", window=6),
+                                  ChunkedLocalAttentionSpec(4, 1, 8, "float32", chunk=8)])
+def test_a_partial_tail_past_a_tier_hit_window_is_not_indexed_under_the_root(spec) -> None:
+    """After an admission on external tokens, a window group's entries below the window are
+    null and its chain is not indexed: its partial tail has no known parent and must not
+    serve a prompt that merely starts with the tail's tokens."""
+    m = KVCacheManager(make_kv_cache_config([spec], num_blocks=24))
+    a = Request("a", [3, 1, 3, 1, 2, 5, 2, 4, 3, 3, 5, 3, 2, 1, 1, 1, 4, 3, 4])
+    m.admit(a, 6, m.get_computed_blocks(a), num_external_tokens=12)
+    a.num_computed_tokens = 18
+    m.free(a)
+    b = Request("b", [4, 3, 9, 9, 9])  # starts with a's tokens at 16, 17
+    hit = m.get_computed_blocks(b)
+    assert hit.num_computed_tokens == 0 and hit.partial_sources == (None,)
+
+
+def test_next_checkpoints_refuses_counts_and_progress_past_the_request() -> None:
+    m = KVCacheManager(make_kv_cache_config([FullAttentionSpec(4, 1, 8),
+                                             RecurrentStateSpec(4, ((2, 40),))], num_blocks=40))
+    a = Request("a", list(range(1, 15)))
+    m.admit(a, 14, m.get_computed_blocks(a))
+    a.num_computed_tokens = 14
+    with pytest.raises(ValueError, match="exceeds its 14 tokens"):
+        m.next_checkpoints(a, 20)
+    with pytest.raises(ValueError, match="exceeds its 14 tokens"):
+        m.next_checkpoints(a, 10**30)
+    for bad in (-1, True, 15, 1.5, None):
+        a.num_computed_tokens = bad
+        with pytest.raises(ValueError, match="num_computed_tokens must be an int"):
+            m.next_checkpoints(a, 0)
+
+
+def test_a_fork_spends_the_childs_pending_lookup() -> None:
+    m = KVCacheManager(make_kv_cache_config([FullAttentionSpec(4, 1, 8)], num_blocks=16))
+    parent = Request("p", list(range(1, 11)))
+    m.admit(parent, 10, m.get_computed_blocks(parent))
+    parent.num_computed_tokens = 10
+    child = parent.fork("c")
+    stale = m.get_computed_blocks(child)
+    m.fork(parent, child)
+    m.free(child)
+    free = m.num_free_blocks
+    with pytest.raises(ValueError, match="look this request up again"):
+        m.admit(child, 1, stale)
+    assert m.num_free_blocks == free
 
 
 def test_groups_and_lookups_of_another_request_get_clear_errors() -> None:
