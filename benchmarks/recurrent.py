@@ -432,13 +432,15 @@ def run(args: argparse.Namespace) -> int:
                   systems(layout, args.eviction)[:3]) for tokens in args.mooncake]
     if not runs:
         args.usage_error("nothing to run: --budgets and --mooncake are both empty")
+    def flag(workload: str) -> str:  # the option that set a run's budget
+        return "--mooncake" if workload == "mooncake_conversation" else "--budgets"
+
     for _, layout, budget, workload, row_systems in runs:
-        flag = "--mooncake" if workload == "mooncake_conversation" else "--budgets"
         for system in row_systems:  # a budget too small for the layout's pages
             try:
                 make_kv_cache_config(system.specs, memory_bytes=budget)
             except ValueError as e:
-                args.usage_error(f"argument {flag}: {budget / GiB:.3g} GiB is too small for "
+                args.usage_error(f"argument {flag(workload)}: {budget / GiB:.3g} GiB is too small for "
                                  f"{layout.name} ({system.name}): {e}")
     for specs, layout, budget, workload, row_systems in runs:
         # kvstore's and the oracle's times are compared: replayed in turns, best kept.
@@ -449,8 +451,7 @@ def run(args: argparse.Namespace) -> int:
             done = (run_systems(specs, timed, budget, layout.name, workload, args.repeats)
                     + run_systems(specs, once, budget, layout.name, workload))
         except RequestTooLargeError as e:
-            flag = "--mooncake" if workload == "mooncake_conversation" else "--budgets"
-            args.usage_error(f"argument {flag}: {budget / GiB:.3g} GiB cannot hold a request of "
+            args.usage_error(f"argument {flag(workload)}: {budget / GiB:.3g} GiB cannot hold a request of "
                              f"{workload} on {layout.name}: {e}")
         for r in done:
             rows.append(r)

@@ -184,7 +184,6 @@ def _show(out: Path, stem: str, legend: str, head: list[str], rows: list[list[st
         print(f"\n{name}:\n" + output.text_table(
             head[1:], [r[1:] for r in rows if r[0] == name], left))
     print(output.wrap(legend))
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text("\n".join([*_markdown(head, rows), "", legend, ""]),
                                     encoding="utf-8")
 

@@ -38,7 +38,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 MAX_DEMO_SAMPLES = 256
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.HelpFormatter):
     """Help with each option's default appended, unless its help already says it or there
     is none to say (flags, options that default to nothing)."""
 
@@ -57,7 +57,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _shows_default(action: argparse.Action) -> bool:
     """Whether an option's help gets its default: an option with a default to say."""
-    return bool(action.option_strings) and action.default not in (None, False, argparse.SUPPRESS)
+    d = action.default  # by identity: a default of 0 is said, False (a flag) is not
+    return bool(action.option_strings) and not (d is None or d is False or d == argparse.SUPPRESS)
 
 
 def _default_phrase(action: argparse.Action) -> str:

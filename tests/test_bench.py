@@ -734,3 +734,15 @@ def test_a_log_axis_marks_every_value_and_labels_at_most_twelve(n: int) -> None:
     assert labels[0] == "10k" and 0 < sum(1 for t in labels if t) <= 12
     assert all(labels) == (n <= 12)
     plt.close(fig)
+
+
+def test_help_shows_defaults_as_typed_including_zero(capsys):
+    """Every option's default is in its help, a list comma-separated, a 0 included."""
+    from kvstore.cli import main
+
+    for argv, shown in ((["bench", "--help"], "workload seed (default: 0)"),
+                        (["bench", "recurrent", "--help"], "(default: 0.5,1,2,4,8,16)"),
+                        (["bench", "tiers", "--help"], "(default: 512)")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert shown in " ".join(capsys.readouterr().out.split())
