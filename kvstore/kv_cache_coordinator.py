@@ -15,6 +15,7 @@ from kvstore.single_type_kv_cache_manager import (
     HitSearch,
     RecurrentManager,
     SingleTypeKVCacheManager,
+    SlidingWindowManager,
     agreed_hit,
     make_manager,
 )
@@ -83,7 +84,7 @@ class KVCacheCoordinator:
 
     __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_free_order",
                  "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "recurrent",
-                 "_recurrent_groups")
+                 "_recurrent_groups", "_windowed")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
                  hold_window_pages: bool = True, checkpoint_every: int = 0) -> None:
@@ -125,6 +126,7 @@ class KVCacheCoordinator:
         paged = [g for g in range(n) if not config.groups[g].is_recurrent]
         self._free_order = tuple(g for g in paged if g not in full) + tuple(full)
         self._recurrent_groups = tuple(g for g in range(n) if g not in paged)
+        self._windowed = tuple(m for m in self.managers if isinstance(m, SlidingWindowManager))
 
     @staticmethod
     def learns_branches(config: KVCacheConfig, hold_window_pages: bool) -> bool:
@@ -429,6 +431,18 @@ class KVCacheCoordinator:
             for manager in self.managers:
                 manager.hold_windows(request, ends, computed.parent_serials,
                                      head=not num_verified)
+
+    def check_resumable(self, request_id: str, num_computed_tokens: int) -> None:
+        """Raise ValueError when a window group let go of a page a query from
+        `num_computed_tokens` on needs (the request's progress moved back past its window)."""
+        for manager in self._windowed:
+            i = manager.lost_entry(request_id, num_computed_tokens)
+            if i is not None:
+                raise ValueError(
+                    f"request {request_id!r}: progress moved back to {num_computed_tokens} "
+                    f"tokens, but group {manager.group_id} let go of its page for tokens "
+                    f"[{i * self.block_size}, {(i + 1) * self.block_size}) when its window "
+                    "passed them")
 
     def num_allocated_tokens(self, request_id: str) -> int:
         """The tokens a live request's pages cover (every paged group's table has one entry

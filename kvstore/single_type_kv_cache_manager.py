@@ -561,6 +561,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return [i for i in range(k - 1, self._cursor[request_id] - 1, -1)
                 if table[i].block_id != 0 and not self._held(request_id, i)]
 
+    def lost_entry(self, request_id: str, num_computed_tokens: int) -> int | None:
+        """The first table entry a query from `num_computed_tokens` on needs that this
+        request let go of already (its progress moved back past the window), or None."""
+        cursor = self._cursor[request_id]
+        k = self.spec.first_needed_block(num_computed_tokens)
+        if k >= cursor:
+            return None
+        table = self._req_to_blocks[request_id]
+        return next((i for i in range(k, min(cursor, len(table))) if table[i].block_id == 0), None)
+
     def has_skippable(self, request_id: str, num_computed_tokens: int) -> bool:
         """Whether the window moved past entries not yet dropped or kept."""
         k = min(len(self._req_to_blocks[request_id]),

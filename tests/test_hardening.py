@@ -861,6 +861,26 @@ def test_progress_past_the_allocated_pages_is_refused_and_changes_nothing() -> N
     check_manager(m)
 
 
+@pytest.mark.parametrize("hold", [False, True])
+def test_progress_moved_back_past_a_dropped_window_page_is_refused_and_changes_nothing(
+        hold: bool) -> None:
+    config = make_kv_cache_config([spec(6)], num_blocks=32)
+    m = KVCacheManager(config, CacheConfig(hold_window_pages=hold))
+    r = Request("r", [100 + i for i in range(30)])
+    assert m.allocate_slots(r, 24, m.get_computed_blocks(r)) is not None
+    r.num_computed_tokens = 24
+    assert m.allocate_slots(r, 1) is not None  # the window (6 tokens) passed blocks 0-3
+    assert m.block_table("r")[0][:4] == (0, 0, 0, 0)
+    r.num_computed_tokens = 4  # a query at token 4 sees tokens 0-4: block 0 is gone
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=r"moved back to 4 tokens.*\[0, 4\)"):
+        m.allocate_slots(r, 1)
+    assert snapshot(m) == before
+    r.num_computed_tokens = 22  # back within the window: its pages are still there
+    assert m.allocate_slots(r, 1) is not None
+    check_manager(m)
+
+
 @pytest.mark.parametrize("bad", [-1, 1 << 128, "x", 1.5])
 def test_a_hash_function_returning_no_block_hash_is_refused(bad: object) -> None:
     m = manager([None], 10, hash_fn=lambda parent, tokens: bad)  # type: ignore[arg-type, return-value]
