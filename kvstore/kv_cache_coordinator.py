@@ -84,7 +84,7 @@ class KVCacheCoordinator:
 
     __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_free_order",
                  "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "recurrent",
-                 "_recurrent_groups", "_windowed")
+                 "_recurrent_groups", "_resume_checked")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
                  hold_window_pages: bool = True, checkpoint_every: int = 0) -> None:
@@ -126,7 +126,8 @@ class KVCacheCoordinator:
         paged = [g for g in range(n) if not config.groups[g].is_recurrent]
         self._free_order = tuple(g for g in paged if g not in full) + tuple(full)
         self._recurrent_groups = tuple(g for g in range(n) if g not in paged)
-        self._windowed = tuple(m for m in self.managers if isinstance(m, SlidingWindowManager))
+        self._resume_checked = tuple(m for m in self.managers
+                                     if isinstance(m, (SlidingWindowManager, RecurrentManager)))
 
     @staticmethod
     def learns_branches(config: KVCacheConfig, hold_window_pages: bool) -> bool:
@@ -433,16 +434,15 @@ class KVCacheCoordinator:
                                      head=not num_verified)
 
     def check_resumable(self, request_id: str, num_computed_tokens: int) -> None:
-        """Raise ValueError when a window group let go of a page a query from
-        `num_computed_tokens` on needs (the request's progress moved back past its window)."""
-        for manager in self._windowed:
-            i = manager.lost_entry(request_id, num_computed_tokens)
-            if i is not None:
-                raise ValueError(
-                    f"request {request_id!r}: progress moved back to {num_computed_tokens} "
-                    f"tokens, but group {manager.group_id} let go of its page for tokens "
-                    f"[{i * self.block_size}, {(i + 1) * self.block_size}) when its window "
-                    "passed them")
+        """Raise ValueError when a group cannot go on from `num_computed_tokens` (the
+        request's progress moved back past a page a window let go of, or past its
+        recurrent state)."""
+        for manager in self._resume_checked:
+            error = manager.resume_error(request_id, num_computed_tokens)
+            if error is not None:
+                raise ValueError(f"request {request_id!r}: progress moved back to "
+                                 f"{num_computed_tokens} tokens, but in group "
+                                 f"{manager.group_id} {error}")
 
     def num_allocated_tokens(self, request_id: str) -> int:
         """The tokens a live request's pages cover (every paged group's table has one entry

@@ -127,6 +127,11 @@ class SingleTypeKVCacheManager:
         """Whether any table entry falls out of the window."""
         return False
 
+    def resume_error(self, request_id: str, num_computed_tokens: int) -> str | None:
+        """Why the request cannot go on from `num_computed_tokens` (its progress moved back
+        past what this group kept), or None."""
+        return None
+
     def num_blocks_to_allocate(self, request_id: str, num_computed_tokens: int, num_tokens: int,
                                hit_blocks: Sequence[KVCacheBlock] | None,
                                partial_src: KVCacheBlock | None) -> int:
@@ -561,15 +566,19 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return [i for i in range(k - 1, self._cursor[request_id] - 1, -1)
                 if table[i].block_id != 0 and not self._held(request_id, i)]
 
-    def lost_entry(self, request_id: str, num_computed_tokens: int) -> int | None:
-        """The first table entry a query from `num_computed_tokens` on needs that this
-        request let go of already (its progress moved back past the window), or None."""
+    def resume_error(self, request_id: str, num_computed_tokens: int) -> str | None:
+        """Why the request cannot go on from `num_computed_tokens` (a query from there needs
+        a page it let go of when its window passed: its progress moved back), or None."""
         cursor = self._cursor[request_id]
         k = self.spec.first_needed_block(num_computed_tokens)
         if k >= cursor:
             return None
         table = self._req_to_blocks[request_id]
-        return next((i for i in range(k, min(cursor, len(table))) if table[i].block_id == 0), None)
+        for i in range(k, min(cursor, len(table))):
+            if table[i].block_id == 0:
+                bs = self.block_size
+                return f"its page for tokens [{i * bs}, {(i + 1) * bs}) left the window"
+        return None
 
     def has_skippable(self, request_id: str, num_computed_tokens: int) -> bool:
         """Whether the window moved past entries not yet dropped or kept."""
@@ -918,7 +927,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
     a large page. The pool must be a TwoSizeBlockPool."""
 
     __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching", "_kinds",
-                 "hit_kinds", "_known", "_passed", "_refused", "two_size_pool")
+                 "hit_kinds", "_known", "_passed", "_refused", "two_size_pool", "_state_at")
 
     def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
                  copies: PendingCopies, cache_order: Sequence[int] = (),
@@ -948,6 +957,8 @@ class RecurrentManager(SingleTypeKVCacheManager):
         # Running requests refused a state kept for their output's end (see
         # `TwoSizeBlockPool.admit_checkpoint`).
         self._refused: set[str] = set()
+        # Per request: a computed count its working state has passed (it cannot go back).
+        self._state_at: dict[str, int] = {}
 
     @staticmethod
     def hit_search(managers: Sequence[SingleTypeKVCacheManager], request: Request,
@@ -1070,6 +1081,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._last_serial[rid] = parent_serial
         self._plan[rid] = self._positions(request, request.num_computed_tokens, 0)
         self._known[rid] = request.num_computed_tokens if checkpoint is not None else 0
+        self._state_at[rid] = request.num_computed_tokens
         self._passed[rid] = ([(checkpoint, checkpoint.serial, request.num_computed_tokens)]
                              if checkpoint is not None else [])
 
@@ -1077,6 +1089,14 @@ class RecurrentManager(SingleTypeKVCacheManager):
         """The request's working state was loaded from outside the pool (a tier's
         checkpoint) at its computed count: the last checkpoint it knows on its chain."""
         self._known[request.request_id] = request.num_computed_tokens
+        self._state_at[request.request_id] = request.num_computed_tokens
+
+    def resume_error(self, request_id: str, num_computed_tokens: int) -> str | None:
+        """See the base class: the working state cannot go back."""
+        at = self._state_at[request_id]
+        if num_computed_tokens < at:
+            return f"its recurrent state has passed {at} tokens"
+        return None
 
     def held_checkpoints(self, request: Request) -> tuple[tuple[int, int], ...]:
         """The large pages of a live request that hold a state of its prefix at a block
@@ -1122,6 +1142,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         count (after every group allocated, so it only takes a large page left free)."""
         rid = request.request_id
         nc = request.num_computed_tokens
+        self._state_at[rid] = nc
         due = self._due(rid, nc, request.num_prompt_tokens)
         if not due:
             return
@@ -1249,6 +1270,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._refused.discard(rid)
         del self._known[rid]
         del self._passed[rid]
+        del self._state_at[rid]
         return table, []
 
     def num_resident_blocks(self, request_id: str) -> int:
@@ -1267,6 +1289,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._plan[child_id] = list(self._plan[parent_id])
         self._known[child_id] = self._known[parent_id]
         self._passed[child_id] = []
+        self._state_at[child_id] = num_computed_tokens
 
     def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
         """Nothing: a recurrent group has no per-token entries (a tier's checkpoint is

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from invariants import check_manager, internals
+from invariants import check_manager, check_two_size_pool, internals
 
 from kvstore.block_pool import BlockPool
 from kvstore.hashing import hash_block, make_keyed_hash
@@ -879,6 +879,24 @@ def test_progress_moved_back_past_a_dropped_window_page_is_refused_and_changes_n
     r.num_computed_tokens = 22  # back within the window: its pages are still there
     assert m.allocate_slots(r, 1) is not None
     check_manager(m)
+
+
+def test_progress_moved_back_past_a_recurrent_state_is_refused_and_changes_nothing() -> None:
+    config = make_kv_cache_config([FullAttentionSpec(BS, 1, 8), RecurrentStateSpec(BS, ((4, 8),))],
+                                  num_blocks=64)
+    m = KVCacheManager(config)
+    r = Request("r", [100 + i for i in range(30)])
+    assert m.allocate_slots(r, 24, m.get_computed_blocks(r)) is not None
+    r.num_computed_tokens = 24
+    assert m.allocate_slots(r, 1) is not None  # the working state is past 24 tokens
+    r.num_computed_tokens = 20  # the attention pages would do; the state cannot go back
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="moved back to 20 tokens.*recurrent state has passed 24"):
+        m.allocate_slots(r, 1)
+    assert snapshot(m) == before
+    r.num_computed_tokens = 25
+    assert m.allocate_slots(r, 1) is not None
+    check_two_size_pool(internals(m).pool)
 
 
 @pytest.mark.parametrize("bad", [-1, 1 << 128, "x", 1.5])
