@@ -1,5 +1,4 @@
-"""Seeded, token-level request workloads for the prefix-cache benchmarks, and the
-infinite-cache bound on their prefix reuse (:func:`ideal_hit_tokens`)."""
+"""Seeded token-level workloads for the prefix-cache benchmarks, and their ideal reuse."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ SECONDS_PER_OUTPUT_TOKEN = 0.02  # a chat's next turn waits for the previous out
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
-    """One request: arrival in seconds, the exact prompt, the exact number of tokens it
-    decodes and, when scripted, those tokens (a later turn that quotes them hits on them)."""
+    """One request: arrival (s), prompt, tokens to decode and, when scripted, those tokens."""
 
     request_id: str
     arrival: float
@@ -57,18 +55,13 @@ def _int_table(vocab_size: int) -> np.ndarray:
 
 
 def tokens_to_tuple(tokens: np.ndarray, vocab_size: int | None = None) -> tuple[int, ...]:
-    """Token ids as a tuple of Python ints; with a (not huge) ``vocab_size``, equal ids
-    share one int object."""
+    """Token ids as a tuple of ints; with a ``vocab_size`` up to 2**18, equal ids share one."""
     arr = np.asarray(tokens, dtype=np.int64)
     if vocab_size is None or vocab_size > _INTERN_MAX_VOCAB:
         return tuple(arr.tolist())
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
         raise ValueError(f"token ids out of range for vocab_size={vocab_size}")
     return tuple(_int_table(vocab_size)[arr])
-
-
-def _rng(seed: int | np.random.Generator) -> np.random.Generator:
-    return seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
 
 
 def _random_tokens(rng: np.random.Generator, n: int, vocab_size: int) -> np.ndarray:
@@ -90,24 +83,22 @@ def _check_common(num: int, vocab_size: int, what: str) -> None:
 
 
 def arrival_times(seed: int | np.random.Generator, n: int, rate: float) -> np.ndarray:
-    """``n`` Poisson arrival times in seconds from 0, at ``rate`` per second (``math.inf``:
-    all at 0)."""
+    """``n`` Poisson arrival times (s) from 0 at ``rate`` per second (``math.inf``: all at 0)."""
     if not rate > 0:
         raise ValueError(f"rate must be > 0, got {rate}")
     if n <= 0 or math.isinf(rate):
         return np.zeros(max(n, 0), dtype=np.float64)
-    return np.concatenate(([0.0], np.cumsum(_rng(seed).exponential(1.0 / rate, size=n - 1))))
+    return np.concatenate(([0.0], np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, size=n - 1))))
 
 
 def heavy_tailed_lengths(seed: int | np.random.Generator, n: int, *, median: float = 128,
                          sigma: float = 1.2, low: int = 1, high: int = 2048) -> np.ndarray:
-    """``n`` integer lengths from a lognormal of the given median and log-sigma, clipped
-    to ``[low, high]``."""
+    """``n`` lengths from a lognormal of this median and log-sigma, clipped to ``[low, high]``."""
     if median <= 0 or sigma < 0:
         raise ValueError(f"need median > 0 and sigma >= 0, got {median}, {sigma}")
     if low < 0 or high < low:
         raise ValueError(f"need 0 <= low <= high, got {low}, {high}")
-    draws = _rng(seed).lognormal(mean=math.log(median), sigma=sigma, size=n)
+    draws = np.random.default_rng(seed).lognormal(mean=math.log(median), sigma=sigma, size=n)
     return np.clip(np.rint(draws), low, high).astype(np.int64)
 
 
@@ -119,8 +110,7 @@ def _prefixed(rng: np.random.Generator, name: str, id_prefix: str, prefixes: Seq
               which: np.ndarray, tail_len: tuple[int, int], what: str,
               outputs: tuple[float, float, int], rate: float, vocab_size: int, head: str,
               seed: int) -> Workload:
-    """Request i = prefixes[which[i]] + a random tail of a length uniform in `tail_len`;
-    tail lengths, tail tokens, output lengths and arrivals drawn from `rng` in that order."""
+    # Request i is prefixes[which[i]] + a random tail; draws: tail lengths, tails, outputs, arrivals.
     n = len(which)
     lens = _uniform_lengths(rng, n, tail_len, what)
     tails = np.split(_random_tokens(rng, lens.sum(), vocab_size), np.cumsum(lens)[:-1])
@@ -179,22 +169,20 @@ def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 
         nt = int(n_turns[c])
         ulens = _uniform_lengths(rng, nt, user_len, "user_len")
         outs = heavy_tailed_lengths(rng, nt, median=output_median, sigma=output_sigma, high=output_max)
-        user_toks = _random_tokens(rng, ulens.sum(), vocab_size)
-        out_toks = _random_tokens(rng, outs.sum(), vocab_size)
-        u_off = np.concatenate(([0], np.cumsum(ulens)))
-        o_off = np.concatenate(([0], np.cumsum(outs)))
+        users = np.split(_random_tokens(rng, ulens.sum(), vocab_size), np.cumsum(ulens)[:-1])
+        outputs = np.split(_random_tokens(rng, outs.sum(), vocab_size), np.cumsum(outs)[:-1])
         gaps = rng.exponential(think_time, size=nt) if think_time > 0 else np.zeros(nt)
         pieces: list[np.ndarray] = [system]
         t = float(starts[c])
         for k in range(nt):
             if k > 0:
-                pieces.append(out_toks[o_off[k - 1] : o_off[k]])
+                pieces.append(outputs[k - 1])
                 # Strictly after the previous turn, even with zero think time.
                 t += max(outs[k - 1] * SECONDS_PER_OUTPUT_TOKEN + gaps[k], 1e-3)
-            pieces.append(user_toks[u_off[k] : u_off[k + 1]])
-            output = tokens_to_tuple(out_toks[o_off[k] : o_off[k + 1]], vocab_size)
+            pieces.append(users[k])
             requests.append(RequestSpec(f"chat-c{c:04d}-t{k:02d}", t, tokens_to_tuple(
-                np.concatenate(pieces), vocab_size), int(outs[k]), output_token_ids=output))
+                np.concatenate(pieces), vocab_size), int(outs[k]),
+                output_token_ids=tokens_to_tuple(outputs[k], vocab_size)))
     requests.sort(key=lambda r: r.arrival)
     return Workload("multi_turn_chat", requests, (
         f"{num_conversations} conversations of {turns} turns; each turn = previous prompt + "
@@ -240,8 +228,7 @@ def mixed_default(seed: int = 0, num_requests: int = 300, *, rate: float = 10.0,
                   vocab_size: int = DEFAULT_VOCAB_SIZE) -> Workload:
     """About 1/3 shared-system-prompt requests, 27% four-turn chats, 20% few-shot and 20%
     unique prompts, interleaved over ``num_requests / rate`` seconds."""
-    if num_requests < 0:
-        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    _check_common(num_requests, vocab_size, "num_requests")
     turns = 4
     n_conv = round(num_requests * 0.27) // turns
     n_sys = min(round(num_requests / 3), num_requests - n_conv * turns)
@@ -274,8 +261,7 @@ def make_workload(name: str, seed: int = 0, **kw: object) -> Workload:
 
 
 class IdealHits(NamedTuple):
-    """Infinite-cache prefix reuse: total hit tokens, hit tokens per request (in the given
-    order) and total prompt tokens."""
+    """Infinite-cache prefix reuse: total hit tokens, per request (as given), prompt tokens."""
 
     total: int
     per_request: list[int]
@@ -289,10 +275,9 @@ class IdealHits(NamedTuple):
 
 def ideal_hit_tokens(requests: Sequence[RequestSpec], block_size: int | None = None, *,
                      include_outputs: bool = False) -> IdealHits:
-    """Prefix-cache hits with an infinite cache: in arrival order, each request's longest
-    common prefix with an earlier one of its ``cache_salt`` (with ``include_outputs``:
-    an earlier prompt followed by its scripted outputs), at most its prompt less one
-    token, rounded down to whole blocks with ``block_size``."""
+    """Hits with an infinite cache: each request's longest common prefix with an earlier one
+    of its ``cache_salt`` (``include_outputs``: with its scripted outputs), at most its prompt
+    less one token, in whole blocks with ``block_size``."""
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     per = [0] * len(requests)
