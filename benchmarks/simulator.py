@@ -22,9 +22,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TierOptions:
-    """Tiers below the device pool for a replay, holding placeholder values: a host tier of
-    ``host_bytes`` and a store (``mem``: in-process and unbounded, ``mem:SIZE``: bounded,
-    or a ``valkey://`` URL)."""
+    """Tiers below the pool for a replay (placeholder values): a host tier of ``host_bytes``
+    and a store (``mem``: in-process, ``mem:SIZE``: bounded, or a ``valkey://`` URL)."""
 
     host_bytes: int | None = None
     store: str | None = None
@@ -56,8 +55,7 @@ def parse_mem_store(text: str) -> int | None | bool:
 
 
 def open_store(spec: str) -> Tier:
-    """The store a replay writes to: a ``ModelTier`` for ``mem[:SIZE]``, else a synchronous
-    ``ValkeyStore`` on the URL (ValueError for a bad one)."""
+    """A ``ModelTier`` for ``mem[:SIZE]``, else a synchronous ``ValkeyStore`` (ValueError: bad URL)."""
     from kvstore.benchmarks.tier_model import ModelTier
     from kvstore.tiers.valkey_store import ValkeyStore
 
@@ -84,8 +82,7 @@ def check_store(spec: str, error: Callable[[str], NoReturn]) -> None:
 
 @dataclass(frozen=True)
 class StepTime:
-    """A step that computes ``n`` tokens takes ``a + b * n`` seconds (default: an 8B model
-    on one H100-class GPU)."""
+    """A step computing ``n`` tokens takes ``a + b * n`` s (default: an 8B model on an H100)."""
 
     a: float = 0.005
     b: float = 40e-6
@@ -100,8 +97,7 @@ DEFAULT_STEP_TIME = StepTime()
 
 @dataclass
 class SimResult:
-    """Figures of one replay; ``computed_tokens + hit_tokens == expected_tokens +
-    discarded_tokens`` holds for every replay."""
+    """Figures of one replay, where computed + hit tokens == expected + discarded tokens."""
 
     num_requests: int
     prompt_tokens: int
@@ -225,10 +221,9 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
              scheduler_config: SchedulerConfig | None = None, step_time: float = 0.02,
              on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
              tiers: TierOptions | None = None, **cache_options: Any) -> SimResult:
-    """Replay requests in arrival order on a virtual clock of `step_time` seconds a step until
-    all have finished; `cache_options` are ``CacheConfig`` fields, `on_step` sees each step
-    once scheduled, `tiers` adds tiers below the pool. ValueError when a request can never
-    fit the pool, RuntimeError if pages leak."""
+    """Replay requests in arrival order, `step_time` seconds a step, until all have finished
+    (`cache_options`: ``CacheConfig`` fields; `on_step`: sees each scheduled step; `tiers`:
+    below the pool). ValueError when a request can never fit, RuntimeError if pages leak."""
     from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
 
     specs = workload.requests if isinstance(workload, Workload) else workload
@@ -260,24 +255,22 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
             running_steps += len(scheduler.running)
             if connector is not None:  # the worker's part: offloads, then loads
                 connector.take_transfers().run(None)
-            for item in output.scheduled:
-                rid = item.request.request_id
-                tier_hit = (connector.admitted_tokens.pop(rid, None)
-                            if connector is not None else None)
-                if rid not in first_hit:  # admitted this step: progress is the hit length
-                    first_hit[rid] = item.request.num_computed_tokens
-                    if tier_hit is not None:
-                        first_tiers[rid] = tier_hit
-            if on_step is not None:
-                on_step(scheduler, output)
             sampled = {}
             for item in output.scheduled:
+                r = item.request
+                rid = r.request_id
+                tier_hit = connector.admitted_tokens.pop(rid, None) if connector is not None else None
+                if rid not in first_hit:  # admitted this step: progress is the hit length
+                    first_hit[rid] = r.num_computed_tokens
+                    if tier_hit is not None:
+                        first_tiers[rid] = tier_hit
                 if item.samples:
-                    r = item.request
-                    script = scripted.get(r.request_id)
+                    script = scripted.get(rid)
                     pos = r.num_output_tokens
-                    sampled[r.request_id] = [script[pos] if script and pos < len(script)
-                                             else fake_token(r.request_id, r.num_tokens)]
+                    sampled[rid] = [script[pos] if script and pos < len(script)
+                                    else fake_token(rid, r.num_tokens)]
+            if on_step is not None:
+                on_step(scheduler, output)
             in_use = manager.num_usable_blocks - manager.num_free_blocks
             usage_sum += in_use / manager.num_usable_blocks
             for g, n in enumerate(manager.cached_blocks_by_group()):
