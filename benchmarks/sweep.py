@@ -1,5 +1,5 @@
-"""The sweep behind ``kvstore bench``: one workload replayed through the real scheduler and
-cache manager under several cache policies, at KV byte budgets for a model shape."""
+"""The sweep behind ``kvstore bench``: one workload replayed under several cache policies at
+KV byte budgets for a model shape."""
 
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ from kvstore.utils import cdiv
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The KV-relevant shape of a model. Its hybrid layout is ``sliding_per_full`` layers of
-    ``sliding_window`` tokens, then one full-attention layer, repeated (0: all full); with
-    ``kv_lora_rank`` the layers are multi-head latent attention (``MLASpec``)."""
+    """The KV-relevant shape of a model: its hybrid layout repeats ``sliding_per_full`` sliding
+    layers (0: none) then one full layer; ``kv_lora_rank`` makes the layers MLA (``MLASpec``)."""
 
     name: str
     num_layers: int
@@ -83,21 +82,17 @@ class ModelShape:
                 f"{format_bytes(self.bytes_per_token)}/token all-full; {hybrid}")
 
 
-MODEL_SHAPES: dict[str, ModelShape] = {
-    s.name: s
-    for s in (
-        ModelShape("llama-3-8b", 32, 8, 128),  # also Mistral 7B
-        ModelShape("llama-3-70b", 80, 8, 128),
-        ModelShape("qwen2.5-7b", 28, 4, 128),
-        ModelShape("gemma-3-12b", 48, 8, 256),  # its native layout is the hybrid one
-        ModelShape("gemma-3-4b", 34, 4, 256),
-        # DeepSeek-V3 / Kimi K2: a latent of 512 + 64 per token; beside it the same layers
-        # with grouped K/V, as a GQA model of its size would cache.
-        ModelShape("deepseek-v3", 61, 1, 288, sliding_per_full=0, kv_lora_rank=512, rope_dim=64),
-        ModelShape("deepseek-v3-gqa", 61, 8, 128, sliding_per_full=0),
-        ModelShape("tiny", 6, 1, 8, dtype="float16", sliding_window=64),  # tests and demos
-    )
-}
+MODEL_SHAPES: dict[str, ModelShape] = {s.name: s for s in (
+    ModelShape("llama-3-8b", 32, 8, 128),  # also Mistral 7B
+    ModelShape("llama-3-70b", 80, 8, 128),
+    ModelShape("qwen2.5-7b", 28, 4, 128),
+    ModelShape("gemma-3-12b", 48, 8, 256),  # its native layout is the hybrid one
+    ModelShape("gemma-3-4b", 34, 4, 256),
+    # DeepSeek-V3 / Kimi K2 (a latent of 512 + 64 per token), and as a GQA model would cache.
+    ModelShape("deepseek-v3", 61, 1, 288, sliding_per_full=0, kv_lora_rank=512, rope_dim=64),
+    ModelShape("deepseek-v3-gqa", 61, 8, 128, sliding_per_full=0),
+    ModelShape("tiny", 6, 1, 8, dtype="float16", sliding_window=64),  # tests and demos
+)}
 
 
 @dataclass(frozen=True)
@@ -120,19 +115,15 @@ class Policy:
         return self.base or self.name
 
 
-POLICIES: dict[str, Policy] = {
-    p.name: p
-    for p in (
-        Policy("naive", "naive reservation (prompt + max output, no caching)", enable_caching=False,
-               reserve_full_output=True),
-        Policy("paged", "paged, no prefix caching", enable_caching=False),
-        Policy("prefix", "paged + full-block prefix caching"),
-        Policy("partial", "paged + prefix caching with partial hits (CoW)",
-               enable_partial_hits=True),
-        Policy("hybrid", "hybrid 5 sliding : 1 full, prefix caching + partial hits",
-               layout="hybrid", enable_partial_hits=True),
-    )
-}
+POLICIES: dict[str, Policy] = {p.name: p for p in (
+    Policy("naive", "naive reservation (prompt + max output, no caching)", enable_caching=False,
+           reserve_full_output=True),
+    Policy("paged", "paged, no prefix caching", enable_caching=False),
+    Policy("prefix", "paged + full-block prefix caching"),
+    Policy("partial", "paged + prefix caching with partial hits (CoW)", enable_partial_hits=True),
+    Policy("hybrid", "hybrid 5 sliding : 1 full, prefix caching + partial hits",
+           layout="hybrid", enable_partial_hits=True),
+)}
 DEFAULT_POLICIES: tuple[str, ...] = tuple(POLICIES)
 TIERED_SUFFIX = "+tiers"
 
@@ -160,8 +151,7 @@ def policy_named(name: str) -> Policy:
 
 
 def with_evictions(policies: Sequence[str], evictions: Sequence[str]) -> list[str]:
-    """The caching policies once per eviction policy (``BASE@EVICTION``; LRU keeps the bare
-    name), uncached ones once."""
+    """Caching policies once per eviction policy (``BASE@EVICTION``, LRU: BASE), others once."""
     return list(dict.fromkeys(
         p if e == "lru" or not POLICIES[p].enable_caching else policy_named(f"{p}@{e}").name
         for p in policies for e in evictions))
@@ -171,9 +161,7 @@ def with_tiers(policies: Sequence[str]) -> list[str]:
     """Each caching policy followed by itself with tiers (``NAME+tiers``)."""
     out: list[str] = []
     for p in policies:
-        out.append(p)
-        if policy_named(p).enable_caching:
-            out.append(policy_named(p + TIERED_SUFFIX).name)
+        out += [p, policy_named(p + TIERED_SUFFIX).name] if policy_named(p).enable_caching else [p]
     return out
 
 
@@ -213,8 +201,7 @@ def parse_pool_sizes(text: str | Sequence[str], block_bytes: int) -> list[int]:
 
 
 def format_bytes(n: float) -> str:
-    """Bytes in binary units, three significant digits and never an exponent (at most 8
-    characters: ``39.2 GiB``, ``1023 MiB``)."""
+    """Bytes in binary units, three significant digits, no exponent: ``39.2 GiB``, ``1023 MiB``."""
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= scale:
             v = n / scale
@@ -229,10 +216,8 @@ def request_blocks(workload: Workload, block_size: int) -> list[int]:
 
 
 def typical_tokens(workload: Workload) -> int:
-    """The mean length a request reaches (prompt + max output), which a hybrid layout's
-    groups are packed for."""
-    lengths = [len(r.prompt_token_ids) + r.max_tokens for r in workload.requests
-               if r.max_tokens >= 1]
+    """The mean length a request reaches, which a hybrid layout's groups are packed for."""
+    lengths = request_blocks(workload, 1)  # blocks of one token: the lengths
     return max(1, round(sum(lengths) / len(lengths))) if lengths else 1
 
 
@@ -263,9 +248,8 @@ def default_budgets(workload: Workload, shape: ModelShape, block_size: int,
 
 @dataclass
 class SweepRow:
-    """One replay: a policy at one budget (``budget_bytes`` None: the unbounded reference).
-    ``metrics`` is None when the pool cannot hold some request (the reason in ``error``);
-    the fields after it are filled in by :func:`run_sweep`."""
+    """A policy at one budget (None: unbounded); no ``metrics`` when the pool cannot hold some
+    request (the reason in ``error``); :func:`run_sweep` fills in the fields after them."""
 
     policy: str
     layout: str
@@ -290,11 +274,8 @@ class SweepRow:
     def as_dict(self) -> dict[str, Any]:
         """The flat row of the JSON and CSV files: the pool, the metrics, then the labels
         and ratios (absent where they do not apply)."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            if f.name == "metrics":
-                break
-            out[f.name] = getattr(self, f.name)
+        names = [f.name for f in fields(self)]
+        out = {n: getattr(self, n) for n in names[:names.index("metrics")]}
         if self.metrics is not None:
             out.update(self.metrics.summary())
             out["model_time_s"] = self.model_time_s
@@ -363,8 +344,8 @@ class SweepResult:
 def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size: int,
               budget: int | None, sched: SchedulerConfig | None = None,
               index: int = 0, tiers: TierOptions | None = None) -> SweepRow:
-    """One policy at one budget (None: a pool that never evicts); not ``feasible`` when the
-    pool holds fewer than 2 blocks or some request can never fit it."""
+    """One policy at one budget (None: a pool that never evicts); not ``feasible`` when the pool
+    holds fewer than 2 blocks or some request can never fit it."""
     if policy.tiered and not tiers:
         raise ValueError(f"policy {policy.name} needs tiers (TierOptions)")
     sched = replace(sched or SchedulerConfig(), reserve_full_output=policy.reserve_full_output)
@@ -375,10 +356,9 @@ def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size:
     typical = typical_tokens(workload) if hybrid else None
     layout = make_kv_cache_config(specs, num_blocks=2, typical_tokens=typical)  # its size is unused
     bpb = layout.bytes_per_block
-    if budget is None:  # room for every page any request ever holds, in every group, at once
-        num_blocks = sum(request_blocks(workload, block_size)) * len(layout.groups) + 1
-    else:
-        num_blocks = budget // bpb
+    # Unbounded: room for every page any request ever holds, in every group, at once.
+    num_blocks = (budget // bpb if budget is not None
+                  else sum(request_blocks(workload, block_size)) * len(layout.groups) + 1)
     row = SweepRow(policy.name, policy.layout, index, budget, budget is None, num_blocks,
                    len(layout.groups), layout.num_slots, layout.num_padding_layers,
                    layout.num_kept_whole_layers, bpb)
@@ -440,8 +420,8 @@ def _run_task(task: Task) -> SweepRow:
 
 def _run_parallel(tasks: Sequence[Task], jobs: int, context: dict[str, Any],
                   on_row: Callable[[SweepRow], None]) -> None:
-    """Run `tasks` on `jobs` processes that ignore Ctrl-C; on any exception (Ctrl-C
-    included) terminate them at once and re-raise."""
+    """Run `tasks` on `jobs` processes that ignore Ctrl-C; on any exception, Ctrl-C included,
+    terminate them at once and re-raise."""
     with sigint_ignored():  # the workers start with SIGINT ignored, before their initializer
         pool = multiprocessing.get_context().Pool(jobs, initializer=_init_worker,
                                                   initargs=(context, True))
@@ -531,8 +511,7 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
 
 
 def _score(meta: SweepMeta, rows: list[SweepRow], wall: float) -> SweepResult:
-    """The result from the rows that finished: sorted, labelled, scored against the
-    unbounded replays and the ideal."""
+    """The finished rows sorted, labelled and scored against the unbounded replays and ideal."""
     order = {p: i for i, p in enumerate(meta.policies)}
     rows = sorted(rows, key=lambda r: (r.point, order[r.policy]))
     unbounded = {r.policy: r for r in rows if r.unbounded}
