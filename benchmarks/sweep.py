@@ -129,8 +129,7 @@ TIERED_SUFFIX = "+tiers"
 
 
 def policy_named(name: str) -> Policy:
-    """A policy by name; ``BASE@EVICTION`` is BASE with that eviction policy, ``NAME+tiers``
-    a caching policy with the sweep's tiers (both registered in POLICIES on first use)."""
+    """A policy by name; ``BASE@EVICTION`` and ``NAME+tiers`` are registered on first use."""
     from kvstore.eviction import EVICTION_POLICIES
 
     if name in POLICIES:
@@ -184,8 +183,7 @@ def parse_size(text: str) -> int:
 
 
 def parse_pool_sizes(text: str | Sequence[str], block_bytes: int) -> list[int]:
-    """Byte budgets, largest first, from a comma list: sizes with a unit are bytes, bare
-    integers are block counts of the all-full layout (``block_bytes`` each)."""
+    """Byte budgets, largest first, from a comma list of sizes and all-full block counts."""
     out = []
     for item in (i.strip() for i in (text.split(",") if isinstance(text, str) else text)):
         if item.isdigit():
@@ -233,8 +231,7 @@ def hybrid_layout_line(workload: Workload, shape: ModelShape, block_size: int) -
 
 def default_budgets(workload: Workload, shape: ModelShape, block_size: int,
                     num_points: int = 10) -> list[int]:
-    """Geometric budgets, largest first: from every request held at once down to the
-    largest request alone (plus the null block)."""
+    """Geometric budgets from every request held at once down to the largest alone (+ null)."""
     need = request_blocks(workload, block_size)
     if not need:
         raise ValueError("empty workload")
@@ -272,8 +269,7 @@ class SweepRow:
     model_time_s: float | None = None  # the steps under the sweep's StepTime
 
     def as_dict(self) -> dict[str, Any]:
-        """The flat row of the JSON and CSV files: the pool, the metrics, then the labels
-        and ratios (absent where they do not apply)."""
+        """The flat JSON and CSV row: the pool, the metrics, then labels and ratios that apply."""
         names = [f.name for f in fields(self)]
         out = {n: getattr(self, n) for n in names[:names.index("metrics")]}
         if self.metrics is not None:
@@ -420,8 +416,7 @@ def _run_task(task: Task) -> SweepRow:
 
 def _run_parallel(tasks: Sequence[Task], jobs: int, context: dict[str, Any],
                   on_row: Callable[[SweepRow], None]) -> None:
-    """Run `tasks` on `jobs` processes that ignore Ctrl-C; on any exception, Ctrl-C included,
-    terminate them at once and re-raise."""
+    """Run `tasks` on `jobs` processes that ignore Ctrl-C; on any exception, terminate them."""
     with sigint_ignored():  # the workers start with SIGINT ignored, before their initializer
         pool = multiprocessing.get_context().Pool(jobs, initializer=_init_worker,
                                                   initargs=(context, True))
