@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -343,7 +344,7 @@ def write_results(result: SweepResult, out: Path, run: RunInfo | None = None,
     `figures`, the figures."""
     doc = result.as_dict()
     if run is not None:
-        doc["run"] = run.as_dict()
+        doc["run"] = asdict(run)
     output.write_json(out / "sweep.json", doc)
     output.write_csv(out / "sweep.csv", [r.as_dict() for r in [*result.rows, *result.unbounded.values()]])
     group = _group_table(result)

@@ -1,5 +1,4 @@
-"""Benchmark results: CSV, JSON, headless figures, the record of the run that made them, the
-folder each run writes into, and the argparse types the benchmarks share."""
+"""Benchmark results (CSV, JSON, headless figures, run record, run folder) and shared argparse types."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import shlex
 import sys
 import textwrap
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -33,10 +32,6 @@ class RunInfo:
 
         return cls(__version__, datetime.now().astimezone().isoformat(timespec="seconds"),
                    shlex.join(sys.argv), dict(arguments), seed)
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-friendly form."""
-        return asdict(self)
 
 
 def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -75,8 +70,7 @@ def pyplot() -> Any:
 
 
 def mark_x(ax: Any, xs: Sequence[float], label: Callable[[float], str], max_labels: int = 12) -> None:
-    """A log x axis with a tick at each of `xs`, labelled by `label`: every one, or every
-    n-th where there are more than `max_labels` (so that labels never overlap)."""
+    """A log x axis with a tick at each of `xs`, at most `max_labels` of them labelled by `label`."""
     ticks = sorted(set(xs))
     step = -(-len(ticks) // max_labels)
     ax.set_xscale("log")
@@ -94,26 +88,24 @@ def short_count(n: float) -> str:
 
 
 def run_folder(out: Path, in_place: bool = False) -> Path:
-    """The folder a run writes into, created: a fresh ``out/YYYYMMDD-HHMMSS`` subfolder
-    (``-2``, ``-3``... when taken), or with `in_place` `out` itself."""
+    """The folder a run writes into, created: `out` itself with `in_place`, else a fresh
+    ``out/YYYYMMDD-HHMMSS`` (``-2``, ``-3``... when taken)."""
+    out.mkdir(parents=True, exist_ok=True)
     if in_place:
-        out.mkdir(parents=True, exist_ok=True)
         return out
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
     for k in range(1, 1000):
         path = out / (stamp if k == 1 else f"{stamp}-{k}")
         try:
             path.mkdir()
+            return path
         except FileExistsError:
-            continue
-        return path
+            pass
     raise FileExistsError(f"no free run folder name under {out} for {stamp}")
 
 
 def out_folder(text: str) -> Path:
-    """argparse type: an output folder, not a file nor under one (whether it can be created is
-    checked when the run starts: `check_folder`)."""
+    """argparse type: an output folder, not a file nor under one (see also `check_folder`)."""
     path = Path(text).expanduser()
     found = next((p for p in (path, *path.parents) if p.exists()), path)
     if found.exists() and not found.is_dir():
@@ -132,9 +124,8 @@ def out_file(text: str) -> Path:
 
 
 def check_folder(path: Path, error: Callable[[str], NoReturn], flag: str = "--out") -> None:
-    """Before a run's work: a usage error (`error`, the parser's) naming `flag` unless the
-    output folder `path` can be created. Tried by creating it; the folders that were new are
-    removed again (the run creates them when it writes)."""
+    """Before a run's work: a usage error (`error`) naming `flag` unless the folder `path` can
+    be created (it is, then the new folders are removed again)."""
     new = [p for p in (path, *path.parents) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -179,9 +170,8 @@ non_negative_int = int_at_least(0)  # argparse type: an int >= 0
 
 def text_table(head: Sequence[str], rows: Iterable[Sequence[Any]], left: Container[int] = (0,),
                width: int = 80) -> str:
-    """`rows` under `head` as aligned plain text, a space between columns: the columns at the
-    indices in `left` left-aligned, the others right-aligned. A first cell too long to keep
-    the lines within `width` gets a line of its own."""
+    """`rows` under `head` as aligned plain text: the columns in `left` left-aligned, the others
+    right-aligned; a first cell too long for `width` gets a line of its own."""
     cells = [[str(c) for c in head], *([str(c) for c in r] for r in rows)]
     widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
     widths[0] = max(len(head[0]), min(widths[0], width - sum(widths[1:]) - len(widths) + 1))
