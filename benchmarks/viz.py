@@ -15,7 +15,6 @@ from kvstore.benchmarks.output import (
     check_folder,
     int_at_least,
     out_file,
-    positive_int,
     pyplot,
     save_figure,
     wrap,
@@ -32,8 +31,7 @@ LEGEND = ("A-Z in use by one request | * shared | + copy destination (CoW) | = p
 
 @dataclass
 class PoolSnapshot:
-    """The pool after one step was scheduled: the cell code of each block id 1..N-1, the
-    requests running and waiting (by letter), and what happened."""
+    """The pool after one step: each block's cell code (ids 1..N-1), who runs and waits, what happened."""
 
     step: int
     cells: list[str]
@@ -85,12 +83,9 @@ class PoolRecorder:
             if len(who) == 1 and not block.is_cached:
                 self._writer[block.block_id] = next(iter(who))  # fresh page: its owner writes it
             cells.append(self._cell(block, who, block.block_id in copy_dst))
-        events = []
-        for item in output.scheduled:
-            r = item.request
-            if r.request_id not in self._seen:
-                self._seen.add(r.request_id)
-                events.append(f"{self._letter(r.request_id)} admitted, hit {r.num_computed_tokens}")
+        new = [i.request for i in output.scheduled if i.request.request_id not in self._seen]
+        self._seen.update(r.request_id for r in new)
+        events = [f"{self._letter(r.request_id)} admitted, hit {r.num_computed_tokens}" for r in new]
         running = {self._letter(r.request_id) for r in scheduler.running}
         preempted = {self._letter(p.request_id) for p in output.preempted}
         events += [f"{self._letter(p.request_id)} preempted" for p in output.preempted]
@@ -175,12 +170,10 @@ def add_viz_parser(subparsers: Any) -> None:
         "viz", help="draw the block pool's layout step by step (ASCII and PNG)",
         description="Replay a small built-in scenario through the real scheduler and cache "
                     "and draw the pool after every step.")
-    p.add_argument("--num-blocks", type=int_at_least(2), default=13,
-                   help="pool size incl. the null block (default: 13)")
-    p.add_argument("--block-size", type=positive_int, default=4,
-                   help="tokens per block (default: 4)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8,
-                   help="tokens scheduled per step (default: 8)")
+    for flag, low, default, what in (("--num-blocks", 2, 13, "pool size incl. the null block"),
+                                     ("--block-size", 1, 4, "tokens per block"),
+                                     ("--max-num-batched-tokens", 1, 8, "tokens scheduled per step")):
+        p.add_argument(flag, type=int_at_least(low), default=default, help=f"{what} (default: {default})")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-partial-hits", action="store_true")
     p.add_argument("--out", type=_png_path, default=Path("results/viz/pool_layout.png"),
@@ -190,11 +183,9 @@ def add_viz_parser(subparsers: Any) -> None:
 
 
 def _png_path(text: str) -> Path:
-    """argparse type: an output file, ``.png`` appended unless it ends so (as matplotlib
-    would save it)."""
-    if Path(text).expanduser().is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
-    return out_file(text if text.lower().endswith(".png") else text + ".png")
+    """argparse type: an output file, ``.png`` appended unless it ends so (as matplotlib saves it)."""
+    path = out_file(text)
+    return path if text.lower().endswith(".png") else out_file(text + ".png")
 
 
 def run_viz_command(args: argparse.Namespace) -> int:
@@ -214,7 +205,6 @@ def run_viz_command(args: argparse.Namespace) -> int:
     for s in recorder.snapshots:
         row = (f"{s.step:>4}  {''.join(f'[{c}]' for c in s.cells)}  {''.join(s.running) or '-':>7} / "
                f"{''.join(s.waiting) or '-':<7} ")
-        # Events wrap under their column (the map itself is as wide as the pool).
         events = textwrap.wrap("; ".join(s.events), max(80 - len(row), 10)) or [""]
         print((row + events[0]).rstrip())
         for line in events[1:]:
