@@ -11,14 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.benchmarks.output import (
-    check_folder,
-    int_at_least,
-    out_file,
-    pyplot,
-    save_figure,
-    wrap,
-)
+from kvstore.benchmarks.output import check_folder, int_at_least, out_file, pyplot, save_figure, wrap
 from kvstore.benchmarks.simulator import SimResult, simulate
 from kvstore.benchmarks.workloads import RequestSpec
 from kvstore.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
