@@ -29,8 +29,7 @@ from kvstore.engine.scheduler import SchedulerConfig
 from kvstore.eviction import EVICTION_POLICIES
 from kvstore.specs import DTYPE_ITEMSIZE, dtype_name
 
-# CLI name -> trace_file key.
-TRACE_WORKLOADS: dict[str, str] = {
+TRACE_WORKLOADS: dict[str, str] = {  # CLI name -> trace_file key
     "mooncake-synthetic": "mooncake_synthetic",
     "mooncake-conversation": "mooncake_conversation",
     "azure-code": "azure_code",
@@ -46,8 +45,7 @@ EXIT_NOTHING_FITS = 1
 
 def load_bench_workload(name: str, trace: str | Path | None = None, limit: int | None = None,
                         seed: int = 0) -> Workload:
-    """A built-in workload (its first `limit` requests) or a trace's first `limit` rows
-    (default ``DEFAULT_TRACE_LIMIT``); FileNotFoundError when a trace file is missing."""
+    """A built-in workload or a trace (FileNotFoundError if missing), its first `limit` requests."""
     if name in TRACE_WORKLOADS:
         path = Path(trace) if trace else traces.locate_trace(TRACE_WORKLOADS[name])
         n = limit if limit is not None else DEFAULT_TRACE_LIMIT
@@ -60,9 +58,6 @@ def load_bench_workload(name: str, trace: str | Path | None = None, limit: int |
     if limit is not None and limit < len(w.requests):
         w = Workload(w.name, w.requests[:limit], f"{w.description}; first {limit} requests")
     return w
-
-
-# ------------------------------------------------------------------------------ tables
 
 
 def _pct(x: float | None) -> str:
@@ -131,17 +126,13 @@ def _cells(r: SweepRow, wide: bool) -> list[str]:
     def share(n: int, shown: bool) -> str:
         return _pct(n / m.prompt_tokens if m.prompt_tokens else 0.0) if shown else "-"
 
-    return [budget, r.policy, str(r.num_blocks),
-            _pct(m.prompt_hit_rate) if caching else "-",
+    return [budget, r.policy, str(r.num_blocks), _pct(m.prompt_hit_rate if caching else None),
             share(m.prompt_device_hit_tokens, caching), share(m.prompt_host_hit_tokens, policy.tiered),
-            share(m.prompt_store_hit_tokens, policy.tiered),
-            _pct(m.total_hit_rate) if caching else "-",
-            _pct(r.vs_unbounded), _pct(r.vs_ideal),
-            _count(m.partial_hit_tokens) if caching else "-",
+            share(m.prompt_store_hit_tokens, policy.tiered), _pct(m.total_hit_rate if caching else None),
+            _pct(r.vs_unbounded), _pct(r.vs_ideal), _count(m.partial_hit_tokens) if caching else "-",
             _count(m.evictions), str(m.preemptions), _count(m.recomputed_tokens),
             _count(m.computed_tokens), str(m.steps), f"{m.mean_running:.1f}",
-            _seconds(r.model_time_s), format_bytes(m.peak_kv_bytes),
-            format_bytes(m.mean_idle_bytes)]
+            _seconds(r.model_time_s), format_bytes(m.peak_kv_bytes), format_bytes(m.mean_idle_bytes)]
 
 
 def _table(result: SweepResult, wide: bool, drop: Sequence[str] = ()) -> Any:
@@ -187,9 +178,8 @@ def _render(table: Any, width: int) -> str:
 
 
 def print_table(result: SweepResult, console: Any, wide: bool = False) -> list[str]:
-    """The sweep as a rich table (a row per budget and policy) and the per-group table.
-    Narrow (the default): the columns that fit ``TABLE_WIDTH`` and a legend, or one line
-    when even the fewest do not fit; returns the columns left out."""
+    """Print the sweep's table (narrow: what fits ``TABLE_WIDTH``, and a legend) and the
+    per-group table; returns the columns left out."""
     drop: list[str] = []
     while True:
         table = _table(result, wide, drop)
@@ -215,9 +205,8 @@ def print_table(result: SweepResult, console: Any, wide: bool = False) -> list[s
 
 
 def _group_table(result: SweepResult) -> Any:
-    """Per budget and hybrid policy, what its full-attention and sliding-window groups kept
-    (cached pages, mean over steps) and evicted, next to the all-full partial replay; None
-    without sliding-window groups."""
+    """What each group kept and evicted, per budget and policy with sliding-window groups
+    (and the all-full partial replay); None without such groups."""
     from rich import box
     from rich.table import Table
 
@@ -256,9 +245,6 @@ def _markdown(table: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ----------------------------------------------------------------------------- figures
-
-
 _STYLE = {
     "naive": ("tab:red", "s"), "paged": ("tab:gray", "o"), "prefix": ("tab:blue", "^"),
     "partial": ("tab:green", "v"), "hybrid": ("tab:purple", "D"),
@@ -268,8 +254,7 @@ Panel = tuple[str, str, Sequence[str], float, bool]
 
 
 def _plot_panels(axes: Sequence[Any], rows: Sequence[dict[str, Any]], panels: Sequence[Panel]) -> None:
-    """Each panel's metric against the budget (log x, largest budget left), a line per policy
-    (a tiered one dashed, in its base policy's colour)."""
+    """Each panel's metric against the budget (log x, largest left), a line per policy."""
     for ax, (key, title, policies, scale, log) in zip(axes, panels, strict=True):
         shown = [d for d in rows if not log or (d[key] or 0) > 0]
         for p in policies:
@@ -337,25 +322,17 @@ def write_figures(result: SweepResult, out: Path) -> list[Path]:
     return [out / f"{name}.png" for name in figures]
 
 
-def write_results(result: SweepResult, out: Path, run: RunInfo | None = None,
-                  figures: bool = True) -> list[Path]:
-    """``sweep.json`` (with `run`), ``sweep.csv`` (the rows, then the unbounded replays),
-    ``tables.md`` (the wide and per-group tables), ``table.txt`` (the wide table) and, with
-    `figures`, the figures."""
-    doc = result.as_dict()
-    if run is not None:
-        doc["run"] = asdict(run)
-    output.write_json(out / "sweep.json", doc)
+def write_results(result: SweepResult, out: Path, run: RunInfo, figures: bool = True) -> list[Path]:
+    """``sweep.json``, ``sweep.csv``, ``tables.md`` (wide and per-group), ``table.txt`` (wide)
+    and, with `figures`, the figures."""
+    output.write_json(out / "sweep.json", {**result.as_dict(), "run": asdict(run)})
     output.write_csv(out / "sweep.csv", [r.as_dict() for r in [*result.rows, *result.unbounded.values()]])
-    group = _group_table(result)
-    tables = _markdown(_table(result, wide=True)) + ("" if group is None else "\n" + _markdown(group))
+    table, group = _table(result, wide=True), _group_table(result)
+    tables = _markdown(table) + ("" if group is None else "\n" + _markdown(group))
     (out / "tables.md").write_text(tables, encoding="utf-8")
-    (out / "table.txt").write_text(_render(_table(result, wide=True), 400), encoding="utf-8")
+    (out / "table.txt").write_text(_render(table, 400), encoding="utf-8")
     written = [out / "sweep.json", out / "sweep.csv", out / "tables.md", out / "table.txt"]
     return (written + write_figures(result, out)) if figures else written
-
-
-# ---------------------------------------------------------------------------------- CLI
 
 
 def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -374,8 +351,7 @@ def _pool_sizes(text: str) -> str:
 
 
 def _store_spec(text: str, mem: bool = True) -> str:
-    """A Valkey URL, or with `mem` also ``mem`` or ``mem:SIZE`` (its syntax; reachability is
-    checked later)."""
+    """A Valkey URL's syntax, or with `mem` also ``mem`` or ``mem:SIZE``."""
     from kvstore.tiers.valkey_store import parse_store_url, redact_url
 
     text = text.strip()
@@ -419,8 +395,8 @@ def _trace_help() -> str:
 
 
 class _Questions(argparse._SubParsersAction):
-    """``kvstore bench``'s subcommands: a sweep option given before one is a usage error
-    (the subcommand's own defaults would silently replace it)."""
+    """``kvstore bench``'s subcommands: a sweep option before one is a usage error (it would
+    be silently replaced)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
@@ -433,8 +409,7 @@ class _Questions(argparse._SubParsersAction):
 
 
 def add_bench_parser(subparsers: Any) -> None:
-    """Register ``bench`` (the sweep, also ``bench sweep``) and one subcommand per
-    question: ``manager``, ``replay``, ``tiers``, ``kernels``, ``recurrent``."""
+    """Register ``bench`` (the sweep, also ``bench sweep``) and a subcommand per question."""
     from kvstore.benchmarks import manager, recurrent, replay
 
     doc = __doc__.split("\n\n")[1] if __doc__ else None
@@ -466,12 +441,11 @@ def add_bench_parser(subparsers: Any) -> None:
 
 def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kvstore bench kernels``."""
-    p.add_argument("--quick", action="store_true", help="small grid, few iterations")
-    p.add_argument("--check", action="store_true",
-                   help="run the correctness grid on the GPU first (exit 1 on failure)")
-    p.add_argument("--skip-bench", action="store_true", help="with --check: check only")
-    p.add_argument("--split-sweep", action="store_true",
-                   help="only time small-batch decode at every split-KV factor")
+    flag = partial(p.add_argument, action="store_true")
+    flag("--quick", help="small grid, few iterations")
+    flag("--check", help="run the correctness grid on the GPU first (exit 1 on failure)")
+    flag("--skip-bench", help="with --check: check only")
+    flag("--split-sweep", help="only time small-batch decode at every split-KV factor")
     p.add_argument("--json", type=out_file, default=Path("results/kernel_bench.json"),
                    help="where to write the results")
 
@@ -484,8 +458,7 @@ def _run_module(module: str, args: argparse.Namespace) -> int:
 
 
 def add_tier_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``kvstore bench tiers``: transfer speeds by default, ``--engines`` for
-    two engine processes sharing one store."""
+    """The options of ``kvstore bench tiers``."""
     p.add_argument("--engines", action="store_true",
                    help="two engine processes sharing one store: B's store hits on A's "
                         "prefixes, and both outputs against one engine without tiers")
@@ -494,32 +467,28 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-store", action="store_true", help="transfers: skip the store part")
     p.add_argument("--device", default=None, help="transfers: torch device (default: cuda if "
                    "available, else cpu)")
-    p.add_argument("--blocks", type=positive_int, default=64, help="transfers: blocks per batch")
-    p.add_argument("--pool-blocks", type=positive_int, default=512,
-                   help="transfers: blocks in the device pool")
-    p.add_argument("--layers", type=positive_int, default=None,
-                   help="layers in the group (default: 8 for transfers, 4 for --engines)")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
-    p.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads per layer")
-    p.add_argument("--head-dim", type=positive_int, default=128, help="head dimension")
+    count = partial(p.add_argument, type=positive_int)
+    count("--blocks", default=64, help="transfers: blocks per batch")
+    count("--pool-blocks", default=512, help="transfers: blocks in the device pool")
+    count("--layers", default=None, help="layers in the group (default: 8 for transfers, 4 for --engines)")
+    count("--block-size", default=16, help="tokens per block")
+    count("--kv-heads", default=8, help="KV heads per layer")
+    count("--head-dim", default=128, help="head dimension")
     p.add_argument("--dtype", type=_arg_type(dtype_name), default="bfloat16",
                    help=f"KV page dtype: {', '.join(DTYPE_ITEMSIZE)}")
-    p.add_argument("--reps", type=positive_int, default=9,
-                   help="transfers: timed repetitions, median kept")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: torch's own)")
-    p.add_argument("--prefixes", type=positive_int, default=8, help="--engines: shared prefixes")
-    p.add_argument("--prefix-len", type=positive_int, default=250,
-                   help="--engines: tokens per shared prefix")
-    p.add_argument("--suffix-len", type=positive_int, default=20,
-                   help="--engines: tokens after the prefix per prompt")
-    p.add_argument("--max-tokens", type=positive_int, default=8,
-                   help="--engines: tokens generated per prompt")
-    p.add_argument("--num-blocks", type=positive_int, default=512, help="--engines: pool size")
+    count("--reps", default=9, help="transfers: timed repetitions, median kept")
+    count("--threads", default=None, help="torch CPU threads (default: torch's own)")
+    count("--prefixes", default=8, help="--engines: shared prefixes")
+    count("--prefix-len", default=250, help="--engines: tokens per shared prefix")
+    count("--suffix-len", default=20, help="--engines: tokens after the prefix per prompt")
+    count("--max-tokens", default=8, help="--engines: tokens generated per prompt")
+    count("--num-blocks", default=512, help="--engines: pool size")
     p.add_argument("--json", type=out_file, default=None, help="also write the results here")
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
+    count = partial(p.add_argument, type=positive_int)
+    flag = partial(p.add_argument, action="store_true")
     p.add_argument("--workload", default="mixed_default",
                    choices=sorted(WORKLOADS) + list(TRACE_WORKLOADS), metavar="NAME",
                    help=f"built-in workload ({', '.join(sorted(WORKLOADS))}) or a trace "
@@ -527,43 +496,34 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", metavar="PATH", type=_arg_type(_trace_path),
                    help=f"trace file for a trace workload (default: ${traces.ENV_VAR}/<file name>, "
                         "else ../shared/traces in a source checkout)")
-    p.add_argument("--limit", type=positive_int, metavar="N",
-                   help=f"first N requests (default: all of a built-in workload, "
-                        f"{DEFAULT_TRACE_LIMIT} of a trace, {QUICK_LIMIT} with --quick)")
+    count("--limit", metavar="N", help=f"first N requests (default: all of a built-in workload, "
+                                        f"{DEFAULT_TRACE_LIMIT} of a trace, {QUICK_LIMIT} with --quick)")
     p.add_argument("--model-shape", default="llama-3-8b", choices=sorted(MODEL_SHAPES),
                    metavar="NAME", help=f"model whose KV bytes per token size the pools: "
                                         f"{', '.join(sorted(MODEL_SHAPES))}")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    count("--block-size", default=16, help="tokens per block")
     p.add_argument("--pool-sizes", metavar="LIST", type=_arg_type(_pool_sizes),
                    help="comma list of KV budgets (1GiB,512MiB) or all-full block counts "
                         "(4000,2000) (default: --points sizes down to the largest request)")
-    p.add_argument("--points", type=positive_int, default=None,
-                   help=f"number of default pool sizes (default: {DEFAULT_POINTS}, "
-                        f"{QUICK_POINTS} with --quick)")
+    count("--points", help=f"number of default pool sizes (default: {DEFAULT_POINTS}, "
+                           f"{QUICK_POINTS} with --quick)")
     p.add_argument("--policies", type=name_list(sweep.DEFAULT_POLICIES), default=list(sweep.DEFAULT_POLICIES),
                    metavar="LIST", help=f"comma list of {', '.join(POLICIES)} (default: all)")
-    p.add_argument("--eviction", type=name_list(tuple(EVICTION_POLICIES)), default=None,
-                   metavar="LIST",
+    p.add_argument("--eviction", type=name_list(tuple(EVICTION_POLICIES)), metavar="LIST",
                    help="comma list of eviction policies: each caching policy runs once per "
                         "name, as NAME@EVICTION (as NAME for lru) (default: lru)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
-    p.add_argument("--quick", action="store_true",
-                   help=f"{QUICK_POINTS} pool sizes, the first {QUICK_LIMIT} requests")
-    p.add_argument("--jobs", type=positive_int, default=None,
-                   help="worker processes (default: the CPU count, at most 4)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
-                   help="scheduler: tokens per step")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256,
-                   help="scheduler: requests running at once")
+    flag("--quick", help=f"{QUICK_POINTS} pool sizes, the first {QUICK_LIMIT} requests")
+    count("--jobs", help="worker processes (default: the CPU count, at most 4)")
+    count("--max-num-batched-tokens", default=2048, help="scheduler: tokens per step")
+    count("--max-num-seqs", default=256, help="scheduler: requests running at once")
     p.add_argument("--out", default=Path("results/bench"), type=output.out_folder,
                    metavar="DIR", help="each run writes into a fresh DIR/YYYYMMDD-HHMMSS/")
-    p.add_argument("--in-place", action="store_true",
-                   help="write into --out itself, replacing files of the same names")
+    flag("--in-place", help="write into --out itself, replacing files of the same names")
     p.add_argument("--step-time", type=_arg_type(_step_time), default=StepTime(), metavar="A,B",
                    help="the time column's model: a step computing n tokens takes A ms + n x B "
                         "us (default: 5,40)")
-    p.add_argument("--wide", action="store_true",
-                   help="print every column of the table (the default fits 80 columns)")
+    flag("--wide", help="print every column of the table (the default fits 80 columns)")
     p.add_argument("--host-tier-bytes", type=_arg_type(sweep.parse_size), metavar="N",
                    help="a host tier of N bytes (8GiB, or a byte count) below the device pool; "
                         "each caching policy also runs as NAME+tiers")
@@ -587,8 +547,7 @@ def _arguments(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Run the sweep the arguments describe; print the table and the headline, write the
-    results. Returns 0, ``EXIT_NOTHING_FITS`` or ``EXIT_INTERRUPTED``."""
+    """Run, print and write the sweep; 0, ``EXIT_NOTHING_FITS`` or ``EXIT_INTERRUPTED``."""
     from rich.console import Console
 
     error = args.usage_error
