@@ -122,8 +122,7 @@ def run_viz(num_blocks: int = 13, block_size: int = 4, max_num_batched_tokens: i
 
 
 def plot_layout(snapshots: Sequence[PoolSnapshot], path: str | Path, title: str = "") -> None:
-    """Block id against step: colour = the request using it (solid) or that filled it (hatched:
-    free but cached), grey = shared (``*``), copy destination (``+``) or pinned (``=``)."""
+    """Block id against step: the request using (solid) or that filled (hatched) a block, grey ``*+=``."""
     plt = pyplot()
     from matplotlib.patches import Patch, Rectangle
 
@@ -166,7 +165,7 @@ def add_viz_parser(subparsers: Any) -> None:
     for flag, low, default, what in (("--num-blocks", 2, 13, "pool size incl. the null block"),
                                      ("--block-size", 1, 4, "tokens per block"),
                                      ("--max-num-batched-tokens", 1, 8, "tokens scheduled per step")):
-        p.add_argument(flag, type=int_at_least(low), default=default, help=f"{what} (default: {default})")
+        p.add_argument(flag, type=int_at_least(low), default=default, help=what)  # the help adds the default
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-partial-hits", action="store_true")
     p.add_argument("--out", type=_png_path, default=Path("results/viz/pool_layout.png"),
