@@ -86,6 +86,15 @@ class Parser(argparse.ArgumentParser):
         message = " ".join(message.split())
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """As argparse's, but an unknown option is reported by the subcommand it followed."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            error = getattr(parsed, "usage_error", self.error)
+            error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
 
 # ------------------------------------------------------------------------ argument types
 

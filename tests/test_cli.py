@@ -37,6 +37,14 @@ def _usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize("command", [[], ["bench"], ["bench", "sweep"], ["bench", "manager"],
+                                     ["viz"], ["generate"]])
+def test_an_unknown_option_is_reported_by_its_subcommand(capsys, command):
+    prog = " ".join(["kvstore", *command])
+    line = _usage_error(capsys, [*command, "--bogus"])
+    assert line == f"{prog}: error: unrecognized arguments: --bogus (see {prog} --help)"
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--max-tokens", "0"], "--max-tokens"),
     (["--n", "0"], "--n"),
