@@ -1,8 +1,7 @@
-"""``kvstore bench manager``: what the cache manager's scheduler-facing calls cost, side by
-side with another git revision of kvstore or vLLM's v1 ``KVCacheManager`` (docs/cache_layer.md,
-"Hot path"). Run as ``manager.py --worker kvstore|vllm SPECS``, this file serves one side; at
-module level it imports only the standard library, so one revision's core on the path is enough.
-"""
+"""``kvstore bench manager``: what the cache manager's scheduler-facing calls cost, side by side
+with another git revision of kvstore or vLLM's v1 ``KVCacheManager`` (docs/cache_layer.md, "Hot
+path"). Run as ``manager.py --worker kvstore|vllm SPECS``, this file serves one side; at module
+level it imports only the standard library, so one revision's core on the path is enough."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ TOKEN_BUDGET = 8192
 STEP_TIME = 0.02
 # Pools in blocks (pressured, roomy) per layout.
 POOLS: dict[str, tuple[int, int]] = {"full": (3000, 16000), "hybrid": (4500, 28000), "gemma3": (12000, 60000)}
-SCENARIOS: tuple[str, ...] = tuple(f"{layout}/{regime}" for layout in POOLS
-                                   for regime in ("pressured", "roomy"))
+SCENARIOS = tuple(f"{layout}/{regime}" for layout in POOLS for regime in ("pressured", "roomy"))
 # (sliding-window layers, full layers) and KV cache groups per layout.
 LAYERS: dict[str, tuple[int, int]] = {"full": (0, 32), "hybrid": (16, 16), "gemma3": (25, 5)}
 NUM_GROUPS: dict[str, int] = {"full": 1, "hybrid": 2, "gemma3": 6}
@@ -97,26 +95,21 @@ class ManagerResult:
         return 1e6 * self.seconds[call] / n if n else None
 
 
-# ------------------------------------------------------------------------------- sides
-
-
 def new_manager(config: KVCacheConfig, tiers: PlaceholderConnector | None = None,
                 **options: Any) -> KVCacheManager:
-    """A KVCacheManager of `config` (with `tiers` attached beside it); `options` are
-    `CacheConfig` fields (keyword arguments in revisions before `CacheConfig`), TypeError
-    when this revision lacks one. Every benchmark builds its managers here."""
+    """A KVCacheManager of `config` (with `tiers` attached beside it) with `CacheConfig` fields
+    `options`; TypeError when this revision lacks one. Every benchmark builds its managers here."""
     from kvstore import kv_cache_manager
     from kvstore.kv_cache_manager import KVCacheManager
 
     cache_config = getattr(kv_cache_manager, "CacheConfig", None)
     known = inspect.signature(cache_config or KVCacheManager).parameters
-    missing = [k for k in options if k not in known]
-    if missing:
+    if missing := [k for k in options if k not in known]:
         raise TypeError(f"this revision's KVCacheManager has no {', '.join(missing)}")
-    if cache_config is not None:
-        manager = KVCacheManager(config, cache_config(**options))
-    else:
+    if cache_config is None:  # a revision before CacheConfig takes them as keyword arguments
         manager = KVCacheManager(config, **options)
+    else:
+        manager = KVCacheManager(config, cache_config(**options))
     if tiers is not None:
         tiers.attach(manager)
     return manager
@@ -156,8 +149,8 @@ class Side:
 
 
 class KvstoreSide(Side):
-    """kvstore's KVCacheManager (any revision with ``get_computed_blocks``,
-    ``allocate_slots`` and ``free``); `options` are `CacheConfig` fields."""
+    """kvstore's KVCacheManager (any revision with ``get_computed_blocks``, ``allocate_slots``
+    and ``free``); `options` are `CacheConfig` fields."""
 
     name = "kvstore"
 
@@ -179,9 +172,9 @@ class KvstoreSide(Side):
 
     def new_request(self, spec: Spec) -> Any:
         """A request for `spec`, its prompt hashed (timed)."""
-        r = self._request(spec.request_id, spec.prompt, None, len(spec.outputs))
-        self._hash(r)
-        return r
+        request = self._request(spec.request_id, spec.prompt, None, len(spec.outputs))
+        self._hash(request)
+        return request
 
     def append(self, request: Any, token: int) -> None:
         """Append a sampled token, hashing a block it fills (timed)."""
@@ -204,7 +197,7 @@ class KvstoreSide(Side):
     def leaked(self) -> bool:
         """Whether any block is still held once every request is freed."""
         self.manager.take_pending_copies()
-        m: Any = self.manager  # an older revision keeps the counts on its pool
+        m = self.manager  # an older revision keeps the counts on its pool
         pool = m if hasattr(m, "num_free_blocks") else (getattr(m, "_pool", None) or m.pool)
         return bool(pool.num_free_blocks != pool.num_usable_blocks)
 
@@ -221,27 +214,22 @@ class VllmSide(Side):
         import torch
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1 import kv_cache_interface as kvi
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec,
-            KVCacheConfig,
-            KVCacheGroupSpec,
-            SlidingWindowSpec,
-        )
         from vllm.v1.request import Request
 
         kw: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_kv_heads": 8, "head_size": 128,
                               "dtype": torch.float16}
         per_group = LAYERS[layout][1]
-        groups = [KVCacheGroupSpec([f"s{g}.{j}" for j in range(per_group)],
-                                   SlidingWindowSpec(**kw, sliding_window=WINDOW))
+        groups = [kvi.KVCacheGroupSpec([f"s{g}.{j}" for j in range(per_group)],
+                                       kvi.SlidingWindowSpec(**kw, sliding_window=WINDOW))
                   for g in range(NUM_GROUPS[layout] - 1)]
-        groups.append(KVCacheGroupSpec([f"f.{j}" for j in range(per_group)], FullAttentionSpec(**kw)))
-        config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        groups.append(kvi.KVCacheGroupSpec([f"f.{j}" for j in range(per_group)], kvi.FullAttentionSpec(**kw)))
+        config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.manager = KVCacheManager(config, max_model_len=1 << 20, scheduler_block_size=BLOCK_SIZE,
                                       hash_block_size=BLOCK_SIZE, enable_caching=True)
-        hash_fn = get_hash_fn_by_name(options.get("hash_algo", "sha256"))
+        hash_fn = get_hash_fn_by_name("sha256")
         init_none_hash(hash_fn)
         hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
         self._hasher = lambda request: self.timed_hash(hasher, request)
@@ -250,9 +238,8 @@ class VllmSide(Side):
 
     def new_request(self, spec: Spec) -> Any:
         """A request for `spec`; it hashes its prompt on creation (timed)."""
-        return self._request(spec.request_id, list(spec.prompt),
-                             self._params(max_tokens=len(spec.outputs)), None, arrival_time=0.0,
-                             block_hasher=self._hasher)
+        return self._request(spec.request_id, list(spec.prompt), self._params(max_tokens=len(spec.outputs)),
+                             None, arrival_time=0.0, block_hasher=self._hasher)
 
     def append(self, request: Any, token: int) -> None:
         """Append a sampled token; the request hashes a block it fills (timed)."""
@@ -277,9 +264,6 @@ class VllmSide(Side):
         """Whether any block is still held once every request is freed."""
         pool = self.manager.block_pool
         return bool(pool.get_num_free_blocks() != pool.num_gpu_blocks - 1)
-
-
-# ------------------------------------------------------------------------------ driver
 
 
 def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
@@ -310,13 +294,11 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
         scheduled: list[tuple[Spec, Any, int]] = []
         preempted = False
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0:  # running requests first, preempting the latest
             spec, request = running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while True:
-                ok = timed("decode" if num_new == 1 else "chunk", side.grow, request, num_new)
-                if ok:
-                    break
+            call = "decode" if num_new == 1 else "chunk"
+            while not (ok := timed(call, side.grow, request, num_new)):
                 victim_spec, victim = running.pop()
                 timed("free", side.free, victim)
                 victim.num_computed_tokens = 0
@@ -371,13 +353,10 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
     return res
 
 
-# ------------------------------------------------------------------------------ worker
-
-
 def run_scenario(kind: str, scenario: str, num_blocks: int, specs: list[Spec],
                  options: dict[str, Any], scale: bool = False) -> ManagerResult:
-    """One replay in this process with cyclic GC off (as timeit does); with `scale`, also
-    the construction time and the bookkeeping bytes per block."""
+    """One replay in this process with cyclic GC off (as timeit does); with `scale`, also the
+    construction time and the bookkeeping bytes per block."""
     side_cls = VllmSide if kind == "vllm" else KvstoreSide
     layout = scenario.split("/")[0]
     build_s = per_block = 0.0
@@ -414,12 +393,9 @@ def worker_main(kind: str, spec_path: str) -> None:
         print(json.dumps(out), flush=True)
 
 
-# ------------------------------------------------------------------------------ parent
-
-
 def cache_layer_tree(src_kvstore: Path, dest: Path) -> Path:
-    """A folder to put on the path so that ``kvstore`` is `src_kvstore` (a revision's
-    kvstore/ folder) alone, with an empty ``__init__``; returns `dest`."""
+    """A folder to put on the path so that ``kvstore`` is `src_kvstore` (a revision's kvstore/
+    folder) alone, with an empty ``__init__``; returns `dest`."""
     pkg = dest / "kvstore"
     pkg.mkdir(parents=True)
     for f in sorted(src_kvstore.iterdir()):
@@ -467,7 +443,7 @@ class Worker:
         out = self.ask({"scenario": scenario, "num_blocks": num_blocks, "options": self.options, **extra})
         if "error" in out:
             raise RuntimeError(f"{self.label}, {scenario}: {out['error']}")
-        return ManagerResult(**{f.name: out[f.name] for f in fields(ManagerResult)})
+        return ManagerResult(**out)
 
     def close(self) -> None:
         """Stop the subprocess."""
@@ -477,42 +453,40 @@ class Worker:
 
 
 def make_specs(workload: str, num_requests: int, seed: int = 0) -> list[Spec]:
-    """The named workload (``shared-prefix``, ``chat`` or ``few-shot``: docs/cache_layer.md),
-    seeded."""
+    """The named workload (``shared-prefix``, ``chat`` or ``few-shot``: docs/cache_layer.md), seeded."""
     import numpy as np
 
     from kvstore.benchmarks import workloads as wl
 
     rng = np.random.default_rng(seed)
+
+    def tokens(n: Any) -> list[int]:
+        return rng.integers(0, 32000, size=int(n)).tolist()
+
     if workload == "shared-prefix":
-        systems = [rng.integers(0, 32000, size=int(n)).tolist()
-                   for n in rng.integers(200, 801, size=8)]
+        systems = [tokens(n) for n in rng.integers(200, 801, size=8)]
         weights = 1.0 / np.arange(1, 9)
         which = rng.choice(8, size=num_requests, p=weights / weights.sum())
         specs = []
-        for i in range(num_requests):
-            system = systems[int(which[i])]
-            length = int(rng.integers(max(500, len(system) + 1), 2001))
-            user = rng.integers(0, 32000, size=length - len(system)).tolist()
-            outputs = rng.integers(0, 32000, size=int(rng.integers(100, 301))).tolist()
-            specs.append(Spec(f"r{i:04d}", system + user, outputs))
+        for i, w in enumerate(which):
+            system = systems[int(w)]
+            user = tokens(int(rng.integers(max(500, len(system) + 1), 2001)) - len(system))
+            specs.append(Spec(f"r{i:04d}", system + user, tokens(rng.integers(100, 301))))
         return specs
     if workload == "chat":
-        reqs = wl.multi_turn_chat(max(1, num_requests // 5), (3, 8), system_len=301,
-                                  user_len=(20, 300), output_median=100, output_max=600,
-                                  rate=2.0, think_time=2.0, seed=seed).requests
+        reqs = wl.multi_turn_chat(max(1, num_requests // 5), (3, 8), system_len=301, user_len=(20, 300),
+                                  output_median=100, output_max=600, rate=2.0, think_time=2.0,
+                                  seed=seed).requests
     else:
-        reqs = wl.few_shot(num_requests, 8, num_tasks=6, example_len=(40, 200),
-                           question_len=(16, 128), output_median=60, output_max=400, rate=20.0,
-                           seed=seed).requests
-    return [Spec(r.request_id, list(r.prompt_token_ids),
-                 list(r.output_token_ids or rng.integers(0, 32000, size=r.max_tokens).tolist()),
+        reqs = wl.few_shot(num_requests, 8, num_tasks=6, example_len=(40, 200), question_len=(16, 128),
+                           output_median=60, output_max=400, rate=20.0, seed=seed).requests
+    return [Spec(r.request_id, list(r.prompt_token_ids), list(r.output_token_ids or tokens(r.max_tokens)),
                  r.arrival) for r in reqs]
 
 
 def ideal_hit_rate(specs: list[Spec], block_size: int | None = BLOCK_SIZE) -> float:
-    """Prompt tokens an infinite cache serves at first admission over all prompt tokens:
-    in whole blocks, or token-exact with `block_size` None."""
+    """Prompt tokens an infinite cache serves at first admission over all prompt tokens: in whole
+    blocks, or token-exact with `block_size` None."""
     from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens
 
     reqs = [RequestSpec(s.request_id, s.arrival, tuple(s.prompt), len(s.outputs),
@@ -565,19 +539,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=positive_int, metavar="N",
                    help="requests (default: 400, 60 with --quick); with --workload chat, max(1, N // 5) "
                         "conversations of 3 to 8 turns, each turn a request")
-    p.add_argument("--repeats", type=positive_int, help="alternated replays, fastest kept "
-                   "(default: 3, 1 with --quick)")
-    p.add_argument("--scenarios", type=name_list(tuple(SCENARIOS)), default=list(SCENARIOS),
-                   metavar="LIST", help=f"comma list of {', '.join(SCENARIOS)}")
-    p.add_argument("--vs", metavar="REV", help="also run this git revision's kvstore/ "
-                   "(a temporary worktree)")
+    p.add_argument("--repeats", type=positive_int,
+                   help="alternated replays, fastest kept (default: 3, 1 with --quick)")
+    p.add_argument("--scenarios", type=name_list(SCENARIOS), default=list(SCENARIOS), metavar="LIST",
+                   help=f"comma list of {', '.join(SCENARIOS)}")
+    p.add_argument("--vs", metavar="REV", help="also run this git revision's kvstore/ (a temporary worktree)")
     p.add_argument("--vllm", metavar="PYTHON",
                    help="also run vLLM's v1 KVCacheManager under this interpreter")
     p.add_argument("--also", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="also run this revision with KVCacheManager options, e.g. "
                         "eviction=window or enable_partial_hits=false (repeatable)")
-    p.add_argument("--scale", action="store_true", help="also pools of 16k, 100k and 1M "
-                   "blocks (full layout, roomy): build time, bytes per block, call costs")
+    p.add_argument("--scale", action="store_true", help="also pools of 16k, 100k and 1M blocks (full "
+                   "layout, roomy): build time, bytes per block, call costs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -596,10 +569,10 @@ def run(args: argparse.Namespace) -> int:
         this = subprocess.run([*git, "describe", "--always", "--dirty"], capture_output=True,
                               text=True).stdout.strip() or "this tree"
         tree = str(cache_layer_tree(REPO / "kvstore", tmp / "this"))
-        workers.append(Worker(f"this ({this})", "kvstore", sys.executable, tree, spec_file))
-        for options in args.also:
+        for options in [{}, *args.also]:
             label = ",".join(f"{k}={v}" for k, v in options.items())
-            workers.append(Worker(f"this, {label}", "kvstore", sys.executable, tree, spec_file, options))
+            label = f"this, {label}" if options else f"this ({this})"
+            workers.append(Worker(label, "kvstore", sys.executable, tree, spec_file, options))
         if args.vs:
             worktree = tmp / "vs-worktree"
             if subprocess.run([*git, "worktree", "add", "--detach", "-q", str(worktree), args.vs],
@@ -609,10 +582,9 @@ def run(args: argparse.Namespace) -> int:
                                   str(cache_layer_tree(worktree / "kvstore", tmp / "vs")), spec_file))
         if args.vllm:
             workers.append(Worker("vLLM", "vllm", args.vllm, None, spec_file))
-        print(f"Manager + hashing cost: {args.workload}, {len(specs)} requests, best of "
-              f"{repeats} alternated replays\nideal first-admission hit rate "
-              f"{ideal_hit_rate(specs):.4f} whole blocks, {ideal_hit_rate(specs, None):.4f} "
-              f"token-exact")
+        print(f"Manager + hashing cost: {args.workload}, {len(specs)} requests, best of {repeats} "
+              f"alternated replays\nideal first-admission hit rate {ideal_hit_rate(specs):.4f} whole "
+              f"blocks, {ideal_hit_rate(specs, None):.4f} token-exact")
         for w in workers:  # a kvstore worker runs a temporary copy of a kvstore/ tree
             source = (f"kvstore/ at {args.vs}" if w.label == f"kvstore {args.vs}"
                       else f"{REPO / 'kvstore'}" if w.label.startswith("this") else w.where)
@@ -623,15 +595,11 @@ def run(args: argparse.Namespace) -> int:
             replays = [[w.result(scenario) for w in workers] for _ in range(repeats)]
             for w, results in zip(workers, zip(*replays, strict=True), strict=True):
                 best[w.label].append(min(results, key=lambda r: r.manager_s))
-        for w in workers:
-            print_side(w.label, best[w.label])
-        mine = best[workers[0].label]
-        for w in workers[1:]:
-            print_ratios(w.label, mine, best[w.label])
+        mine, others = best[workers[0].label], {w.label: best[w.label] for w in workers[1:]}
+        print_tables(best, mine, others)
         if args.scale:
             print_scale(workers, (16_000, 100_000) if args.quick else (16_000, 100_000, 1_000_000))
-        print_headline(workers[0].label, mine, {w.label: best[w.label] for w in workers[1:]},
-                       time.perf_counter() - t_start)
+        print_headline(workers[0].label, mine, others, time.perf_counter() - t_start)
     finally:
         for w in workers:
             w.close()
@@ -640,6 +608,31 @@ def run(args: argparse.Namespace) -> int:
                            check=False, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def print_tables(best: dict[str, list[ManagerResult]], mine: list[ManagerResult],
+                 others: dict[str, list[ManagerResult]]) -> None:
+    """Each side's table (µs per call, seconds in all, hit rate, preemptions, evictions), then per
+    other side and scenario this revision's time over its time."""
+    from kvstore.benchmarks.output import fmt, text_table
+
+    per_side = ("lookup", "admit", "chunk", "decode", "free")
+    for label, rows in best.items():
+        print(f"\n{label}: µs/call (mean), s in all, first-admission hit rate")
+        print(text_table(("scenario", *per_side, "s", "hit", "preempt", "evict"), (
+            [r.scenario, *(fmt(r.us(c), ".2f" if c == "decode" else ".1f") for c in per_side),
+             f"{r.manager_s:.3f}", f"{r.hit_rate:.4f}", r.preemptions,
+             r.evictions if r.evictions >= 0 else "-"] for r in rows)))
+
+    def ratio(a: ManagerResult, b: ManagerResult, call: str) -> str:
+        x, y = a.us(call), b.us(call)
+        return f"{x / y:.2f}" if x is not None and y else "-"
+
+    for label, rows in others.items():
+        print(f"\nthis / {label}: time per call (below 1: faster here)")
+        print(text_table(("scenario", "total", *CALLS, "hit here", "there"), (
+            [a.scenario, f"{a.manager_s / b.manager_s:.3f}", *(ratio(a, b, c) for c in CALLS),
+             f"{a.hit_rate:.4f}", f"{b.hit_rate:.4f}"] for a, b in zip(mine, rows, strict=True))))
 
 
 def print_scale(workers: list[Worker], pools: tuple[int, ...]) -> None:
@@ -651,33 +644,6 @@ def print_scale(workers: list[Worker], pools: tuple[int, ...]) -> None:
             for n in pools for w in workers for r in [w.result("full/roomy", n, scale=True)]]
     print("\nScale: full layout, roomy pools (no eviction)\n")
     print(text_table(("side", "blocks", "build s", "B/block", *CALLS), rows))
-
-
-def print_side(label: str, rows: list[ManagerResult]) -> None:
-    """One side's table: µs per call, seconds in all, hit rate, preemptions, evictions."""
-    from kvstore.benchmarks.output import fmt, text_table
-
-    print(f"\n{label}: µs/call (mean), s in all, first-admission hit rate")
-    print(text_table(("scenario", "lookup", "admit", "chunk", "decode", "free", "s", "hit",
-                      "preempt", "evict"),
-                     ([r.scenario, *(fmt(r.us(c), ".2f" if c == "decode" else ".1f")
-                                     for c in ("lookup", "admit", "chunk", "decode", "free")),
-                       f"{r.manager_s:.3f}", f"{r.hit_rate:.4f}", r.preemptions,
-                       r.evictions if r.evictions >= 0 else "-"] for r in rows)))
-
-
-def print_ratios(label: str, mine: list[ManagerResult], other: list[ManagerResult]) -> None:
-    """Per scenario, this revision's time over `label`'s (below 1: faster here)."""
-    from kvstore.benchmarks.output import text_table
-
-    def ratio(a: ManagerResult, b: ManagerResult, call: str) -> str:
-        x, y = a.us(call), b.us(call)
-        return f"{x / y:.2f}" if x is not None and y else "-"
-
-    print(f"\nthis / {label}: time per call (below 1: faster here)")
-    print(text_table(("scenario", "total", *CALLS, "hit here", "there"), (
-        [a.scenario, f"{a.manager_s / b.manager_s:.3f}", *(ratio(a, b, c) for c in CALLS),
-         f"{a.hit_rate:.4f}", f"{b.hit_rate:.4f}"] for a, b in zip(mine, other, strict=True))))
 
 
 def print_headline(label: str, mine: list[ManagerResult],
