@@ -1,11 +1,11 @@
-"""``kvstore bench kernels``: the paged-attention kernel compiled on a GPU, checked against
-the reference and timed against SDPA on the same K/V (grid, metrics and timing:
-docs/kernels.md). Exit codes: 0 ok, 1 a check failed, 2 cannot run here (no CUDA device,
-or TRITON_INTERPRET set)."""
+"""``kvstore bench kernels``: the paged-attention kernel compiled on a GPU, checked against the
+reference and timed against SDPA on the same K/V (grid, metrics and timing: docs/kernels.md).
+Exit codes: 0 ok, 1 a check failed, 2 cannot run here (no CUDA device, or TRITON_INTERPRET set)."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import platform
@@ -19,11 +19,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvstore.benchmarks.output import check_folder, write_json
+from kvstore.benchmarks.output import check_folder, fmt, write_json
 from kvstore.kernels import AttentionMetadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 64, 8, 128, 16
 DTYPE = torch.bfloat16
+SCALE = 1.0 / math.sqrt(HEAD_DIM)
 FLUSH_BYTES = 256 << 20  # > L2 of any current GPU (H100/H200: 50 MiB)
 
 
@@ -46,9 +47,6 @@ class Row:
     timing: str = "graph"
     note: str = ""
     extra: dict = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------- timing
 
 
 def _event_ms(fn: Callable[[], object]) -> float:
@@ -80,14 +78,6 @@ def _time_graph(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> fl
     return max(best[0] - best[1], 0.0) / iters
 
 
-def _time_eager(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> float:
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        times.append(_event_ms(fn))
-    return sorted(times)[iters // 2]
-
-
 def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> tuple[float, str]:
     """Milliseconds per call of ``fn`` with a cold L2, and how it was timed."""
     fn()  # compile / autotune / lazy init outside the timed region
@@ -96,7 +86,11 @@ def time_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> tuple[
         return _time_graph(fn, iters, flush), "graph"
     except Exception:  # noqa: BLE001 - any capture failure: fall back to eager timing
         torch.cuda.synchronize()
-        return _time_eager(fn, iters, flush), "eager"
+    times = []
+    for _ in range(iters):  # the median of single calls
+        flush.zero_()
+        times.append(_event_ms(fn))
+    return sorted(times)[iters // 2], "eager"
 
 
 def bandwidth_gbps(flush: torch.Tensor, copy: bool) -> float:
@@ -114,9 +108,6 @@ def bandwidth_gbps(flush: torch.Tensor, copy: bool) -> float:
         del src
     torch.cuda.empty_cache()
     return (2 if copy else 1) * nbytes / (ms * 1e-3) / 1e9
-
-
-# --------------------------------------------------------------------------- workloads
 
 
 @dataclass
@@ -156,14 +147,22 @@ def build_paged(batch: int, context: int, q_len: int, window: int | None,
 
 def visible_pairs(context: int, q_len: int, window: int | None) -> int:
     """Number of (query, key) pairs that are attended, per sequence and head."""
-    return sum(q + 1 if window is None else min(q + 1, window)
-               for q in range(context - q_len, context))
+    return sum(q + 1 if window is None else min(q + 1, window) for q in range(context - q_len, context))
 
 
 def needed_kv_bytes(batch: int, context: int, q_len: int, window: int | None) -> int:
     """Bytes of K and V the step reads: each visible key's once."""
     keys = context - _first_kept(context, q_len, window)
     return batch * keys * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
+
+
+def triton_fn(batch: int, context: int, q_len: int, window: int | None,
+              gen: torch.Generator) -> Callable[..., object]:
+    """The Triton kernel on a batch from `build_paged`."""
+    from kvstore.kernels import paged_attention
+
+    p = build_paged(batch, context, q_len, window, gen)
+    return partial(paged_attention, p.q, p.kc, p.vc, p.metadata, SCALE, window=window)
 
 
 def sdpa_fn(batch: int, context: int, q_len: int, window: int | None) -> Callable[[], object]:
@@ -182,29 +181,28 @@ def sdpa_fn(batch: int, context: int, q_len: int, window: int | None) -> Callabl
     return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-# --------------------------------------------------------------------------- benchmark
+def _plan(batch: int, context: int, q_len: int, window: int | None) -> Any:
+    from kvstore.kernels.triton_attention import launch_plan
+
+    return launch_plan(HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, math.ceil(context / BLOCK_SIZE), batch,
+                       q_len, window, torch.device("cuda"))
 
 
 def run_bench(args: argparse.Namespace) -> dict:
     """The decode and prefill sweep; prints a line per row and returns the JSON record."""
     import triton
 
-    from kvstore.kernels import paged_attention
-    from kvstore.kernels.triton_attention import launch_plan
-
     gen = torch.Generator().manual_seed(0)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     copy_bw, read_bw = bandwidth_gbps(flush, copy=True), bandwidth_gbps(flush, copy=False)
     print(f"device copy bandwidth (read+write): {copy_bw:.0f} GB/s; read bandwidth: {read_bw:.0f} GB/s")
     rows: list[Row] = []
-    scale = 1.0 / math.sqrt(HEAD_DIM)
     if args.quick:
         decode_grid = [(b, c, 1) for b in (1, 32) for c in (4096, 65536)]
         prefill_grid = [(1, 4096, 4096), (1, 32768, 2048)]
         iters = 5
     else:
-        decode_grid = [(b, c, 1) for b in (1, 4, 16, 64, 256)
-                       for c in (1024, 4096, 16384, 65536, 131072)]
+        decode_grid = [(b, c, 1) for b in (1, 4, 16, 64, 256) for c in (1024, 4096, 16384, 65536, 131072)]
         prefill_grid = [(1, 1024, 1024), (1, 4096, 4096), (1, 16384, 16384), (4, 4096, 4096),
                         (1, 16384, 512), (1, 65536, 2048), (8, 32768, 512)]
         iters = 20
@@ -217,64 +215,43 @@ def run_bench(args: argparse.Namespace) -> dict:
         """Time `make()`'s callable into `row`; a failure is noted in the row, not raised."""
         kind, b, ctx, ql, w = row.kind, row.batch, row.context, row.q_len, row.window
         try:
-            row.ms, row.timing = time_ms(make(), iters if kind == "decode" else max(3, iters // 4),
-                                         flush)
+            row.ms, row.timing = time_ms(make(), iters if kind == "decode" else max(3, iters // 4), flush)
             if row.ms > 0:
                 if kind == "decode":
                     row.gbps = needed_kv_bytes(b, ctx, ql, w) / (row.ms * 1e-3) / 1e9
                     row.pct_copy = 100.0 * row.gbps / copy_bw
                     row.pct_read = 100.0 * row.gbps / read_bw
-                row.tflops = 4.0 * b * visible_pairs(ctx, ql, w) * HEAD_DIM * HEADS / (
-                    row.ms * 1e-3) / 1e12
+                row.tflops = 4.0 * b * visible_pairs(ctx, ql, w) * HEAD_DIM * HEADS / (row.ms * 1e-3) / 1e12
         except Exception as e:  # noqa: BLE001 - a baseline failing must not stop the sweep
             row.note = f"error: {type(e).__name__}: {str(e)[:120]}"
         finally:
             torch.cuda.empty_cache()
         rows.append(row)
-        metric = (f"{_fmt(row.gbps, '8.0f')} GB/s {_fmt(row.pct_read, '5.1f')}% read"
-                  if kind == "decode" else f"{_fmt(row.tflops, '7.1f')} TFLOP/s")
+        metric = (f"{fmt(row.gbps, '8.0f')} GB/s {fmt(row.pct_read, '5.1f')}% read"
+                  if kind == "decode" else f"{fmt(row.tflops, '7.1f')} TFLOP/s")
         split = f" splits={row.num_splits}" if row.num_splits else ""
         print(f"{kind:7s} B={b:<4d} ctx={ctx:<7d} q={ql:<6d} W={str(w):<5s} {row.impl:11s} "
-              f"{_fmt(row.ms, '9.4f')} ms  {metric}  [{row.timing}]{split} {row.note}")
-
-    def case(kind: str, b: int, ctx: int, ql: int, w: int | None) -> None:
-        row = Row(kind, "triton", b, ctx, ql, w)
-        plan = launch_plan(HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, math.ceil(ctx / BLOCK_SIZE),
-                           b, ql, w, torch.device("cuda"))
-        row.num_splits = plan.num_splits
-        row.extra = {"block_m": plan.block_m, "block_n": plan.block_n,
-                     "num_warps": plan.num_warps, "q_tiles": plan.q_tiles}
-
-        def triton_fn() -> Callable[[], object]:
-            p = build_paged(b, ctx, ql, w, gen)
-            return lambda: paged_attention(p.q, p.kc, p.vc, p.metadata, scale, window=w)
-
-        measure(row, triton_fn)
-        measure(Row(kind, "sdpa", b, ctx, ql, w), partial(sdpa_fn, b, ctx, ql, w))
+              f"{fmt(row.ms, '9.4f')} ms  {metric}  [{row.timing}]{split} {row.note}")
 
     for kind, grid in (("decode", decode_grid), ("prefill", prefill_grid)):
-        for w in (None, 4096):
-            for b, ctx, ql in grid:
-                nbytes = needed_kv_bytes(b, ctx, ql, w) + b * ql * HEADS * HEAD_DIM * 4  # and q, out
-                if nbytes < 0.4 * torch.cuda.mem_get_info()[0]:
-                    case(kind, b, ctx, ql, w)
-                else:
-                    print(f"skip {kind} B={b} ctx={ctx} q={ql} W={w}: {nbytes / 1e9:.0f} GB")
+        for w, (b, ctx, ql) in itertools.product((None, 4096), grid):
+            nbytes = needed_kv_bytes(b, ctx, ql, w) + b * ql * HEADS * HEAD_DIM * 4  # and q, out
+            if nbytes >= 0.4 * torch.cuda.mem_get_info()[0]:
+                print(f"skip {kind} B={b} ctx={ctx} q={ql} W={w}: {nbytes / 1e9:.0f} GB")
+                continue
+            plan = _plan(b, ctx, ql, w)
+            extra = {k: getattr(plan, k) for k in ("block_m", "block_n", "num_warps", "q_tiles")}
+            measure(Row(kind, "triton", b, ctx, ql, w, num_splits=plan.num_splits, extra=extra),
+                    partial(triton_fn, b, ctx, ql, w, gen))
+            measure(Row(kind, "sdpa", b, ctx, ql, w), partial(sdpa_fn, b, ctx, ql, w))
     props = torch.cuda.get_device_properties(0)
     return {"device": props.name, "sm_count": props.multi_processor_count,
-            "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(),
+            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "config": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                        "block_size": BLOCK_SIZE, "dtype": str(DTYPE), "quick": args.quick},
             "copy_bandwidth_gbps": copy_bw, "read_bandwidth_gbps": read_bw,
             "rows": [asdict(r) for r in rows]}
 
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-# --------------------------------------------------------------------------- check
 
 # (name, (query lengths, sequence lengths), heads, kv heads, head dim, block size, window,
 # softcap, splits, dtype, block_m, block_n): long contexts and gpt-oss shapes beside GRID.
@@ -304,13 +281,12 @@ def run_check() -> bool:
         ok &= passed
         print(f"{'PASS' if passed else 'FAIL'} {what}")
 
-    for (name, lens, h, hkv, d, bs, w, cap, splits, dtype, bm, bn), sinks in (
-            (c, s) for c in [*GRID, *CHECK_CASES] for s in (False, True)):
+    for (name, lens, h, hkv, d, bs, w, cap, splits, dtype, bm, bn), sinks in itertools.product(
+            [*GRID, *CHECK_CASES], (False, True)):
         case = make_case(*lens, h, hkv, d, bs, w, cap, dtype, seed=1, device="cuda",
                          q_scale=3.0 if cap else 1.0, with_sinks=sinks)
         ref = paged_attention_reference(*case.args(), **case.kwargs())
-        out = paged_attention(*case.args(), **case.kwargs(), num_splits=splits, block_m=bm,
-                              block_n=bn)
+        out = paged_attention(*case.args(), **case.kwargs(), num_splits=splits, block_m=bm, block_n=bn)
         torch.cuda.synchronize()
         atol, rtol = tolerance(dtype, "cuda")
         err = (out.float() - ref.float()).abs()
@@ -339,44 +315,32 @@ def run_check() -> bool:
     return ok
 
 
-# --------------------------------------------------------------------------- split sweep
-
-SPLIT_CASES = ((1, 4096, None), (1, 16384, None), (1, 131072, None), (4, 4096, None),
-               (4, 65536, None), (16, 16384, None), (1, 131072, 4096), (4, 131072, 4096),
-               (16, 131072, 4096))
+SPLIT_CASES = ((1, 4096, None), (1, 16384, None), (1, 131072, None), (4, 4096, None), (4, 65536, None),
+               (16, 16384, None), (1, 131072, 4096), (4, 131072, 4096), (16, 131072, 4096))
 
 
 def run_split_sweep(iters: int = 20) -> dict:
     """Decode time per split-KV factor, next to the heuristic's choice, for small batches
     (where the grid alone does not fill the GPU)."""
-    from kvstore.kernels import paged_attention
-    from kvstore.kernels.triton_attention import MAX_SPLITS, launch_plan
+    from kvstore.kernels.triton_attention import MAX_SPLITS
 
     gen = torch.Generator().manual_seed(0)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    scale = 1.0 / math.sqrt(HEAD_DIM)
     out: dict[str, Any] = {}
     print("decode ms per num_splits (* = the heuristic's choice)")
     for b, ctx, w in SPLIT_CASES:
-        p = build_paged(b, ctx, 1, w, gen)
-        auto = launch_plan(HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, math.ceil(ctx / BLOCK_SIZE), b,
-                           1, w, torch.device("cuda")).num_splits
-        times = {}
-        for n in sorted({1, 2, 4, 8, 16, 32, MAX_SPLITS, auto}):
-            fn = partial(paged_attention, p.q, p.kc, p.vc, p.metadata, scale, window=w,
-                         num_splits=n)
-            times[n], _ = time_ms(fn, iters, flush)
+        fn = triton_fn(b, ctx, 1, w, gen)
+        auto = _plan(b, ctx, 1, w).num_splits
+        times = {n: time_ms(partial(fn, num_splits=n), iters, flush)[0]
+                 for n in sorted({1, 2, 4, 8, 16, 32, MAX_SPLITS, auto})}
         best = min(times, key=times.__getitem__)
-        print(f"B={b:<3d} ctx={ctx:<7d} W={str(w):<5s} " + " ".join(
-            f"{n}{'*' if n == auto else ''}:{t:.4f}" for n, t in times.items())
+        print(f"B={b:<3d} ctx={ctx:<7d} W={str(w):<5s} "
+              + " ".join(f"{n}{'*' if n == auto else ''}:{t:.4f}" for n, t in times.items())
               + f"  best {best} ({times[auto] / times[best]:.2f}x of auto)")
         out[f"{b}/{ctx}/{w}"] = {"auto": auto, "best": best, "ms": times}
-        del p, fn
+        del fn
         torch.cuda.empty_cache()
     return out
-
-
-# --------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,15 +353,13 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(args: argparse.Namespace) -> int:
     """Run the check and/or the benchmark the options ask for; return the exit status."""
     if args.skip_bench and not args.check:
-        args.usage_error("argument --skip-bench: only with --check (it skips the timing after "
-                         "the check)")
+        args.usage_error("argument --skip-bench: only with --check (it skips the timing after the check)")
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device found; this benchmark needs an NVIDIA GPU "
               "(the CPU tests cover correctness under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("kernel_bench: TRITON_INTERPRET=1 is set; unset it to run compiled kernels",
-              file=sys.stderr)
+        print("kernel_bench: TRITON_INTERPRET=1 is set; unset it to run compiled kernels", file=sys.stderr)
         return 2
     if not args.skip_bench:
         check_folder(args.json.parent, args.usage_error, "--json")
