@@ -97,8 +97,7 @@ class ManagerResult:
 
 def new_manager(config: KVCacheConfig, tiers: PlaceholderConnector | None = None,
                 **options: Any) -> KVCacheManager:
-    """A KVCacheManager of `config` (with `tiers` attached beside it) with `CacheConfig` fields
-    `options`; TypeError when this revision lacks one. Every benchmark builds its managers here."""
+    """A KVCacheManager of `config`, CacheConfig fields `options` (TypeError if unknown), `tiers` attached."""
     from kvstore import kv_cache_manager
     from kvstore.kv_cache_manager import KVCacheManager
 
@@ -149,8 +148,7 @@ class Side:
 
 
 class KvstoreSide(Side):
-    """kvstore's KVCacheManager (any revision with ``get_computed_blocks``, ``allocate_slots``
-    and ``free``); `options` are `CacheConfig` fields."""
+    """kvstore's KVCacheManager, of this or an older revision; `options` are `CacheConfig` fields."""
 
     name = "kvstore"
 
@@ -355,8 +353,7 @@ def drive(side: Any, specs: list[Spec], scenario: str, num_blocks: int,
 
 def run_scenario(kind: str, scenario: str, num_blocks: int, specs: list[Spec],
                  options: dict[str, Any], scale: bool = False) -> ManagerResult:
-    """One replay in this process with cyclic GC off (as timeit does); with `scale`, also the
-    construction time and the bookkeeping bytes per block."""
+    """One replay here, cyclic GC off (as timeit does); `scale` adds build time and bytes per block."""
     side_cls = VllmSide if kind == "vllm" else KvstoreSide
     layout = scenario.split("/")[0]
     build_s = per_block = 0.0
@@ -380,8 +377,7 @@ def run_scenario(kind: str, scenario: str, num_blocks: int, specs: list[Spec],
 
 
 def worker_main(kind: str, spec_path: str) -> None:
-    """Print where this side's code lives, then answer each scenario (a JSON line on stdin:
-    `run_scenario`'s keyword arguments) with its result or its error."""
+    """Print where the code lives, then answer each stdin line (`run_scenario`'s arguments) or its error."""
     mod = __import__("vllm" if kind == "vllm" else "kvstore.kv_cache_manager")
     print(json.dumps(f"{getattr(mod, '__version__', '')} {mod.__file__}".strip()), flush=True)
     specs = [Spec(**s) for s in json.loads(Path(spec_path).read_text())]
@@ -394,8 +390,7 @@ def worker_main(kind: str, spec_path: str) -> None:
 
 
 def cache_layer_tree(src_kvstore: Path, dest: Path) -> Path:
-    """A folder to put on the path so that ``kvstore`` is `src_kvstore` (a revision's kvstore/
-    folder) alone, with an empty ``__init__``; returns `dest`."""
+    """`dest`, to put on the path so that ``kvstore`` is `src_kvstore` alone (empty ``__init__``)."""
     pkg = dest / "kvstore"
     pkg.mkdir(parents=True)
     for f in sorted(src_kvstore.iterdir()):
@@ -406,8 +401,7 @@ def cache_layer_tree(src_kvstore: Path, dest: Path) -> Path:
 
 
 class Worker:
-    """A worker subprocess replaying the specs in `spec_path` on one side: a kind, an
-    interpreter, a path, options."""
+    """A worker subprocess replaying the specs in `spec_path` on one side."""
 
     def __init__(self, label: str, kind: str, python: str, pythonpath: str | None,
                  spec_path: Path, options: dict[str, Any] | None = None) -> None:
@@ -435,8 +429,7 @@ class Worker:
         return dict(self._read())
 
     def result(self, scenario: str, num_blocks: int | None = None, **extra: Any) -> ManagerResult:
-        """Replay `scenario` (on its pool unless `num_blocks`) with this side's options;
-        RuntimeError on its error."""
+        """Replay `scenario` (on its pool unless `num_blocks`); RuntimeError on the worker's error."""
         layout, _, regime = scenario.partition("/")
         if num_blocks is None:
             num_blocks = POOLS[layout][regime == "roomy"]
@@ -485,8 +478,7 @@ def make_specs(workload: str, num_requests: int, seed: int = 0) -> list[Spec]:
 
 
 def ideal_hit_rate(specs: list[Spec], block_size: int | None = BLOCK_SIZE) -> float:
-    """Prompt tokens an infinite cache serves at first admission over all prompt tokens: in whole
-    blocks, or token-exact with `block_size` None."""
+    """An infinite cache's first-admission hit rate, in whole blocks or token-exact (`block_size` None)."""
     from kvstore.benchmarks.workloads import RequestSpec, ideal_hit_tokens
 
     reqs = [RequestSpec(s.request_id, s.arrival, tuple(s.prompt), len(s.outputs),
@@ -495,8 +487,7 @@ def ideal_hit_rate(specs: list[Spec], block_size: int | None = BLOCK_SIZE) -> fl
 
 
 def _option(text: str) -> dict[str, Any]:
-    """argparse type: ``KEY=VALUE[,KEY=VALUE]`` (true/false, numbers, else strings), `CacheConfig`
-    fields with values it accepts."""
+    """argparse type: ``KEY=VALUE[,KEY=VALUE]`` (true/false, numbers, else strings) CacheConfig accepts."""
     from kvstore.kv_cache_manager import CacheConfig
 
     out: dict[str, Any] = {}
@@ -612,8 +603,7 @@ def run(args: argparse.Namespace) -> int:
 
 def print_tables(best: dict[str, list[ManagerResult]], mine: list[ManagerResult],
                  others: dict[str, list[ManagerResult]]) -> None:
-    """Each side's table (µs per call, seconds in all, hit rate, preemptions, evictions), then per
-    other side and scenario this revision's time over its time."""
+    """Each side's table, then per scenario this revision's time over each other side's."""
     from kvstore.benchmarks.output import fmt, text_table
 
     per_side = ("lookup", "admit", "chunk", "decode", "free")
