@@ -26,6 +26,11 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 64, 8, 128, 16
 DTYPE = torch.bfloat16
 SCALE = 1.0 / math.sqrt(HEAD_DIM)
 FLUSH_BYTES = 256 << 20  # > L2 of any current GPU (H100/H200: 50 MiB)
+# (batch, context, query length) of the decode and the prefill sweep, and timed iterations
+QUICK_SWEEP = ([(b, c, 1) for b in (1, 32) for c in (4096, 65536)], [(1, 4096, 4096), (1, 32768, 2048)], 5)
+FULL_SWEEP = ([(b, c, 1) for b in (1, 4, 16, 64, 256) for c in (1024, 4096, 16384, 65536, 131072)],
+              [(1, 1024, 1024), (1, 4096, 4096), (1, 16384, 16384), (4, 4096, 4096), (1, 16384, 512),
+               (1, 65536, 2048), (8, 32768, 512)], 20)
 
 
 @dataclass
@@ -196,15 +201,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     copy_bw, read_bw = bandwidth_gbps(flush, copy=True), bandwidth_gbps(flush, copy=False)
     print(f"device copy bandwidth (read+write): {copy_bw:.0f} GB/s; read bandwidth: {read_bw:.0f} GB/s")
     rows: list[Row] = []
-    if args.quick:
-        decode_grid = [(b, c, 1) for b in (1, 32) for c in (4096, 65536)]
-        prefill_grid = [(1, 4096, 4096), (1, 32768, 2048)]
-        iters = 5
-    else:
-        decode_grid = [(b, c, 1) for b in (1, 4, 16, 64, 256) for c in (1024, 4096, 16384, 65536, 131072)]
-        prefill_grid = [(1, 1024, 1024), (1, 4096, 4096), (1, 16384, 16384), (4, 4096, 4096),
-                        (1, 16384, 512), (1, 65536, 2048), (8, 32768, 512)]
-        iters = 20
+    decode_grid, prefill_grid, iters = QUICK_SWEEP if args.quick else FULL_SWEEP
     print(f"GQA {HEADS}:{KV_HEADS}, head_dim {HEAD_DIM}, {DTYPE}, block_size {BLOCK_SIZE}; "
           "decode: needed K/V bytes / time; prefill: 4*pairs*D*H / time")
     print(f"{'kind':7s} {'batch':6s} {'context':11s} {'q':8s} {'window':7s} {'impl':11s} "

@@ -35,9 +35,8 @@ STEP_TIME = 0.02
 # Pools in blocks (pressured, roomy) per layout.
 POOLS: dict[str, tuple[int, int]] = {"full": (3000, 16000), "hybrid": (4500, 28000), "gemma3": (12000, 60000)}
 SCENARIOS = tuple(f"{layout}/{regime}" for layout in POOLS for regime in ("pressured", "roomy"))
-# (sliding-window layers, full layers) and KV cache groups per layout.
+# (sliding-window layers, full layers) per layout; a vLLM KV cache group holds n_full layers.
 LAYERS: dict[str, tuple[int, int]] = {"full": (0, 32), "hybrid": (16, 16), "gemma3": (25, 5)}
-NUM_GROUPS: dict[str, int] = {"full": 1, "hybrid": 2, "gemma3": 6}
 WORKLOADS: tuple[str, ...] = ("shared-prefix", "chat", "few-shot")
 CALLS: tuple[str, ...] = ("lookup", "admit", "decode", "free")
 REPO = Path(__file__).resolve().parent.parent
@@ -219,10 +218,10 @@ class VllmSide(Side):
 
         kw: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_kv_heads": 8, "head_size": 128,
                               "dtype": torch.float16}
-        per_group = LAYERS[layout][1]
+        n_slide, per_group = LAYERS[layout]
         groups = [kvi.KVCacheGroupSpec([f"s{g}.{j}" for j in range(per_group)],
                                        kvi.SlidingWindowSpec(**kw, sliding_window=WINDOW))
-                  for g in range(NUM_GROUPS[layout] - 1)]
+                  for g in range(n_slide // per_group)]
         groups.append(kvi.KVCacheGroupSpec([f"f.{j}" for j in range(per_group)], kvi.FullAttentionSpec(**kw)))
         config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.manager = KVCacheManager(config, max_model_len=1 << 20, scheduler_block_size=BLOCK_SIZE,
