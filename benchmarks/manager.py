@@ -560,8 +560,8 @@ def run(args: argparse.Namespace) -> int:
                               text=True).stdout.strip() or "this tree"
         tree = str(cache_layer_tree(REPO / "kvstore", tmp / "this"))
         for options in [{}, *args.also]:
-            label = ",".join(f"{k}={v}" for k, v in options.items())
-            label = f"this, {label}" if options else f"this ({this})"
+            given = ",".join(f"{k}={v}" for k, v in options.items())
+            label = f"this, {given}" if options else f"this ({this})"
             workers.append(Worker(label, "kvstore", sys.executable, tree, spec_file, options))
         if args.vs:
             worktree = tmp / "vs-worktree"
