@@ -147,7 +147,7 @@ class Side:
 
 
 class KvstoreSide(Side):
-    """kvstore's KVCacheManager, of this or an older revision; `options` are `CacheConfig` fields."""
+    """kvstore's KVCacheManager (any revision with get_computed_blocks, allocate_slots and free)."""
 
     name = "kvstore"
 
