@@ -140,10 +140,12 @@ def _table(result: SweepResult, wide: bool, drop: Sequence[str] = ()) -> Any:
     from rich.table import Table
 
     m = result.meta
-    title = (f"{m.workload} on {m.model_shape} (block {m.block_size}): ideal hit "
-             f"{_pct(m.ideal_token_hit_rate)} token / {_pct(m.ideal_block_hit_rate)} block")
+    parts = [f"{m.workload} on {m.model_shape} (block {m.block_size})",
+             f"ideal hit {_pct(m.ideal_token_hit_rate)} token / {_pct(m.ideal_block_hit_rate)} block"]
     if m.tiers:
-        title += "; tiers: " + TierOptions(**m.tiers).describe()
+        parts.append("tiers: " + TierOptions(**m.tiers).describe())
+    # Narrow, a phrase a line (the console would wrap it mid-phrase).
+    title = "\n".join(parts) if not wide else f"{parts[0]}: " + "; ".join(parts[1:])
     if wide:
         t = Table(title=title, show_lines=False)
     else:  # no borders or padding: one space between columns
