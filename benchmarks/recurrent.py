@@ -1,7 +1,6 @@
-"""``kvstore bench recurrent``: prefix hits of linear-attention and state-space hybrids at
-one byte budget each: kvstore's checkpoints against a model of vLLM's policy (``vllm-align``),
-an ``oracle`` (a free checkpoint at every block boundary) and ``all-full`` attention; and
-kvstore with a host tier below the pool (``kvstore+host``)."""
+"""``kvstore bench recurrent``: prefix hits of recurrent hybrids at one byte budget each, for
+kvstore's checkpoints, vLLM's policy (``vllm-align``), an ``oracle`` (a free checkpoint at every
+block boundary), ``all-full`` attention and kvstore over a host tier (``kvstore+host``)."""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ class Layout:
     source: str
 
     def specs(self, block_size: int, recurrent: bool = True, all_full: bool = False) -> list[LayerSpec]:
-        """The layer specs: as the model has them, without the recurrent layers, or with
-        every layer full attention."""
+        """The layer specs: the model's, without its recurrent layers, or all full attention."""
         full = FullAttentionSpec(block_size, self.kv_heads, self.head_dim, self.dtype)
         if all_full:
             return [full] * len(self.pattern)
@@ -83,8 +81,7 @@ class Layout:
 
     @property
     def vllm_block_size(self) -> int:
-        """vLLM's attention block: the fewest multiples of 16 tokens whose page per layer
-        holds one layer's state."""
+        """vLLM's attention block: the fewest 16-token multiples whose page holds a state."""
         return 16 * cdiv(self.state_bytes, 16 * self.kv_bytes_per_token)
 
     def budget_of_tokens(self, tokens: int) -> int:
@@ -121,8 +118,7 @@ class System:
     eviction: str
     stops: Stops
     checkpoint_every_blocks: int | None = None  # None: CacheConfig's default
-    #: A host tier of this many bytes below the pool (0: none).
-    host_tier_bytes: int = 0
+    host_tier_bytes: int = 0  # a host tier of this many bytes below the pool (0: none)
 
 
 def systems(layout: Layout, eviction: str = "worth", host_gib: Sequence[float] = ()) -> list[System]:
@@ -180,9 +176,8 @@ class Row:
 
 def _step_end(m: KVCacheManager, req: Request, nc: int, end: int, stops: Stops, bs: int,
               computed: ComputedBlocks | None) -> int:
-    """Where a step from `nc` computed tokens (before admission: the device and tier hit)
-    towards `end` stops (`computed`: the lookup, before admission); a decode step is one
-    token, as a serving engine's."""
+    """Where a step from `nc` computed tokens towards `end` stops (`computed`: the lookup,
+    before admission); a decode step is one token."""
     if nc >= req.num_prompt_tokens:
         return nc + 1
     if stops == "checkpoints":  # counted from the device hit; a tier hit may lie past some
@@ -196,9 +191,8 @@ def _step_end(m: KVCacheManager, req: Request, nc: int, end: int, stops: Stops, 
 def serve(m: KVCacheManager, req: Request, stops: Stops, bs: int, clock: list[float],
           tiers: PlaceholderConnector | None = None, outputs: Sequence[int] = ()
           ) -> tuple[int, int, ComputedBlocks]:
-    """Serve one request alone (prefill in chunks, then its ``max_tokens`` outputs: `outputs`,
-    else stand-ins); returns its admission's hit tokens (device and tiers), the manager calls
-    made (their time added to `clock[0]`; the connector's is not counted) and its lookup."""
+    """Serve one request alone (prefill in chunks, then `outputs` or stand-ins); returns its
+    hit tokens (device and tiers), the manager calls (timed into `clock[0]`) and its lookup."""
     n = req.num_prompt_tokens
     t0 = time.perf_counter()
     lookup = m.get_computed_blocks(req)
@@ -210,10 +204,8 @@ def serve(m: KVCacheManager, req: Request, stops: Stops, bs: int, clock: list[fl
     while nc < target:
         t0 = time.perf_counter()
         end = _step_end(m, req, nc, min(nc + CHUNK_TOKENS, target), stops, bs, computed)
-        if computed is None:
-            ids = m.grow(req, end - nc)
-        else:
-            ids = m.admit(req, end - nc, computed, num_external_tokens=external)
+        ids = (m.grow(req, end - nc) if computed is None
+               else m.admit(req, end - nc, computed, num_external_tokens=external))
         m.take_pending_copies()
         clock[0] += time.perf_counter() - t0
         calls += 2 + (stops == "checkpoints" and nc < n)  # next_checkpoints in prefill only
@@ -268,9 +260,8 @@ def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout
     options: dict[str, Any] = {"eviction": system.eviction, "enable_partial_hits": False}
     if system.checkpoint_every_blocks is not None:
         options["checkpoint_every_blocks"] = system.checkpoint_every_blocks
-    tiers = None
-    if system.host_tier_bytes:
-        tiers = PlaceholderConnector(config, layout, host=ModelTier(system.host_tier_bytes, name="host"))
+    tiers = (PlaceholderConnector(config, layout, host=ModelTier(system.host_tier_bytes, name="host"))
+             if system.host_tier_bytes else None)
     m = new_manager(config, tiers, **options)
     clock = [0.0]
     hits = calls = 0
@@ -291,12 +282,6 @@ def _replay(requests: Sequence[RequestSpec], system: System, budget: int, layout
                tiers.stats.host_hit_tokens if tiers is not None else 0)
 
 
-def mooncake_requests(path: Path, limit: int | None) -> list[RequestSpec]:
-    """A Mooncake trace's rows as prompts without outputs (the trace has no output content)."""
-    workload = mooncake_to_workload(path, limit=limit)
-    return [replace(r, max_tokens=1) for r in workload.requests]
-
-
 #: The goals checked per layout, workload and budget, by key.
 GOALS = {
     "vllm": "kvstore >= 2x vllm-align's hit rate (> 0 where it is 0)",
@@ -313,8 +298,7 @@ class Goal:
     where: str
     met: bool
     text: str
-    #: False where no cache could meet it (2x vllm-align above the oracle's hit rate).
-    reachable: bool = True
+    reachable: bool = True  # False where no cache could (2x vllm-align above the oracle)
 
 
 def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[Goal]:
@@ -331,8 +315,7 @@ def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[Goal]:
             beyond = (f"; 2x is above the oracle's {o.hit_rate:.3f}"
                       if o is not None and 2 * v.hit_rate > o.hit_rate else "")
             out.append(Goal("vllm", where, ok, f"kvstore {r.hit_rate:.3f} vs vllm-align "
-                                               f"{v.hit_rate:.3f}{beyond}",
-                            reachable=not beyond))
+                            f"{v.hit_rate:.3f}{beyond}", reachable=not beyond))
         if o is not None and f is not None and workload in ideal and f.hit_rate >= 0.8 * ideal[workload]:
             ok = r.hit_rate >= 0.8 * o.hit_rate
             out.append(Goal("oracle", where, ok,
@@ -413,9 +396,9 @@ def run(args: argparse.Namespace) -> int:
             args.usage_error(f"argument --mooncake: the Mooncake replay {e}; or skip it with "
                              f"--mooncake ''")
     check_folder(args.out, args.usage_error)
-    rows: list[Row] = []
     ideal: dict[str, float] = {}
-    runs: list[tuple[list[RequestSpec], Layout, int, str, list[System]]] = []
+    # Per run: requests, layout, budget, workload, systems and the option that set the budget.
+    runs: list[tuple[list[RequestSpec], Layout, int, str, list[System], str]] = []
     for name in args.workloads:
         size = ({"num_conversations": args.requests // 4} if name == "multi_turn_chat"
                 else {"num_requests": args.requests})
@@ -423,35 +406,33 @@ def run(args: argparse.Namespace) -> int:
         ideal[name] = ideal_hit_tokens(specs, BLOCK_SIZE, include_outputs=True).rate
         for layout in (LAYOUTS[n] for n in args.layouts):
             host_gib = args.host_tier_gib if layout.name == "qwen3-next" else ()
-            runs += [(specs, layout, int(gib * GiB), name, systems(layout, args.eviction, host_gib))
-                     for gib in args.budgets]
-    if args.mooncake:
-        trace = mooncake_requests(trace_path, args.limit)
+            runs += [(specs, layout, int(gib * GiB), name, systems(layout, args.eviction, host_gib),
+                      "--budgets") for gib in args.budgets]
+    if args.mooncake:  # prompts without outputs: the trace has no output content
+        trace = [replace(r, max_tokens=1)
+                 for r in mooncake_to_workload(trace_path, limit=args.limit).requests]
         layout = LAYOUTS["qwen3-next"]
         runs += [(trace, layout, layout.budget_of_tokens(int(tokens)), "mooncake_conversation",
-                  systems(layout, args.eviction)[:3]) for tokens in args.mooncake]
+                  systems(layout, args.eviction)[:3], "--mooncake") for tokens in args.mooncake]
     if not runs:
         args.usage_error("nothing to run: --budgets and --mooncake are both empty")
-    def flag(workload: str) -> str:  # the option that set a run's budget
-        return "--mooncake" if workload == "mooncake_conversation" else "--budgets"
-
-    for _, layout, budget, workload, row_systems in runs:
+    for _, layout, budget, _, row_systems, flag in runs:
         for system in row_systems:  # a budget too small for the layout's pages
             try:
                 make_kv_cache_config(system.specs, memory_bytes=budget)
             except ValueError as e:
-                args.usage_error(f"argument {flag(workload)}: {budget / GiB:.3g} GiB is too small for "
+                args.usage_error(f"argument {flag}: {budget / GiB:.3g} GiB is too small for "
                                  f"{layout.name} ({system.name}): {e}")
-    for specs, layout, budget, workload, row_systems in runs:
-        # kvstore's and the oracle's times are compared: replayed in turns, best kept.
-        timed = [s for s in row_systems if s.name in ("kvstore", "oracle")
-                 and workload != "mooncake_conversation"]
+    rows: list[Row] = []
+    for specs, layout, budget, workload, row_systems, flag in runs:
+        # The built-in workloads' kvstore and oracle times are compared: replayed in turns.
+        timed = [s for s in row_systems if s.name in ("kvstore", "oracle") and flag == "--budgets"]
         once = [s for s in row_systems if s not in timed]
         try:
             done = (run_systems(specs, timed, budget, layout.name, workload, args.repeats)
                     + run_systems(specs, once, budget, layout.name, workload))
         except RequestTooLargeError as e:
-            args.usage_error(f"argument {flag(workload)}: {budget / GiB:.3g} GiB cannot hold a request of "
+            args.usage_error(f"argument {flag}: {budget / GiB:.3g} GiB cannot hold a request of "
                              f"{workload} on {layout.name}: {e}")
         for r in done:
             rows.append(r)
@@ -459,9 +440,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{r.hit_rate:.3f} ({r.manager_seconds:.1f} s)", file=sys.stderr, flush=True)
     checked = goals(rows, ideal)
     write_json(args.out / "recurrent.json", {
-        "layouts": {n: {**asdict(LAYOUTS[n]), "state_bytes": LAYOUTS[n].state_bytes,
-                        "kv_bytes_per_token": LAYOUTS[n].kv_bytes_per_token,
-                        "vllm_block_size": LAYOUTS[n].vllm_block_size} for n in args.layouts},
+        "layouts": {n: {**asdict(LAYOUTS[n]), **{k: getattr(LAYOUTS[n], k) for k in (
+            "state_bytes", "kv_bytes_per_token", "vllm_block_size")}} for n in args.layouts},
         "ideal": ideal, "rows": [r.as_dict() for r in rows], "goals": [asdict(g) for g in checked]})
     write_csv(args.out / "recurrent.csv", [r.as_dict() for r in rows])
     for layout_name, workload in dict.fromkeys((r.layout, r.workload) for r in rows):

@@ -1,9 +1,6 @@
-"""``kvstore bench tiers``: each transfer path of the tiers side by side with a plain copy of
-the same bytes (gather/scatter, the host tier's paths, store values checksummed or sealed,
-XXH3 alone by thread count, Valkey put/get against raw pipelined SET/GET), alternated
-``--reps`` times; medians in GB/s of payload bytes and the ratio path / plain
-(docs/tiers.md, "Transfer figures"). With ``--engines``: two engine processes sharing
-one Valkey store, the second hitting the prefixes the first computed, both checked against one
+"""``kvstore bench tiers``: each transfer path of the tiers against a plain copy of the same
+bytes, alternated ``--reps`` times: median GB/s and the ratio (docs/tiers.md, "Transfer
+figures"). ``--engines``: two engine processes sharing one Valkey store, checked against one
 engine without tiers (docs/tiers.md, "Two engine processes, one store")."""
 
 from __future__ import annotations
@@ -50,23 +47,20 @@ def side_by_side(name: str, path: Callable[[], object], base: Callable[[], objec
     """Median GB/s of ``path`` and ``base`` run alternately, and their ratio (``name`` is
     shown on stderr while it runs)."""
     print(f"  {name} ...", file=sys.stderr, flush=True)
+    cuda = device.type == "cuda"
+    sync: Callable[[], object] = partial(torch.cuda.synchronize, device) if cuda else lambda: None
 
     def seconds(fn: Callable[[], object]) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync()
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync()
         return time.perf_counter() - t0
 
     path()
     base()
-    tp, tb = [], []
-    for _ in range(reps):
-        tp.append(seconds(path))
-        tb.append(seconds(base))
-    gp, gb = nbytes / statistics.median(tp) / 1e9, nbytes / statistics.median(tb) / 1e9
+    times = [(seconds(path), seconds(base)) for _ in range(reps)]
+    gp, gb = (nbytes / statistics.median(t) / 1e9 for t in zip(*times, strict=True))
     return {"path_GBps": round(gp, 3), "plain_GBps": round(gb, 3), "ratio": round(gp / gb, 3)}
 
 
@@ -98,22 +92,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kv_heads": args.kv_heads, "head_dim": args.head_dim, "layers_per_group": args.layers,
         "blocks_per_batch": n, "block_payload_bytes": P, "batch_bytes": nbytes,
         "torch_threads": torch.get_num_threads()}}
-
-    def d2h() -> None:
-        host_flat.copy_(dev_contig, non_blocking=pin)
-
-    def h2d() -> None:
-        dev_contig.copy_(host_flat, non_blocking=pin)
-
+    d2h = partial(host_flat.copy_, dev_contig, non_blocking=pin)
+    h2d = partial(dev_contig.copy_, host_flat, non_blocking=pin)
     layout = BlockLayout("bench-model", spec, config.groups[0].layer_ids)
     tokens = [[i * args.block_size + j for j in range(args.block_size)] for i in range(n)]
     hashes = list(accumulate(tokens, hash_block, initial=root_hash(None)))[1:]  # the chain
     keys = request_keys(layout, hashes, None)
     tier = HostTier(4 * n * HostTier.slot_nbytes_for(layout), pin=pin)
-
-    def restored_equal() -> None:
-        k = cache.key_caches[0].view(torch.uint8)
-        assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
 
     # The engine's host path: values that stay in this process carry no checksum.
     paths: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
@@ -137,7 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, path, plain in paths:
         rows[name] = side_by_side(name, path, plain, nbytes, device, args.reps)
         if name.startswith("host tier restore"):
-            restored_equal()
+            k = cache.key_caches[0].view(torch.uint8)
+            assert torch.equal(k[dst_ids], k[src_ids]), "restored pages differ from the offloaded ones"
     items = offload_items(cache, layout, 0, src_ids, keys, tokens)
     for name, path in value_paths(items, layout, tokens):
         rows[name] = side_by_side(name, path, d2h, nbytes, device, args.reps)
@@ -159,25 +145,23 @@ def value_paths(items: list, layout: BlockLayout, tokens: list) -> list[tuple[st
     sealer = Sealer(b"tier bench secret, not a real one")
     root = root_hash(None)
     triples = [(k, t, v) for (k, v), t in zip(items, tokens, strict=True)]
+    values = [v for _, v in items]
     sealed = [sealer.seal(root, k, v) for k, v in items]
 
-    def encode() -> list[bytes]:
-        return [encode_block(layout, k, t, v[-layout.payload_nbytes:]) for k, t, v in triples]
+    def encode(k: bytes, t: list[int], v: bytes) -> bytes:
+        return encode_block(layout, k, t, v[-layout.payload_nbytes:])
 
-    def verify_checked() -> None:
-        for k, t, v in triples:
-            assert decode_block(layout, k, t, v) is not None
+    def verify(stored: list[bytes], opened: Callable[[bytes, bytes], bytes | None] | None = None) -> None:
+        for (k, t, _), v in zip(triples, stored, strict=True):
+            assert decode_block(layout, k, t, v if opened is None else opened(k, v)) is not None
 
-    def open_and_verify() -> None:
-        for (k, t, _), s in zip(triples, sealed, strict=True):
-            assert decode_block(layout, k, t, sealer.open(root, k, s)) is not None
-
-    return [("store value, checksum path: encode (XXH3) of gathered pages", encode),
+    return [("store value, checksum path: encode (XXH3) of gathered pages",
+             lambda: [encode(k, t, v) for k, t, v in triples]),
             ("store value, sealed: encode + AES-GCM seal",
-             lambda: [sealer.seal(root, k, encode_block(layout, k, t, v[-layout.payload_nbytes:]))
-                      for k, t, v in triples]),
-            ("store value, checksum path: verify (XXH3)", verify_checked),
-            ("store value, sealed: AES-GCM open + verify", open_and_verify)]
+             lambda: [sealer.seal(root, k, encode(k, t, v)) for k, t, v in triples]),
+            ("store value, checksum path: verify (XXH3)", partial(verify, values)),
+            ("store value, sealed: AES-GCM open + verify",
+             partial(verify, sealed, partial(sealer.open, root)))]
 
 
 def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, tokens: list,
@@ -195,20 +179,18 @@ def store_rows(args: argparse.Namespace, items: list, layout: BlockLayout, token
         names = [st.namespace + k for k in keys]
         nbytes = sum(len(v) for _, v in items)
 
-        def raw_set() -> None:
-            pipe = client.pipeline(transaction=False)
-            for name, (_, v) in zip(names, items, strict=True):
-                pipe.set(name, v)
-            pipe.execute()
+        def raw(command: str, *columns: list[bytes]) -> Callable[[], object]:
+            """Pipelined `command` (SET or GET) of every key, with its value from `columns`."""
+            def go() -> object:
+                pipe = client.pipeline(transaction=False)
+                for row in zip(names, *columns, strict=True):
+                    getattr(pipe, command)(*row)
+                return pipe.execute()
+            return go
 
-        def raw_get() -> None:
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.get(name)
-            pipe.execute()
-
-        rows = {name: side_by_side(name, path, raw, nbytes, device, args.reps)
-                for name, path, raw in (
+        raw_set, raw_get = raw("set", [v for _, v in items]), raw("get")
+        rows = {name: side_by_side(name, path, plain, nbytes, device, args.reps)
+                for name, path, plain in (
             ("store put (ValkeyStore.store_now vs raw pipelined SET)",
              lambda: st.store_now(items), raw_set),
             ("store get (ValkeyStore.load vs raw pipelined GET)", lambda: st.load(keys), raw_get),
@@ -338,8 +320,6 @@ def run_engines(a: argparse.Namespace) -> int:
         "seconds": {"a": first["seconds"], "b": second["seconds"]},
         "a_flushed": first["flushed"], "store_b": second["store"],
     }
-    if a.json:
-        write_json(a.json, result)
     print(wrap(f"A computed {prefix_tokens} prefix tokens (full blocks) over {n} prefixes; B "
                f"loaded {second['store_hit_tokens']} of them from the store: "
                f"{result['fraction']:.3f}"))
@@ -349,6 +329,7 @@ def run_engines(a: argparse.Namespace) -> int:
           f"seconds: A {first['seconds']}, B {second['seconds']}")
     ok = result["fraction"] >= 0.95 and result["a_tokens_equal"] and result["b_tokens_equal"]
     if a.json:
+        write_json(a.json, result)
         print(f"wrote {a.json}")
     return 0 if ok else 1
 

@@ -49,9 +49,8 @@ def placeholder_nbytes(value: Buffer) -> int:
 def decode_placeholder(layout: BlockLayout, key: bytes, token_ids: Sequence[int],
                        value: Buffer | None, counters: dict[str, int] | None = None
                        ) -> memoryview | None:
-    """An empty payload when ``value`` is this key's placeholder for this layout holding
-    exactly ``token_ids`` with a matching checksum; otherwise None and one count under the
-    reason (``decode_block``'s names). Never raises for a bad value."""
+    """An empty payload when ``value`` is this key's intact placeholder for ``token_ids``;
+    otherwise None and one count under the reason (``decode_block``'s names). Never raises."""
     reason = _verify(layout, key, token_ids, value)
     if reason is None:
         return _EMPTY
@@ -87,15 +86,13 @@ def _verify(layout: BlockLayout, key: bytes, token_ids: Sequence[int], value: Bu
 
 
 class ModelTier:
-    """An in-process tier, least recently loaded or stored evicted first, whose capacity
-    (``None``: unbounded) is charged ``placeholder_nbytes`` of each value: the size of the real
-    value a placeholder stands for. Thread-safe."""
+    """An in-process LRU tier whose capacity (``None``: unbounded) is charged the size of the
+    real value each placeholder stands for (``placeholder_nbytes``). Thread-safe."""
 
     def __init__(self, capacity_bytes: int | None, *, name: str = "model") -> None:
-        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or isinstance(
-                capacity_bytes, bool) or capacity_bytes < 0):
-            raise ValueError("capacity_bytes must be a non-negative int or None, got "
-                             f"{capacity_bytes!r}")
+        if capacity_bytes is not None and (not isinstance(capacity_bytes, int)
+                                           or isinstance(capacity_bytes, bool) or capacity_bytes < 0):
+            raise ValueError(f"capacity_bytes must be a non-negative int or None, got {capacity_bytes!r}")
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
@@ -169,9 +166,8 @@ class ModelTier:
 
 
 class PlaceholderConnector(TierConnector):
-    """A ``TierConnector`` over placeholder values: the engine's lookup and offload
-    decisions, with nothing to gather or scatter (``cache`` may be None). Each admitted
-    hit's tokens per tier are noted by request id in ``admitted_tokens``."""
+    """A ``TierConnector`` over placeholder values: nothing to gather or scatter (``cache``
+    may be None); each admitted hit's tokens per tier by request id in ``admitted_tokens``."""
 
     def __init__(self, config: KVCacheConfig, model_name: str, **options: Any) -> None:
         super().__init__(config, model_name, **options)

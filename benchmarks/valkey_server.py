@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -19,9 +18,9 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from kvstore.tiers.mooncake_store import HOST, _die_with_parent
+from kvstore.tiers.mooncake_store import free_port as _free_port
 from kvstore.tiers.valkey_store import redact_url
-
-HOST = "127.0.0.1"
 
 
 def find_server_binary() -> str:
@@ -52,24 +51,14 @@ def find_cli_binary() -> str:
 def free_port(cluster_bus: bool = False) -> int:
     """A port free on 127.0.0.1 now (and port + 10000 too, for a cluster node's bus)."""
     for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((HOST, 0))
-            port = s.getsockname()[1]
+        port = _free_port()
         if not cluster_bus:
             return port
         if port + 10000 < 65536:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind((HOST, port + 10000))
-                    return port
-                except OSError:
-                    pass
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, contextlib.suppress(OSError):
+                s.bind((HOST, port + 10000))
+                return port
     raise RuntimeError("found no free port pair on 127.0.0.1 after 200 tries")
-
-
-def _die_with_parent() -> None:  # Linux: SIGTERM when the starting process exits, however
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _answers(port: int) -> bool:
