@@ -50,8 +50,7 @@ CHUNK_TOKENS = 8192
 
 @dataclass(frozen=True)
 class Layout:
-    """A hybrid model's cache layers: `pattern` has one letter per cached layer (``A`` full
-    attention, ``R`` recurrent); `state` the recurrent layer's state tensors."""
+    """A hybrid's cache layers: `pattern`, ``A`` (attention) or ``R`` (recurrent) per layer."""
 
     name: str
     pattern: str
@@ -122,8 +121,7 @@ class System:
 
 
 def systems(layout: Layout, eviction: str = "worth", host_gib: Sequence[float] = ()) -> list[System]:
-    """kvstore (with `eviction`), vllm-align, the oracle and all-full for `layout`, then
-    kvstore with a host tier of each size in `host_gib` below the pool."""
+    """kvstore, vllm-align, the oracle and all-full for `layout`, then kvstore over each host tier."""
     vbs, bs = layout.vllm_block_size, BLOCK_SIZE
     return [System("kvstore", layout.specs(bs), bs, eviction, "checkpoints"),
             System("vllm-align", layout.specs(vbs), vbs, "lru", "align", checkpoint_every_blocks=1),
@@ -176,8 +174,7 @@ class Row:
 
 def _step_end(m: KVCacheManager, req: Request, nc: int, end: int, stops: Stops, bs: int,
               computed: ComputedBlocks | None) -> int:
-    """Where a step from `nc` computed tokens towards `end` stops (`computed`: the lookup,
-    before admission); a decode step is one token."""
+    """Where a step from `nc` computed tokens towards `end` stops (a decode step: one token)."""
     if nc >= req.num_prompt_tokens:
         return nc + 1
     if stops == "checkpoints":  # counted from the device hit; a tier hit may lie past some
@@ -233,8 +230,7 @@ def serve(m: KVCacheManager, req: Request, stops: Stops, bs: int, clock: list[fl
 
 def run_systems(requests: Sequence[RequestSpec], compared: Sequence[System], budget: int,
                 layout: str, workload: str, repeats: int = 1) -> list[Row]:
-    """Serve `requests` in arrival order through each of `compared` at `budget` bytes, in
-    `repeats` rounds taken in turn (cyclic GC off), keeping each one's fastest manager time."""
+    """Replay `requests` through each of `compared` in `repeats` turns, keeping the fastest time."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     best: list[Row | None] = [None] * len(compared)

@@ -1,7 +1,6 @@
 """``kvstore bench tiers``: each transfer path of the tiers against a plain copy of the same
-bytes, alternated ``--reps`` times: median GB/s and the ratio (docs/tiers.md, "Transfer
-figures"). ``--engines``: two engine processes sharing one Valkey store, checked against one
-engine without tiers (docs/tiers.md, "Two engine processes, one store")."""
+bytes (docs/tiers.md, "Transfer figures"); ``--engines``: two engine processes sharing one
+Valkey store, against one engine without tiers (docs/tiers.md, "Two engine processes, one store")."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ ENGINE_OPTIONS = ("layers", "num_blocks", "block_size", "prefixes", "prefix_len"
 
 def side_by_side(name: str, path: Callable[[], object], base: Callable[[], object], nbytes: int,
                  device: torch.device, reps: int) -> dict[str, float]:
-    """Median GB/s of ``path`` and ``base`` run alternately, and their ratio (``name`` is
-    shown on stderr while it runs)."""
+    """Median GB/s of ``path`` and ``base`` run alternately, and their ratio."""
     print(f"  {name} ...", file=sys.stderr, flush=True)
     cuda = device.type == "cuda"
     sync: Callable[[], object] = partial(torch.cuda.synchronize, device) if cuda else lambda: None
@@ -138,8 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def value_paths(items: list, layout: BlockLayout, tokens: list) -> list[tuple[str, Callable[[], object]]]:
-    """What a store value costs on this side of the socket, with its checksum only or
-    sealed (AES-256-GCM)."""
+    """What a store value costs on this side of the socket, checksummed or sealed (AES-256-GCM)."""
     from kvstore.tiers.seal import Sealer
 
     sealer = Sealer(b"tier bench secret, not a real one")
@@ -210,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Measure the transfers (or with ``--engines`` run two engines), print a table (and JSON
-    with ``--json``)."""
+    """Measure the transfers (or with ``--engines`` run two engines); print them (and ``--json``)."""
     from kvstore.benchmarks.simulator import check_store
     from kvstore.cli import resolve_device
 
@@ -250,20 +246,16 @@ def run_command(args: argparse.Namespace) -> int:
 
 def prompts_for(role: str, num_prefixes: int, prefix_len: int, suffix_len: int,
                 vocab: int) -> list[list[int]]:
-    """The prompts of engine ``role`` (``a`` or ``b``): each shared prefix plus a suffix of
-    its own."""
-    out = []
-    for i in range(num_prefixes):
-        g = torch.Generator().manual_seed(1000 + i)
-        prefix = torch.randint(0, vocab, (prefix_len,), generator=g).tolist()
-        g = torch.Generator().manual_seed(2000 + 100 * "ab".index(role) + i)
-        out.append(prefix + torch.randint(0, vocab, (suffix_len,), generator=g).tolist())
-    return out
+    """The prompts of engine ``role`` (``a`` or ``b``): each shared prefix plus its own suffix."""
+    def tokens(seed: int, n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    return [tokens(1000 + i, prefix_len) + tokens(2000 + 100 * "ab".index(role) + i, suffix_len)
+            for i in range(num_prefixes)]
 
 
 def serve(role: str, store_url: str | None, a: argparse.Namespace, q: Any) -> None:
-    """Put on `q` the tokens and counters of an engine (with the store when `store_url`)
-    serving the prompts of `role` (``a``, ``b``, or ``ab`` for both in turn)."""
+    """Put on `q` the tokens and counters of an engine serving `role`'s prompts (``ab``: both)."""
     from kvstore.engine.engine import EngineConfig, LLMEngine, SamplingParams, TierConfig
     from kvstore.models.presets import build_preset
 
@@ -300,8 +292,7 @@ def in_child(role: str, url: str | None, a: argparse.Namespace) -> dict[str, Any
 
 
 def run_engines(a: argparse.Namespace) -> int:
-    """Run A, then B, against one store, and a reference engine; print the figures; 1 when
-    B loads under 95% of A's prefix tokens or any output differs."""
+    """Run A then B on one store, and a reference engine: 1 when B hits < 95% or outputs differ."""
     from kvstore.benchmarks.valkey_server import valkey_url
 
     a.layers = a.layers or 4

@@ -132,8 +132,7 @@ class ModelTier:
         return out
 
     def store(self, items: Sequence[StoreItem]) -> None:
-        """Keep the values as most recent, evicting the least recent to make room; a value
-        charged more than the whole capacity is dropped and counted."""
+        """Keep the values as most recent, evicting the least recent (one over capacity: dropped)."""
         check_items(items)
         cap = self.capacity_bytes
         dropped = evicted = 0

