@@ -44,8 +44,7 @@ from kvstore.utils import cdiv, hit_rate
 
 GiB = 1 << 30
 BLOCK_SIZE = 16
-# Prefill chunk (tokens), vLLM's default token budget per step.
-CHUNK_TOKENS = 8192
+CHUNK_TOKENS = 8192  # prefill chunk (tokens): vLLM's default token budget per step
 
 
 @dataclass(frozen=True)
@@ -370,8 +369,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mooncake", type=_sizes, default=[1e6, 3e6, 1e7], metavar="TOKENS",
                    help="budgets for the Mooncake conversation trace with the qwen3-next "
                         "layout, in tokens of its attention K/V (empty: skip)")
-    p.add_argument("--limit", type=positive_int, default=None,
-                   help="first N rows of the trace (default: every row)")
+    p.add_argument("--limit", type=positive_int, help="first N rows of the trace (default: every row)")
     p.add_argument("--host-tier-gib", type=_sizes, default=[16], metavar="GIB",
                    help="host tiers below kvstore's pool for the qwen3-next layout, in GiB: a "
                         "kvstore+host row each (empty: none)")
@@ -389,8 +387,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             trace_path = locate_trace("mooncake_conversation", option=None)
         except FileNotFoundError as e:
-            args.usage_error(f"argument --mooncake: the Mooncake replay {e}; or skip it with "
-                             f"--mooncake ''")
+            args.usage_error(f"argument --mooncake: the Mooncake replay {e}; or skip it with --mooncake ''")
     check_folder(args.out, args.usage_error)
     ideal: dict[str, float] = {}
     # Per run: requests, layout, budget, workload, systems and the option that set the budget.
@@ -451,8 +448,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     for line in summary(checked):
         print(wrap(line))
-    print(wrap(f"Every cell's figures: {args.out / 'recurrent.json'} (goals), "
-               f"{args.out / 'recurrent.csv'}"))
+    print(wrap(f"Every cell's figures: {args.out / 'recurrent.json'} (goals), {args.out / 'recurrent.csv'}"))
     return 0
 
 

@@ -233,8 +233,7 @@ def run_command(args: argparse.Namespace) -> int:
     print("ratio: the path's speed over its baseline, a plain copy of the same bytes (the\n"
           "store rows: raw pipelined SET / GET); above 1: faster")
     worst = min(rows, key=lambda name: rows[name]["ratio"])
-    print("\n" + wrap(f"slowest against its baseline ({rows[worst]['ratio']:.2f}x its speed): "
-                      f"{worst}"))
+    print("\n" + wrap(f"slowest against its baseline ({rows[worst]['ratio']:.2f}x its speed): {worst}"))
     if args.json:
         write_json(args.json, {"config": cfg, "rows": rows})
         print(f"wrote {args.json}")
@@ -279,8 +278,7 @@ def serve(role: str, store_url: str | None, a: argparse.Namespace, q: Any) -> No
 
 def in_child(role: str, url: str | None, a: argparse.Namespace) -> dict[str, Any]:
     """`serve` in a fresh (spawned) process."""
-    print(f"  engine {role.upper()}{' (store)' if url else ', no tiers'} ...", file=sys.stderr,
-          flush=True)
+    print(f"  engine {role.upper()}{' (store)' if url else ', no tiers'} ...", file=sys.stderr, flush=True)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     options = argparse.Namespace(**{k: getattr(a, k) for k in ENGINE_OPTIONS})

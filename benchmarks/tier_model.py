@@ -182,8 +182,7 @@ class PlaceholderConnector(TierConnector):
         """Placeholder values for the blocks of one offload (``cache`` is not read)."""
         layout = self.layouts[off.group_id]
         self.stored_keys.extend(k for k, s in zip(off.keys, off.to_store, strict=True) if s)
-        return [(k, encode_placeholder(layout, k, t))
-                for k, t in zip(off.keys, off.token_ids, strict=True)]
+        return [(k, encode_placeholder(layout, k, t)) for k, t in zip(off.keys, off.token_ids, strict=True)]
 
     def run_loads(self, cache: PagedKVCache | None, loads: Sequence[PendingLoad]) -> None:
         """Count the loads; there are no pages to write."""

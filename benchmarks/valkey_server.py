@@ -258,28 +258,26 @@ def _stop_all() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a command with a server (or cluster) up; its URL is in KVSTORE_VALKEY_URL."""
-    parser = argparse.ArgumentParser(prog="python -m kvstore.benchmarks.valkey_server",
-                                     description=main.__doc__)
-    parser.add_argument("--cluster", type=int, default=0, metavar="N", help="N >= 3 cluster masters")
-    parser.add_argument("--maxmemory", default=None)
-    parser.add_argument("--password-file", type=Path, default=None,
-                        help="require the password in this file (its first line)")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(prog="python -m kvstore.benchmarks.valkey_server", description=main.__doc__)
+    p.add_argument("--cluster", type=int, default=0, metavar="N", help="N >= 3 cluster masters")
+    p.add_argument("--maxmemory")
+    p.add_argument("--password-file", type=Path, help="require the password in this file (its first line)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    args = p.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
-        parser.error("give a command to run after --")
+        p.error("give a command to run after --")
     password = None
     if args.password_file is not None:
         try:
             password = args.password_file.read_text().splitlines()[0].strip()
         except (OSError, IndexError) as exc:
-            parser.error(f"--password-file {args.password_file}: {exc or 'empty'}")
+            p.error(f"--password-file {args.password_file}: {exc or 'empty'}")
     try:
         server = (ValkeyCluster(args.cluster, maxmemory=args.maxmemory, password=password)
                   if args.cluster else ValkeyServer(maxmemory=args.maxmemory, password=password))
     except ValueError as exc:
-        parser.error(str(exc))
+        p.error(str(exc))
     with server:
         print(f"kvstore.benchmarks.valkey_server: {redact_url(server.url)}", file=sys.stderr)
         return subprocess.call(cmd, env=dict(os.environ, KVSTORE_VALKEY_URL=server.url))
