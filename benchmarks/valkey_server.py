@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kvstore.tiers.mooncake_store import HOST, _die_with_parent
+from kvstore.tiers.mooncake_store import HOST, die_with_parent
 from kvstore.tiers.mooncake_store import free_port as _free_port
 from kvstore.tiers.valkey_store import redact_url
 
@@ -126,7 +126,7 @@ class ValkeyServer:
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         if self.password:
             assert self.proc.stdin is not None
             conf = f"requirepass {self.password}\n"

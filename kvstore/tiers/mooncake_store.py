@@ -33,8 +33,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    # Linux: the master gets SIGTERM when the process that started it exits, however it exits.
+def die_with_parent() -> None:
+    """For ``preexec_fn``: on Linux the child gets SIGTERM when the process that started it
+    exits, however it exits."""
     import ctypes
 
     with contextlib.suppress(Exception):
@@ -186,7 +187,7 @@ class MooncakeMaster:
                f"-http_metadata_server_port={self.http_port}", f"-metrics_host={HOST}",
                f"-metrics_port={self.metrics_port}", "-enable_metric_reporting=false"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
                                      env=dict(os.environ, GLOG_minloglevel="2"))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
