@@ -1,6 +1,5 @@
-"""Loaders for the public traces in ``shared/traces`` (see its README): Mooncake FAST'25
-(prefix-chained 512-token block hashes), Azure LLM inference 2023 (lengths only), the points
-read off the Mooncake paper, and `mooncake_lru_replay`, the LRU model of the paper's counting."""
+"""Loaders for the public traces in ``shared/traces`` (see its README): Mooncake FAST'25 block hashes,
+Azure LLM inference 2023 lengths, the Mooncake paper's points; `mooncake_lru_replay`, the paper's LRU."""
 
 from __future__ import annotations
 
@@ -44,20 +43,16 @@ TRACE_SOURCES: dict[str, tuple[str, str]] = {
 
 def leading_run(ids: Sequence[int], present: Container[int]) -> int:
     """How many of ``ids``, from the first, are in ``present`` (a prefix hit in blocks)."""
-    k = 0
-    while k < len(ids) and ids[k] in present:
-        k += 1
-    return k
+    return next((k for k, h in enumerate(ids) if h not in present), len(ids))
 
 
 def trace_file(name: str) -> Path:
-    """Where trace `name` (a key of ``TRACE_FILES``) belongs: in ``$KVSTORE_TRACES`` when set,
-    else in ``shared/traces`` beside the repository; FileNotFoundError without that folder."""
+    """Where trace `name` (a key of ``TRACE_FILES``) belongs: in ``$KVSTORE_TRACES``, else in
+    ``shared/traces`` beside the repository; FileNotFoundError without that folder."""
     if name not in TRACE_FILES:
         raise ValueError(f"unknown trace {name!r}; known: {sorted(TRACE_FILES)}")
     env = os.environ.get(ENV_VAR)
-    repo_parent = Path(__file__).resolve().parents[2]
-    folder = Path(env).expanduser() if env else repo_parent / "shared" / "traces"
+    folder = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "shared" / "traces"
     if not folder.is_dir():
         raise FileNotFoundError(f"${ENV_VAR}={env!r} is not a directory" if env else
                                 f"no trace directory: {ENV_VAR} is not set and {folder} does not "
@@ -66,9 +61,8 @@ def trace_file(name: str) -> Path:
 
 
 def locate_trace(name: str, option: str | None = "--trace PATH") -> Path:
-    """The existing file of trace `name`; FileNotFoundError saying where to download it and
-    how to point kvstore at it (a pip install ships no traces): `option`, where the command
-    has one, or the environment variable."""
+    """The existing file of trace `name`; FileNotFoundError saying where to download it and how to
+    point kvstore at it: `option`, where the command has one, or the environment variable."""
     try:
         path = trace_file(name)
     except FileNotFoundError as e:  # no trace folder at all
@@ -79,12 +73,9 @@ def locate_trace(name: str, option: str | None = "--trace PATH") -> Path:
         where = f"not in {path.parent}"
     repo, source = TRACE_SOURCES[name]
     how = f"pass {option}, or set" if option else "set"
-    raise FileNotFoundError(f"needs the trace file {TRACE_FILES[name]} ({where}), which a pip "
-                            f"install does not ship: download {source} from {repo}, then {how} "
-                            f"{ENV_VAR} to the folder holding it as {TRACE_FILES[name]}")
-
-
-# ------------------------------------------------------------------------- Mooncake
+    raise FileNotFoundError(f"needs the trace file {TRACE_FILES[name]} ({where}), which a pip install does "
+                            f"not ship: download {source} from {repo}, then {how} {ENV_VAR} to the "
+                            f"folder holding it as {TRACE_FILES[name]}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +100,7 @@ def load_mooncake(path: str | Path, limit: int | None = None) -> list[MooncakeRe
             try:
                 row = json.loads(line)
                 out.append(MooncakeRequest(int(row["timestamp"]), int(row["input_length"]),
-                                           int(row["output_length"]),
-                                           tuple(int(h) for h in row["hash_ids"])))
+                                           int(row["output_length"]), tuple(map(int, row["hash_ids"]))))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad Mooncake row: {e}") from e
     return out
@@ -127,9 +117,8 @@ def mooncake_to_workload(path_or_requests: str | Path | Iterable[MooncakeRequest
                          block_tokens: int = MOONCAKE_BLOCK_TOKENS,
                          vocab_size: int = DEFAULT_VOCAB_SIZE, limit: int | None = None, *,
                          seed: int = 0, name: str | None = None) -> Workload:
-    """A Mooncake trace (a path or loaded rows; the first `limit`) as a token-level workload:
-    each hash id is ``block_tokens`` tokens of fixed pseudo-random content, so requests share
-    exactly the prefixes their ids share; arrival = timestamp / 1000."""
+    """A Mooncake trace (a path or loaded rows; the first `limit`) as a workload: each hash id is
+    ``block_tokens`` fixed pseudo-random tokens, so requests share the prefixes their ids share."""
     if isinstance(path_or_requests, (str, Path)):
         reqs = load_mooncake(path_or_requests, limit)
         name = name or Path(path_or_requests).stem
@@ -140,9 +129,8 @@ def mooncake_to_workload(path_or_requests: str | Path | Iterable[MooncakeRequest
     specs = []
     for i, req in enumerate(reqs):
         if len(req.hash_ids) != (need := cdiv(req.input_length, block_tokens)):
-            raise ValueError(f"request with input_length {req.input_length} has "
-                             f"{len(req.hash_ids)} hash ids, expected "
-                             f"ceil({req.input_length}/{block_tokens}) = {need}")
+            raise ValueError(f"request with input_length {req.input_length} has {len(req.hash_ids)} "
+                             f"hash ids, expected ceil({req.input_length}/{block_tokens}) = {need}")
         ids = np.asarray(req.hash_ids, dtype=np.int64)
         if ids.size and int(ids.min()) < 0:
             raise ValueError("hash ids must be non-negative")
@@ -152,19 +140,16 @@ def mooncake_to_workload(path_or_requests: str | Path | Iterable[MooncakeRequest
         specs.append(RequestSpec(f"mooncake-{i:06d}", req.timestamp_ms / 1000.0, tokens_to_tuple(
             tokens.reshape(-1)[:req.input_length], vocab_size), req.output_length))
     specs.sort(key=lambda s: s.arrival)
-    desc = (f"Mooncake trace {name}: {len(reqs)} requests, {sum(r.input_length for r in reqs)} "
-            f"prompt tokens; each hash id expanded to {block_tokens} fixed pseudo-random tokens "
-            f"(vocab {vocab_size}, seed {seed})")
+    desc = (f"Mooncake trace {name}: {len(reqs)} requests, {sum(r.input_length for r in reqs)} prompt "
+            f"tokens; each hash id expanded to {block_tokens} fixed pseudo-random tokens (vocab "
+            f"{vocab_size}, seed {seed})")
     return Workload(name=name, requests=specs, description=desc)
-
-
-# ---------------------------------------------------------------------------- Azure
 
 
 def load_azure(path: str | Path, limit: int | None = None, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
                seed: int = 0, name: str | None = None) -> Workload:
-    """An Azure LLM inference CSV (TIMESTAMP, ContextTokens, GeneratedTokens) as a workload of
-    unique random prompts; arrival = seconds since the earliest row."""
+    """An Azure LLM inference CSV (TIMESTAMP, ContextTokens, GeneratedTokens) as a workload of unique
+    random prompts; arrival = seconds since the earliest row."""
     rows: list[tuple[datetime, int, int]] = []
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
@@ -192,12 +177,8 @@ def load_azure(path: str | Path, limit: int | None = None, *, vocab_size: int = 
     return Workload(name=name, requests=requests, description=desc)
 
 
-# ----------------------------------------------------------------- paper and oracle
-
-
 def mooncake_paper_points(path: str | Path | None = None) -> dict[str, list[tuple[int, float]]]:
-    """Token hit rate against LRU capacity (tokens) per workload, read off the Mooncake
-    paper's Fig. 9, sorted by capacity."""
+    """Token hit rate against LRU capacity (tokens) per workload, read off the Mooncake paper's Fig. 9."""
     points: dict[str, list[tuple[int, float]]] = {}
     with open(path or trace_file("mooncake_paper_points"), newline="", encoding="utf-8") as f:
         for row in csv.DictReader(f):
@@ -207,8 +188,8 @@ def mooncake_paper_points(path: str | Path | None = None) -> dict[str, list[tupl
 
 
 class HitCount:
-    """Prefix hits over Mooncake rows counted as the paper does: a row hits its leading run
-    of cached ids, ``min(run * block_tokens, input_length)`` tokens."""
+    """Prefix hits over Mooncake rows counted as the paper does: a row hits its leading run of
+    cached ids, ``min(run * block_tokens, input_length)`` tokens."""
 
     def __init__(self, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> None:
         self.block_tokens = block_tokens
@@ -237,15 +218,14 @@ class HitCount:
 def mooncake_lru_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None,
                         block_tokens: int = MOONCAKE_BLOCK_TOKENS, *, instances: int = 1,
                         tier_blocks: int | None = 0, write_back: bool = False) -> dict[str, Any]:
-    """Replay rows in timestamp order, dealt round-robin over `instances` LRUs of
-    ``capacity_blocks`` ids (None: unbounded) above one shared LRU tier of ``tier_blocks``
-    (0: none, None: unbounded); docs/tiers.md states the model. Returns ``HitCount.totals``,
-    ``evictions``, ``tier_hit_blocks``, ``device_hit_rate``, ``per_instance_block_hit_rate``."""
+    """Replay rows in timestamp order, dealt round-robin over `instances` LRUs of ``capacity_blocks``
+    ids (None: unbounded) above one shared LRU tier of ``tier_blocks`` (0: none, None: unbounded), as
+    docs/tiers.md states: ``HitCount.totals``, ``evictions``, ``tier_hit_blocks``, ``device_hit_rate``,
+    ``per_instance_block_hit_rate``."""
     if capacity_blocks is not None and capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0 or None, got {capacity_blocks}")
     if instances < 1 or (tier_blocks is not None and tier_blocks < 0):
-        raise ValueError(f"need instances >= 1 and tier_blocks >= 0 or None, got {instances}, "
-                         f"{tier_blocks}")
+        raise ValueError(f"need instances >= 1 and tier_blocks >= 0 or None, got {instances}, {tier_blocks}")
     cap = capacity_blocks
     lrus: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(instances)]
     tier: OrderedDict[int, None] = OrderedDict()
@@ -262,9 +242,9 @@ def mooncake_lru_replay(requests: Iterable[MooncakeRequest], capacity_blocks: in
         tier_hits += j - k
         per_hits[i % instances] += j
         per_total[i % instances] += len(ids)
-        # The row's kept blocks are held while the least recently used others make room,
-        # then released deepest first: the root ends most recently used.
-        keep = ids if cap is None else ids[:cap]
+        # The kept blocks are held while the least recently used others make room, then
+        # released deepest first: the root ends most recently used.
+        keep = ids[:cap]
         for h in keep:
             lru.pop(h, None)
         evicted = []
@@ -282,5 +262,4 @@ def mooncake_lru_replay(requests: Iterable[MooncakeRequest], capacity_blocks: in
     return {"capacity_blocks": cap, "capacity_tokens": None if cap is None else cap * block_tokens,
             **count.totals(), "evictions": evictions, "tier_hit_blocks": tier_hits,
             "device_hit_rate": hit_rate(count.hit_blocks - tier_hits, count.total_blocks),
-            "per_instance_block_hit_rate": [hit_rate(h, t) for h, t in zip(per_hits, per_total,
-                                                                             strict=True)]}
+            "per_instance_block_hit_rate": list(map(hit_rate, per_hits, per_total))}
