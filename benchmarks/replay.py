@@ -1,7 +1,6 @@
-"""``kvstore bench replay``: hit rate against cache capacity on Mooncake block-hash traces,
-counted in whole 512-token blocks (at most the row's input length) as the Mooncake paper does.
-``--what`` picks the replays: ``lru`` (docs/benchmarks.md), ``policies`` and ``layouts``
-(docs/eviction.md) and ``tiers`` (docs/tiers.md)."""
+"""``kvstore bench replay``: hit rate against cache capacity on Mooncake block-hash traces, in whole
+512-token blocks as the Mooncake paper counts. ``--what``: ``lru`` (docs/benchmarks.md), ``policies``
+and ``layouts`` (docs/eviction.md), ``tiers`` (docs/tiers.md)."""
 
 from __future__ import annotations
 
@@ -34,12 +33,11 @@ from kvstore.utils import hit_rate
 
 BT = tr.MOONCAKE_BLOCK_TOKENS
 WHAT = ("lru", "policies", "layouts", "tiers")
-# Built-in trace names -> trace file keys.
-TRACE_NAMES: dict[str, str] = {"conversation": "mooncake_conversation",
-                               "synthetic": "mooncake_synthetic"}
+TRACE_NAMES: dict[str, str] = {"conversation": "mooncake_conversation", "synthetic": "mooncake_synthetic"}
 Row = dict[str, Any]  # one capacity of a curve, as written to JSON and CSV
 Curves = dict[str, list[Row]]  # trace name -> rows by capacity
 Line = tuple[str, str, dict[str, Any], str]  # row key, format, plot keywords, label
+Table = tuple[list[str], list[list[str]]]  # header, rows; each row's first cell a trace name
 
 
 def _trace(text: str) -> tuple[str, Path]:
@@ -57,9 +55,8 @@ def _trace(text: str) -> tuple[str, Path]:
         if not load_mooncake(path, 1):
             raise ValueError(f"{path} has no rows")
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(f"{e} (expected Mooncake JSONL: a JSON object a line "
-                                         "with timestamp, input_length, output_length, "
-                                         "hash_ids)") from None
+        raise argparse.ArgumentTypeError(f"{e} (expected Mooncake JSONL: a JSON object a line with "
+                                         "timestamp, input_length, output_length, hash_ids)") from None
     return path.stem, path
 
 
@@ -70,8 +67,7 @@ def _tokens(text: str) -> list[int]:
     except (ValueError, OverflowError):
         caps = []
     if not caps or min(caps) < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma list of token counts >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a comma list of token counts >= 1, got {text!r}")
     return caps
 
 
@@ -79,45 +75,40 @@ def _store_tokens(text: str) -> list[int | None]:
     """argparse type: a comma list of token counts, ``inf`` for unbounded."""
     parts = [t.strip() for t in text.split(",")]
     if not all(parts):
-        raise argparse.ArgumentTypeError(
-            f"expected a comma list of token counts >= 1 or inf, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a comma list of token counts >= 1 or inf, got {text!r}")
     return [None if t == "inf" else _tokens(t)[0] for t in parts]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kvstore bench replay``."""
     p.add_argument("--trace", type=_trace, action="append", metavar="NAME|PATH",
-                   help=f"a trace file, or a built-in name ({', '.join(TRACE_NAMES)}); "
-                        "repeatable (default: both built-in traces)")
-    p.add_argument("--what", type=output.name_list(WHAT), default=["lru", "policies"],
-                   metavar="LIST", help=f"comma list of {', '.join(WHAT)}")
+                   help=f"a trace file, or a built-in name ({', '.join(TRACE_NAMES)}); repeatable "
+                        "(default: both built-in traces)")
+    p.add_argument("--what", type=output.name_list(WHAT), default=["lru", "policies"], metavar="LIST",
+                   help=f"comma list of {', '.join(WHAT)}")
     p.add_argument("--capacities", type=_tokens, metavar="LIST",
-                   help="comma list of capacities in tokens (default per replay: lru the paper's "
-                        "and a log grid, policies 1M..5M, layouts 0.3M..10M)")
+                   help="comma list of capacities in tokens (default per replay: lru the paper's and a "
+                        "log grid, policies 1M..5M, layouts 0.3M..10M)")
     p.add_argument("--policies", type=output.name_list(tuple(EVICTION_POLICIES)),
                    default=list(EVICTION_POLICIES), metavar="LIST",
                    help=f"eviction policies, comma list of {', '.join(EVICTION_POLICIES)}")
-    p.add_argument("--limit", type=output.positive_int, default=None, metavar="N",
-                   help="first N rows of each trace")
-    p.add_argument("--quick", action="store_true",
-                   help="the first 2000 rows, the paper's capacities for lru")
+    p.add_argument("--limit", type=output.positive_int, metavar="N", help="first N rows of each trace")
+    p.add_argument("--quick", action="store_true", help="the first 2000 rows, the paper's capacities for lru")
     p.add_argument("--jobs", type=output.positive_int, default=1, help="processes for layouts")
-    p.add_argument("--device-tokens", type=output.positive_int, default=3_000_000,
-                   help="tiers: device capacity")
-    p.add_argument("--host-tokens", type=output.non_negative_int, default=30_000_000,
-                   help="tiers: host tier capacity")
-    p.add_argument("--instances", type=output.positive_int, default=4,
-                   help="tiers: instances sharing a store")
+    tier_options = (("--device-tokens", output.positive_int, 3_000_000, "device capacity"),
+                    ("--host-tokens", output.non_negative_int, 30_000_000, "host tier capacity"),
+                    ("--instances", output.positive_int, 4, "instances sharing a store"))
+    for flag, kind, default, text in tier_options:
+        p.add_argument(flag, type=kind, default=default, help=f"tiers: {text}")
     p.add_argument("--store-tokens", type=_store_tokens, metavar="LIST",
-                   help="tiers: comma list of store capacities in tokens, inf for unbounded "
-                        "(default: inf, 10x and 1x --device-tokens)")
-    p.add_argument("--out", type=output.out_folder, default=Path("results/replay"),
-                   help="output folder")
+                   help="tiers: comma list of store capacities in tokens, inf for unbounded (default: inf, "
+                        "10x and 1x --device-tokens)")
+    p.add_argument("--out", type=output.out_folder, default=Path("results/replay"), help="output folder")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the replays `args` ask for: figures, JSON and CSV in ``--out``, tables and a
-    headline on stdout. A bad row in a trace file is a usage error."""
+    """Run the replays `args` ask for: figures, JSON and CSV in ``--out``, tables and a headline on
+    stdout. A bad row in a trace file is a usage error."""
     try:
         return _run(args)
     except ValueError as e:
@@ -133,33 +124,31 @@ def _run(args: argparse.Namespace) -> int:
             traces = {name: tr.locate_trace(key) for name, key in TRACE_NAMES.items()}
         except FileNotFoundError as e:
             return args.usage_error(f"argument --trace: {e}")
-    limit = args.limit if args.limit is not None else (2000 if args.quick else None)
+    limit = args.limit or (2000 if args.quick else None)
     out, caps, policies = args.out, args.capacities, args.policies
     output.check_folder(out, args.usage_error)
     t0 = time.perf_counter()
     headline: list[str] = []
     if "lru" in args.what:
         result = run_mooncake_replay(out, traces, caps, limit, quick=args.quick)
-        curves = result["curves"]
-        for name, rows in curves.items():
-            print(f"lru {name}: hit {rows[0]['token_hit_rate']:.3f} at "
-                  f"{rows[0]['capacity_tokens']:,} tokens .. {rows[-1]['token_hit_rate']:.3f} at "
-                  f"{rows[-1]['capacity_tokens']:,}")
+        for name, rows in result["curves"].items():
+            lo, hi = rows[0], rows[-1]
+            print(f"lru {name}: hit {lo['token_hit_rate']:.3f} at {lo['capacity_tokens']:,} tokens .. "
+                  f"{hi['token_hit_rate']:.3f} at {hi['capacity_tokens']:,}")
         if result["comparison"]:
             _show(out, "mooncake_hit_rate", PAPER_LEGEND, *format_paper(result["comparison"]))
-        agree = all(r["agree"] for rows in curves.values() for r in rows)
-        headline.append(f"LRU: the pool {'equals' if agree else 'DIFFERS FROM'} the LRU model at "
-                        f"every capacity ({out}/mooncake_hit_rate.png)")
+        agree = all(r["agree"] for rows in result["curves"].values() for r in rows)
+        headline.append(f"LRU: the pool {'equals' if agree else 'DIFFERS FROM'} the LRU model at every "
+                        f"capacity ({out}/mooncake_hit_rate.png)")
     if "policies" in args.what:
         curves = run_eviction_replay(out, traces, caps or GAP_CAPACITIES, policies, limit)["curves"]
         _show(out, "eviction_hit_rate", POLICIES_LEGEND, *format_policies(curves, policies))
         best = max((r[p] - r.get("lru", r[p]), p, n, r["capacity_tokens"])
                    for n, rows in curves.items() for r in rows for p in policies)
-        headline.append(f"policies: best gain over LRU {best[0]:+.3f} ({best[1]}, {best[2]} at "
-                        f"{best[3]:,} tokens); MIN bounds every line ({out}/eviction_hit_rate.png)")
+        headline.append(f"policies: best gain over LRU {best[0]:+.3f} ({best[1]}, {best[2]} at {best[3]:,} "
+                        f"tokens); MIN bounds every line ({out}/eviction_hit_rate.png)")
     if "layouts" in args.what:
-        curves = run_hybrid_replay(out, traces, caps or CAPACITIES, policies, limit,
-                                   args.jobs)["curves"]
+        curves = run_hybrid_replay(out, traces, caps or CAPACITIES, policies, limit, args.jobs)["curves"]
         _show(out, "eviction_hybrid", LAYOUTS_LEGEND, *format_layouts(curves, policies))
         _show(out, "eviction_hybrid_groups", GROUPS_LEGEND, *format_groups(curves, policies))
         worst = min((r[p] - r["full_lru"], p, n, r["capacity_tokens"])
@@ -173,19 +162,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-Table = tuple[list[str], list[list[str]]]  # header, rows; each row's first cell a trace name
-
-
 def _show(out: Path, stem: str, legend: str, head: list[str], rows: list[list[str]]) -> None:
-    """Print a table per trace (at most 80 columns, the trace's name above it) and the
-    legend; write them all as one Markdown table, the legend under it, to ``{stem}.md``."""
+    """Print a table per trace (at most 80 columns, the trace's name above it) and the legend; write
+    them all as one Markdown table, the legend under it, to ``{stem}.md``."""
     left = (0, head.index("policy") - 1) if "policy" in head else (0,)
     for name in dict.fromkeys(r[0] for r in rows):
-        print(f"\n{name}:\n" + output.text_table(
-            head[1:], [r[1:] for r in rows if r[0] == name], left))
+        print(f"\n{name}:\n" + output.text_table(head[1:], [r[1:] for r in rows if r[0] == name], left))
     print(output.wrap(legend))
-    (out / f"{stem}.md").write_text("\n".join([*_markdown(head, rows), "", legend, ""]),
-                                    encoding="utf-8")
+    markdown = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                *("| " + " | ".join(r) + " |" for r in rows)]
+    (out / f"{stem}.md").write_text("\n".join([*markdown, "", legend, ""]), encoding="utf-8")
 
 
 def _by_time(requests: Iterable[MooncakeRequest]) -> list[MooncakeRequest]:
@@ -195,8 +181,8 @@ def _by_time(requests: Iterable[MooncakeRequest]) -> list[MooncakeRequest]:
 def _curves(what: str, traces: dict[str, Path], capacities: Sequence[int], limit: int | None,
             row: Callable[[list[MooncakeRequest], int], Row], log: Any, jobs: int = 1,
             note: Callable[[list[Row]], str] = lambda rows: "") -> Curves:
-    """``row(trace rows, capacity)`` for each trace and capacity (`jobs` processes), with a
-    progress line on stderr per capacity and one `log` line per trace."""
+    """``row(trace rows, capacity)`` for each trace and capacity (`jobs` processes), with a progress
+    line on stderr per capacity and one `log` line per trace."""
     curves: Curves = {}
     for name, path in traces.items():
         rows = _by_time(load_mooncake(path, limit))
@@ -207,22 +193,21 @@ def _curves(what: str, traces: dict[str, Path], capacities: Sequence[int], limit
         else:
             curves[name] = []
             for i, cap in enumerate(capacities, 1):
-                print(f"  {what} {name}: [{i}/{len(capacities)}] {cap:,} tokens ...",
-                      file=sys.stderr, flush=True)
+                print(f"  {what} {name}: [{i}/{len(capacities)}] {cap:,} tokens ...", file=sys.stderr,
+                      flush=True)
                 curves[name].append(row(rows, cap))
         log(output.wrap(f"{what} {name}: {len(rows)} requests, {len(capacities)} capacities in "
-                  f"{time.perf_counter() - t0:.1f}s{note(curves[name])}"))
+                        f"{time.perf_counter() - t0:.1f}s{note(curves[name])}"))
     return curves
 
 
-def write_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xlabel: str,
-                 title: str, meta: dict[str, Any],
+def write_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xlabel: str, title: str,
+                 meta: dict[str, Any],
                  extra: Callable[[Any, str], None] = lambda ax, name: None) -> dict[str, Any]:
-    """``{stem}.png`` (hit rate against capacity, a panel per trace, a line per entry of
-    `lines`, plus what `extra` draws), ``{stem}.csv`` and ``{stem}.json`` (`meta` + curves)."""
+    """``{stem}.png`` (hit rate against capacity, a panel per trace, a line per entry of `lines`, plus
+    what `extra` draws), ``{stem}.csv`` and ``{stem}.json`` (`meta` + curves)."""
     out.mkdir(parents=True, exist_ok=True)
-    fig, axes = output.pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5),
-                                         squeeze=False)
+    fig, axes = output.pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
     for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
         xs = [r["capacity_tokens"] for r in rows]
         for key, fmt, kw, label in lines:
@@ -233,17 +218,11 @@ def write_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xl
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     output.save_figure(fig, out / f"{stem}.png", dpi=120)
-    table = [{"trace": name, **{k: v for k, v in r.items() if k != "groups"}}
-             for name, rows in curves.items() for r in rows]
-    output.write_csv(out / f"{stem}.csv", table)
+    output.write_csv(out / f"{stem}.csv", [{"trace": name, **{k: v for k, v in r.items() if k != "groups"}}
+                                          for name, rows in curves.items() for r in rows])
     result = {**meta, "curves": curves}
     output.write_json(out / f"{stem}.json", result)
     return result
-
-
-def _markdown(head: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-            *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def _million(r: Row) -> str:
@@ -251,37 +230,34 @@ def _million(r: Row) -> str:
 
 
 def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -> str:
-    """The LRU model device-only, with a host tier below it and as instances sharing a store:
-    printed, written as JSON, summed up in one line."""
+    """The LRU model device-only, with a host tier below it and as instances sharing a store: printed,
+    written as JSON, summed up in one line."""
     rows = load_mooncake(path, limit)
     dev, host, n = args.device_tokens // BT, args.host_tokens // BT, args.instances
     if dev < n:
         args.usage_error(f"argument --instances: must be in 1..{dev} (device blocks), got {n}")
     runs = {"device-only LRU": tr.mooncake_lru_replay(rows, dev),
             "device + host, on-free": tr.mooncake_lru_replay(rows, dev, tier_blocks=host),
-            "device + host, write-back": tr.mooncake_lru_replay(rows, dev, tier_blocks=host,
-                                                                write_back=True),
+            "device + host, write-back": tr.mooncake_lru_replay(rows, dev, tier_blocks=host, write_back=True),
             "unbounded": tr.mooncake_lru_replay(rows, None),
             f"{n} instances, local only": tr.mooncake_lru_replay(rows, dev // n, instances=n)}
-    stores = args.store_tokens or [None, 10 * args.device_tokens, args.device_tokens]
-    store_labels = [f"{n} instances + store {'unbounded' if t is None else f'{t:,}'}"
-                    for t in stores]
-    for label, tokens in zip(store_labels, stores, strict=True):
+    stores = {f"{n} instances + store {'unbounded' if t is None else f'{t:,}'}": t
+              for t in args.store_tokens or [None, 10 * args.device_tokens, args.device_tokens]}
+    for label, t in stores.items():
         runs[label] = tr.mooncake_lru_replay(rows, dev // n, instances=n,
-                                             tier_blocks=None if tokens is None else tokens // BT)
-    print("\n" + output.wrap(f"tiers {name}: {len(rows)} requests, device {args.device_tokens:,} "
-                       f"tokens, host {args.host_tokens:,}; block / token hit rate"))
+                                             tier_blocks=None if t is None else t // BT)
+    print("\n" + output.wrap(f"tiers {name}: {len(rows)} requests, device {args.device_tokens:,} tokens, "
+                             f"host {args.host_tokens:,}; block / token hit rate"))
     for label, r in runs.items():
         print(f"  {label:32s} {r['block_hit_rate']:6.3f} {r['token_hit_rate']:6.3f}")
     keep = ("block_hit_rate", "token_hit_rate", "device_hit_rate", "tier_hit_blocks",
             "per_instance_block_hit_rate")
     output.write_json(args.out / f"tier_replay_{name}.json", {"trace": str(path), "rows": {
         label: {k: r[k] for k in keep} for label, r in runs.items()}})
-    one, shared = runs["device-only LRU"], runs[store_labels[0]]  # the first store listed
+    one, shared = runs["device-only LRU"], runs[next(iter(stores))]  # the first store listed
     return (f"tiers {name}: a host tier lifts LRU from {one['block_hit_rate']:.3f} to "
-            f"{runs['device + host, write-back']['block_hit_rate']:.3f}; {n} instances sharing "
-            f"a store keep {shared['block_hit_rate'] / one['block_hit_rate']:.2f}x one "
-            f"instance's hits")
+            f"{runs['device + host, write-back']['block_hit_rate']:.3f}; {n} instances sharing a store "
+            f"keep {shared['block_hit_rate'] / one['block_hit_rate']:.2f}x one instance's hits")
 
 
 # --------------------------------------------------- lru: the pool against the LRU model
@@ -299,14 +275,13 @@ def default_capacities(quick: bool = False) -> list[int]:
 
 def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None,
                 eviction: str = "lru") -> dict[str, Any]:
-    """Replay rows through a BlockPool of ``capacity_blocks`` usable blocks (None: unbounded)
-    under `eviction`: the LRU model's totals plus ``pool_blocks``, ``link_breaks`` (a leading
-    id cached but not linked to its parent), ``unlinked_present`` (ids cached after the hit
-    run) and ``token_hit_rate_with_tails`` (adding the previous turn's cached partial block)."""
+    """Replay rows through a BlockPool of ``capacity_blocks`` usable blocks (None: unbounded) under
+    `eviction`: the LRU model's totals plus ``pool_blocks``, ``link_breaks`` (a leading id cached but
+    not linked to its parent), ``unlinked_present`` (ids cached after the hit run) and
+    ``token_hit_rate_with_tails`` (adding the previous turn's cached partial block)."""
     if capacity_blocks is not None and capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0 or None, got {capacity_blocks}")
-    rows = _by_time(requests)
-    cap = capacity_blocks
+    rows, cap = _by_time(requests), capacity_blocks
     pool_blocks = len({h for r in rows for h in r.hash_ids})  # more than the distinct ids: no change
     pool_blocks = pool_blocks if cap is None else min(cap, pool_blocks)
     pool = BlockPool(max(pool_blocks, 1) + 1, enable_caching=True, eviction=eviction)
@@ -319,10 +294,7 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
         return pool.cached_blocks(0, h, (h,))
 
     for req in rows:
-        if not pool_blocks:  # nothing can be cached
-            count.add(req, 0)
-            continue
-        keep = req.hash_ids if cap is None else req.hash_ids[:cap]
+        keep = req.hash_ids[:cap]
         table: list[KVCacheBlock | None] = []
         parent = root
         for h in keep:  # the hit: consecutive linked blocks from the root
@@ -332,13 +304,11 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
             parent = block.serial
         k = len(table)
         link_breaks += k < len(keep) and bool(cached(keep[k]))
-        # A chat's next turn: the hit ends at an earlier row's last full block and the row is
-        # longer than that row's input and output; the trace gives the earlier partial block,
-        # now full, a new id.
+        # A chat's next turn: the hit ends at an earlier row's last full block and the row is longer
+        # than that row's input and output; the trace gives the earlier partial block, now full, a new id.
         p = last_full.get(keep[k - 1]) if k else None
-        if (p is not None and k == p.input_length // BT
-                and req.input_length > p.input_length + p.output_length
-                and p.input_length > k * BT and cached(p.hash_ids[-1])):
+        if (p is not None and k == p.input_length // BT and p.input_length > k * BT
+                and req.input_length > p.input_length + p.output_length and cached(p.hash_ids[-1])):
             tail_tokens += p.input_length - k * BT
         for h in keep[k:]:  # after the run: present blocks are reused, missing ones computed
             same = cached(h)
@@ -361,15 +331,13 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
         raise RuntimeError("pool replay leaked blocks")
     return {"capacity_blocks": cap, "capacity_tokens": None if cap is None else cap * BT,
             "pool_blocks": pool_blocks, **count.totals(), "evictions": pool.stats.evictions,
-            "link_breaks": link_breaks, "unlinked_present": unlinked,
-            "partial_tail_tokens": tail_tokens,
-            "token_hit_rate_with_tails": hit_rate(count.hit_tokens + tail_tokens,
-                                                  count.input_tokens)}
+            "link_breaks": link_breaks, "unlinked_present": unlinked, "partial_tail_tokens": tail_tokens,
+            "token_hit_rate_with_tails": hit_rate(count.hit_tokens + tail_tokens, count.input_tokens)}
 
 
 def lru_row(rows: Sequence[MooncakeRequest], cap_tokens: int) -> Row:
-    """Pool replay and the LRU model at one capacity; ``agree`` when they give the same hits
-    per request and the same eviction count."""
+    """Pool replay and the LRU model at one capacity; ``agree`` when they give the same hits per
+    request and the same eviction count."""
     res = pool_replay(rows, cap_tokens // BT)
     ref = tr.mooncake_lru_replay(rows, cap_tokens // BT)
     row = {k: v for k, v in res.items() if k != "per_request_hit_tokens"}
@@ -384,9 +352,9 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
                         capacities: Sequence[int] | None = None, limit: int | None = None,
                         paper_path: str | Path | None = None, quick: bool = False,
                         log: Any = print) -> dict[str, Any]:
-    """Replay each trace over the capacities, write ``mooncake_hit_rate.{png,json,csv}``
-    into `out_dir`, and return what was written: the curves, each trace's unbounded hit rate
-    (``ceiling``), the paper's points and the comparison with them."""
+    """Replay each trace over the capacities, write ``mooncake_hit_rate.{png,json,csv}`` into
+    `out_dir`, and return what was written: the curves, each trace's unbounded hit rate (``ceiling``),
+    the paper's points and the comparison with them."""
     caps = list(capacities) if capacities is not None else default_capacities(quick)
     try:
         paper = {k: v for k, v in tr.mooncake_paper_points(paper_path).items() if k in traces}
@@ -419,14 +387,14 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
          "comparison": comparison}, paper_and_ceiling)
 
 
-PAPER_LEGEND = ("paper: the Mooncake paper's Fig. 9, read by eye; pool: kvstore's pool, equal to "
-                "the LRU model; +tail: the pool with the previous turn's partial block "
-                "cached (an estimate); diff: against the paper")
+PAPER_LEGEND = ("paper: the Mooncake paper's Fig. 9, read by eye; pool: kvstore's pool, equal to the LRU "
+                "model; +tail: the pool with the previous turn's partial block cached (an estimate); "
+                "diff: against the paper")
 
 
 def format_paper(comparison: Sequence[Row]) -> Table:
-    """At each of the paper's capacities (tokens), its hit rate, the pool's, and the pool's
-    with the previous turn's partial block, each with its difference to the paper."""
+    """At each of the paper's capacities (tokens), its hit rate, the pool's, and the pool's with the
+    previous turn's partial block, each with its difference to the paper."""
     return ["trace", "capacity", "paper", "pool", "diff", "+tail", "diff"], [
         [c["trace"], f"{c['capacity_tokens']:,}", f"{c['paper']:.3f}", f"{c['kvstore']:.3f}",
          f"{c['kvstore'] - c['paper']:+.3f}", f"{c['with_tails']:.3f}",
@@ -442,83 +410,73 @@ GAP_CAPACITIES: tuple[int, ...] = (1_000_000, 2_000_000, 3_000_000, 5_000_000)
 _NEVER = 1 << 62
 
 
-def _offline(rows: Sequence[MooncakeRequest], capacity_blocks: int, cache: Container[int],
-             hold: Callable[[int, tuple[int, ...]], int]) -> dict[str, Any]:
-    """The request model of `mooncake_lru_replay` under another policy: row `r` (timestamp
-    order) hits its leading run in `cache`, then ``hold(r, kept ids)`` admits its first
-    `capacity_blocks` ids and returns how many it evicted."""
-    count = HitCount(BT)
-    evictions = unlinked = 0
-    for r, req in enumerate(rows):
-        k = leading_run(req.hash_ids, cache)
-        keep = req.hash_ids[:capacity_blocks]
-        unlinked += sum(1 for h in keep[k:] if h in cache)
-        count.add(req, k)
-        evictions += hold(r, keep)
-    return {"capacity_blocks": capacity_blocks, "capacity_tokens": capacity_blocks * BT,
-            **count.totals(), "evictions": evictions, "unlinked_present": unlinked}
-
-
-def _checked(requests: Iterable[MooncakeRequest], capacity_blocks: int) -> list[MooncakeRequest]:
+def _offline(requests: Iterable[MooncakeRequest], capacity_blocks: int, cache: Container[int],
+             hold: Callable[[tuple[int, ...], list[int]], int]) -> dict[str, Any]:
+    """The request model of `mooncake_lru_replay` under an offline policy: each row (timestamp order)
+    hits its leading run in `cache`, then ``hold(kept ids, the row where each is next used)`` admits
+    its first `capacity_blocks` ids and returns how many it evicted."""
     if capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
-    return _by_time(requests)
+    rows, cap = _by_time(requests), capacity_blocks
+    last_seen: dict[int, int] = {}
+    next_use: list[list[int]] = [[] for _ in rows]  # per row, each kept id's next row (or _NEVER)
+    for r in range(len(rows) - 1, -1, -1):
+        next_use[r] = [last_seen.get(h, _NEVER) for h in rows[r].hash_ids[:cap]]
+        last_seen.update((h, r) for h in rows[r].hash_ids[:cap])
+    count = HitCount(BT)
+    evictions = unlinked = 0
+    for req, nxt in zip(rows, next_use, strict=True):
+        k = leading_run(req.hash_ids, cache)
+        keep = req.hash_ids[:cap]
+        unlinked += sum(1 for h in keep[k:] if h in cache)
+        count.add(req, k)
+        evictions += hold(keep, nxt)
+    return {"capacity_blocks": cap, "capacity_tokens": cap * BT, **count.totals(), "evictions": evictions,
+            "unlinked_present": unlinked}
 
 
 def min_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int) -> dict[str, Any]:
     """Belady's MIN: evict the unheld block whose next use is furthest (deeper first on ties).
     ``unlinked_present`` counts present blocks outside the hit run (0: prefix-closed)."""
-    rows, cap = _checked(requests, capacity_blocks), capacity_blocks
-    last_seen: dict[int, int] = {}
-    next_use: list[list[int]] = [[] for _ in rows]  # per row, each kept id's next row
-    for r in range(len(rows) - 1, -1, -1):
-        next_use[r] = [last_seen.get(h, _NEVER) for h in rows[r].hash_ids[:cap]]
-        last_seen.update((h, r) for h in rows[r].hash_ids[:cap])
     cache: dict[int, int] = {}  # id -> its current next use
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, id); stale entries skipped
 
-    def hold(r: int, keep: tuple[int, ...]) -> int:
+    def hold(keep: tuple[int, ...], next_use: list[int]) -> int:
         held = set(keep)
-        need = len(cache) + sum(1 for h in keep if h not in cache) - cap
+        need = len(cache) + sum(1 for h in keep if h not in cache) - capacity_blocks
         evicted = 0
         while evicted < need:
             neg_next, _, h = heapq.heappop(heap)
             if cache.get(h) == -neg_next and h not in held:  # else stale, or held
                 del cache[h]
                 evicted += 1
-        for depth, (h, nxt) in enumerate(zip(keep, next_use[r], strict=True)):
+        for depth, (h, nxt) in enumerate(zip(keep, next_use, strict=True)):
             cache[h] = nxt
             heapq.heappush(heap, (-nxt, -depth, h))
         return evicted
 
-    return _offline(rows, cap, cache, hold)
+    return _offline(requests, capacity_blocks, cache, hold)
 
 
 def reuse_oracle_replay(requests: Sequence[MooncakeRequest], capacity_blocks: int) -> dict[str, Any]:
-    """LRU that evicts first the blocks no later request uses (LRU among those, then among
-    the rest): it knows whether a block returns, not when."""
-    rows, cap = _checked(requests, capacity_blocks), capacity_blocks
-    later: set[int] = set()
-    returns: list[frozenset[int]] = [frozenset()] * len(rows)
-    for r in range(len(rows) - 1, -1, -1):
-        returns[r] = frozenset(h for h in rows[r].hash_ids[:cap] if h in later)
-        later.update(rows[r].hash_ids[:cap])
+    """LRU that evicts first the blocks no later request uses (LRU among those, then among the rest):
+    it knows whether a block returns, not when."""
     dead: OrderedDict[int, None] = OrderedDict()  # never used again; first = LRU
     live: OrderedDict[int, None] = OrderedDict()
 
-    def hold(r: int, keep: tuple[int, ...]) -> int:
+    def hold(keep: tuple[int, ...], next_use: list[int]) -> int:
         for h in keep:
             live.pop(h, None)
             dead.pop(h, None)
         evicted = 0
-        while (dead or live) and len(dead) + len(live) + len(keep) > cap:
+        while (dead or live) and len(dead) + len(live) + len(keep) > capacity_blocks:
             (dead if dead else live).popitem(last=False)
             evicted += 1
-        for h in reversed(keep):
-            (live if h in returns[r] else dead)[h] = None
+        for h, nxt in zip(reversed(keep), reversed(next_use), strict=True):
+            (dead if nxt == _NEVER else live)[h] = None
         return evicted
 
-    return _offline(rows, cap, ChainMap(live, dead), hold)
+    return _offline(requests, capacity_blocks, ChainMap(live, dead), hold)
 
 
 def gap_closed(rate: float, lru: float, opt: float) -> float | None:
@@ -527,8 +485,8 @@ def gap_closed(rate: float, lru: float, opt: float) -> float | None:
 
 
 def policy_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap_tokens: int) -> Row:
-    """At one capacity: each policy's token hit rate, the reuse oracle's, MIN's, and the gap
-    each closes."""
+    """At one capacity: each policy's token hit rate, the reuse oracle's, MIN's, and the gap each
+    closes."""
     blocks = cap_tokens // BT
     opt = min_replay(rows, blocks)
     row: Row = {"capacity_tokens": cap_tokens, "min": opt["token_hit_rate"],
@@ -546,8 +504,8 @@ def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
                         capacities: Sequence[int] = GAP_CAPACITIES,
                         policies: Sequence[str] = tuple(EVICTION_POLICIES),
                         limit: int | None = None, log: Any = print) -> dict[str, Any]:
-    """Replay each trace under every policy and MIN; write ``eviction_hit_rate.{png,json,csv}``
-    into `out_dir` and return the curves."""
+    """Replay each trace under every policy and MIN; write ``eviction_hit_rate.{png,json,csv}`` into
+    `out_dir` and return the curves."""
     curves = _curves("policies", traces, capacities, limit, partial(policy_row, policies), log)
     return write_panels(Path(out_dir), "eviction_hit_rate", curves, [
         *((p, "-o", {"ms": 3}, p) for p in policies),
@@ -557,21 +515,20 @@ def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
         {"capacities_tokens": list(capacities), "policies": list(policies), "limit": limit})
 
 
-POLICIES_LEGEND = ("token hit rate (whole 512-token blocks) per eviction policy, and the "
-                   "share of the LRU-to-MIN gap it closes; oracle: the reuse oracle (LRU that "
-                   "knows which blocks never return); MIN: Belady's offline optimum")
+POLICIES_LEGEND = ("token hit rate (whole 512-token blocks) per eviction policy, and the share of the "
+                   "LRU-to-MIN gap it closes; oracle: the reuse oracle (LRU that knows which blocks never "
+                   "return); MIN: Belady's offline optimum")
 
 
 def format_policies(curves: Curves, policies: Sequence[str]) -> Table:
-    """Per trace and capacity, each policy's hit rate (gap closed), the reuse oracle's and
-    MIN's."""
+    """Per trace and capacity, each policy's hit rate (gap closed), the reuse oracle's and MIN's."""
     def cell(r: Row, p: str) -> str:
         g = r.get(f"{p}_gap_closed")
         return f"{r[p]:.3f}" + ("" if p == "lru" or g is None else f" {g:+.0%}")
 
     return ["trace", "capacity", *policies, "oracle", "MIN"], [
-        [name, _million(r), *(cell(r, p) for p in [*policies, "reuse_oracle"]),
-         f"{r['min']:.3f}"] for name, rows in curves.items() for r in rows]
+        [name, _million(r), *(cell(r, p) for p in [*policies, "reuse_oracle"]), f"{r['min']:.3f}"]
+        for name, rows in curves.items() for r in rows]
 
 
 # ------------------------------------------ layouts: a hybrid layout through the manager
@@ -598,14 +555,14 @@ def _fast_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
                   eviction: str = "lru", layout: str = "hybrid") -> dict[str, Any]:
     """Replay rows through a KVCacheManager of `layout` at the bytes of an all-full cache of
-    `capacity_tokens` tokens: hit totals, ``truncated`` rows, ``cut_rate`` (tokens whose full
-    chain was cached but not their window pages) and per-group page counts (``groups``)."""
+    `capacity_tokens` tokens: hit totals, ``truncated`` rows, ``cut_rate`` (tokens whose full chain
+    was cached but not their window pages) and per-group page counts (``groups``)."""
     specs = layer_specs(layout)
     num_pages = capacity_tokens // BT * len(specs) // make_kv_cache_config(specs, num_blocks=2).num_slots
     config = make_kv_cache_config(specs, num_blocks=num_pages + 1)
     ng = len(config.groups)
-    manager = new_manager(config, enable_partial_hits=False, enable_events=True,
-                          hash_fn=_fast_hash, eviction=eviction)
+    manager = new_manager(config, enable_partial_hits=False, enable_events=True, hash_fn=_fast_hash,
+                          eviction=eviction)
     max_blocks = num_pages // ng - 1  # a page per group per block, and one for the extra token
     rows = _by_time(requests)
     stored, evicted, cached_sum, hit_pages = (np.zeros(ng, dtype=np.int64) for _ in range(4))
@@ -631,25 +588,23 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
         count.add(row, k)
     if manager.num_free_blocks != manager.num_usable_blocks:
         raise RuntimeError("hybrid replay leaked pages")
-    groups = [{"group": g,
-               "kind": "full" if isinstance(group.spec, FullAttentionSpec) else "window",
-               "layers": len(group.layer_ids), "stored": int(stored[g]),
-               "evicted": int(evicted[g]), "cached_end": int(stored[g] - evicted[g]),
-               "cached_mean": int(cached_sum[g]) / max(1, len(rows)),
-               "hit_pages": int(hit_pages[g])} for g, group in enumerate(config.groups)]
+    groups = [{"group": g, "kind": "full" if isinstance(group.spec, FullAttentionSpec) else "window",
+               "layers": len(group.layer_ids), "stored": int(stored[g]), "evicted": int(evicted[g]),
+               "cached_end": int(stored[g] - evicted[g]),
+               "cached_mean": int(cached_sum[g]) / max(1, len(rows)), "hit_pages": int(hit_pages[g])}
+              for g, group in enumerate(config.groups)]
     return {"layout": layout, "eviction": eviction, "capacity_tokens": capacity_tokens,
-            "num_blocks": num_pages, "truncated": truncated, **count.totals(),
-            "cut_tokens": cut_tokens, "cut_rate": hit_rate(cut_tokens, count.input_tokens),
-            "groups": groups}
+            "num_blocks": num_pages, "truncated": truncated, **count.totals(), "cut_tokens": cut_tokens,
+            "cut_rate": hit_rate(cut_tokens, count.input_tokens), "groups": groups}
 
 
 def capacity_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap: int) -> Row:
-    """At one budget: each hybrid policy's hit rate (and per-group breakdown), all-full LRU's,
-    and the bound where windowed pages cost nothing (the full group holds every byte)."""
+    """At one budget: each hybrid policy's hit rate (and per-group breakdown), all-full LRU's, and the
+    bound where windowed pages cost nothing (the full group holds every byte)."""
     row: Row = {"capacity_tokens": cap,
                 "full_lru": hybrid_replay(rows, cap, "lru", layout="full")["token_hit_rate"],
-                "bound": pool_replay(rows, cap // BT * LAYOUT.num_layers // FULL_LAYERS)[
-                    "token_hit_rate"], "groups": {}}
+                "bound": pool_replay(rows, cap // BT * LAYOUT.num_layers // FULL_LAYERS)["token_hit_rate"],
+                "groups": {}}
     for name in policies:
         res = hybrid_replay(rows, cap, name)
         row.update({name: res["token_hit_rate"], f"{name}_cut": res["cut_rate"],
@@ -658,12 +613,11 @@ def capacity_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap: 
     return row
 
 
-LAYOUTS_LEGEND = ("token hit rate (whole 512-token blocks) of the hybrid layout under each "
-                  "policy; all-full lru: every layer full attention, LRU; bound: the full "
-                  "group alone with every byte (windowed pages free)")
-GROUPS_LEGEND = ("pages of the full group and of the window groups: mean cached, evicted and "
-                 "hit (k/M: thousands/millions); cut: the input share a window cut from a "
-                 "full-attention hit")
+LAYOUTS_LEGEND = ("token hit rate (whole 512-token blocks) of the hybrid layout under each policy; "
+                  "all-full lru: every layer full attention, LRU; bound: the full group alone with every "
+                  "byte (windowed pages free)")
+GROUPS_LEGEND = ("pages of the full group and of the window groups: mean cached, evicted and hit (k/M: "
+                 "thousands/millions); cut: the input share a window cut from a full-attention hit")
 
 
 def format_layouts(curves: Curves, policies: Sequence[str]) -> Table:
@@ -674,28 +628,25 @@ def format_layouts(curves: Curves, policies: Sequence[str]) -> Table:
 
 
 def format_groups(curves: Curves, policies: Sequence[str]) -> Table:
-    """Per trace, budget and policy, pages mean cached / evicted / hit for the full group and
-    the window groups, and the input share a window cut from a full-attention hit."""
+    """Per trace, budget and policy, pages mean cached / evicted / hit for the full group and the
+    window groups, and the input share a window cut from a full-attention hit."""
     def cells(r: Row, p: str, kind: str) -> list[str]:
         gs = [g for g in r["groups"][p] if g["kind"] == kind]
         return [output.short_count(round(sum(g[k] for g in gs)))
                 for k in ("cached_mean", "evicted", "hit_pages")]
 
-    return ["trace", "budget", "policy", "full kept", "evicted", "hit", "window kept", "evicted",
-            "hit", "cut"], [
+    return ["trace", "budget", "policy", "full kept", "evicted", "hit", "window kept", "evicted", "hit",
+            "cut"], [
         [name, _million(r), p, *cells(r, p, "full"), *cells(r, p, "window"), f"{r[f'{p}_cut']:.3f}"]
         for name, rows in curves.items() for r in rows for p in policies]
 
 
-def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path],
-                      capacities: Sequence[int] = CAPACITIES,
-                      policies: Sequence[str] = tuple(EVICTION_POLICIES),
-                      limit: int | None = None, jobs: int = 1,
-                      log: Any = print) -> dict[str, Any]:
-    """Replay each trace under every policy, all-full LRU and the bound (`jobs` processes);
-    write ``eviction_hybrid.{png,json,csv}`` into `out_dir` and return the curves."""
-    curves = _curves("layouts", traces, capacities, limit, partial(capacity_row, tuple(policies)),
-                     log, jobs)
+def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path], capacities: Sequence[int] = CAPACITIES,
+                      policies: Sequence[str] = tuple(EVICTION_POLICIES), limit: int | None = None,
+                      jobs: int = 1, log: Any = print) -> dict[str, Any]:
+    """Replay each trace under every policy, all-full LRU and the bound (`jobs` processes); write
+    ``eviction_hybrid.{png,json,csv}`` into `out_dir` and return the curves."""
+    curves = _curves("layouts", traces, capacities, limit, partial(capacity_row, tuple(policies)), log, jobs)
     return write_panels(Path(out_dir), "eviction_hybrid", curves, [
         *((p, "-o", {"ms": 3}, f"hybrid {p}") for p in policies),
         ("full_lru", "-s", {"color": "black", "ms": 3}, "all-full lru"),
