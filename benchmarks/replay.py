@@ -37,7 +37,7 @@ TRACE_NAMES: dict[str, str] = {"conversation": "mooncake_conversation", "synthet
 Row = dict[str, Any]  # one capacity of a curve, as written to JSON and CSV
 Curves = dict[str, list[Row]]  # trace name -> rows by capacity
 Line = tuple[str, str, dict[str, Any], str]  # row key, format, plot keywords, label
-Table = tuple[list[str], list[list[str]]]  # header, rows; each row's first cell a trace name
+Table = tuple[str, list[str], list[list[str]]]  # legend, header, rows (each first cell a trace name)
 
 
 def _trace(text: str) -> tuple[str, Path]:
@@ -136,21 +136,21 @@ def _run(args: argparse.Namespace) -> int:
             print(f"lru {name}: hit {lo['token_hit_rate']:.3f} at {lo['capacity_tokens']:,} tokens .. "
                   f"{hi['token_hit_rate']:.3f} at {hi['capacity_tokens']:,}")
         if result["comparison"]:
-            _show(out, "mooncake_hit_rate", PAPER_LEGEND, *format_paper(result["comparison"]))
+            _show(out, "mooncake_hit_rate", *format_paper(result["comparison"]))
         agree = all(r["agree"] for rows in result["curves"].values() for r in rows)
         headline.append(f"LRU: the pool {'equals' if agree else 'DIFFERS FROM'} the LRU model at every "
                         f"capacity ({out}/mooncake_hit_rate.png)")
     if "policies" in args.what:
         curves = run_eviction_replay(out, traces, caps or GAP_CAPACITIES, policies, limit)["curves"]
-        _show(out, "eviction_hit_rate", POLICIES_LEGEND, *format_policies(curves, policies))
+        _show(out, "eviction_hit_rate", *format_policies(curves, policies))
         best = max((r[p] - r.get("lru", r[p]), p, n, r["capacity_tokens"])
                    for n, rows in curves.items() for r in rows for p in policies)
         headline.append(f"policies: best gain over LRU {best[0]:+.3f} ({best[1]}, {best[2]} at {best[3]:,} "
                         f"tokens); MIN bounds every line ({out}/eviction_hit_rate.png)")
     if "layouts" in args.what:
         curves = run_hybrid_replay(out, traces, caps or CAPACITIES, policies, limit, args.jobs)["curves"]
-        _show(out, "eviction_hybrid", LAYOUTS_LEGEND, *format_layouts(curves, policies))
-        _show(out, "eviction_hybrid_groups", GROUPS_LEGEND, *format_groups(curves, policies))
+        _show(out, "eviction_hybrid", *format_layouts(curves, policies))
+        _show(out, "eviction_hybrid_groups", *format_groups(curves, policies))
         worst = min((r[p] - r["full_lru"], p, n, r["capacity_tokens"])
                     for n, rows in curves.items() for r in rows for p in policies)
         headline.append(f"layouts: the hybrid's largest loss against all-full LRU {worst[0]:+.3f} "
@@ -261,8 +261,6 @@ def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -
 
 
 # --------------------------------------------------- lru: the pool against the LRU model
-
-
 PAPER_CAPACITIES: tuple[int, ...] = (10_000, 100_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000,
                                      10_000_000, 50_000_000, 100_000_000, 1_000_000_000)
 
@@ -387,23 +385,19 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
          "comparison": comparison}, paper_and_ceiling)
 
 
-PAPER_LEGEND = ("paper: the Mooncake paper's Fig. 9, read by eye; pool: kvstore's pool, equal to the LRU "
-                "model; +tail: the pool with the previous turn's partial block cached (an estimate); "
-                "diff: against the paper")
-
-
 def format_paper(comparison: Sequence[Row]) -> Table:
-    """At each of the paper's capacities (tokens), its hit rate, the pool's, and the pool's with the
-    previous turn's partial block, each with its difference to the paper."""
-    return ["trace", "capacity", "paper", "pool", "diff", "+tail", "diff"], [
+    """At each of the paper's capacities, its hit rate and the pool's (with and without the previous
+    turn's partial block), each with its difference to the paper."""
+    legend = ("paper: the Mooncake paper's Fig. 9, read by eye; pool: kvstore's pool, equal to the LRU "
+              "model; +tail: the pool with the previous turn's partial block cached (an estimate); diff: "
+              "against the paper")
+    return legend, ["trace", "capacity", "paper", "pool", "diff", "+tail", "diff"], [
         [c["trace"], f"{c['capacity_tokens']:,}", f"{c['paper']:.3f}", f"{c['kvstore']:.3f}",
          f"{c['kvstore'] - c['paper']:+.3f}", f"{c['with_tails']:.3f}",
          f"{c['with_tails'] - c['paper']:+.3f}"] for c in comparison]
 
 
 # --------------------------------------- policies: online policies, the reuse oracle, MIN
-
-
 # The paper's capacities where the eviction goal applies, in tokens.
 GAP_CAPACITIES: tuple[int, ...] = (1_000_000, 2_000_000, 3_000_000, 5_000_000)
 
@@ -500,14 +494,12 @@ def policy_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap_tok
     return row
 
 
-def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
-                        capacities: Sequence[int] = GAP_CAPACITIES,
-                        policies: Sequence[str] = tuple(EVICTION_POLICIES),
-                        limit: int | None = None, log: Any = print) -> dict[str, Any]:
+def run_eviction_replay(out_dir: Path, traces: dict[str, Path], capacities: Sequence[int],
+                        policies: Sequence[str], limit: int | None) -> dict[str, Any]:
     """Replay each trace under every policy and MIN; write ``eviction_hit_rate.{png,json,csv}`` into
     `out_dir` and return the curves."""
-    curves = _curves("policies", traces, capacities, limit, partial(policy_row, policies), log)
-    return write_panels(Path(out_dir), "eviction_hit_rate", curves, [
+    curves = _curves("policies", traces, capacities, limit, partial(policy_row, policies), print)
+    return write_panels(out_dir, "eviction_hit_rate", curves, [
         *((p, "-o", {"ms": 3}, p) for p in policies),
         ("reuse_oracle", ":", {"color": "gray"}, "LRU knowing which blocks return (offline)"),
         ("min", "--", {"color": "black"}, "MIN (offline)")],
@@ -515,25 +507,22 @@ def run_eviction_replay(out_dir: str | Path, traces: dict[str, Path],
         {"capacities_tokens": list(capacities), "policies": list(policies), "limit": limit})
 
 
-POLICIES_LEGEND = ("token hit rate (whole 512-token blocks) per eviction policy, and the share of the "
-                   "LRU-to-MIN gap it closes; oracle: the reuse oracle (LRU that knows which blocks never "
-                   "return); MIN: Belady's offline optimum")
-
-
 def format_policies(curves: Curves, policies: Sequence[str]) -> Table:
     """Per trace and capacity, each policy's hit rate (gap closed), the reuse oracle's and MIN's."""
+    legend = ("token hit rate (whole 512-token blocks) per eviction policy, and the share of the LRU-to-MIN "
+              "gap it closes; oracle: the reuse oracle (LRU that knows which blocks never return); MIN: "
+              "Belady's offline optimum")
+
     def cell(r: Row, p: str) -> str:
         g = r.get(f"{p}_gap_closed")
         return f"{r[p]:.3f}" + ("" if p == "lru" or g is None else f" {g:+.0%}")
 
-    return ["trace", "capacity", *policies, "oracle", "MIN"], [
+    return legend, ["trace", "capacity", *policies, "oracle", "MIN"], [
         [name, _million(r), *(cell(r, p) for p in [*policies, "reuse_oracle"]), f"{r['min']:.3f}"]
         for name, rows in curves.items() for r in rows]
 
 
 # ------------------------------------------ layouts: a hybrid layout through the manager
-
-
 # Gemma-3-27B-like: 62 layers, every sixth full attention (10), the rest windows of 1024.
 LAYOUT = ModelShape("gemma-3-27b-like", num_layers=62, num_kv_heads=16, head_dim=128)
 FULL_LAYERS = 10
@@ -613,16 +602,12 @@ def capacity_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap: 
     return row
 
 
-LAYOUTS_LEGEND = ("token hit rate (whole 512-token blocks) of the hybrid layout under each policy; "
-                  "all-full lru: every layer full attention, LRU; bound: the full group alone with every "
-                  "byte (windowed pages free)")
-GROUPS_LEGEND = ("pages of the full group and of the window groups: mean cached, evicted and hit (k/M: "
-                 "thousands/millions); cut: the input share a window cut from a full-attention hit")
-
-
 def format_layouts(curves: Curves, policies: Sequence[str]) -> Table:
     """Per trace and budget, all-full LRU, the hybrid layout under each policy, the bound."""
-    return ["trace", "budget", "all-full lru", *policies, "bound"], [
+    legend = ("token hit rate (whole 512-token blocks) of the hybrid layout under each policy; all-full "
+              "lru: every layer full attention, LRU; bound: the full group alone with every byte (windowed "
+              "pages free)")
+    return legend, ["trace", "budget", "all-full lru", *policies, "bound"], [
         [name, _million(r), *(f"{r[k]:.3f}" for k in ["full_lru", *policies, "bound"])]
         for name, rows in curves.items() for r in rows]
 
@@ -630,24 +615,27 @@ def format_layouts(curves: Curves, policies: Sequence[str]) -> Table:
 def format_groups(curves: Curves, policies: Sequence[str]) -> Table:
     """Per trace, budget and policy, pages mean cached / evicted / hit for the full group and the
     window groups, and the input share a window cut from a full-attention hit."""
+    legend = ("pages of the full group and of the window groups: mean cached, evicted and hit (k/M: "
+              "thousands/millions); cut: the input share a window cut from a full-attention hit")
+
     def cells(r: Row, p: str, kind: str) -> list[str]:
         gs = [g for g in r["groups"][p] if g["kind"] == kind]
         return [output.short_count(round(sum(g[k] for g in gs)))
                 for k in ("cached_mean", "evicted", "hit_pages")]
 
-    return ["trace", "budget", "policy", "full kept", "evicted", "hit", "window kept", "evicted", "hit",
-            "cut"], [
+    return legend, ["trace", "budget", "policy", "full kept", "evicted", "hit", "window kept", "evicted",
+                    "hit", "cut"], [
         [name, _million(r), p, *cells(r, p, "full"), *cells(r, p, "window"), f"{r[f'{p}_cut']:.3f}"]
         for name, rows in curves.items() for r in rows for p in policies]
 
 
-def run_hybrid_replay(out_dir: str | Path, traces: dict[str, Path], capacities: Sequence[int] = CAPACITIES,
-                      policies: Sequence[str] = tuple(EVICTION_POLICIES), limit: int | None = None,
-                      jobs: int = 1, log: Any = print) -> dict[str, Any]:
+def run_hybrid_replay(out_dir: Path, traces: dict[str, Path], capacities: Sequence[int],
+                      policies: Sequence[str], limit: int | None, jobs: int) -> dict[str, Any]:
     """Replay each trace under every policy, all-full LRU and the bound (`jobs` processes); write
     ``eviction_hybrid.{png,json,csv}`` into `out_dir` and return the curves."""
-    curves = _curves("layouts", traces, capacities, limit, partial(capacity_row, tuple(policies)), log, jobs)
-    return write_panels(Path(out_dir), "eviction_hybrid", curves, [
+    row = partial(capacity_row, tuple(policies))
+    curves = _curves("layouts", traces, capacities, limit, row, print, jobs)
+    return write_panels(out_dir, "eviction_hybrid", curves, [
         *((p, "-o", {"ms": 3}, f"hybrid {p}") for p in policies),
         ("full_lru", "-s", {"color": "black", "ms": 3}, "all-full lru"),
         ("bound", "--", {"color": "gray"}, "bound: windowed pages free")],
