@@ -10,6 +10,7 @@ from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +93,8 @@ def load_mooncake(path: str | Path, limit: int | None = None) -> list[MooncakeRe
     """The rows (the first `limit`) of a Mooncake JSONL trace in file order."""
     out: list[MooncakeRequest] = []
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
+        rows = ((lineno, line) for lineno, line in enumerate(f, 1) if line.strip())
+        for lineno, line in islice(rows, limit):
             try:
                 row = json.loads(line)
                 out.append(MooncakeRequest(int(row["timestamp"]), int(row["input_length"]),
@@ -156,13 +154,10 @@ def load_azure(path: str | Path, limit: int | None = None, *, vocab_size: int = 
         missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
         if missing:
             raise ValueError(f"{path}: missing columns {sorted(missing)}")
-        for row in reader:
-            if limit is not None and len(rows) >= limit:
-                break
+        for row in islice(reader, limit):
             # e.g. "2023-11-16 18:17:03.9799600": 7 fractional digits, which strptime rejects.
             stamp, _, frac = row["TIMESTAMP"].strip().partition(".")
-            t = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").replace(
-                microsecond=int((frac + "000000")[:6]))
+            t = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").replace(microsecond=int((frac + "000000")[:6]))
             rows.append((t, int(row["ContextTokens"]), int(row["GeneratedTokens"])))
     t0 = min((r[0] for r in rows), default=None)
     offs = np.cumsum([0] + [r[1] for r in rows])
