@@ -112,9 +112,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def mooncake_to_workload(path_or_requests: str | Path | Iterable[MooncakeRequest],
-                         block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                         vocab_size: int = DEFAULT_VOCAB_SIZE, limit: int | None = None, *,
-                         seed: int = 0, name: str | None = None) -> Workload:
+                         block_tokens: int = MOONCAKE_BLOCK_TOKENS, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                         limit: int | None = None, *, seed: int = 0, name: str | None = None) -> Workload:
     """A Mooncake trace (a path or loaded rows; the first `limit`) as a workload: each hash id is
     ``block_tokens`` fixed pseudo-random tokens, so requests share the prefixes their ids share."""
     if isinstance(path_or_requests, (str, Path)):
