@@ -15,7 +15,6 @@ from kvstore.single_type_kv_cache_manager import (
     HitSearch,
     RecurrentManager,
     SingleTypeKVCacheManager,
-    SlidingWindowManager,
     agreed_hit,
     make_manager,
 )
@@ -84,7 +83,7 @@ class KVCacheCoordinator:
 
     __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_free_order",
                  "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "recurrent",
-                 "_recurrent_groups", "_resume_checked")
+                 "_recurrent_groups")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
                  hold_window_pages: bool = True, checkpoint_every: int = 0) -> None:
@@ -126,8 +125,7 @@ class KVCacheCoordinator:
         paged = [g for g in range(n) if not config.groups[g].is_recurrent]
         self._free_order = tuple(g for g in paged if g not in full) + tuple(full)
         self._recurrent_groups = tuple(g for g in range(n) if g not in paged)
-        self._resume_checked = tuple(m for m in self.managers
-                                     if isinstance(m, (SlidingWindowManager, RecurrentManager)))
+
 
     @staticmethod
     def learns_branches(config: KVCacheConfig, hold_window_pages: bool) -> bool:
@@ -435,9 +433,9 @@ class KVCacheCoordinator:
 
     def check_resumable(self, request_id: str, num_computed_tokens: int) -> None:
         """Raise ValueError when a group cannot go on from `num_computed_tokens` (the
-        request's progress moved back past a page a window let go of, or past its
-        recurrent state)."""
-        for manager in self._resume_checked:
+        request's progress moved back below a block it cached or a page a window let go
+        of)."""
+        for manager in self.managers:
             error = manager.resume_error(request_id, num_computed_tokens)
             if error is not None:
                 raise ValueError(f"request {request_id!r}: progress moved back to "

@@ -478,7 +478,8 @@ class KVCacheManager:
         if num_computed > covered:
             raise ValueError(f"request {rid!r}: {num_computed} tokens computed, but its pages "
                              f"cover {covered}: progress ran past what was allocated")
-        coordinator.check_resumable(rid, num_computed)
+        if quiet is None or num_computed < quiet[0]:  # else no group let go of more since
+            coordinator.check_resumable(rid, num_computed)
         if quiet is None and all(m.is_noop(request, num_tokens) for m in coordinator.managers):
             self._note_quiet(request)
             return self._no_new_blocks

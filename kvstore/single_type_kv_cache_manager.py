@@ -129,7 +129,11 @@ class SingleTypeKVCacheManager:
 
     def resume_error(self, request_id: str, num_computed_tokens: int) -> str | None:
         """Why the request cannot go on from `num_computed_tokens` (its progress moved back
-        past what this group kept), or None."""
+        past what this group holds as computed: a block it indexed), or None."""
+        i = num_computed_tokens // self.block_size
+        if i < self._num_cached_blocks[request_id]:
+            bs = self.block_size
+            return f"its block of tokens [{i * bs}, {(i + 1) * bs}) is cached already"
         return None
 
     def num_blocks_to_allocate(self, request_id: str, num_computed_tokens: int, num_tokens: int,
@@ -567,8 +571,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 if table[i].block_id != 0 and not self._held(request_id, i)]
 
     def resume_error(self, request_id: str, num_computed_tokens: int) -> str | None:
-        """Why the request cannot go on from `num_computed_tokens` (a query from there needs
-        a page it let go of when its window passed: its progress moved back), or None."""
+        """See the base class; also a page a query from `num_computed_tokens` on needs that
+        the request let go of when its window passed it."""
+        error = super().resume_error(request_id, num_computed_tokens)
+        if error is not None:
+            return error
         cursor = self._cursor[request_id]
         k = self.spec.first_needed_block(num_computed_tokens)
         if k >= cursor:
@@ -579,6 +586,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 bs = self.block_size
                 return f"its page for tokens [{i * bs}, {(i + 1) * bs}) left the window"
         return None
+
+    def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
+        """See the base class; the entries below `stop` count as dropped."""
+        super().null_fresh_entries(request_id, start, stop)
+        self._cursor[request_id] = max(self._cursor[request_id], stop)
 
     def has_skippable(self, request_id: str, num_computed_tokens: int) -> bool:
         """Whether the window moved past entries not yet dropped or kept."""
@@ -927,7 +939,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
     a large page. The pool must be a TwoSizeBlockPool."""
 
     __slots__ = ("_plan", "_rolling", "_every", "chain_block_at", "_caching", "_kinds",
-                 "hit_kinds", "_known", "_passed", "_refused", "two_size_pool", "_state_at")
+                 "hit_kinds", "_known", "_passed", "_refused", "two_size_pool", "_unloaded")
 
     def __init__(self, pool: BlockPool, spec: LayerSpec, group_id: int,
                  copies: PendingCopies, cache_order: Sequence[int] = (),
@@ -957,8 +969,9 @@ class RecurrentManager(SingleTypeKVCacheManager):
         # Running requests refused a state kept for their output's end (see
         # `TwoSizeBlockPool.admit_checkpoint`).
         self._refused: set[str] = set()
-        # Per request: a computed count its working state has passed (it cannot go back).
-        self._state_at: dict[str, int] = {}
+        # Running requests admitted past their device hit whose working state the caller
+        # has yet to load (`loaded_state`): no checkpoint copies it before.
+        self._unloaded: set[str] = set()
 
     @staticmethod
     def hit_search(managers: Sequence[SingleTypeKVCacheManager], request: Request,
@@ -1081,22 +1094,16 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._last_serial[rid] = parent_serial
         self._plan[rid] = self._positions(request, request.num_computed_tokens, 0)
         self._known[rid] = request.num_computed_tokens if checkpoint is not None else 0
-        self._state_at[rid] = request.num_computed_tokens
         self._passed[rid] = ([(checkpoint, checkpoint.serial, request.num_computed_tokens)]
                              if checkpoint is not None else [])
+        if checkpoint is None and request.num_computed_tokens:
+            self._unloaded.add(rid)
 
     def loaded_state(self, request: Request) -> None:
         """The request's working state was loaded from outside the pool (a tier's
         checkpoint) at its computed count: the last checkpoint it knows on its chain."""
         self._known[request.request_id] = request.num_computed_tokens
-        self._state_at[request.request_id] = request.num_computed_tokens
-
-    def resume_error(self, request_id: str, num_computed_tokens: int) -> str | None:
-        """See the base class: the working state cannot go back."""
-        at = self._state_at[request_id]
-        if num_computed_tokens < at:
-            return f"its recurrent state has passed {at} tokens"
-        return None
+        self._unloaded.discard(request.request_id)
 
     def held_checkpoints(self, request: Request) -> tuple[tuple[int, int], ...]:
         """The large pages of a live request that hold a state of its prefix at a block
@@ -1141,8 +1148,9 @@ class RecurrentManager(SingleTypeKVCacheManager):
         """Queue a copy of the working state into a checkpoint if one is due at the computed
         count (after every group allocated, so it only takes a large page left free)."""
         rid = request.request_id
+        if rid in self._unloaded:
+            return
         nc = request.num_computed_tokens
-        self._state_at[rid] = nc
         due = self._due(rid, nc, request.num_prompt_tokens)
         if not due:
             return
@@ -1268,9 +1276,9 @@ class RecurrentManager(SingleTypeKVCacheManager):
         del self._plan[rid]
         self.hit_kinds.pop(rid, None)
         self._refused.discard(rid)
+        self._unloaded.discard(rid)
         del self._known[rid]
         del self._passed[rid]
-        del self._state_at[rid]
         return table, []
 
     def num_resident_blocks(self, request_id: str) -> int:
@@ -1289,7 +1297,6 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._plan[child_id] = list(self._plan[parent_id])
         self._known[child_id] = self._known[parent_id]
         self._passed[child_id] = []
-        self._state_at[child_id] = num_computed_tokens
 
     def null_fresh_entries(self, request_id: str, start: int, stop: int) -> None:
         """Nothing: a recurrent group has no per-token entries (a tier's checkpoint is

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from invariants import check_manager, check_two_size_pool, internals
+from invariants import check_manager, internals
 
 from kvstore.block_pool import BlockPool
 from kvstore.hashing import hash_block, make_keyed_hash
@@ -861,11 +861,29 @@ def test_progress_past_the_allocated_pages_is_refused_and_changes_nothing() -> N
     check_manager(m)
 
 
+@pytest.mark.parametrize("windows", [[None], [6], [None, 6]])
+def test_progress_moved_back_into_a_cached_block_is_refused_and_changes_nothing(
+        windows: list[int | None]) -> None:
+    m = manager(windows, 40)
+    r = Request("r", [100 + i for i in range(30)])
+    assert m.allocate_slots(r, 22, m.get_computed_blocks(r)) is not None
+    r.num_computed_tokens = 22
+    assert m.allocate_slots(r, 1) is not None  # blocks 0-4 (tokens 0-19) are cached
+    r.num_computed_tokens = 19  # recomputing token 19 would write into a cached block
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=r"moved back to 19 tokens.*\[16, 20\) is cached"):
+        m.allocate_slots(r, 1)
+    assert snapshot(m) == before
+    r.num_computed_tokens = 21  # within the block being computed (and the window): allowed
+    assert m.allocate_slots(r, 1) is not None
+    check_manager(m)
+
+
 @pytest.mark.parametrize("hold", [False, True])
 def test_progress_moved_back_past_a_dropped_window_page_is_refused_and_changes_nothing(
         hold: bool) -> None:
     config = make_kv_cache_config([spec(6)], num_blocks=32)
-    m = KVCacheManager(config, CacheConfig(hold_window_pages=hold))
+    m = KVCacheManager(config, CacheConfig(enable_caching=False, hold_window_pages=hold))
     r = Request("r", [100 + i for i in range(30)])
     assert m.allocate_slots(r, 24, m.get_computed_blocks(r)) is not None
     r.num_computed_tokens = 24
@@ -873,7 +891,7 @@ def test_progress_moved_back_past_a_dropped_window_page_is_refused_and_changes_n
     assert m.block_table("r")[0][:4] == (0, 0, 0, 0)
     r.num_computed_tokens = 4  # a query at token 4 sees tokens 0-4: block 0 is gone
     before = snapshot(m)
-    with pytest.raises(ValueError, match=r"moved back to 4 tokens.*\[0, 4\)"):
+    with pytest.raises(ValueError, match=r"moved back to 4 tokens.*\[0, 4\) left the window"):
         m.allocate_slots(r, 1)
     assert snapshot(m) == before
     r.num_computed_tokens = 22  # back within the window: its pages are still there
@@ -881,22 +899,32 @@ def test_progress_moved_back_past_a_dropped_window_page_is_refused_and_changes_n
     check_manager(m)
 
 
-def test_progress_moved_back_past_a_recurrent_state_is_refused_and_changes_nothing() -> None:
-    config = make_kv_cache_config([FullAttentionSpec(BS, 1, 8), RecurrentStateSpec(BS, ((4, 8),))],
-                                  num_blocks=64)
-    m = KVCacheManager(config)
-    r = Request("r", [100 + i for i in range(30)])
-    assert m.allocate_slots(r, 24, m.get_computed_blocks(r)) is not None
-    r.num_computed_tokens = 24
-    assert m.allocate_slots(r, 1) is not None  # the working state is past 24 tokens
-    r.num_computed_tokens = 20  # the attention pages would do; the state cannot go back
-    before = snapshot(m)
-    with pytest.raises(ValueError, match="moved back to 20 tokens.*recurrent state has passed 24"):
-        m.allocate_slots(r, 1)
-    assert snapshot(m) == before
-    r.num_computed_tokens = 25
-    assert m.allocate_slots(r, 1) is not None
-    check_two_size_pool(internals(m).pool)
+def test_an_admission_past_its_device_hit_checkpoints_no_state_before_it_is_loaded() -> None:
+    """A tier admission leaves the working state for the caller to load at the tier hit's
+    end; a checkpoint due at the device hit's end (every 2 blocks here) whose page the
+    admission evicted must not be taken again from that state, which is not loaded yet."""
+    state = RecurrentStateSpec(BS, ((2, 40),), "float32")  # a large page of 2 blocks
+    config = make_kv_cache_config([FullAttentionSpec(BS, 1, 8, "float32"), state], num_blocks=24)
+    m = KVCacheManager(config, CacheConfig(checkpoint_every_blocks=2, eviction="lru"))
+    for rid, first in (("a", 1), ("y", 200)):  # each leaves a checkpoint at 8 tokens
+        r = Request(rid, list(range(first, first + 9)))
+        assert m.allocate_slots(r, 8, m.get_computed_blocks(r)) is not None
+        r.num_computed_tokens = 8
+        assert m.allocate_slots(r, 1) is not None
+        r.num_computed_tokens = 9
+        m.free(r)
+        m.take_pending_copies()
+    for i, n in enumerate((3, 5, 2, 12)):  # running requests fill the pool
+        r = Request(f"x{i}", list(range(1000 + 50 * i, 1000 + 50 * i + n)))
+        assert m.allocate_slots(r, n, m.get_computed_blocks(r)) is not None
+        m.take_pending_copies()
+    b = Request("b", list(range(1, 30)))
+    computed = m.get_computed_blocks(b)
+    assert computed.num_full_hit_tokens == 8
+    assert m.admit(b, 3, computed, num_external_tokens=4) is not None
+    assert m.stats.checkpoints_evicted >= 1  # a's checkpoint made room for b's pages
+    working = m.block_table("b")[1][0]
+    assert all(src != working for src, _ in m.take_pending_copies())
 
 
 @pytest.mark.parametrize("bad", [-1, 1 << 128, "x", 1.5])
