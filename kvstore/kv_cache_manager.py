@@ -392,16 +392,17 @@ class KVCacheManager:
         request.num_computed_tokens = fitting.num_computed_tokens
         self._quiet.pop(rid, None)
         self._lookups.pop(rid, None)
+        stats = self._pool.stats
+        restored = stats.checkpoints_used
         self._coordinator.admit(request, fitting)
         self._requests[rid] = request
-        stats = self._pool.stats
         stats.lookups += 1
         stats.queried_tokens += request.num_tokens
         stats.hit_tokens += fitting.num_computed_tokens
         if fitting.num_partial_tokens:
             stats.partial_hits += 1
             stats.partial_hit_tokens += fitting.num_partial_tokens
-        if fitting.num_full_hit_tokens and self._coordinator.recurrent:
+        if stats.checkpoints_used > restored:  # not on a tier admission: the caller loads it
             stats.recurrent_hits += 1
         ids = self._coordinator.allocate(
             request, fitting.num_computed_tokens + num_new_tokens + num_lookahead_tokens)

@@ -215,6 +215,47 @@ class RecurrentMachine(RuleBasedStateMachine):
     def admit_new(self, data: st.DataObject) -> None:
         self.admit(self.draw_request(data), data)
 
+    @rule(data=st.data())
+    def admit_from_a_tier(self, data: st.DataObject) -> None:
+        """Admit past the device hit on whole blocks a tier supplies: the caller fills their
+        pages and loads the state at their end into the working state (which holds nothing
+        before that: no checkpoint may copy it)."""
+        m = self.m
+        req = self.draw_request(data)
+        computed = m.get_computed_blocks(req)
+        start = computed.num_full_hit_tokens
+        room = (req.num_tokens - 1 - start) // BS
+        if room < 1:
+            return
+        end = start + data.draw(st.integers(1, room), label="tier blocks") * BS
+        num_new = data.draw(st.integers(1, req.num_tokens - end), label="num_new")
+        before = self.snapshot()
+        try:
+            ids = m.admit(req, num_new, computed, num_external_tokens=end - start)
+        except ValueError as e:
+            assert "whole pool" in str(e)
+            assert self.snapshot() == before
+            return
+        if ids is None:
+            assert self.snapshot() == before, "a refused admission changed the pool"
+            return
+        assert req.num_computed_tokens == end
+        self.running[req.request_id] = req
+        self.states[self.working(req)] = "not loaded"
+        self.run_copies()
+        assert all(self.states.get(dst) != "not loaded" for _, dst in self.handed_out), (
+            "a checkpoint copied a working state not loaded yet")
+        self.states[self.working(req)] = state_of(req, end)
+        g_rec = self.recurrent_group()
+        for g, table in enumerate(m.block_table(req.request_id)):
+            if g != g_rec:
+                for p in range(start, end):
+                    if table[p // BS]:
+                        self.pages.setdefault(table[p // BS], [None] * BS)[p % BS] = req.token_ids[p]
+        event("admitted from a tier")
+        self.forward(req, end, end + num_new)
+        req.num_computed_tokens = end + num_new
+
     @precondition(lambda self: bool(self.waiting))
     @rule(data=st.data())
     def readmit(self, data: st.DataObject) -> None:
