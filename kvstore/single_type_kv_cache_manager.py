@@ -437,9 +437,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         rid = request.request_id
         self._dropped[rid] = []
         self._holding[rid] = self.holds_ends
-        # Entries below the next query's window are null already (the hit starts there).
-        self._cursor[rid] = min(len(self._req_to_blocks[rid]),
-                                self.spec.first_needed_block(request.num_computed_tokens))
+        # Entries below the next query's window are null already (the hit starts there), and
+        # so are those a tier admission's window starts past.
+        table = self._req_to_blocks[rid]
+        k = min(len(table), self.spec.first_needed_block(request.num_computed_tokens))
+        while k < len(table) and table[k].block_id == 0:
+            k += 1
+        self._cursor[rid] = k
         p = request.num_prompt_tokens
         end_range = self.spec.hit_end_range
         self._ends[rid] = [end_range(p - 1), end_range(p)]

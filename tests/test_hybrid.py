@@ -1085,6 +1085,33 @@ class HybridCacheMachine(RuleBasedStateMachine):
         num_new = data.draw(st.integers(1, left), label="num_new")
         self.step(req, num_new, None)  # refused: the scheduler waits or preempts (own rule)
 
+    @precondition(lambda self: any(r.num_computed_tokens for r in self.running.values()))
+    @rule(data=st.data())
+    def move_back(self, data: st.DataObject) -> None:
+        """The caller moves a request's progress back: refused, changing nothing, below a
+        block it cached or where a query needs a page a window let go of; else it computes
+        again from there up to where it was."""
+        live = [r for r in self.running.values() if r.num_computed_tokens]
+        req = data.draw(st.sampled_from(live), label="move back")
+        nc = req.num_computed_tokens
+        back = req.num_computed_tokens = data.draw(st.integers(0, nc - 1), label="to")
+        before = snapshot(self.m)
+        try:
+            out = self.m.allocate_slots(req, nc - back)
+        except ValueError as e:
+            assert "moved back" in str(e), e
+            out = None
+            event("moving back refused")
+        if out is None:
+            assert snapshot(self.m) == before
+            req.num_computed_tokens = nc
+            return
+        event("moving back allowed")
+        check_manager(self.m)
+        self.run_copies()
+        self.write(req, back, nc)  # computed again up to where it was
+        req.num_computed_tokens = nc
+
     @precondition(lambda self: bool(self.running))
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
