@@ -126,7 +126,6 @@ class KVCacheCoordinator:
         self._free_order = tuple(g for g in paged if g not in full) + tuple(full)
         self._recurrent_groups = tuple(g for g in range(n) if g not in paged)
 
-
     @staticmethod
     def learns_branches(config: KVCacheConfig, hold_window_pages: bool) -> bool:
         """Whether admissions choose window pages to hold past the window and learn branch

@@ -479,7 +479,8 @@ class KVCacheManager:
         if num_computed > covered:
             raise ValueError(f"request {rid!r}: {num_computed} tokens computed, but its pages "
                              f"cover {covered}: progress ran past what was allocated")
-        if quiet is None or num_computed < quiet[0]:  # else no group let go of more since
+        # At or past the range's start, nothing the groups cached or let go of since is needed.
+        if quiet is None or num_computed < quiet[0]:
             coordinator.check_resumable(rid, num_computed)
         if quiet is None and all(m.is_noop(request, num_tokens) for m in coordinator.managers):
             self._note_quiet(request)
