@@ -647,3 +647,40 @@ def test_store_takes_memoryviews_of_any_format_and_refuses_non_contiguous_ones()
     assert len(tier) == 0  # refused before anything is stored
     tier.store([good, (b"q" * 32, memoryview(grid.tobytes()).cast("q"))])
     assert tier.peek([b"g" * 32, b"q" * 32]) == [grid.tobytes()] * 2
+
+
+def test_a_kept_lookup_is_reused_only_for_the_prefix_it_found():
+    """A request id looked up again at the same device hit and length reuses its kept tier
+    hit only while its prompt is the one the hit was found for: another prompt under that
+    id (a caller that dropped the manager's lookup but not the tiers') is looked up afresh,
+    never admitted on the first prompt's KV."""
+    from kvstore.kv_cache_manager import KVCacheManager
+    from kvstore.tiers.connector import TierConnector
+
+    config = make_kv_cache_config([FullAttentionSpec(BS, HEADS, DIM)], num_blocks=16)
+    m = KVCacheManager(config)
+    host = HostTier(1 << 20)
+    tiers = TierConnector(config, "m", host=host)
+    tiers.attach(m)
+    cache = PagedKVCache(config)
+    prompt = list(range(100, 113))
+    a = Request("a", prompt)
+    m.admit(a, 13)
+    a.num_computed_tokens = 13
+    m.free(a)
+    tiers.take_transfers().run(cache)  # a's blocks, into the host tier
+    assert m.reset_prefix_cache()
+    x = Request("x", prompt)
+    assert tiers.lookup(x, m.get_computed_blocks(x)) == 12
+    lookups = tiers.stats.lookups
+    again = Request("x", list(prompt))  # the same prompt: the kept hit serves
+    assert tiers.lookup(again, m.get_computed_blocks(again)) == 12
+    assert tiers.stats.lookups == lookups
+    other = Request("x", [50] * len(prompt))  # the same id and length, another prompt
+    assert tiers.lookup(other, m.get_computed_blocks(other)) == 0
+    assert tiers.stats.lookups == lookups + 1
+    assert "x" not in tiers.hits
+    salted = Request("x", prompt, cache_salt="t")  # another tenant's prefix: no hit either
+    assert tiers.lookup(salted, m.get_computed_blocks(salted)) == 0
+    assert tiers.lookup(x, m.get_computed_blocks(x)) == 12
+    assert tiers.drop_lookup(x)

@@ -107,6 +107,9 @@ class TierHit:
     request_id: str = ""
     # The host tier's hold on the slots the payloads view (released once loaded or dropped).
     held: tuple[int, ...] = ()
+    # The chain hash of the hit's last block: it names the whole prefix the hit extends,
+    # tokens and salt, so a kept hit is reused only for that prefix.
+    prefix_hash: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -302,7 +305,8 @@ class TierConnector:
         """Tokens beyond the device hit ``computed`` (the manager's ``get_computed_blocks``)
         that the tiers hold for ``request``: whole blocks after its full-block part, 0 for
         none. What it found is kept for ``admitted`` (a request looked up again at the same
-        hit and length reuses it), until ``drop_lookup``."""
+        hit, length and prefix reuses it; one that reuses the id for another prompt is looked
+        up afresh), until ``drop_lookup``."""
         manager = self._attached()
         if not isinstance(computed, ComputedBlocks):
             raise TypeError(f"computed must be the manager's get_computed_blocks result, got "
@@ -312,7 +316,8 @@ class TierConnector:
         bs = self.block_size
         start = computed.num_full_hit_tokens // bs
         if previous is not None and previous.start == start and \
-                previous.num_tokens == request.num_tokens:
+                previous.num_tokens == request.num_tokens and previous.prefix_hash == \
+                request.block_hashes[start + previous.num_blocks - 1]:
             hit: TierHit | None = previous  # an admission that did not fit: reuse the payloads
         else:
             if previous is not None:
@@ -556,7 +561,8 @@ class TierConnector:
             assert state is not None
             first[g], payloads[g] = end - 1, [state]
         return TierHit(start, request.num_tokens, tuple(per_tier),
-                       tuple(tuple(p) for p in payloads), tuple(first), request.request_id, held)
+                       tuple(tuple(p) for p in payloads), tuple(first), request.request_id, held,
+                       request.block_hashes[start + end - 1])
 
     def _first_needed(self, g: int, start: int, end: int) -> int:
         """The first block (counted from ``start``) group g needs for a hit of ``start + end``
