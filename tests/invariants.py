@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.block import KVCacheBlock
-from kvstore.block_pool import REFUSED_PER_LARGE_PAGE, BlockPool, TwoSizeBlockPool
+from kvstore.block_pool import (
+    REFUSED_PER_LARGE_PAGE,
+    AllBlocksCleared,
+    BlockPool,
+    BlockStored,
+    TwoSizeBlockPool,
+)
 from kvstore.kv_cache_coordinator import KVCacheCoordinator
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.single_type_kv_cache_manager import (
@@ -110,6 +116,34 @@ def check_manager(manager: KVCacheManager) -> None:
                 assert block.token_ids == tuple(request.token_ids[i * bs:(i + 1) * bs])
     pin_refs = Counter(manager.pinned_blocks)
     check_pool(internals(manager).pool, table_refs, pin_refs)
+
+
+class EventMirror:
+    """The prefix cache as a consumer of a manager's events rebuilds it: `check` replays the
+    events recorded since its last call and asserts the replay holds exactly the pool's
+    index entries (group, hash), each announced with its group's kind."""
+
+    def __init__(self) -> None:
+        self.entries: Counter[tuple[int, int]] = Counter()
+
+    def check(self, manager: KVCacheManager) -> None:
+        pool = internals(manager).pool
+        assert pool.enable_events, "the mirror needs a manager with enable_events"
+        for e in manager.take_events():
+            if isinstance(e, AllBlocksCleared):
+                self.entries.clear()
+                continue
+            assert e.kind == manager.config.groups[e.group_id].kind, f"{e}: the wrong kind"
+            key = (e.group_id, e.block_hash)
+            if isinstance(e, BlockStored):
+                self.entries[key] += 1
+            else:
+                assert self.entries[key] > 0, f"{e} removes what no event stored"
+                self.entries[key] -= 1
+        self.entries += Counter()  # drop the zero counts
+        indexed = Counter((g, h) for _, g, h in pool.hash_entries())
+        assert self.entries == indexed, "the events disagree with the index: " \
+            f"announced only {self.entries - indexed}, indexed only {indexed - self.entries}"
 
 
 # ---- reads of private parts, each for an invariant or a "changes nothing" snapshot ----------

@@ -145,7 +145,7 @@ class ChunkedHybridMachine(th.HybridCacheMachine):
               partial: bool, hold: bool, eviction: str) -> None:
         layers: list[th.Layer] = [th.Chunk(c) for c in chunks]
         layers.insert(min(full_position, len(layers)), None)
-        self.manager = th.make_manager(layers, num_blocks, partial, hold, eviction)
+        self.manager = th.make_manager(layers, num_blocks, partial, hold, eviction, events=True)
         self.partial = partial
         for salt in (None, "tenant"):
             internals(self.manager).pool.root_serial(salt)

@@ -37,7 +37,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from invariants import check_manager, group_state, internals, window_held
+from invariants import EventMirror, check_manager, group_state, internals, window_held
 
 from kvstore.block import KVCacheBlock
 from kvstore.block_pool import BlockPool
@@ -85,12 +85,14 @@ def spec(window: Layer) -> KVCacheSpec:
 
 
 def make_manager(windows: Sequence[Layer], num_blocks: int, partial: bool = True,
-                 hold: bool = False, eviction: str = "lru") -> KVCacheManager:
+                 hold: bool = False, eviction: str = "lru", events: bool = False) -> KVCacheManager:
     """One layer per entry (None = full attention); groups come out in first-appearance order.
-    Windows drop every page that leaves them unless `hold` (hold_window_pages)."""
+    Windows drop every page that leaves them unless `hold` (hold_window_pages); `events`
+    records the cache's events."""
     config = make_kv_cache_config([spec(w) for w in windows], num_blocks=num_blocks)
     return KVCacheManager(config,
-        CacheConfig(enable_partial_hits=partial, hold_window_pages=hold, eviction=eviction))
+        CacheConfig(enable_partial_hits=partial, hold_window_pages=hold, eviction=eviction,
+                    enable_events=events))
 
 
 def group_windows(manager: KVCacheManager) -> list[Layer]:
@@ -928,6 +930,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.waiting: list[Request] = []  # preempted or refused, to be readmitted
         self.content: dict[int, list[int | None]] = {}
         self.next_id = 0
+        self.events = EventMirror()
 
     @initialize(windows=st.lists(st.sampled_from(WINDOWS), min_size=1, max_size=2, unique=True),
                 full_position=st.integers(0, 2), num_blocks=st.integers(8, 24),
@@ -937,7 +940,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         layers: list[int | None] = list(windows)
         if with_full:  # without: the verified prefix is found in the window groups
             layers.insert(min(full_position, len(layers)), None)
-        self.manager = make_manager(layers, num_blocks, partial, hold)
+        self.manager = make_manager(layers, num_blocks, partial, hold, events=True)
         self.partial = partial
         for salt in (None, "tenant"):  # so that lookups create no serials later
             internals(self.manager).pool.root_serial(salt)
@@ -1162,6 +1165,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         if self.manager is None:
             return
         check_manager(self.m)
+        self.events.check(self.m)
         self.check_content()
 
     def teardown(self) -> None:

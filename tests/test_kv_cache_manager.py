@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from invariants import check_manager, group_state, internals
+from invariants import EventMirror, check_manager, group_state, internals
 
 from kvstore.block import KVCacheBlock
 from kvstore.errors import RequestTooLargeError
@@ -217,7 +217,8 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.m = KVCacheManager(config(self.NUM_BLOCKS, self.GROUPS),
             CacheConfig(enable_partial_hits=self.PARTIAL, hash_fn=type(self).HASH or hash_block,
-                        eviction=self.EVICTION))
+                        eviction=self.EVICTION, enable_events=True))
+        self.events = EventMirror()
         self.device = Device()
         self.waiting: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
@@ -417,6 +418,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         m = self.m
         check_manager(m)
+        self.events.check(m)
         assert set(m.requests) == set(self.running)
         for r in self.running.values():
             for table in tables(m, r):

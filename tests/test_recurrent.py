@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from invariants import (
+    EventMirror,
     check_two_size_pool,
     checkpoint_order,
     internals,
@@ -57,6 +58,7 @@ class RecurrentMachine(RuleBasedStateMachine):
         self.next_id = 0
         # The copies handed out last: the worker may still be running them.
         self.handed_out: list[tuple[int, int]] = []
+        self.events = EventMirror()
 
     @initialize(layout=st.sampled_from(["full", "full+window", "window"]),
                 num_large=st.integers(4, 14), every=st.sampled_from([0, 0, 1, 2]),
@@ -66,7 +68,7 @@ class RecurrentMachine(RuleBasedStateMachine):
         layers: list[object] = {"full": [FULL, STATE], "full+window": [FULL, WINDOW, STATE],
                                 "window": [WINDOW, STATE]}[layout]
         self.manager = make(layers, 2 * num_large, checkpoint_every_blocks=every, eviction=eviction,
-                            hold_window_pages=hold)
+                            hold_window_pages=hold, enable_events=True)
         for salt in (None, "tenant"):
             internals(self.m).pool.root_serial(salt)
 
@@ -312,6 +314,7 @@ class RecurrentMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         if self.manager is None:
             return
+        self.events.check(self.m)
         small: Counter[int] = Counter()
         large: Counter[int] = Counter()
         n = self.pool.num_blocks

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from invariants import check_host_tier, check_manager
+from invariants import EventMirror, check_host_tier, check_manager
 
 from kvstore.benchmarks.tier_model import PlaceholderConnector
 from kvstore.errors import RequestTooLargeError
@@ -35,7 +35,8 @@ class TieredManagerMachine(RuleBasedStateMachine):
         config = make_kv_cache_config(specs, num_blocks=16)  # 15 pages
         self.host = HostTier(12 * 256, slot_nbytes=256, pin=False)  # 12 values
         self.tiers = PlaceholderConnector(config, "m", host=self.host)
-        self.manager = KVCacheManager(config, CacheConfig(eviction=self.eviction))
+        self.manager = KVCacheManager(config, CacheConfig(eviction=self.eviction, enable_events=True))
+        self.events = EventMirror()
         self.tiers.attach(self.manager)
         # request id -> (request, its device hit, the tokens the tiers add to it)
         self.waiting: dict[str, tuple[Request, ComputedBlocks, int]] = {}
@@ -168,6 +169,7 @@ class TieredManagerMachine(RuleBasedStateMachine):
     @invariant()
     def pool_is_consistent(self) -> None:
         check_manager(self.manager)
+        self.events.check(self.manager)
 
     @invariant()
     def host_holds_are_the_outstanding_hits(self) -> None:
