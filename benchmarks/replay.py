@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import os
 import sys
 import time
 from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Container, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -93,8 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=list(EVICTION_POLICIES), metavar="LIST",
                    help=f"eviction policies, comma list of {', '.join(EVICTION_POLICIES)}")
     p.add_argument("--limit", type=output.positive_int, metavar="N", help="first N rows of each trace")
-    p.add_argument("--quick", action="store_true", help="the first 2000 rows, the paper's capacities for lru")
-    p.add_argument("--jobs", type=output.positive_int, default=1, help="processes for layouts")
+    p.add_argument("--quick", action="store_true",
+                   help="the first 2000 rows; the paper's capacities for lru, three for layouts")
+    p.add_argument("--jobs", type=output.positive_int, default=min(4, os.cpu_count() or 1),
+                   help="processes for layouts (default: the CPU count, at most 4)")
     tier_options = (("--device-tokens", output.positive_int, 3_000_000, "device capacity"),
                     ("--host-tokens", output.non_negative_int, 30_000_000, "host tier capacity"),
                     ("--instances", output.positive_int, 4, "instances sharing a store"))
@@ -148,7 +151,8 @@ def _run(args: argparse.Namespace) -> int:
         headline.append(f"policies: best gain over LRU {best[0]:+.3f} ({best[1]}, {best[2]} at {best[3]:,} "
                         f"tokens); MIN bounds every line ({out}/eviction_hit_rate.png)")
     if "layouts" in args.what:
-        curves = run_hybrid_replay(out, traces, caps or CAPACITIES, policies, limit, args.jobs)["curves"]
+        layout_caps = caps or (QUICK_CAPACITIES if args.quick else CAPACITIES)
+        curves = run_hybrid_replay(out, traces, layout_caps, policies, limit, args.jobs)["curves"]
         _show(out, "eviction_hybrid", *format_layouts(curves, policies))
         _show(out, "eviction_hybrid_groups", *format_groups(curves, policies))
         worst = min((r[p] - r["full_lru"], p, n, r["capacity_tokens"])
@@ -187,9 +191,15 @@ def _curves(what: str, traces: dict[str, Path], capacities: Sequence[int], limit
     for name, path in traces.items():
         rows = _by_time(load_mooncake(path, limit))
         t0 = time.perf_counter()
-        if jobs > 1:
-            with ProcessPoolExecutor(jobs) as pool:
-                curves[name] = list(pool.map(partial(row, rows), capacities))
+        if min(jobs, len(capacities)) > 1:
+            with ProcessPoolExecutor(min(jobs, len(capacities))) as pool:
+                futures = {pool.submit(row, rows, cap): i for i, cap in enumerate(capacities)}
+                done: dict[int, Row] = {}
+                for future in as_completed(futures):
+                    done[futures[future]] = future.result()
+                    print(f"  {what} {name}: [{len(done)}/{len(capacities)}] "
+                          f"{capacities[futures[future]]:,} tokens done", file=sys.stderr, flush=True)
+                curves[name] = [done[i] for i in range(len(capacities))]
         else:
             curves[name] = []
             for i, cap in enumerate(capacities, 1):
@@ -527,6 +537,7 @@ def format_policies(curves: Curves, policies: Sequence[str]) -> Table:
 LAYOUT = ModelShape("gemma-3-27b-like", num_layers=62, num_kv_heads=16, head_dim=128)
 FULL_LAYERS = 10
 CAPACITIES: tuple[int, ...] = (300_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000)
+QUICK_CAPACITIES: tuple[int, ...] = (1_000_000, 3_000_000, 10_000_000)
 
 
 def layer_specs(layout: str) -> list[KVCacheSpec]:
