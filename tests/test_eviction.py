@@ -235,7 +235,8 @@ class HybridPolicyMachine(th.HybridCacheMachine):
         layers: list[int | None] = list(windows)
         layers.insert(min(full_position, len(layers)), None)
         config = th.make_kv_cache_config([th.spec(w) for w in layers], num_blocks=num_blocks)
-        self.manager = KVCacheManager(config, CacheConfig(enable_partial_hits=partial, eviction=eviction))
+        self.manager = KVCacheManager(config, CacheConfig(enable_partial_hits=partial, eviction=eviction,
+                                                          enable_events=True))
         self.partial = partial
         for salt in (None, "tenant"):
             internals(self.manager).pool.root_serial(salt)
