@@ -400,9 +400,11 @@ class KVCacheCoordinator:
         - the window before each branch point marked on the hit's chain (the pages there
           another request holds are shared, so a window a running request keeps for a
           branch point outlives it);
-        - the window before the lookup's hit end, unless the cache shows the chain ended
-          there (no whole block continues it, and the prompt extends a cached partial
-          one): a conversation's next turn goes on past it;
+        - the window before the lookup's hit end, unless the cache shows the chain goes on
+          the prompt's way there: it ended there (no whole block continues it, and the
+          prompt extends a cached partial one), or nothing is cached after it, no window
+          cut the hit, and another running request holds its last page (computing past
+          it). Either way a conversation's next turn goes on past it;
         - the first window of a prompt the cache had nothing of."""
         bs = self.block_size
         g = self._full_group
@@ -417,12 +419,17 @@ class KVCacheCoordinator:
             if branches and num_verified < last_block:
                 last.hint = BRANCH_POINT
             # Where no whole block continues the chain and the prompt extends a cached
-            # partial one, the chain ended there: a conversation's next turn.
+            # partial one, the chain ended there: a conversation's next turn. Where nothing
+            # is cached after it and another running request holds its last page (in the
+            # uncut hit, this admission holds it once), that request is computing past it:
+            # a next turn sent before the previous one finished.
             start = num_verified * bs
             ended = not branches and any(
                 tuple(request.token_ids[start:start + len(tokens)]) == tokens
                 for tokens, _ in children)
-            if not ended:
+            extended = not children and not computed.cut_blocks and \
+                last.ref_cnt - last.pin_cnt > 1
+            if not ended and not extended:
                 ends += [computed.num_full_hit_tokens, computed.num_verified_tokens]
         ends += [(j + 1) * bs for j, block in enumerate(hit) if block.hint == BRANCH_POINT]
         if ends or not num_verified:

@@ -147,9 +147,10 @@ class KVCacheManager:
     ends, the pages past its window that what its lookup found says later prompts will
     hit: the window before the branch points on its hit's chain (where a lookup left the
     cached chain at a block after which it goes on another way; the pages another request
-    holds there are shared), before its hit end unless the cache shows the chain simply
-    ended there (a conversation's next turn), and the first W tokens of a prompt the cache
-    had nothing of. They are let go when a request that runs alone cannot grow otherwise.
+    holds there are shared), before its hit end unless the cache shows the chain goes on
+    the prompt's way there (it simply ended there, or another running request is
+    computing past it: a conversation's next turn), and the first W tokens of a prompt
+    the cache had nothing of. They are let go when a request that runs alone cannot grow otherwise.
     Off, windows drop every page as they pass it, as vLLM does.
 
     Beside it, a connector (tiers below the device pool, as vLLM's KV connectors) supplies

@@ -394,9 +394,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     need (`hold_windows`, chosen by the coordinator): the window before each branch point
     marked on the request's hit chain (where a lookup's prompt left a cached chain that
     goes on another way: prompts sharing the prefix come back there), the window before
-    the lookup's own hit end unless the cache shows the chain simply ended there (a
-    conversation's next turn goes on past it), and the first window of a prompt the cache
-    had nothing of (its prefix may be shared by the next prompts). They stay in its table
+    the lookup's own hit end unless the cache shows the chain goes on the prompt's way
+    there (it simply ended there, or another running request is computing past it: a
+    conversation's next turn goes on past it), and the first window of a prompt the
+    cache had nothing of (its prefix
+    may be shared by the next prompts). They stay in its table
     until it ends, or until a request running alone cannot grow otherwise
     (`release_held`). Once dropped they are the first pages a busy pool reuses, which
     leaves the full-attention chain of a shared prefix unusable while the request that

@@ -658,6 +658,28 @@ def test_a_conversations_next_turn_marks_no_branch_point_and_holds_no_window(
     check_manager(m)
 
 
+def test_a_next_turn_sent_while_the_last_one_runs_holds_no_window() -> None:
+    """x has computed 17 of its 18 tokens (4 cached blocks; window 8, 2 blocks) and runs
+    on. y, its next turn sent before it finished, hits those 16 tokens with nothing
+    cached after them: x holds the chain's last page and is computing past it, so the
+    chain goes on there and y holds no window before its hit end. Once x has ended, the
+    same lookup (nothing shows the chain ends there) holds the window (blocks 2 and 3)."""
+    m = make_manager([None, 8], num_blocks=64, partial=False, hold=True)
+    x = Request("x", list(range(100, 118)))
+    prefill(m, x, chunk=4, upto=17)
+    y = Request("y", x.token_ids + list(range(200, 210)))
+    assert prefill(m, y, chunk=4).num_full_hit_tokens == 16
+    assert not any(held(m, 1, "y", i) for i in range(len(tables(m, "y")[1])))
+    check_manager(m)
+    m.free(x)
+    m.free(y)
+    w = Request("w", x.token_ids[:16] + list(range(300, 310)))
+    prefill(m, w, chunk=4)
+    held_w = [held(m, 1, "w", i) for i in range(len(tables(m, "w")[1]))]
+    assert held_w == [False, False, True, True] + [False] * (len(held_w) - 4)
+    check_manager(m)
+
+
 @pytest.mark.parametrize("why", ["head", "branch"])
 def test_held_windows_are_let_go_only_for_a_request_running_alone(why: str) -> None:
     """Held window pages cost pages; when a running request cannot grow they are let go
