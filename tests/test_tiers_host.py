@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvstore.hashing import hash_block, root_hash
+from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.paged_kv_cache import PagedKVCache
 from kvstore.request import Request
 from kvstore.specs import FullAttentionSpec, SlidingWindowSpec, make_kv_cache_config
@@ -35,6 +36,7 @@ from kvstore.tiers import (
     scatter_blocks,
 )
 from kvstore.tiers.codec import HEADER_NBYTES
+from kvstore.tiers.connector import TierConnector
 
 BS, HEADS, DIM = 4, 2, 8
 
@@ -569,8 +571,6 @@ def test_a_handle_released_twice_is_refused_and_other_holds_stay():
 
 
 def test_connector_refuses_bad_settings():
-    from kvstore.tiers.connector import TierConnector
-
     config = make_kv_cache_config([FullAttentionSpec(BS, HEADS, DIM)], num_blocks=8)
     host = HostTier(1 << 16)
     for kwargs, error in (({"recent_keys": -1}, ValueError), ({"recent_keys": "x"}, TypeError),
@@ -583,24 +583,27 @@ def test_connector_refuses_bad_settings():
         TierConnector("cfg", "m", host=host)  # type: ignore[arg-type]
 
 
-def test_an_admission_on_another_device_hit_than_the_tier_lookup_is_refused():
-    """The tier hit starts where the device hit its lookup followed ended: admitted on a
-    later, longer device hit, its loads would land on the wrong pages."""
-    from kvstore.kv_cache_manager import KVCacheManager
-    from kvstore.tiers.connector import TierConnector
-
+def offloaded(prompt: list[int]) -> tuple[KVCacheManager, TierConnector]:
+    """A manager (one full group) and its connector over a host tier holding `prompt`'s
+    whole blocks, computed, offloaded and then dropped from the device."""
     config = make_kv_cache_config([FullAttentionSpec(BS, HEADS, DIM)], num_blocks=16)
     m = KVCacheManager(config)
     tiers = TierConnector(config, "m", host=HostTier(1 << 20))
     tiers.attach(m)
-    cache = PagedKVCache(config)
-    prompt = list(range(100, 121))
-    a = Request("a", prompt[:13])
-    m.admit(a, 13)
-    a.num_computed_tokens = 13
+    a = Request("a", prompt)
+    m.admit(a, len(prompt))
+    a.num_computed_tokens = len(prompt)
     m.free(a)
-    tiers.take_transfers().run(cache)  # a's blocks, into the host tier
+    tiers.take_transfers().run(PagedKVCache(config))  # a's blocks, into the host tier
     assert m.reset_prefix_cache()
+    return m, tiers
+
+
+def test_an_admission_on_another_device_hit_than_the_tier_lookup_is_refused():
+    """The tier hit starts where the device hit its lookup followed ended: admitted on a
+    later, longer device hit, its loads would land on the wrong pages."""
+    prompt = list(range(100, 121))
+    m, tiers = offloaded(prompt[:13])
     b = Request("b", prompt)
     with pytest.raises(TypeError, match="get_computed_blocks"):
         tiers.lookup(b, None)  # type: ignore[arg-type]
@@ -654,22 +657,8 @@ def test_a_kept_lookup_is_reused_only_for_the_prefix_it_found():
     hit only while its prompt is the one the hit was found for: another prompt under that
     id (a caller that dropped the manager's lookup but not the tiers') is looked up afresh,
     never admitted on the first prompt's KV."""
-    from kvstore.kv_cache_manager import KVCacheManager
-    from kvstore.tiers.connector import TierConnector
-
-    config = make_kv_cache_config([FullAttentionSpec(BS, HEADS, DIM)], num_blocks=16)
-    m = KVCacheManager(config)
-    host = HostTier(1 << 20)
-    tiers = TierConnector(config, "m", host=host)
-    tiers.attach(m)
-    cache = PagedKVCache(config)
     prompt = list(range(100, 113))
-    a = Request("a", prompt)
-    m.admit(a, 13)
-    a.num_computed_tokens = 13
-    m.free(a)
-    tiers.take_transfers().run(cache)  # a's blocks, into the host tier
-    assert m.reset_prefix_cache()
+    m, tiers = offloaded(prompt)
     x = Request("x", prompt)
     assert tiers.lookup(x, m.get_computed_blocks(x)) == 12
     lookups = tiers.stats.lookups
