@@ -191,8 +191,9 @@ def _curves(what: str, traces: dict[str, Path], capacities: Sequence[int], limit
     for name, path in traces.items():
         rows = _by_time(load_mooncake(path, limit))
         t0 = time.perf_counter()
-        if min(jobs, len(capacities)) > 1:
-            with ProcessPoolExecutor(min(jobs, len(capacities))) as pool:
+        workers = min(jobs, len(capacities))
+        if workers > 1:
+            with ProcessPoolExecutor(workers) as pool:
                 futures = {pool.submit(row, rows, cap): i for i, cap in enumerate(capacities)}
                 done: dict[int, Row] = {}
                 for future in as_completed(futures):

@@ -397,9 +397,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     the lookup's own hit end unless the cache shows the chain goes on the prompt's way
     there (it simply ended there, or another running request is computing past it: a
     conversation's next turn goes on past it), and the first window of a prompt the
-    cache had nothing of (its prefix
-    may be shared by the next prompts). They stay in its table
-    until it ends, or until a request running alone cannot grow otherwise
+    cache had nothing of (its prefix may be shared by the next prompts). They stay in its
+    table until it ends, or until a request running alone cannot grow otherwise
     (`release_held`). Once dropped they are the first pages a busy pool reuses, which
     leaves the full-attention chain of a shared prefix unusable while the request that
     computed it still runs. The window before the prompt's end is not held."""
