@@ -522,13 +522,14 @@ def _check_vllm(python: str, error: Callable[[str], NoReturn]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kvstore bench manager``."""
-    from kvstore.benchmarks.output import name_list, positive_int
+    from kvstore.benchmarks.output import name_list, non_negative_int, positive_int
 
     p.add_argument("--quick", action="store_true", help="60 requests, one repeat")
     p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
     p.add_argument("--requests", type=positive_int, metavar="N",
                    help="requests (default: 400, 60 with --quick); with --workload chat, max(1, N // 5) "
                         "conversations of 3 to 8 turns, each turn a request")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed (default: 0)")
     p.add_argument("--repeats", type=positive_int,
                    help="alternated replays, fastest kept (default: 3, 1 with --quick)")
     p.add_argument("--scenarios", type=name_list(SCENARIOS), default=list(SCENARIOS), metavar="LIST",
@@ -549,7 +550,7 @@ def run(args: argparse.Namespace) -> int:
         _check_vllm(args.vllm, args.usage_error)
     repeats = args.repeats or (1 if args.quick else 3)
     t_start = time.perf_counter()
-    specs = make_specs(args.workload, args.requests or (60 if args.quick else 400))
+    specs = make_specs(args.workload, args.requests or (60 if args.quick else 400), args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="kvstore_manager_"))
     spec_file = tmp / "specs.json"
     spec_file.write_text(json.dumps([asdict(s) for s in specs]))
@@ -572,9 +573,9 @@ def run(args: argparse.Namespace) -> int:
                                   str(cache_layer_tree(worktree / "kvstore", tmp / "vs")), spec_file))
         if args.vllm:
             workers.append(Worker("vLLM", "vllm", args.vllm, None, spec_file))
-        print(f"Manager + hashing cost: {args.workload}, {len(specs)} requests, best of {repeats} "
-              f"alternated replays\nideal first-admission hit rate {ideal_hit_rate(specs):.4f} whole "
-              f"blocks, {ideal_hit_rate(specs, None):.4f} token-exact")
+        print(f"Manager + hashing cost: {args.workload} (seed {args.seed}), {len(specs)} requests, "
+              f"best of {repeats} alternated replays\nideal first-admission hit rate "
+              f"{ideal_hit_rate(specs):.4f} whole blocks, {ideal_hit_rate(specs, None):.4f} token-exact")
         for w in workers:  # a kvstore worker runs a temporary copy of a kvstore/ tree
             source = (f"kvstore/ at {args.vs}" if w.label == f"kvstore {args.vs}"
                       else f"{REPO / 'kvstore'}" if w.label.startswith("this") else w.where)

@@ -475,6 +475,7 @@ def test_bench_subcommands_reject_bad_values_with_a_usage_error(capsys):
                       (["bench", "replay", "--what", "nope"], "nope"),
                       (["bench", "manager", "--scenarios", "full/nope"], "full/nope"),
                       (["bench", "manager", "--also", "foo=bar"], "unknown foo"),
+                      (["bench", "manager", "--seed", "-1"], "--seed"),
                       (["bench", "manager", "--also", "eviction=nope"], "'nope'"),
                       (["bench", "manager", "--vllm", "/no/such/python"], "/no/such/python"),
                       (["bench", "tiers", "--dtype", "foo"], "'foo'"),

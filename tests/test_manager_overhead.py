@@ -32,6 +32,18 @@ def test_workloads_are_seeded_and_in_range() -> None:
         assert specs and ideal_hit_rate(specs, None) > 0.0
 
 
+def test_the_seed_draws_the_workload(capsys) -> None:
+    """--seed reaches the workload: the ideal hit rate printed is that of the seeded draw."""
+    from kvstore.cli import main
+
+    assert main(["bench", "manager", "--quick", "--requests", "12", "--scenarios",
+                 "full/roomy", "--seed", "5"]) == 0
+    out = capsys.readouterr().out
+    specs = make_specs("shared-prefix", 12, seed=5)
+    assert specs != make_specs("shared-prefix", 12)
+    assert "(seed 5)" in out and f"hit rate {ideal_hit_rate(specs):.4f} whole" in out
+
+
 @pytest.mark.parametrize("layout", ["full", "hybrid", "gemma3"])
 def test_drive_finishes_every_request_without_leaks(layout: str) -> None:
     specs = make_specs("shared-prefix", 12)
