@@ -6,6 +6,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 #: `KVCacheBlock.hint` of a full-attention page a lookup's verified chain ended at.
 BRANCH_POINT = 2
+#: `KVCacheBlock.hint` of a full-attention page holding output tokens of the request that
+#: cached it (set when that request is freed).
+OUTPUT = 3
 
 
 class KVCacheBlock:
@@ -54,7 +57,8 @@ class KVCacheBlock:
         # Set by a sliding-window group when it frees the page: 1 if it sits within the window
         # before a likely hit end (prompt end, output end, branch point), 0 if not. On a
         # full-attention page, BRANCH_POINT: a lookup's verified chain ended right after it,
-        # so hits are likely to end there. -1 for every other page (reset on allocation).
+        # so hits are likely to end there; OUTPUT: it holds output of the request that cached
+        # it. -1 for every other page (reset on allocation).
         self.hint = -1
 
     @property
@@ -155,22 +159,6 @@ class FreeBlockQueue:
         if block.prev_free is None or block.next_free is None:
             raise ValueError(f"block {block.block_id} is not in the free queue")
         self._unlink(block)
-
-    def move_to_tail(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Move blocks of this queue to its tail, in order."""
-        tail = self._tail
-        for block in blocks:
-            prev, nxt = block.prev_free, block.next_free
-            if prev is None or nxt is None:
-                raise ValueError(f"block {block.block_id} is not in the free queue")
-            prev.next_free = nxt
-            nxt.prev_free = prev
-            last = tail.prev_free
-            assert last is not None
-            last.next_free = block
-            block.prev_free = last
-            block.next_free = tail
-            tail.prev_free = block
 
     def _splice(self, blocks: Sequence[KVCacheBlock], prev: KVCacheBlock,
                 nxt: KVCacheBlock) -> None:

@@ -394,13 +394,6 @@ class BlockPool:
                 now_free.append(block)
         return now_free
 
-    def refresh(self, blocks: Iterable[tuple[KVCacheBlock, int]]) -> None:
-        """Move free blocks that still hold the content of the given serial to the tail (most
-        recently used), in the order given."""
-        self.free_queue.refresh_all([block for block, serial in blocks
-                                     if block.ref_cnt == 0 and block.block_hash is not None
-                                     and block.serial == serial])
-
     def reused(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Tell the policy these cached blocks were asked for again though not taken."""
         queue = self.free_queue
@@ -1187,20 +1180,6 @@ class TwoSizeBlockPool(BlockPool):
                 self._large_cached.freed(page)
                 if not page.uses and self._continuations(page.serial) < 2:
                     self._unhit[page.block_id] = self._handed_out
-
-    def refresh(self, blocks: Iterable[tuple[KVCacheBlock, int]]) -> None:
-        """See BlockPool.refresh; free checkpoints move to the tail of their own list."""
-        small = []
-        for block, serial in blocks:
-            if block.ref_cnt or block.block_hash is None or block.serial != serial:
-                continue
-            if block.block_id >= self.num_blocks:
-                self._large_cached.refresh(block)
-                if self._unhit.pop(block.block_id, None) is not None:
-                    self._unhit[block.block_id] = self._handed_out
-            else:
-                small.append(block)
-        self.free_queue.refresh_all(small)
 
     # ---- large pages -------------------------------------------------------------------------
     def get_large_pages(self, n: int, group_id: int) -> list[KVCacheBlock]:

@@ -2,9 +2,9 @@
 
 A policy holds every free page (ref_cnt == 0) of a :class:`kvstore.block_pool.BlockPool`
 and nothing else, so it can never hand out a page in use or pinned. The pool tells it when
-pages become free (`freed_all`), one leaves the free set on a hit (`remove`), pages are
-made recent again (`refresh_all`), one loses its parent chain (`orphaned`) or its content
-(`evicted`), and asks it for pages to reuse (`take`). Every call is O(1) per page.
+pages become free (`freed_all`), one leaves the free set on a hit (`remove`), one loses
+its parent chain (`orphaned`) or its content (`evicted`), and asks it for pages to reuse
+(`take`). Every call is O(1) per page.
 
 - ``lru`` (the default): one list; pages without content at the head, freed cached pages
   at the tail, hits unlink. Exactly the order kvstore has always used.
@@ -114,11 +114,6 @@ class EvictionPolicy:
         """A free page was referenced again (a hit or a pin)."""
         raise NotImplementedError
 
-    def refresh_all(self, blocks: list[KVCacheBlock]) -> None:
-        """These free cached pages are as recent as the request that just ended, in this
-        order (one call per request end)."""
-        raise NotImplementedError
-
     def orphaned(self, block: KVCacheBlock) -> None:
         """A free cached page's parent content is gone (only when `tracks_content`)."""
 
@@ -163,9 +158,6 @@ class LRUPolicy(FreeBlockQueue, EvictionPolicy):
         if len(empty) < len(blocks):
             self.extend([block for block in blocks if block.token_ids is not None])
 
-    def refresh_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Move each page to the tail, in order."""
-        self.move_to_tail(blocks)
 
 
 # Free lists of S3FIFOPolicy, in the order they are drained.
@@ -342,14 +334,6 @@ class S3FIFOPolicy(EvictionPolicy):
         block.free_tag = -1
         self._size -= 1
 
-    def refresh_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Move each page to the tail of its list, in order."""
-        lists = self._lists
-        for block in blocks:
-            q = lists[block.free_tag]
-            q.remove(block)
-            q.append(block)
-
     def orphaned(self, block: KVCacheBlock) -> None:
         """Move to the orphan list."""
         if block.free_tag != _ORPHAN:
@@ -453,9 +437,9 @@ class WindowPolicy(S3FIFOPolicy):
 class CheckpointOrder:
     """The free checkpoints of a two-size pool (whole large pages holding a cached recurrent
     state) and the order they are evicted in. The pool tells it a checkpoint's worth when
-    it is indexed (`note`) and forgotten (`forget`), when one becomes free (`freed`), is
-    referenced again (`remove`) or recent again (`refresh`), and when its full-attention
-    chain is gone (`orphaned`, only when `tracks_chains`)."""
+    it is indexed (`note`) and forgotten (`forget`), when one becomes free (`freed`) or is
+    referenced again (`remove`), and when its full-attention chain is gone (`orphaned`,
+    only when `tracks_chains`)."""
 
     #: Whether the pool should tell the order which checkpoints lost their chain.
     tracks_chains: ClassVar[bool] = False
@@ -479,10 +463,6 @@ class CheckpointOrder:
 
     def remove(self, page: KVCacheBlock) -> None:
         """A free checkpoint was referenced again (a hit)."""
-        raise NotImplementedError
-
-    def refresh(self, page: KVCacheBlock) -> None:
-        """A free checkpoint is as recent as the request that just ended."""
         raise NotImplementedError
 
     def pop(self) -> KVCacheBlock:
@@ -514,10 +494,6 @@ class LRUCheckpoints(FreeBlockQueue, CheckpointOrder):
         """To the tail."""
         self.append(page)
 
-    def refresh(self, page: KVCacheBlock) -> None:
-        """To the tail."""
-        self.move_to_tail((page,))
-
     def pop(self) -> KVCacheBlock:
         """The head."""
         return self.popleft()
@@ -525,7 +501,7 @@ class LRUCheckpoints(FreeBlockQueue, CheckpointOrder):
 
 class WorthCheckpoints(CheckpointOrder):
     """Checkpoints worth nothing first (their chain gone, or demoted), then the lowest
-    GreedyDual-Size priority: a checkpoint freed or refreshed gets the clock plus its
+    GreedyDual-Size priority: a checkpoint freed gets the clock plus its
     worth; the clock rises to the priority of each checkpoint evicted by worth. O(log n)
     per change (a sorted list of (orphan rank, priority, tie) keys)."""
 
@@ -597,11 +573,6 @@ class WorthCheckpoints(CheckpointOrder):
         worth = self._demoted.pop(page.block_id, None)
         if worth is not None:
             self._worth[page.block_id] = worth
-
-    def refresh(self, page: KVCacheBlock) -> None:
-        """Again at the clock plus its worth."""
-        self._unlink(page)
-        self._insert(page)
 
     def pop(self) -> KVCacheBlock:
         """The first key's page; the clock rises to its priority unless it is an orphan."""

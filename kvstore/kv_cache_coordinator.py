@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
 
-from kvstore.block import BRANCH_POINT, KVCacheBlock
+from kvstore.block import BRANCH_POINT, OUTPUT, KVCacheBlock
 from kvstore.block_pool import BlockPool, PendingCopies
 from kvstore.request import Request
 from kvstore.single_type_kv_cache_manager import (
@@ -402,9 +402,10 @@ class KVCacheCoordinator:
           branch point outlives it);
         - the window before the lookup's hit end, unless the cache shows the chain goes on
           the prompt's way there: it ended there (no whole block continues it, and the
-          prompt extends a cached partial one), or nothing is cached after it, no window
-          cut the hit, and another running request holds its last page (computing past
-          it). Either way a conversation's next turn goes on past it;
+          prompt extends a cached partial one), or nothing is cached after it and either
+          its last page holds output of the request that cached it (`OUTPUT`) or no window
+          cut the hit and another running request holds that page (computing past it).
+          Each way a conversation's next turn goes on past it;
         - the first window of a prompt the cache had nothing of."""
         bs = self.block_size
         g = self._full_group
@@ -420,15 +421,15 @@ class KVCacheCoordinator:
                 last.hint = BRANCH_POINT
             # Where no whole block continues the chain and the prompt extends a cached
             # partial one, the chain ended there: a conversation's next turn. Where nothing
-            # is cached after it and another running request holds its last page (in the
-            # uncut hit, this admission holds it once), that request is computing past it:
-            # a next turn sent before the previous one finished.
+            # is cached after it and its last page is output, or another running request
+            # holds that page (in the uncut hit, this admission holds it once) and is
+            # computing past it, this is a conversation's next turn too.
             start = num_verified * bs
             ended = not branches and any(
                 tuple(request.token_ids[start:start + len(tokens)]) == tokens
                 for tokens, _ in children)
-            extended = not children and not computed.cut_blocks and \
-                last.ref_cnt - last.pin_cnt > 1
+            extended = not children and (last.hint == OUTPUT or (
+                not computed.cut_blocks and last.ref_cnt - last.pin_cnt > 1))
             if not ended and not extended:
                 ends += [computed.num_full_hit_tokens, computed.num_verified_tokens]
         ends += [(j + 1) * bs for j, block in enumerate(hit) if block.hint == BRANCH_POINT]
@@ -499,53 +500,31 @@ class KVCacheCoordinator:
                                                   * self.block_size))
             for manager in self.recurrent:
                 manager.checkpoint_at_end(request)
-        released = [manager.free(request) for manager in self.managers]
+        tables = [manager.free(request) for manager in self.managers]
         pool = self.pool
+        if self._learns_branches:  # its output pages, for `_hold_likely_ends`
+            for block in tables[self._full_group][request.num_prompt_tokens // self.block_size:]:
+                if block.hint < 0 and block.block_hash is not None:
+                    block.hint = OUTPUT
         if self._recurrent_groups:  # large pages, on lists of their own: deepest entry first
-            tables = [released[g][0] for g in self._recurrent_groups]
-            pool.free_blocks([table[i] for i in range(max(map(len, tables)) - 1, -1, -1)
-                              for table in tables if i < len(table)])
-        g = self._free_order[0]
-        if len(self._free_order) == 1 and (len(self.managers) == 1 or not released[g][1]):
-            # One table, deepest first: a chain's root is evicted last.
-            table, dropped = released[g]
-            pool.free_blocks([b for b in reversed(table) if b.block_id != 0], g)
-            if dropped:
-                pool.refresh([(b, serial) for b, serial, _ in reversed(dropped)])
+            pages = [tables[g] for g in self._recurrent_groups]
+            pool.free_blocks([table[i] for i in range(max(map(len, pages)) - 1, -1, -1)
+                              for table in pages if i < len(table)])
+        if len(self._free_order) == 1:  # one table, deepest first: a chain's root goes last
+            g = self._free_order[0]
+            pool.free_blocks([b for b in reversed(tables[g]) if b.block_id != 0], g)
             return
         # Several groups: one order over the paged ones, deepest position first (window
-        # pages before the full-attention page at the same position), the pages dropped
-        # from windows earlier in their places. A prefix's pages then leave together from
-        # its end, and its root last, as they would from one all-full table.
-        released = [released[g] for g in self._free_order]
-        tables = [table for table, _ in released]
-        n = max(len(table) for table in tables)
-        if any(len(table) != n for table in tables):  # pad, so that entry i is position i
-            tables = [table + [pool.null_block] * (n - len(table)) for table in tables]
-        dropped_at: dict[int, list[tuple[KVCacheBlock, int]]] = {}
-        for _, dropped in released:
-            for block, serial, i in dropped:
-                dropped_at.setdefault(i, []).append((block, serial))
-        if not dropped_at:
-            by_position = zip(*map(reversed, tables), strict=True)
-            pool.free_blocks([block for block in chain.from_iterable(by_position)
-                              if block.block_id != 0])
-            return
-        positions = zip(range(n - 1, -1, -1), *[reversed(table) for table in tables],
-                        strict=True)
-        held: list[KVCacheBlock] = []
-        order: list[tuple[KVCacheBlock, int]] = []  # from the first dropped page on
-        for i, *pages in positions:
-            if i in dropped_at:
-                order += dropped_at[i]
-            for block in pages:
-                if block.block_id != 0:
-                    held.append(block)
-                    if order:
-                        order.append((block, block.serial))
-        # Pages freed before the first dropped one are in place; the rest move behind them.
-        pool.free_blocks(held)
-        pool.refresh(order)
+        # pages before the full-attention page at the same position). A prefix's pages
+        # then leave together from its end, and its root last, as they would from one
+        # all-full table. Pages dropped from windows earlier stay where they were freed.
+        paged = [tables[g] for g in self._free_order]
+        n = max(len(table) for table in paged)
+        if any(len(table) != n for table in paged):  # pad, so that entry i is position i
+            paged = [table + [pool.null_block] * (n - len(table)) for table in paged]
+        by_position = zip(*map(reversed, paged), strict=True)
+        pool.free_blocks([block for block in chain.from_iterable(by_position)
+                          if block.block_id != 0])
 
     def release_held(self, requests: Mapping[str, Request]) -> bool:
         """Every sliding-window group stops holding pages past the windows of the live

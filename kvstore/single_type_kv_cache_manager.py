@@ -37,11 +37,6 @@ def is_read_only(block: KVCacheBlock, i: int, num_cached: int) -> bool:
                                                  and i >= num_cached)
 
 
-#: A cached page a request dropped from its window: the page, its content serial then, and
-#: its table index.
-Dropped = tuple[KVCacheBlock, int, int]
-
-
 class Skippable(NamedTuple):
     """Table entries that fall out of the window, and how many of them would become free."""
 
@@ -335,10 +330,9 @@ class SingleTypeKVCacheManager:
         table[start:stop] = [self.pool.null_block] * (stop - start)
         self.pool.free_blocks(reversed(pages))
 
-    def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
+    def free(self, request: Request) -> list[KVCacheBlock]:
         """Index computed content (full blocks and the partial tail) and forget the request;
-        returns its table (the caller frees the pages) and the cached pages it dropped from
-        its window earlier, shallowest first (none here)."""
+        returns its table (the caller frees the pages)."""
         rid = request.request_id
         table = self._req_to_blocks[rid]
         num_computed = min(request.num_computed_tokens, len(table) * self.block_size)
@@ -356,7 +350,7 @@ class SingleTypeKVCacheManager:
         del self._req_to_blocks[rid]
         del self._num_cached_blocks[rid]
         del self._last_serial[rid]
-        return table, []
+        return table
 
     def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:
         """The child shares every page of the parent; it counts as indexed only the blocks
@@ -403,7 +397,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     leaves the full-attention chain of a shared prefix unusable while the request that
     computed it still runs. The window before the prompt's end is not held."""
 
-    __slots__ = ("_cursor", "_dropped", "_ends", "_head_blocks", "_held_ranges", "_holding",
+    __slots__ = ("_cursor", "_ends", "_head_blocks", "_held_ranges", "_holding",
                  "holds_ends", "drop_log")
     spec: LocalAttentionSpec
 
@@ -419,8 +413,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # from which entries have not been dropped or kept yet.
         self._holding: dict[str, bool] = {}
         self._cursor: dict[str, int] = {}
-        # Cached pages each request dropped from its window (with their content serials).
-        self._dropped: dict[str, list[Dropped]] = {}
         # Per request, the table index ranges [start, stop) within the window before a
         # likely hit end (prompt end, lookup's hit and branch points): pages freed there
         # are tagged worth keeping (KVCacheBlock.hint). And the ranges it holds (see above).
@@ -432,11 +424,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
               partial_src: KVCacheBlock | None, parent_serial: int) -> None:
-        """Start the table (see the base class), an empty record of dropped pages and the
+        """Start the table (see the base class) and the
         prompt end as a likely hit end (a repeat hits one token short of it)."""
         super().admit(request, hit_blocks, partial_src, parent_serial)
         rid = request.request_id
-        self._dropped[rid] = []
         self._holding[rid] = self.holds_ends
         # Entries below the next query's window are null already (the hit starts there), and
         # so are those a tier admission's window starts past.
@@ -460,13 +451,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:
         """Share the parent's pages and its hit ends; the child has dropped none yet."""
         super().fork(parent_id, child_id, num_computed_tokens)
-        self._dropped[child_id] = []
         self._ends[child_id] = list(self._ends[parent_id])
         self._held_ranges[child_id] = list(self._held_ranges[parent_id])
         self._holding[child_id] = self._holding[parent_id]
         self._cursor[child_id] = self._cursor[parent_id]
 
-    def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
+    def free(self, request: Request) -> list[KVCacheBlock]:
         """See the base class; where the pool's eviction policy reads the tags
         (`reads_hints`), the table's pages are tagged by whether they sit before the output
         end or another likely hit end."""
@@ -483,9 +473,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             for block, hint in zip(table, near, strict=True):
                 if block.block_id != 0:
                     block.hint = hint
-        table, _ = super().free(request)
+        table = super().free(request)
         del self._ends[rid], self._held_ranges[rid], self._holding[rid], self._cursor[rid]
-        return table, self._dropped.pop(rid)
+        return table
 
     def hold_windows(self, request: Request, ends: Sequence[int], parents: Sequence[int],
                      head: bool) -> None:
@@ -669,10 +659,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             log.extend((request_id, g, i, b.block_id, b.hint == 1, held)
                        for i, b in zip(indexes, removed, strict=True))
         self.pool.free_blocks(removed, self.group_id)
-        # Kept shallowest first (appending, no per-step shifting); freed deepest first.
-        self._dropped[request_id].extend(
-            (b, b.serial, i) for b, i in zip(reversed(removed), reversed(indexes), strict=True)
-            if b.block_hash is not None)
 
 
 def longest_window_hit(end: int, missing: Callable[[int], int]) -> int:
@@ -1266,7 +1252,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
             if at < position:
                 pool.passed_checkpoint(passed, serial)
 
-    def free(self, request: Request) -> tuple[list[KVCacheBlock], list[Dropped]]:
+    def free(self, request: Request) -> list[KVCacheBlock]:
         """Forget the request; returns its large pages (working state, and the state kept
         for its output's end) for the caller to free, pinned first where a copy between them
         has not been released yet."""
@@ -1284,7 +1270,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
         self._unloaded.discard(rid)
         del self._known[rid]
         del self._passed[rid]
-        return table, []
+        return table
 
     def num_resident_blocks(self, request_id: str) -> int:
         """Large pages the request holds (working state, and its output's end state)."""

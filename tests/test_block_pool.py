@@ -728,18 +728,3 @@ def test_longest_partial_match_matches_brute_force(siblings: list[tuple[int, ...
         assert got is None
 
 
-def test_refresh_moves_only_free_blocks_that_still_hold_the_content() -> None:
-    pool = BlockPool(6)
-    root = pool.root_serial(None)
-    a, b, c, d = pool.get_new_blocks(4, 0)
-    sa = pool.cache_full_block(a, 1, full(1, 1, 1, 1), root)
-    sb = pool.cache_full_block(b, 2, full(2, 2, 2, 2), sa)
-    sc = pool.cache_full_block(c, 3, full(3, 3, 3, 3), sb)
-    pool.free_blocks([a, b, c])
-    assert queue_ids(pool)[-3:] == [a.block_id, b.block_id, c.block_id]
-    pool.touch([c])  # in use: left alone
-    pool.refresh([(b, sb), (a, sa), (c, sc), (d, 0)])
-    assert queue_ids(pool)[-2:] == [b.block_id, a.block_id]
-    pool.refresh([(b, sb + 100)])  # b now holds other content than the caller saw: left alone
-    assert queue_ids(pool)[-2:] == [b.block_id, a.block_id]
-    check_pool(pool, Counter({c.block_id: 1, d.block_id: 1}))

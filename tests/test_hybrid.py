@@ -514,11 +514,15 @@ def test_hit_after_early_blocks_were_evicted() -> None:
     ids = record_ids(m, req, chunk=4)
     m.free(req)
     pool = internals(m).pool
-    # The window drops freed the windowed group's blocks 0..3 while the request ran; its
-    # free put every page of the request in one order, deepest position first, the window
-    # page before the full page at each position (the root's full page last of all).
+    # The window drops freed the windowed group's blocks 0..3 while the request ran, and
+    # they stay where they were freed; its free put the rest in one order, deepest position
+    # first, the window page before the full page at each position (the root's full page
+    # last of all).
     sw_early = [ids[1][i] for i in range(4)]
-    assert queue_ids(pool)[-12:] == [ids[g][i] for i in range(5, -1, -1) for g in (1, 0)]
+    queue = queue_ids(pool)
+    assert queue[-8:] == [ids[1][5], ids[0][5], ids[1][4], ids[0][4],
+                          *(ids[0][i] for i in range(3, -1, -1))]
+    assert all(queue.index(b) < len(queue) - 8 for b in sw_early)
     evict_blocks(m, sw_early)
     assert all(pool.blocks[ids[0][i]].block_hash is not None for i in range(6))
     again = Request("b", prompt + [1])
@@ -677,6 +681,29 @@ def test_a_next_turn_sent_while_the_last_one_runs_holds_no_window() -> None:
     prefill(m, w, chunk=4)
     held_w = [held(m, 1, "w", i) for i in range(len(tables(m, "w")[1]))]
     assert held_w == [False, False, True, True] + [False] * (len(held_w) - 4)
+    check_manager(m)
+
+
+@pytest.mark.parametrize("output", [True, False], ids=["output", "prompt"])
+def test_a_hit_ending_in_output_nobody_continued_holds_no_window(output: bool) -> None:
+    """x's 16 tokens are cached (4 blocks; window 8, 2 blocks), the last 8 its output (or
+    all 16 its prompt). y, the conversation's next turn, hits those 16 tokens with nothing
+    cached after them. Where they end in x's output, only this conversation goes on there,
+    and y holds no window before its hit end; where they end in a prompt, other prompts may
+    share it, and y holds the window (blocks 2 and 3)."""
+    m = make_manager([None, 8], num_blocks=64, partial=False, hold=True)
+    tokens = list(range(100, 116))
+    x = Request("x", tokens[:8] if output else tokens)
+    prefill(m, x, chunk=4)
+    for t in tokens[x.num_tokens:]:  # decoded one at a time
+        x.append_token_ids(t)
+        assert m.allocate_slots(x, 1) is not None
+        x.num_computed_tokens += 1
+    m.free(x)
+    y = Request("y", tokens + list(range(200, 210)))
+    assert prefill(m, y, chunk=4).num_full_hit_tokens == 16
+    held_y = [held(m, 1, "y", i) for i in range(len(tables(m, "y")[1]))]
+    assert held_y[:4] == [False, False, not output, not output]
     check_manager(m)
 
 

@@ -267,7 +267,8 @@ def test_worth_ages_with_the_clock() -> None:
         order.note(page, worth)
         order.freed(page)
     assert order.pop() is pages[1] and order.clock == 1
-    order.refresh(pages[2])  # now 1 + 3 = 4, below page 0's 5
+    order.remove(pages[2])
+    order.freed(pages[2])  # freed again: now 1 + 3 = 4, below page 0's 5
     assert order.pop() is pages[2] and order.clock == 4
     order.note(pages[1], 2)
     order.freed(pages[1])  # 4 + 2 = 6: a new checkpoint outranks an old worthier one
