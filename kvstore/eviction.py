@@ -159,7 +159,6 @@ class LRUPolicy(FreeBlockQueue, EvictionPolicy):
             self.extend([block for block in blocks if block.token_ids is not None])
 
 
-
 # Free lists of S3FIFOPolicy, in the order they are drained.
 _EMPTY, _ORPHAN, _SMALL, _MAIN = range(4)
 # Bounds of an adaptive probation share.
