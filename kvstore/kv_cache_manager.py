@@ -148,10 +148,11 @@ class KVCacheManager:
     hit: the window before the branch points on its hit's chain (where a lookup left the
     cached chain at a block after which it goes on another way; the pages another request
     holds there are shared), before its hit end unless the cache shows the chain goes on
-    the prompt's way there (it simply ended there, or another running request is
-    computing past it: a conversation's next turn), and the first W tokens of a prompt
-    the cache had nothing of. They are let go when a request that runs alone cannot grow
-    otherwise. Off, windows drop every page as they pass it, as vLLM does.
+    the prompt's way there (it simply ended there, it ends in the output of the request
+    that cached it, or another running request is computing past it: a conversation's next
+    turn), and the first W tokens of a prompt the cache had nothing of. They are let go
+    when a request that runs alone cannot grow otherwise. Off, windows drop every page as
+    they pass it, as vLLM does.
 
     Beside it, a connector (tiers below the device pool, as vLLM's KV connectors) supplies
     tokens past a device hit (`admit(..., num_external_tokens=)`) and hears of the pages

@@ -389,13 +389,14 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     marked on the request's hit chain (where a lookup's prompt left a cached chain that
     goes on another way: prompts sharing the prefix come back there), the window before
     the lookup's own hit end unless the cache shows the chain goes on the prompt's way
-    there (it simply ended there, or another running request is computing past it: a
-    conversation's next turn goes on past it), and the first window of a prompt the
-    cache had nothing of (its prefix may be shared by the next prompts). They stay in its
-    table until it ends, or until a request running alone cannot grow otherwise
-    (`release_held`). Once dropped they are the first pages a busy pool reuses, which
-    leaves the full-attention chain of a shared prefix unusable while the request that
-    computed it still runs. The window before the prompt's end is not held."""
+    there (it simply ended there, it ends in the output of the request that cached it, or
+    another running request is computing past it: a conversation's next turn goes on past
+    it), and the first window of a prompt the cache had nothing of (its prefix may be
+    shared by the next prompts). They stay in its table until it ends, or until a request
+    running alone cannot grow otherwise (`release_held`). Once dropped they are the first
+    pages a busy pool reuses, which leaves the full-attention chain of a shared prefix
+    unusable while the request that computed it still runs. The window before the prompt's
+    end is not held."""
 
     __slots__ = ("_cursor", "_ends", "_head_blocks", "_held_ranges", "_holding",
                  "holds_ends", "drop_log")
@@ -424,8 +425,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def admit(self, request: Request, hit_blocks: list[KVCacheBlock],
               partial_src: KVCacheBlock | None, parent_serial: int) -> None:
-        """Start the table (see the base class) and the
-        prompt end as a likely hit end (a repeat hits one token short of it)."""
+        """Start the table (see the base class) and the prompt end as a likely hit end (a
+        repeat hits one token short of it)."""
         super().admit(request, hit_blocks, partial_src, parent_serial)
         rid = request.request_id
         self._holding[rid] = self.holds_ends
