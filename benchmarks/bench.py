@@ -448,6 +448,7 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
     flag("--check", help="run the correctness grid on the GPU first (exit 1 on failure)")
     flag("--skip-bench", help="with --check: check only")
     flag("--split-sweep", help="only time small-batch decode at every split-KV factor")
+    flag("--mla-sweep", help="only time MLA decode at DeepSeek-V3's shapes at every launch plan")
     p.add_argument("--json", type=out_file, default=Path("results/kernel_bench.json"),
                    help="where to write the results")
 

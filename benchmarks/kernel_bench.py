@@ -262,13 +262,31 @@ CHECK_CASES = [
     ("gptoss-dec-w128-split5", ([1, 1], [20000, 9000]), 64, 8, 64, 16, 128, None, 5, BF16, None, None),
     ("gptoss-prefill-full", ([700, 1], [3000, 4100]), 64, 8, 64, 16, None, None, None, BF16, None, None),
 ]
+# Llama 4's chunked local layers (chunk 8192) across a chunk boundary; the seventh column is a chunk.
+CHUNK_CHECK_CASES = [
+    ("llama4-prefill-c8192", ([900, 1], [12000, 9000]), 40, 8, 128, 16, 8192, None, None, BF16, None, None),
+    ("llama4-dec-c8192-split6", ([1, 1], [16390, 8192]), 40, 8, 128, 16, 8192, None, 6, BF16, None, None),
+]
+# MLA decode launch plans checked at DeepSeek-V3's latent: the default and the others swept.
+MLA_CHECK_PLANS = [{}, {"num_splits": 5}, *(dict(block_h=bh, block_n=bn, num_warps=w)
+                                             for bh, bn, w in ((16, 16, 4), (16, 64, 8), (32, 32, 8)))]
 
 
 def run_check() -> bool:
-    """Correctness grid compiled on this GPU against the reference, every case without and
-    with sinks, then write_kv and copy_blocks bitwise; True when all pass."""
+    """Correctness grid compiled on this GPU against the reference (chunked cases, then every
+    other case without and with sinks), write_kv and copy_blocks bitwise, and MLA decode
+    against its reference; True when all pass."""
     from kvstore.kernels import copy_blocks, paged_attention, paged_attention_reference, write_kv
-    from kvstore.kernels.testing import GRID, make_case, tolerance
+    from kvstore.kernels.mla import mla_attention_reference, mla_decode
+    from kvstore.kernels.testing import (
+        CHUNK_GRID,
+        GRID,
+        MLA_DECODE,
+        MLA_GRID,
+        make_case,
+        make_mla_case,
+        tolerance,
+    )
 
     ok = True
 
@@ -277,10 +295,12 @@ def run_check() -> bool:
         ok &= passed
         print(f"{'PASS' if passed else 'FAIL'} {what}")
 
-    for (name, lens, h, hkv, d, bs, w, cap, splits, dtype, bm, bn), sinks in itertools.product(
-            [*GRID, *CHECK_CASES], (False, True)):
-        case = make_case(*lens, h, hkv, d, bs, w, cap, dtype, seed=1, device="cuda",
-                         q_scale=3.0 if cap else 1.0, with_sinks=sinks)
+    # (row, sinks, chunk): CHUNK_GRID's and CHUNK_CHECK_CASES' seventh column is a chunk, not a window
+    cases: list[tuple[Any, bool, Any]] = [(row, False, row[6]) for row in (*CHUNK_GRID, *CHUNK_CHECK_CASES)]
+    cases += [(row, sinks, None) for row in (*GRID, *CHECK_CASES) for sinks in (False, True)]
+    for (name, (q_lens, seq_lens), h, hkv, d, bs, w, cap, splits, dtype, bm, bn), sinks, chunk in cases:
+        case = make_case(q_lens, seq_lens, h, hkv, d, bs, None if chunk else w, cap, dtype, seed=1,
+                         device="cuda", q_scale=3.0 if cap else 1.0, with_sinks=sinks, chunk=chunk)
         ref = paged_attention_reference(*case.args(), **case.kwargs())
         out = paged_attention(*case.args(), **case.kwargs(), num_splits=splits, block_m=bm, block_n=bn)
         torch.cuda.synchronize()
@@ -308,6 +328,24 @@ def run_check() -> bool:
         torch.cuda.synchronize()
         report(w_ok, f"write_kv {dtype}")
         report(torch.equal(kc, ek) and torch.equal(vc, ev), f"copy_blocks {dtype}")
+
+    # MLA decode: the interpreter's grid, then DeepSeek-V3's latent at each launch plan
+    mla_cases = [(MLA_DECODE, h, r, rope, bs, dt, {"block_n": bn}) for h, r, rope, bs, dt, bn in MLA_GRID]
+    mla_cases += [(([1, 1, 1, 1], [1, 700, 5000, 33]), h, 512, 64, bs, BF16, plan)
+                  for h, bs in ((16, 16), (128, 16), (128, 64)) for plan in MLA_CHECK_PLANS]
+    for lens, h, r, rope, bs, dtype, plan in mla_cases:
+        q_lat, q_rope, kc, vc, md = make_mla_case(*lens, h, r, rope, bs, dtype, seed=h + r, device="cuda")
+        ref = mla_attention_reference(q_lat, q_rope, kc, vc, md, (r + rope) ** -0.5)
+        try:
+            out = mla_decode(q_lat, q_rope, kc, vc, md, (r + rope) ** -0.5, **plan)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a plan that cannot launch fails the check, the rest run
+            report(False, f"mla h={h} rank={r} rope={rope} bs={bs} {dtype} {plan}: {type(e).__name__}: {e}")
+            continue
+        atol, rtol = tolerance(dtype, "cuda")
+        err = (out.float() - ref.float()).abs()
+        report(bool((err <= atol + rtol * ref.float().abs()).all()) and not bool(torch.isnan(out).any()),
+               f"mla h={h} rank={r} rope={rope} bs={bs} {dtype} {plan}: max abs err {float(err.max()):.2e}")
     return ok
 
 
@@ -338,6 +376,59 @@ def run_split_sweep(iters: int = 20) -> dict:
     return out
 
 
+MLA_HEADS, MLA_RANK, MLA_ROPE = 128, 512, 64  # DeepSeek-V3's attention
+MLA_CASES = [(b, c) for b in (1, 16, 64, 128) for c in (4096, 32768)]
+# (block_h, block_n, num_warps)
+MLA_PLANS = [(bh, bn, w) for bh in (16, 32, 64) for bn in (16, 32, 64) for w in (4, 8)]
+
+
+def run_mla_sweep(iters: int = 10) -> dict:
+    """MLA decode at DeepSeek-V3's shapes (bf16, block size 16) at every launch plan in
+    MLA_PLANS beside the default plan: needed latent bytes (each token's once) / time, and
+    for the best plan that as a share of the read bandwidth and as TFLOP/s."""
+    from kvstore.kernels.mla import mla_decode
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    read_bw = bandwidth_gbps(flush, copy=False)
+    half = (MLA_RANK + MLA_ROPE) // 2
+    # each latent's scores (r + rope) and output (r) for every head, per byte of latent read
+    flop_per_byte = 2 * MLA_HEADS * (2 * MLA_RANK + MLA_ROPE) / (2 * half * DTYPE.itemsize)
+    out: dict[str, Any] = {"read_bandwidth_gbps": read_bw, "flop_per_byte": flop_per_byte, "cases": {}}
+    print(f"MLA decode, {MLA_HEADS} heads, latent {MLA_RANK}+{MLA_ROPE}, bf16, read {read_bw:.0f} GB/s:")
+    print("GB/s of needed latent bytes, default plan, best plan, then each block_h/block_n/warps")
+    for b, ctx in MLA_CASES:
+        pages = math.ceil(ctx / BLOCK_SIZE)
+        table = (torch.randperm(b * pages, device="cuda") + 1).to(torch.int32).view(b, pages)
+        kc, vc = (torch.empty(1 + b * pages, BLOCK_SIZE, 1, half, dtype=DTYPE, device="cuda").normal_()
+                  for _ in range(2))
+        md = AttentionMetadata(table, torch.arange(b + 1, dtype=torch.int32, device="cuda"),
+                               torch.full((b,), ctx, dtype=torch.int32, device="cuda"), 1)
+        q_lat = torch.randn(b, MLA_HEADS, MLA_RANK, dtype=DTYPE, device="cuda")
+        q_rope = torch.randn(b, MLA_HEADS, MLA_ROPE, dtype=DTYPE, device="cuda")
+        nbytes = b * ctx * 2 * half * DTYPE.itemsize
+        times: dict[str, float | str] = {}
+        for plan in [None, *MLA_PLANS]:
+            kw = {} if plan is None else dict(zip(("block_h", "block_n", "num_warps"), plan, strict=True))
+            try:
+                times["default" if plan is None else "/".join(map(str, plan))] = time_ms(
+                    partial(mla_decode, q_lat, q_rope, kc, vc, md, (MLA_RANK + MLA_ROPE) ** -0.5, **kw),
+                    iters, flush)[0]
+            except Exception as e:  # noqa: BLE001 - a plan that cannot launch is noted, not fatal
+                times["/".join(map(str, plan or ()))] = f"{type(e).__name__}: {str(e)[:80]}"
+        gbps = {k: nbytes / v / 1e6 for k, v in times.items() if isinstance(v, float) and v > 0}
+        best = max(gbps, key=gbps.__getitem__, default=None)
+        pct = fmt(gbps[best] / read_bw * 100 if best else None, ".0f")
+        tflops = fmt(gbps[best] * flop_per_byte / 1e3 if best else None, ".0f")
+        print(f"B={b:<4d} ctx={ctx:<6d} default {fmt(gbps.get('default'), '6.0f')} GB/s; best {best} "
+              f"{fmt(gbps[best] if best else None, '6.0f')} GB/s ({pct}% read, {tflops} TFLOP/s); "
+              + " ".join(f"{k}:{fmt(gbps[k], '.0f') if k in gbps else v}"
+                         for k, v in times.items() if k != "default"))
+        out["cases"][f"{b}/{ctx}"] = {"bytes": nbytes, "ms": times, "best": best}
+        del kc, vc, table
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvstore.benchmarks.kernel_bench``: ``kvstore bench kernels``."""
     from kvstore.cli import main as cli_main
@@ -349,6 +440,8 @@ def run_command(args: argparse.Namespace) -> int:
     """Run the check and/or the benchmark the options ask for; return the exit status."""
     if args.skip_bench and not args.check:
         args.usage_error("argument --skip-bench: only with --check (it skips the timing after the check)")
+    if args.split_sweep and args.mla_sweep:
+        args.usage_error("argument --mla-sweep: not with --split-sweep (each is a run of its own)")
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device found; this benchmark needs an NVIDIA GPU "
               "(the CPU tests cover correctness under TRITON_INTERPRET=1)", file=sys.stderr)
@@ -359,8 +452,9 @@ def run_command(args: argparse.Namespace) -> int:
     if not args.skip_bench:
         check_folder(args.json.parent, args.usage_error, "--json")
     print(f"device: {torch.cuda.get_device_name(0)}")
-    if args.split_sweep:
-        write_json(args.json, {"device": torch.cuda.get_device_name(0), "splits": run_split_sweep()})
+    if args.split_sweep or args.mla_sweep:
+        key, sweep = ("splits", run_split_sweep) if args.split_sweep else ("mla", run_mla_sweep)
+        write_json(args.json, {"device": torch.cuda.get_device_name(0), key: sweep()})
         return 0
     if args.check:
         t0 = time.perf_counter()

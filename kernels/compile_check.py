@@ -6,7 +6,8 @@ that only the interpreter accepts is caught on a CPU-only machine. Arguments are
 specialised the way the JIT specialises a real call (16-byte aligned pointers, strides
 divisible by 16 marked so, unit strides folded to constants), and when the bundled
 ``cuobjdump`` is present the register count and stack (spill) bytes of each cubin are
-printed. Must run with ``TRITON_INTERPRET`` unset. Exit code 0 when every configuration
+printed. A configuration that needs more shared memory than the target gives one block
+fails. Must run with ``TRITON_INTERPRET`` unset. Exit code 0 when every configuration
 compiles, 1 otherwise, 2 when it cannot run here.
 """
 
@@ -22,6 +23,9 @@ import traceback
 from pathlib import Path
 
 _PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+# Shared memory one block may take (opt-in maximum), bytes: a launch past it fails with
+# OutOfResources on the device, though the compile succeeds.
+SHARED_LIMIT = {90: 232448, 80: 166912}
 
 
 def _attn_configs() -> list[tuple[str, dict, dict, set, tuple[int, int]]]:
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:  # pragma: no cover
         print(f"compile_check: Triton unavailable ({e})", file=sys.stderr)
         return 2
-    from . import cache_ops, triton_attention
+    from . import cache_ops, mla, triton_attention
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     jobs = []
@@ -126,6 +130,17 @@ def main(argv: list[str] | None = None) -> int:
                      dict(ELEM_BYTES=elem, CHUNK=4096),
                      {"ptrs_ptr": "*i64", "block_strides_ptr": "*i64", "src_ptr": "*i64",
                       "dst_ptr": "*i64", "block_numel": "i32"}, set(), (4, 3)))
+    for block_h, block_n, warps, split in ((64, 64, 8, False), (64, 64, 8, True), (16, 64, 8, False)):
+        d1, d2 = mla._pieces(288)
+        const = dict(HALF=288, D1=d1, D2=d2, BLOCK_H=block_h, BLOCK_N=block_n, PAGE=16, SPLIT=split,
+                     UPCAST=False, stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_btp=1)
+        const |= {"stride_lh": 1} if split else {}
+        types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*fp32" if split else "*bf16",
+                 "lse_ptr": "*fp32", "block_table_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
+                 "seq_lens_ptr": "*i32", "scale": "fp32"}
+        jobs.append((f"mla decode bf16 latent 512+64 block_h={block_h} block_n={block_n} warps={warps} "
+                     f"split={split}", mla._mla_decode_kernel, const, types,
+                     {n for n in types if n.endswith("_ptr")}, (warps, 3)))
     failed = 0
     for arch in args.arch:
         target = GPUTarget("cuda", arch, 32)
@@ -136,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                 k = triton.compile(src, target=target, options={"num_warps": warps,
                                                                  "num_stages": stages})
                 usage = _resource_usage(k.asm["cubin"], cuobjdump)
+                if k.metadata.shared > SHARED_LIMIT.get(arch, k.metadata.shared):
+                    raise RuntimeError(f"needs {k.metadata.shared} B of shared memory, sm_{arch} has "
+                                       f"{SHARED_LIMIT[arch]} B a block")
                 print(f"ok   sm_{arch} {name}: shared={k.metadata.shared}B{usage}")
             except Exception:  # noqa: BLE001 - report every failure, keep going
                 failed += 1

@@ -181,96 +181,149 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _load_piece(ptr, rows, row_mask, col0, cols, stride_d, WIDTH: tl.constexpr, UPCAST: tl.constexpr):
+        """Rows ``rows`` (element offsets) of columns ``[col0, col0 + cols)``, ``WIDTH`` wide."""
+        c = tl.arange(0, WIDTH)
+        x = tl.load(ptr + rows[:, None] + (col0 + c)[None, :] * stride_d,
+                    mask=row_mask[:, None] & (c < cols)[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _dot(a, b, UPCAST: tl.constexpr):
+        if UPCAST:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _store_piece(ptr, rows, row_mask, col0, cols, stride_d, x, WIDTH: tl.constexpr):
+        c = tl.arange(0, WIDTH)
+        tl.store(ptr + rows[:, None] + (col0 + c)[None, :] * stride_d, x.to(ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & (c < cols)[None, :])
+
+    @triton.jit
     def _mla_decode_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr,
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
         block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-        scale, num_heads,
+        scale, num_heads, num_splits,
         stride_qt, stride_qh, stride_qd,
         stride_kb, stride_ks, stride_kd,
         stride_vb, stride_vs, stride_vd,
-        stride_ot, stride_oh, stride_od,
+        stride_os, stride_ot, stride_oh, stride_od,
+        stride_ls, stride_lt, stride_lh,
         stride_btb, stride_btp,
         HALF: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        D1: tl.constexpr,
+        D2: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr,
+        SPLIT: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
-        # One program per (BLOCK_H query heads, sequence); the sequence's one query attends
-        # every cached latent. A latent is two halves: K page [0, HALF), V page [HALF, L).
+        # One program per (BLOCK_H query heads, sequence, split); the sequence's one query
+        # attends the cached latents of its split. A latent is two halves, the K page's
+        # [0, HALF) and the V page's [HALF, L); each half is read as a head piece of D1
+        # columns and, when HALF > D1, a tail of HALF - D1 columns padded to D2.
         h_tile = tl.program_id(0)
-        seq = tl.program_id(1)
+        seq = tl.program_id(1) // num_splits
+        split = tl.program_id(1) % num_splits
         q_start = tl.load(cu_seqlens_q_ptr + seq)
         if tl.load(cu_seqlens_q_ptr + seq + 1) == q_start:
             return
         seq_len = tl.load(seq_lens_ptr + seq)
         h = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = h < num_heads
-        d = tl.arange(0, BLOCK_D)
-        d_mask = d < HALF
-        hd_mask = h_mask[:, None] & d_mask[None, :]
-        q_row = q_ptr + q_start.to(tl.int64) * stride_qt + h[:, None] * stride_qh
-        qa = tl.load(q_row + d[None, :] * stride_qd, mask=hd_mask, other=0.0)
-        qb = tl.load(q_row + (HALF + d[None, :]) * stride_qd, mask=hd_mask, other=0.0)
-        if UPCAST:
-            qa = qa.to(tl.float32)
-            qb = qb.to(tl.float32)
+        q_rows = q_start.to(tl.int64) * stride_qt + h * stride_qh
+        qa1 = _load_piece(q_ptr, q_rows, h_mask, 0, HALF, stride_qd, D1, UPCAST)
+        qb1 = _load_piece(q_ptr, q_rows, h_mask, HALF, HALF, stride_qd, D1, UPCAST)
+        qa2 = _load_piece(q_ptr, q_rows, h_mask, D1, HALF - D1, stride_qd, D2, UPCAST)
+        qb2 = _load_piece(q_ptr, q_rows, h_mask, HALF + D1, HALF - D1, stride_qd, D2, UPCAST)
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc_a = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        acc_b = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        acc_a1 = tl.zeros([BLOCK_H, D1], dtype=tl.float32)
+        acc_b1 = tl.zeros([BLOCK_H, D1], dtype=tl.float32)
+        acc_a2 = tl.zeros([BLOCK_H, D2], dtype=tl.float32)
+        acc_b2 = tl.zeros([BLOCK_H, D2], dtype=tl.float32)
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_btb
         n = tl.arange(0, BLOCK_N)
         qk_scale = scale * 1.4426950408889634  # softmax in base 2
-        for t in range(0, tl.cdiv(seq_len, BLOCK_N)):
+        t_lo = 0
+        t_hi = tl.cdiv(seq_len, BLOCK_N)
+        if SPLIT:
+            per = tl.cdiv(t_hi, num_splits)
+            t_lo = split * per
+            t_hi = tl.minimum(t_lo + per, t_hi)
+        for t in range(t_lo, t_hi):
             k_pos = t * BLOCK_N + n
             valid = k_pos < seq_len
-            blk = tl.load(bt_row + (k_pos // PAGE) * stride_btp, mask=valid, other=0)
-            slot = k_pos % PAGE
-            kv_mask = valid[:, None] & d_mask[None, :]
-            a = tl.load(k_ptr + blk.to(tl.int64)[:, None] * stride_kb
-                        + slot.to(tl.int64)[:, None] * stride_ks + d[None, :] * stride_kd,
-                        mask=kv_mask, other=0.0)
-            b = tl.load(v_ptr + blk.to(tl.int64)[:, None] * stride_vb
-                        + slot.to(tl.int64)[:, None] * stride_vs + d[None, :] * stride_vd,
-                        mask=kv_mask, other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-                s = tl.dot(qa, tl.trans(a), input_precision="ieee")
-                s += tl.dot(qb, tl.trans(b), input_precision="ieee")
-            else:
-                s = tl.dot(qa, tl.trans(a)) + tl.dot(qb, tl.trans(b))
+            blk = tl.load(bt_row + (k_pos // PAGE) * stride_btp, mask=valid, other=0).to(tl.int64)
+            slot = (k_pos % PAGE).to(tl.int64)
+            k_rows = blk * stride_kb + slot * stride_ks
+            v_rows = blk * stride_vb + slot * stride_vs
+            a1 = _load_piece(k_ptr, k_rows, valid, 0, HALF, stride_kd, D1, UPCAST)
+            b1 = _load_piece(v_ptr, v_rows, valid, 0, HALF, stride_vd, D1, UPCAST)
+            s = _dot(qa1, tl.trans(a1), UPCAST) + _dot(qb1, tl.trans(b1), UPCAST)
+            if HALF > D1:
+                a2 = _load_piece(k_ptr, k_rows, valid, D1, HALF - D1, stride_kd, D2, UPCAST)
+                b2 = _load_piece(v_ptr, v_rows, valid, D1, HALF - D1, stride_vd, D2, UPCAST)
+                s += _dot(qa2, tl.trans(a2), UPCAST) + _dot(qb2, tl.trans(b2), UPCAST)
             s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if UPCAST:
-                acc_a = acc_a * alpha[:, None] + tl.dot(p, a, input_precision="ieee")
-                acc_b = acc_b * alpha[:, None] + tl.dot(p, b, input_precision="ieee")
-            else:
-                acc_a = acc_a * alpha[:, None] + tl.dot(p.to(a.dtype), a)
-                acc_b = acc_b * alpha[:, None] + tl.dot(p.to(b.dtype), b)
+            p = p.to(a1.dtype)
+            acc_a1 = acc_a1 * alpha[:, None] + _dot(p, a1, UPCAST)
+            acc_b1 = acc_b1 * alpha[:, None] + _dot(p, b1, UPCAST)
+            if HALF > D1:
+                acc_a2 = acc_a2 * alpha[:, None] + _dot(p, a2, UPCAST)
+                acc_b2 = acc_b2 * alpha[:, None] + _dot(p, b2, UPCAST)
             m_i = m_new
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        o_row = o_ptr + q_start.to(tl.int64) * stride_ot + h[:, None] * stride_oh
-        tl.store(o_row + d[None, :] * stride_od,
-                 (acc_a / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=hd_mask)
-        tl.store(o_row + (HALF + d[None, :]) * stride_od,
-                 (acc_b / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=hd_mask)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_rows = split.to(tl.int64) * stride_os + q_start.to(tl.int64) * stride_ot + h * stride_oh
+        _store_piece(o_ptr, o_rows, h_mask, 0, HALF, stride_od, acc_a1 / l_safe, D1)
+        _store_piece(o_ptr, o_rows, h_mask, HALF, HALF, stride_od, acc_b1 / l_safe, D1)
+        if HALF > D1:
+            _store_piece(o_ptr, o_rows, h_mask, D1, HALF - D1, stride_od, acc_a2 / l_safe, D2)
+            _store_piece(o_ptr, o_rows, h_mask, HALF + D1, HALF - D1, stride_od, acc_b2 / l_safe, D2)
+        if SPLIT:  # log2-sum-exp of this split's scores; -inf when it saw no latent
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+            tl.store(lse_ptr + split.to(tl.int64) * stride_ls + q_start.to(tl.int64) * stride_lt
+                     + h * stride_lh, lse, mask=h_mask)
+
+
+def _pieces(half: int) -> tuple[int, int]:
+    """The widths ``(D1, D2)`` a half-latent of ``half`` elements is read in: the largest
+    power of two that fits (at least 16), and the rest padded to a power of two (at least
+    16; unread where nothing is left)."""
+    d1 = max(16, 1 << (half.bit_length() - 1))
+    return d1, max(16, next_pow2(half - d1))
 
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
-               block_n: int = 32) -> torch.Tensor:
+               block_n: int = 64, block_h: int | None = None, num_warps: int = 8,
+               num_splits: int | None = None) -> torch.Tensor:
     """Triton paged MLA decode in the absorbed form: the semantics of
     :func:`mla_attention_reference` for a batch where every sequence has at most one query
     (``max_seqlen_q <= 1``; ValueError otherwise). ``q_latent``, ``q_rope`` and the pages
-    share one dtype of fp32/fp16/bf16. Returns ``[T, H, r]``."""
+    share one dtype of fp32/fp16/bf16. ``block_n`` (tokens per tile), ``block_h`` (query
+    heads per program; default: the heads rounded up to a power of two, 16 to 64),
+    ``num_warps`` and ``num_splits`` (split-KV factor; default: by the grid's size, as
+    :func:`kvstore.kernels.paged_attention` chooses it) are the launch plan; the defaults
+    were the fastest plan measured at DeepSeek-V3's shapes on an H200 (``kvstore bench
+    kernels --mla-sweep``). Returns ``[T, H, r]``."""
+    from .triton_attention import choose_num_splits, merge_splits
+
     require_triton()
     _check(q_latent, q_rope, key_cache, value_cache, metadata, scale)
+    for name, value, low in (("block_n", block_n, 16), ("block_h", block_h, 16), ("num_warps", num_warps, 1)):
+        if value is not None and (value < low or value & (value - 1)):
+            raise ValueError(f"{name} must be a power of two of at least {low}, got {value}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     if metadata.max_seqlen_q > 1:
         raise ValueError(f"mla_decode runs one query per sequence, got max_seqlen_q "
                          f"{metadata.max_seqlen_q}")
@@ -281,30 +334,40 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, key_cache: torch.Te
     check_device(_mla_decode_kernel, q_latent, q_rope, key_cache, value_cache,
                  metadata.block_table, metadata.cu_seqlens_q, metadata.seq_lens)
     total, num_heads, r = q_latent.shape
-    half = key_cache.shape[3]
+    half, page = key_cache.shape[3], key_cache.shape[1]
     q = torch.cat([q_latent, q_rope], dim=-1).contiguous()
     out = torch.empty_like(q)
     batch = metadata.batch_size
     if total == 0 or batch == 0:
         return out[..., :r]
-    block_h = max(16, next_pow2(min(num_heads, 64)))
-    grid = (triton.cdiv(num_heads, block_h), batch)
+    block_h = block_h or max(16, next_pow2(min(num_heads, 64)))
+    h_tiles = triton.cdiv(num_heads, block_h)
     interpreted = is_interpreted(_mla_decode_kernel)
-    _mla_decode_kernel[grid](
-        q, key_cache, value_cache, out,
+    if num_splits is None:
+        tiles = triton.cdiv(metadata.block_table.shape[1] * page, block_n)
+        num_splits = choose_num_splits(h_tiles * batch, tiles, q.device, interpreted)
+    split = num_splits > 1
+    o_dst = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device) if split else out[None]
+    lse = torch.empty((num_splits, total, num_heads), dtype=torch.float32, device=q.device) if split else q
+    d1, d2 = _pieces(half)
+    _mla_decode_kernel[(h_tiles, batch * num_splits)](
+        q, key_cache, value_cache, o_dst, lse,
         metadata.block_table, metadata.cu_seqlens_q.contiguous(), metadata.seq_lens.contiguous(),
-        float(scale), num_heads,
+        float(scale), num_heads, num_splits,
         *q.stride(),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(3),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(3),
-        *out.stride(),
+        *o_dst.stride(),
+        *(lse.stride() if split else (0, 0, 0)),
         *metadata.block_table.stride(),
-        HALF=half,
-        BLOCK_D=max(16, next_pow2(half)),
+        HALF=half, D1=d1, D2=d2,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
-        PAGE=key_cache.shape[1],
+        PAGE=page,
+        SPLIT=split,
         UPCAST=interpreted or q.dtype == torch.float32,
-        num_warps=4,
+        num_warps=num_warps,
     )
+    if split:
+        merge_splits(o_dst, lse, out, r)  # only the first r columns are output
     return out[..., :r]

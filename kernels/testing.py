@@ -168,3 +168,50 @@ def tolerance(dtype: torch.dtype, device: torch.device | str) -> tuple[float, fl
 # the seventh being the chunk.
 CHUNK_GRID = [(name.replace("-w", "-c", 1), *rest[:5], window, *rest[6:])
               for name, *rest in GRID if (window := rest[5]) is not None]
+
+
+def make_mla_case(q_lens: list[int], seq_lens: list[int], num_heads: int, rank: int, rope: int,
+                  block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+                  device: str | torch.device = "cpu"
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """An MLA batch ``(q_latent, q_rope, key pages, value pages, metadata)``: latents of
+    ``rank + rope`` elements paged as :class:`kvstore.MLASpec` lays them out, with every
+    position no query may read (null block, unused blocks, slots past ``seq_len``) NaN."""
+    from .mla import split_latent
+
+    g = torch.Generator().manual_seed(seed)
+    half = (rank + rope) // 2
+    pages = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = 1 + sum(pages) + 2
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    kc = torch.full((num_blocks, block_size, 1, half), float("nan"))
+    vc = torch.full_like(kc, float("nan"))
+    table = torch.zeros(len(seq_lens), max(pages) + 1, dtype=torch.int32)
+    nxt = 0
+    for i, sl in enumerate(seq_lens):
+        for p in range(pages[i]):
+            blk = perm[nxt]
+            nxt += 1
+            table[i, p] = blk
+            n = min(block_size, sl - p * block_size)
+            k, v = split_latent(torch.randn(n, rank + rope, generator=g))
+            kc[blk, :n], vc[blk, :n] = k, v
+        table[i, pages[i]:] = perm[-1]  # past the end: a NaN block
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    total = int(cu[-1])
+    q_latent = torch.randn(total, num_heads, rank, generator=g).to(dtype)
+    q_rope = torch.randn(total, num_heads, rope, generator=g).to(dtype)
+    md = AttentionMetadata(table.to(device), cu.to(device),
+                           torch.tensor(seq_lens, dtype=torch.int32, device=device), max(q_lens))
+    return (q_latent.to(device), q_rope.to(device), kc.to(dtype).to(device), vc.to(dtype).to(device), md)
+
+
+MLA_DECODE = ([1, 1, 1, 0, 1], [37, 1, 64, 5, 90])  # one sequence idle
+# (heads, kv_lora_rank, rope_dim, block size, dtype, block_n): MLA decode cases for the
+# interpreter; the GPU check adds DeepSeek-V3's shapes (rank 512, rope 64).
+MLA_GRID = [
+    (1, 12, 4, 4, f32, 16), (4, 16, 8, 16, f32, 32), (16, 32, 16, 16, f32, 16),
+    (5, 24, 8, 8, f16, 32), (8, 48, 16, 16, bf16, 64), (20, 28, 4, 4, f32, 16),
+    (128, 48, 16, 16, f32, 32),
+]

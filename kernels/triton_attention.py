@@ -462,16 +462,25 @@ def paged_attention(
         num_stages=num_stages,
     )
     if split:
-        block_h = min(16, next_pow2(num_heads))
-        _merge_splits_kernel[(total_q, cdiv(num_heads, block_h))](
-            o_dst, lse, sinks_arg, out, num_splits, num_heads,
-            *o_dst.stride(),
-            *lse.stride(),
-            *out.stride(),
-            HEAD_DIM=head_dim,
-            BLOCK_D=max(16, next_pow2(head_dim)),
-            BLOCK_H=block_h,
-            USE_SINKS=use_sinks,
-            num_warps=4,
-        )
+        merge_splits(o_dst, lse, out, head_dim, sinks)
     return out
+
+
+def merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, head_dim: int,
+                 sinks: torch.Tensor | None = None) -> None:
+    """Combine split-KV partial outputs ``o_part [splits, T, H, >= head_dim]`` (fp32) and
+    their log2-sum-exp ``lse [splits, T, H]`` into ``out [T, H, >= head_dim]``'s first
+    ``head_dim`` columns; ``sinks`` adds each head's sink to the softmax's denominator."""
+    num_splits, total_q, num_heads = lse.shape
+    block_h = min(16, next_pow2(num_heads))
+    _merge_splits_kernel[(total_q, cdiv(num_heads, block_h))](
+        o_part, lse, sinks.contiguous() if sinks is not None else lse, out, num_splits, num_heads,
+        *o_part.stride(),
+        *lse.stride(),
+        *out.stride(),
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_H=block_h,
+        USE_SINKS=sinks is not None,
+        num_warps=4,
+    )

@@ -17,6 +17,13 @@ def test_refuses_without_cuda(capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
+def test_one_sweep_at_a_time(capsys):
+    with pytest.raises(SystemExit) as e:
+        kb.main(["--split-sweep", "--mla-sweep"])
+    assert e.value.code == 2
+    assert "--mla-sweep: not with --split-sweep" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("context,q_len,window", [(10, 1, None), (10, 4, 3), (50, 50, 7),
                                                   (9, 9, None), (30, 5, 100)])
 def test_visible_pairs_and_needed_bytes(context, q_len, window):

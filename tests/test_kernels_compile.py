@@ -29,6 +29,8 @@ def test_all_kernels_compile_for_sm90():
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("ok   sm_90")]
     assert len(lines) >= 10
-    # where cuobjdump reports resource usage: no register spills in any configuration
-    spills = [ln for ln in lines if "stack=" in ln and "stack=0B" not in ln]
+    assert any(" mla decode " in ln for ln in lines)
+    # where cuobjdump reports resource usage: no register spills in any configuration but
+    # MLA decode at DeepSeek-V3's latent, whose fastest plan on an H200 spills (docs/kernels.md)
+    spills = [ln for ln in lines if "stack=" in ln and "stack=0B" not in ln and " mla decode " not in ln]
     assert not spills, spills

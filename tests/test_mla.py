@@ -7,15 +7,12 @@ blocks, slots past seq_len), so a match also proves those are never read."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from invariants import internals
 from test_kernels import needs_triton
 
 from kvstore import MLASpec, make_kv_cache_config
-from kvstore.kernels import AttentionMetadata
 from kvstore.kernels.mla import (
     mla_attention_reference,
     mla_decode,
@@ -23,7 +20,7 @@ from kvstore.kernels.mla import (
     page_latents,
     split_latent,
 )
-from kvstore.kernels.testing import tolerance
+from kvstore.kernels.testing import MLA_DECODE, MLA_GRID, make_mla_case, tolerance
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.single_type_kv_cache_manager import FullAttentionManager
 from kvstore.specs import FullAttentionSpec
@@ -64,36 +61,6 @@ def test_served_by_the_full_attention_manager_beside_full_layers() -> None:
 # ---- references and the kernel ---------------------------------------------------------------
 
 
-def make_mla_case(q_lens: list[int], seq_lens: list[int], num_heads: int, rank: int, rope: int,
-                  block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """Latent pages with every unreadable position NaN, queries, metadata."""
-    g = torch.Generator().manual_seed(seed)
-    half = (rank + rope) // 2
-    pages = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = 1 + sum(pages) + 2
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    kc = torch.full((num_blocks, block_size, 1, half), float("nan"))
-    vc = torch.full_like(kc, float("nan"))
-    table = torch.zeros(len(seq_lens), max(pages) + 1, dtype=torch.int32)
-    nxt = 0
-    for i, sl in enumerate(seq_lens):
-        for p in range(pages[i]):
-            blk = perm[nxt]
-            nxt += 1
-            table[i, p] = blk
-            n = min(block_size, sl - p * block_size)
-            k, v = split_latent(torch.randn(n, rank + rope, generator=g))
-            kc[blk, :n], vc[blk, :n] = k, v
-        table[i, pages[i]:] = perm[-1]  # past the end: a NaN block
-    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
-    total = int(cu[-1])
-    q_latent = torch.randn(total, num_heads, rank, generator=g).to(dtype)
-    q_rope = torch.randn(total, num_heads, rope, generator=g).to(dtype)
-    md = AttentionMetadata(table, cu, torch.tensor(seq_lens, dtype=torch.int32), max(q_lens))
-    return q_latent, q_rope, kc.to(dtype), vc.to(dtype), md
-
-
 def test_absorbed_form_equals_decompressing_the_cached_latents() -> None:
     """Prefill over a cached prefix and decode: W_UV(attention over latents with W_UK^T q)
     equals attention over the decompressed per-head K and V."""
@@ -123,20 +90,10 @@ def test_page_latents_round_trip() -> None:
         split_latent(torch.zeros(2, 7))
 
 
-DECODE = ([1, 1, 1, 0, 1], [37, 1, 64, 5, 90])
-f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
-# (heads, kv_lora_rank, rope_dim, block size, dtype, block_n)
-MLA_GRID = [
-    (1, 12, 4, 4, f32, 16), (4, 16, 8, 16, f32, 32), (16, 32, 16, 16, f32, 16),
-    (5, 24, 8, 8, f16, 32), (8, 48, 16, 16, bf16, 64), (20, 28, 4, 4, f32, 16),
-    (128, 48, 16, 16, f32, 32),
-]
-
-
 @needs_triton
 @pytest.mark.parametrize("heads,rank,rope,bs,dtype,bn", MLA_GRID)
 def test_decode_kernel_matches_reference(heads, rank, rope, bs, dtype, bn) -> None:
-    q_lat, q_rope, kc, vc, md = make_mla_case(*DECODE, heads, rank, rope, bs, dtype,
+    q_lat, q_rope, kc, vc, md = make_mla_case(*MLA_DECODE, heads, rank, rope, bs, dtype,
                                               seed=heads + rank)
     ref = mla_attention_reference(q_lat, q_rope, kc, vc, md, (rank + rope) ** -0.5)
     assert not torch.isnan(ref).any()
@@ -156,6 +113,21 @@ def test_decode_kernel_refuses_what_it_does_not_run() -> None:
         mla_decode(q_lat[..., :8], q_rope, kc, vc, md, 0.25)
     with pytest.raises(TypeError, match="one dtype"):
         mla_decode(q_lat.half(), q_rope, kc, vc, md, 0.25)
+    for name, value in (("block_h", 24), ("block_n", 8), ("num_warps", 3), ("num_splits", 0)):
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            mla_decode(q_lat, q_rope, kc, vc, md, 0.25, **{name: value})
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_kernel_with_a_launch_plan_matches_reference(splits: int) -> None:
+    """Heads split over programs of block_h heads (the last one part full), another warp
+    count, and split-KV (a sequence of one token leaves two of three splits empty): the
+    same output. Half-latents of 30 are read as 16 + 14 columns."""
+    q_lat, q_rope, kc, vc, md = make_mla_case(*MLA_DECODE, 20, 52, 8, 16, seed=3)
+    ref = mla_attention_reference(q_lat, q_rope, kc, vc, md, 0.2)
+    out = mla_decode(q_lat, q_rope, kc, vc, md, 0.2, block_n=16, block_h=16, num_warps=4, num_splits=splits)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_latents_split_otherwise_have_other_tier_keys() -> None:
