@@ -522,6 +522,21 @@ def test_tier_bench_reports_the_checksum_at_every_thread_count(capsys):
         str(t) for t in tier_bench.CHECKSUM_THREADS]
 
 
+def test_tier_bench_without_cryptography_leaves_the_sealed_rows_out_and_says_so(monkeypatch, capsys):
+    from kvstore.benchmarks import tier_bench
+    from kvstore.tiers import seal
+
+    def no_cryptography(*args: object) -> None:
+        raise ImportError("sealed store values need cryptography")
+
+    monkeypatch.setattr(seal, "Sealer", no_cryptography)
+    assert tier_bench.main(["--no-store", "--reps", "1", "--blocks", "2", "--pool-blocks", "8",
+                            "--layers", "1", "--kv-heads", "1", "--head-dim", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert "store value, checksum path: verify" in out and "sealed" not in out
+    assert "store value, sealed: left out (sealed store values need cryptography)" in err
+
+
 def test_values_kept_in_process_skip_the_checksum_and_leave_it_with_their_copies():
     from kvstore.tiers.codec import checked_copy
 
