@@ -192,12 +192,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _dot(a, b, UPCAST: tl.constexpr):
+        """``a @ b``; in fp32 (``ieee``, no TF32) when ``UPCAST``."""
         if UPCAST:
             return tl.dot(a, b, input_precision="ieee")
         return tl.dot(a, b)
 
     @triton.jit
     def _store_piece(ptr, rows, row_mask, col0, cols, stride_d, x, WIDTH: tl.constexpr):
+        """Store ``x`` into columns ``[col0, col0 + cols)`` of rows ``rows``, as ``_load_piece`` reads."""
         c = tl.arange(0, WIDTH)
         tl.store(ptr + rows[:, None] + (col0 + c)[None, :] * stride_d, x.to(ptr.dtype.element_ty),
                  mask=row_mask[:, None] & (c < cols)[None, :])
