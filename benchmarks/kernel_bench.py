@@ -295,6 +295,13 @@ def run_check() -> bool:
         ok &= passed
         print(f"{'PASS' if passed else 'FAIL'} {what}")
 
+    def report_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+        """PASS when `out` has no NaN and is within the compiled tolerance of `ref`."""
+        atol, rtol = tolerance(dtype, "cuda")
+        err = (out.float() - ref.float()).abs()
+        report(bool((err <= atol + rtol * ref.float().abs()).all()) and not bool(torch.isnan(out).any()),
+               f"{what}: max abs err {float(err.max()):.2e}")
+
     # (row, sinks, chunk): CHUNK_GRID's and CHUNK_CHECK_CASES' seventh column is a chunk, not a window
     cases: list[tuple[Any, bool, Any]] = [(row, False, row[6]) for row in (*CHUNK_GRID, *CHUNK_CHECK_CASES)]
     cases += [(row, sinks, None) for row in (*GRID, *CHECK_CASES) for sinks in (False, True)]
@@ -304,11 +311,7 @@ def run_check() -> bool:
         ref = paged_attention_reference(*case.args(), **case.kwargs())
         out = paged_attention(*case.args(), **case.kwargs(), num_splits=splits, block_m=bm, block_n=bn)
         torch.cuda.synchronize()
-        atol, rtol = tolerance(dtype, "cuda")
-        err = (out.float() - ref.float()).abs()
-        bad = ~(err <= atol + rtol * ref.float().abs())
-        report(not bool(bad.any()) and not bool(torch.isnan(out).any()),
-               f"{name}{'+sinks' if sinks else ''}: max abs err {float(err.max()):.2e}")
+        report_close(out, ref, dtype, f"{name}{'+sinks' if sinks else ''}")
 
     # write path and block copy, bitwise: Triton (auto on CUDA) against the torch path
     g = torch.Generator().manual_seed(0)
@@ -342,10 +345,7 @@ def run_check() -> bool:
         except Exception as e:  # noqa: BLE001 - a plan that cannot launch fails the check, the rest run
             report(False, f"mla h={h} rank={r} rope={rope} bs={bs} {dtype} {plan}: {type(e).__name__}: {e}")
             continue
-        atol, rtol = tolerance(dtype, "cuda")
-        err = (out.float() - ref.float()).abs()
-        report(bool((err <= atol + rtol * ref.float().abs()).all()) and not bool(torch.isnan(out).any()),
-               f"mla h={h} rank={r} rope={rope} bs={bs} {dtype} {plan}: max abs err {float(err.max()):.2e}")
+        report_close(out, ref, dtype, f"mla h={h} rank={r} rope={rope} bs={bs} {dtype} {plan}")
     return ok
 
 
