@@ -21,6 +21,7 @@ import torch
 
 from ._triton import HAS_TRITON, check_device, is_interpreted, next_pow2, require_triton
 from .metadata import AttentionMetadata, check_attention_inputs
+from .triton_attention import choose_num_splits, merge_splits
 
 __all__ = ["indexer_topk", "mla_attention_reference", "mla_decode",
            "mla_decompressed_reference", "page_latents", "split_latent"]
@@ -317,8 +318,6 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, key_cache: torch.Te
     :func:`kvstore.kernels.paged_attention` chooses it) are the launch plan; the defaults
     were the fastest plan measured at DeepSeek-V3's shapes on an H200 (``kvstore bench
     kernels --mla-sweep``). Returns ``[T, H, r]``."""
-    from .triton_attention import choose_num_splits, merge_splits
-
     require_triton()
     _check(q_latent, q_rope, key_cache, value_cache, metadata, scale)
     for name, value, low in (("block_n", block_n, 16), ("block_h", block_h, 16), ("num_warps", num_warps, 1)):
