@@ -513,6 +513,7 @@ class BlockPool:
             self._drop_content(blocks)
             return
         children, tracks = self._children, self._marks_orphans
+        hook, chained = self._evicted_hook, self._chained_groups
         for block in blocks:
             key = (block.group_id, block.parent_serial)
             siblings = children[key]
@@ -524,21 +525,22 @@ class BlockPool:
                 if not siblings:
                     del children[key]
             if tracks:
-                if self._evicted_hook is not None:
-                    self._evicted_hook(block)
-                if block.block_hash is not None and (self._chained_groups is None
-                                                     or block.group_id in self._chained_groups):
+                if hook is not None:
+                    hook(block)
+                if block.block_hash is not None and (chained is None
+                                                     or block.group_id in chained):
                     self._orphan_children(block, siblings)
-                self._drop_content([block])
+                self._drop_content((block,))
         if not tracks:
             self._drop_content(blocks)
 
-    def _drop_content(self, blocks: list[KVCacheBlock]) -> None:
+    def _drop_content(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Remove pages' hash-index entries (announced as removed) and their content, each
         counted as an eviction of its group."""
         remove = self.hash_index.remove
         events = self._events if self.enable_events else None
         cached, evicted = self.cached_by_group, self.evicted_by_group
+        dropped = self._dropped
         for block in blocks:
             block_hash, group = block.block_hash, block.group_id
             if block_hash is not None:
@@ -550,9 +552,8 @@ class BlockPool:
             block.orphan = False
             cached[group] -= 1
             evicted[group] += 1
+            dropped.append(block.block_id)
         self.stats.evictions += len(blocks)
-        dropped = self._dropped
-        dropped += [block.block_id for block in blocks]
         while len(dropped) > _DROPPED_KEPT:
             del dropped[:_DROPPED_KEPT // 2]
             self._dropped_base += _DROPPED_KEPT // 2
@@ -851,6 +852,8 @@ class TwoSizeBlockPool(BlockPool):
         self._refused: dict[BlockHash, str] = {}
         # Whether a tier below keeps what requests release (see `admit_checkpoint`).
         self.tiered = False
+        # Cached checkpoints by the serial of the prefix they hold.
+        self._checkpoints_at: dict[int, list[KVCacheBlock]] = {}
 
     def group_kind(self, group_id: int) -> GroupKind:
         """See BlockPool.group_kind; "recurrent" for a recurrent group without given kinds."""
@@ -1235,6 +1238,7 @@ class TwoSizeBlockPool(BlockPool):
         if kind in self._admission:
             self._kind_of[page.block_id] = kind
         self.hash_index.add(page.group_id, block_hash, page)
+        self._checkpoints_at.setdefault(serial, []).append(page)
         self.cached_by_group[page.group_id] += 1
         self._large_cached.note(page, worth)
         self.stats.checkpoints_taken += 1
@@ -1260,6 +1264,10 @@ class TwoSizeBlockPool(BlockPool):
         kind = self._kind_of.pop(page.block_id, None)
         if kind is not None:
             self._settle(kind, False)
+        at = self._checkpoints_at[page.serial]
+        at.remove(page)
+        if not at:
+            del self._checkpoints_at[page.serial]
         self._drop_content([page])
         self._large_cached.forget(page)
         self.stats.checkpoints_evicted += 1
@@ -1270,14 +1278,15 @@ class TwoSizeBlockPool(BlockPool):
         leaves the checkpoints of that position without their chain (told to the checkpoint
         order)."""
         super()._orphan_children(block, siblings)
-        if block.group_id not in self._chain_groups:
+        serial = block.serial
+        at = self._checkpoints_at.get(serial)
+        if at is None or block.group_id not in self._chain_groups:
             return
-        block_hash, serial, index = block.block_hash, block.serial, self.hash_index
+        block_hash = block.block_hash
         assert block_hash is not None
-        pages = [page for g in self.recurrent_groups for page in index.blocks(g, block_hash)
-                 if page.serial == serial and not page.orphan]
+        pages = [page for page in at if not page.orphan]
         if not pages or any(b is not block and b.serial == serial
-                            for b in index.blocks(block.group_id, block_hash)):
+                            for b in self.hash_index.blocks(block.group_id, block_hash)):
             return  # no checkpoint there, or a twin keeps the chain
         for page in pages:
             page.orphan = True
@@ -1288,6 +1297,7 @@ class TwoSizeBlockPool(BlockPool):
         """Forget all cached content of either size; every page returns whole."""
         if self.num_free_blocks != self.num_usable_blocks:
             return False
+        self._checkpoints_at.clear()
         for page in self.large_blocks:
             page.block_hash = page.token_ids = None
             page.serial = page.parent_serial = 0

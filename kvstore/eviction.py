@@ -284,13 +284,14 @@ class S3FIFOPolicy(EvictionPolicy):
         raise IndexError("take from an empty policy")
 
     def freed_all(self, blocks: list[KVCacheBlock]) -> None:
-        """Each page, in order, to the tail of the list `_free_tag` picks for it."""
+        """Each page, in order, to the tail of the list `_free_tag` picks for it (an empty
+        page: the empty list, whatever the policy)."""
         tag_of = self._free_tag
         by_tag: dict[int, list[KVCacheBlock]] = {}
         for block in blocks:
             if block.prev_free is not None or block.next_free is not None:
                 raise ValueError(f"block {block.block_id} is already in the free queue")
-            tag = tag_of(block)
+            tag = _EMPTY if block.token_ids is None else tag_of(block)
             block.free_tag = tag
             same = by_tag.get(tag)
             if same is None:
