@@ -1142,27 +1142,30 @@ class TwoSizeBlockPool(BlockPool):
         dropped = self._drop_refs(blocks)
         if not dropped:
             return
-        num_blocks = self.num_blocks
-        now_free = dropped
-        large = [b for b in dropped if b.block_id >= num_blocks]
-        if large:
-            self._freed_large(large)
-            now_free = [b for b in dropped if b.block_id < num_blocks]
-            if not now_free:
-                return
-        self._count_freed(now_free, group_id)
-        k = self.large_page_blocks
+        num_blocks, k = self.num_blocks, self.large_page_blocks
         used, page_cached = self._used, self._page_cached
-        emptied = []
+        now_free: list[KVCacheBlock] = []
+        large: list[KVCacheBlock] = []
+        emptied: list[int] = []
         num_cached = 0
-        for block in now_free:
-            j = block.block_id // k
+        for block in dropped:
+            block_id = block.block_id
+            if block_id >= num_blocks:
+                large.append(block)
+                continue
+            now_free.append(block)
+            j = block_id // k
             if block.token_ids is not None:
                 num_cached += 1
                 page_cached[j] += 1
             used[j] -= 1
             if not used[j]:
                 emptied.append(j)
+        if large:
+            self._freed_large(large)
+            if not now_free:
+                return
+        self._count_freed(now_free, group_id)
         self._free_cached += num_cached
         self.free_queue.freed_all(now_free)
         for j in emptied:

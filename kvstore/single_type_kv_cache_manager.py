@@ -998,11 +998,13 @@ class RecurrentManager(SingleTypeKVCacheManager):
         if not self._caching or num_computed_tokens == 0:
             return ""
         plan = self._plan[request_id]
-        while plan and plan[0] < num_computed_tokens:
-            plan.pop(0)
-        if plan and plan[0] == num_computed_tokens:
-            return "planned"
-        if self._on_every_n(num_computed_tokens):
+        if plan:
+            while plan and plan[0] < num_computed_tokens:
+                plan.pop(0)
+            if plan and plan[0] == num_computed_tokens:
+                return "planned"
+        every = self._every
+        if every and num_computed_tokens % every == 0:
             return "every_n"
         return ("output" if num_computed_tokens > num_prompt_tokens
                 and num_computed_tokens % self.block_size == 0 else "")
