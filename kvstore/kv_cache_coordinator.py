@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import NamedTuple
 
@@ -38,7 +38,11 @@ class ComputedBlocks:
     past the hit. `issuer` and `lookup_id` name the manager and the lookup that made it:
     a result is admitted only by that manager, for that request object, as its latest
     lookup. Its lists are read-only: a waiting request's next lookup may return them
-    again."""
+    again.
+
+    The last `num_inflight_blocks` hit blocks are pages of `inflight`, a running request
+    scheduled to compute them in the current step (see `KVCacheManager`, "Hits in flight"):
+    `parent_serials` covers the hit before them; admitting indexes them."""
 
     request_id: str
     blocks: tuple[list[KVCacheBlock], ...]
@@ -51,6 +55,8 @@ class ComputedBlocks:
     cut_blocks: tuple[KVCacheBlock, ...] = ()
     issuer: object = None
     lookup_id: int = 0
+    inflight: Request | None = None
+    num_inflight_blocks: int = 0
 
     @property
     def num_computed_tokens(self) -> int:
@@ -69,6 +75,16 @@ class LookupMemo:
     found: set[int] | None = None  # the ids of `computed`'s blocks, once asked for
 
 
+class PendingWrite(NamedTuple):
+    """A page indexed before its request computed it (a hit in flight took it): it holds its
+    content once `request` has computed `num_tokens` tokens, and is no copy source before.
+    `serial`: the content serial it was indexed under (another: the page was reused since)."""
+
+    request: Request
+    num_tokens: int
+    serial: int
+
+
 class AllocationPlan(NamedTuple):
     """What growing a request's tables costs, summed over groups."""
 
@@ -83,7 +99,7 @@ class KVCacheCoordinator:
 
     __slots__ = ("config", "pool", "block_size", "managers", "_full_group", "_free_order",
                  "_learns_branches", "_spine_groups", "_search_sets", "_cache_order", "recurrent",
-                 "_recurrent_groups")
+                 "_recurrent_groups", "_writes", "_writers")
 
     def __init__(self, config: KVCacheConfig, pool: BlockPool, copies: PendingCopies,
                  hold_window_pages: bool = True, checkpoint_every: int = 0) -> None:
@@ -125,6 +141,10 @@ class KVCacheCoordinator:
         paged = [g for g in range(n) if not config.groups[g].is_recurrent]
         self._free_order = tuple(g for g in paged if g not in full) + tuple(full)
         self._recurrent_groups = tuple(g for g in range(n) if g not in paged)
+        # Pages indexed before their request computed them (`index_inflight`), by page, and
+        # per such request the pages it was given.
+        self._writes: dict[KVCacheBlock, PendingWrite] = {}
+        self._writers: dict[str, list[KVCacheBlock]] = {}
 
     @staticmethod
     def learns_branches(config: KVCacheConfig, hold_window_pages: bool) -> bool:
@@ -174,7 +194,9 @@ class KVCacheCoordinator:
 
     def find_longest_hit(self, request: Request, max_tokens: int, partial: bool,
                          issuer: object = None, lookup_id: int = 0,
-                         memo: LookupMemo | None = None) -> ComputedBlocks:
+                         memo: LookupMemo | None = None,
+                         inflight: Mapping[str, tuple[Request, int]] | None = None
+                         ) -> ComputedBlocks:
         """The longest prefix of at most `max_tokens` tokens cached for every group.
 
         Whole blocks first: never past the prefix verified in the cache, then each group
@@ -186,7 +208,12 @@ class KVCacheCoordinator:
         `memo` carries one request's lookups from one to the next (a request waiting for
         room is looked up at every step): at the same cap, with the same tokens and salt,
         the last one's whole blocks are found again when none of them was dropped since and
-        the verified prefix cannot have grown. The result is recorded in it."""
+        the verified prefix cannot have grown. The result is recorded in it.
+
+        `inflight` (running requests with the token count their current step computes up
+        to, by id): where the whole-block hit ends at the cached part of such a request's
+        table, the hit goes on over the pages that step fills with the prompt's tokens
+        (`_inflight_hit`); such a hit takes no partial block and is not memoized."""
         bs = self.block_size
         parents: Sequence[int]
         key = (request.num_tokens, request.cache_salt, max_tokens)
@@ -202,16 +229,28 @@ class KVCacheCoordinator:
                 memo.key, memo.found = key, None
             hits, parents, num_blocks, num_verified, cut = self._whole_blocks(request,
                                                                                max_tokens // bs)
-        full = num_blocks * bs
+        source: Request | None = None
+        num_inflight = 0
+        if inflight and num_verified == num_blocks * bs:
+            source, extra = self._inflight_hit(request, hits, num_blocks, max_tokens // bs,
+                                               inflight)
+            if source is not None:
+                num_inflight = len(extra[0])
+                hits = tuple([*hit, *more] for hit, more in zip(hits, extra, strict=True))
+                num_verified = (num_blocks + num_inflight) * bs
+        full = (num_blocks + num_inflight) * bs
         parent = parents[num_blocks]
         sources: list[KVCacheBlock | None] = [None] * len(self.managers)
         num_partial = 0
-        if partial and max_tokens > full and not self.recurrent:
+        if partial and max_tokens > full and not self.recurrent and not num_inflight:
             # (A recurrent group has no state inside a block: no partial hit with one.)
             query = tuple(request.token_ids[full:min(full + bs - 1, max_tokens)])
             num_partial = len(query)
             for g in range(len(self.managers)):
                 sources[g], n = self.pool.longest_partial_match(g, parent, query)
+                src = sources[g]
+                if src is not None and self._writes and not self._written(src):
+                    n = 0  # not written yet: no copy source
                 num_partial = min(num_partial, n)
                 if num_partial == 0:
                     break
@@ -219,10 +258,110 @@ class KVCacheCoordinator:
                 sources = [None] * len(self.managers)
         computed = ComputedBlocks(request.request_id, hits, tuple(sources), full, num_partial,
                                   self.pool.cache_epoch, tuple(parents[:num_blocks + 1]),
-                                  num_verified, cut, issuer, lookup_id)
+                                  num_verified, cut, issuer, lookup_id, source, num_inflight)
         if memo is not None:
-            memo.computed = computed
+            memo.computed = None if num_inflight else computed
         return computed
+
+    def _inflight_hit(self, request: Request, hits: tuple[list[KVCacheBlock], ...],
+                      num_blocks: int, max_blocks: int,
+                      inflight: Mapping[str, tuple[Request, int]]
+                      ) -> tuple[Request | None, list[list[KVCacheBlock]]]:
+        """The running request (of `inflight`, with the token count its step computes up to)
+        whose pages continue the whole-block hit of `num_blocks` blocks furthest, with those
+        pages per group (None, [] if none does). Such a request has the salt of `request`,
+        the hit's last block in its own table (of the first group that caches), nothing
+        cached past it in any group, and in every group uncached pages after it holding,
+        block for block, the prompt's tokens, which its current step fills; a recurrent
+        group has no state there to share."""
+        if self.recurrent:
+            return None, []
+        bs = self.block_size
+        hashes, tokens = request.block_hashes, request.block_tokens
+        limit = min(max_blocks, len(hashes))
+        h = num_blocks
+        if h >= limit:
+            return None, []
+        g0 = self._cache_order[0].group_id
+        last = hits[g0][h - 1] if h else None
+        rid = request.request_id
+        best: Request | None = None
+        best_end = h
+        for other, scheduled_end in inflight.values():
+            orid = other.request_id
+            end = min(limit, scheduled_end // bs, len(other.block_hashes))
+            if end <= best_end or orid == rid or other.cache_salt != request.cache_salt:
+                continue
+            tables = [m.table(orid) for m in self.managers]
+            if (h and tables[g0][h - 1] is not last) or any(
+                    m.num_cached_blocks(orid) != h for m in self.managers):
+                continue
+            other_hashes, other_tokens = other.block_hashes, other.block_tokens
+            n = h
+            while n < end and other_hashes[n] == hashes[n] and other_tokens[n] == tokens[n] \
+                    and all(t[n].block_id != 0 and t[n].block_hash is None for t in tables):
+                n += 1
+            if n > best_end:
+                best, best_end = other, n
+        if best is None:
+            return None, []
+        orid = best.request_id
+        return best, [m.table(orid)[h:best_end] for m in self.managers]
+
+    def index_inflight(self, request: Request, computed: ComputedBlocks) -> ComputedBlocks:
+        """Index the pages of a hit in flight (`computed.inflight`'s, checked current) as
+        that request's own blocks, pending until it computes them; returns the hit as one
+        of cached blocks."""
+        source = computed.inflight
+        assert source is not None
+        bs = self.block_size
+        end = computed.num_full_hit_tokens // bs
+        first = end - computed.num_inflight_blocks
+        for manager in self._cache_order:
+            manager.cache_blocks(source, end * bs)
+        writes = self._writes
+        given = self._writers.setdefault(source.request_id, [])
+        for manager in self.managers:
+            for i, block in enumerate(manager.table(source.request_id)[first:end], first):
+                writes[block] = PendingWrite(source, (i + 1) * bs, block.serial)
+                given.append(block)
+        spine = self._cache_order[0].table(source.request_id)
+        parents = computed.parent_serials or (self.pool.root_serial(request.cache_salt),)
+        parents += tuple(block.serial for block in spine[first:end])
+        return replace(computed, parent_serials=parents, cache_epoch=self.pool.cache_epoch,
+                       inflight=None, num_inflight_blocks=0)
+
+    def _written(self, block: KVCacheBlock) -> bool:
+        """Whether a cached page holds its content (no write of it is pending)."""
+        write = self._writes.get(block)
+        if write is None:
+            return True
+        if write.serial != block.serial or write.request.num_computed_tokens >= write.num_tokens:
+            del self._writes[block]
+            return True
+        return False
+
+    def pending_writer(self, block: KVCacheBlock) -> Request | None:
+        """The request whose step has yet to write this indexed page (a hit in flight took
+        it first), or None."""
+        write = self._writes.get(block)
+        return None if write is None or self._written(block) else write.request
+
+    def unwritten(self, request: Request) -> bool:
+        """Whether pages of `request` indexed for a hit in flight are still to be computed
+        (its step has not run)."""
+        writes = self._writes
+        return any(block in writes and writes[block].request is request
+                   and not self._written(block)
+                   for block in self._writers.get(request.request_id, ()))
+
+    def release_writes(self, request: Request) -> None:
+        """Forget the pending writes of a request that ends (they are all written)."""
+        writes = self._writes
+        for block in self._writers.pop(request.request_id, ()):
+            write = writes.get(block)
+            if write is not None and write.request is request:
+                del writes[block]
 
     def _whole_blocks(self, request: Request, max_blocks: int
                       ) -> tuple[tuple[list[KVCacheBlock], ...], list[int], int, int,
@@ -289,7 +428,11 @@ class KVCacheCoordinator:
         bs = self.block_size
         n = computed.num_full_hit_tokens // bs if isinstance(computed.num_full_hit_tokens,
                                                               int) else -1
+        k = computed.num_inflight_blocks  # the parent serials stop before them
         ok = (n >= 0 and computed.num_full_hit_tokens == n * bs
+              and isinstance(k, int) and 0 <= k <= n
+              and (k == 0) == (computed.inflight is None)
+              and (k == 0 or computed.num_partial_tokens == 0)
               and len(computed.blocks) == len(self.managers)
               and all(len(blocks) == n for blocks in computed.blocks)
               and len(computed.partial_sources) == len(self.managers)
@@ -297,7 +440,8 @@ class KVCacheCoordinator:
               and 0 <= computed.num_partial_tokens < bs
               and all((src is None) == (computed.num_partial_tokens == 0)
                       for src in computed.partial_sources)
-              and (len(computed.parent_serials) == n + 1 or (n == 0 and not computed.parent_serials))
+              and (len(computed.parent_serials) == n - k + 1
+                   or (n == k and not computed.parent_serials))
               and (not computed.parent_serials
                    or computed.parent_serials[0] == self.pool.root_serial(request.cache_salt)))
         if not ok:
@@ -309,14 +453,17 @@ class KVCacheCoordinator:
         every hit block and copy source still holds the request's content under its
         prefix). ValueError for a result that is not a lookup of this cache."""
         self.check_shape(request, computed)
+        if computed.num_inflight_blocks and not self._inflight_current(request, computed):
+            return False
         if computed.cache_epoch == self.pool.cache_epoch:
             return True
         tokens, hashes = request.token_ids, request.block_hashes
         block_tokens = request.block_tokens
         full = computed.num_full_hit_tokens
         parents = computed.parent_serials
+        cached = full // self.block_size - computed.num_inflight_blocks
         for g in range(len(self.managers)):
-            for i, block in enumerate(computed.blocks[g]):
+            for i, block in enumerate(computed.blocks[g][:cached]):
                 if block.block_id == 0:
                     continue
                 if (block.block_hash != hashes[i] or block.group_id != g
@@ -329,6 +476,28 @@ class KVCacheCoordinator:
                 if (src.token_ids is None or src.group_id != g
                         or src.parent_serial != self.parent_serial(request, computed)
                         or src.token_ids[:n] != tuple(tokens[full:full + n])):
+                    return False
+        return True
+
+    def _inflight_current(self, request: Request, computed: ComputedBlocks) -> bool:
+        """Whether the pages of a hit in flight are still its request's, each one not cached
+        yet or cached with the prompt's block."""
+        source = computed.inflight
+        assert source is not None
+        end = computed.num_full_hit_tokens // self.block_size
+        first = end - computed.num_inflight_blocks
+        hashes, block_tokens = request.block_hashes, request.block_tokens
+        for manager, blocks in zip(self.managers, computed.blocks, strict=True):
+            try:
+                table = manager.table(source.request_id)
+            except KeyError:
+                return False
+            if len(table) < end:
+                return False
+            for i in range(first, end):
+                block = blocks[i]
+                if table[i] is not block or (block.block_hash is not None and (
+                        block.block_hash != hashes[i] or block.token_ids != block_tokens[i])):
                     return False
         return True
 

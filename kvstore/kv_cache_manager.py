@@ -157,12 +157,26 @@ class KVCacheManager:
     Beside it, a connector (tiers below the device pool, as vLLM's KV connectors) supplies
     tokens past a device hit (`admit(..., num_external_tokens=)`) and hears of the pages
     requests let go of (`set_release_listener`).
+
+    Hits in flight. A block is indexed once computed, at its request's next growth or free.
+    A lookup also goes on past its cached hit into the pages of a running request whose
+    last prefill chunk (an admission or growth of more than one token) fills them with the
+    prompt's tokens, where that request's cached blocks end exactly at the hit (without a
+    recurrent group): requests admitted in the step that computes their shared prefix hit
+    it, as in vLLM. Admitting such a hit indexes those pages as their request's blocks, no
+    copy source until it has computed them. Two promises make it exact, and the caller
+    keeps both: the worker writes every scheduled token's K/V of a layer before any
+    attention of that layer reads (`kvstore.engine`'s runner does), and a request is not
+    freed between being scheduled and its step running (preemption victims are requests
+    not yet scheduled in the step; aborts come between steps). `free` raises, changing
+    nothing, for a request whose pages such a hit took before its step ran.
     """
 
     __slots__ = ("config", "cache_config", "block_size", "enable_caching", "enable_partial_hits",
                  "_hash_fn",
                  "_pool", "_copies", "_coordinator", "_requests", "_no_new_blocks", "_quiet",
-                 "_num_paged_groups", "_lookups", "_num_lookups", "_listener", "_drops")
+                 "_num_paged_groups", "_lookups", "_num_lookups", "_listener", "_drops",
+                 "_scheduled")
 
     def __init__(self, config: KVCacheConfig, cache_config: CacheConfig | None = None) -> None:
         if not isinstance(config, KVCacheConfig):
@@ -227,6 +241,10 @@ class KVCacheManager:
         # Who hears of released pages, and the window drops of the call under way.
         self._listener: ReleaseListener | None = None
         self._drops: list[tuple[str, int, int, int, bool, bool]] = []
+        # Per live request whose last admission or growth scheduled a prefill chunk, the
+        # request and the token count that step computes up to: lookups may hit the pages
+        # it fills (see "Hits in flight").
+        self._scheduled: dict[str, tuple[Request, int]] = {}
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -309,7 +327,8 @@ class KVCacheManager:
             return self._no_hit(request, lookup_id)
         # At least one token is computed so the model yields logits.
         return self._coordinator.find_longest_hit(request, request.num_tokens - 1,
-                                                  self.enable_partial_hits, self, lookup_id, memo)
+                                                  self.enable_partial_hits, self, lookup_id, memo,
+                                                  self._scheduled)
 
     # ---- allocation --------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -391,6 +410,8 @@ class KVCacheManager:
         fitting = self._fit_admission(request, computed, num_new_tokens + num_lookahead_tokens)
         if fitting is None:
             return None
+        if fitting.num_inflight_blocks:
+            fitting = self._index_inflight(request, fitting)
         request.num_computed_tokens = fitting.num_computed_tokens
         self._quiet.pop(rid, None)
         self._lookups.pop(rid, None)
@@ -408,6 +429,8 @@ class KVCacheManager:
             stats.recurrent_hits += 1
         ids = self._coordinator.allocate(
             request, fitting.num_computed_tokens + num_new_tokens + num_lookahead_tokens)
+        if num_new_tokens > 1:
+            self._scheduled[rid] = (request, fitting.num_computed_tokens + num_new_tokens)
         if self._drops:
             self._report_drops()
         return ids
@@ -423,6 +446,8 @@ class KVCacheManager:
         start = computed.num_full_hit_tokens
         end = start + n
         self._check_length(request, end, num_new_tokens)
+        if computed.num_inflight_blocks:
+            computed = self._index_inflight(request, computed)
         # A sliding-window group keeps only the window before the hit's end: its device hit
         # blocks below it are null, like those of a device hit that long.
         specs = [group.spec for group in self.config.groups]
@@ -484,7 +509,11 @@ class KVCacheManager:
         # At or past the range's start, nothing the groups cached or let go of since is needed.
         if quiet is None or num_computed < quiet[0]:
             coordinator.check_resumable(rid, num_computed)
+        if num_new_tokens == 1 and self._scheduled:  # decoding: no prefill chunk in flight
+            self._scheduled.pop(rid, None)
         if quiet is None and all(m.is_noop(request, num_tokens) for m in coordinator.managers):
+            if num_new_tokens > 1:
+                self._scheduled[rid] = (request, num_computed + num_new_tokens)
             self._note_quiet(request)
             return self._no_new_blocks
         request.update_block_hashes(self.block_size, self._hash_fn)
@@ -505,6 +534,8 @@ class KVCacheManager:
                     return None
                 self._release_held(request)
         ids = coordinator.allocate(request, num_tokens)
+        if num_new_tokens > 1:  # a prefill chunk (see "Hits in flight")
+            self._scheduled[rid] = (request, num_computed + num_new_tokens)
         if self._drops:
             self._report_drops()
         # The tables now hold everything growing to num_tokens needs at this computed count
@@ -633,11 +664,17 @@ class KVCacheManager:
         return pool.fragmented_bytes if isinstance(pool, TwoSizeBlockPool) else 0
 
     def free(self, request: Request) -> None:
-        """Release a finished or preempted request; its computed content stays cached."""
+        """Release a finished or preempted request; its computed content stays cached.
+        RuntimeError, changing nothing, while pages that a hit in flight took from it are
+        not computed (its step has not run: see "Hits in flight")."""
         self._check_admitted(request)
         self._check_progress(request)
+        if self._coordinator.unwritten(request):
+            raise RuntimeError(f"request {request.request_id!r} is freed before its step ran, "
+                               "and another request's hit took pages that step computes")
         request.update_block_hashes(self.block_size, self._hash_fn)
         self._quiet.pop(request.request_id, None)
+        self._scheduled.pop(request.request_id, None)
         listener = self._listener
         if listener is not None:
             managers = self._coordinator.managers
@@ -647,7 +684,16 @@ class KVCacheManager:
                          else tuple((i, b) for i, b in enumerate(table) if b))
                 listener(ReleasedPages(request, g, "free", pages))
         self._coordinator.free(request)
+        self._coordinator.release_writes(request)
         del self._requests[request.request_id]
+
+    def _index_inflight(self, request: Request, computed: ComputedBlocks) -> ComputedBlocks:
+        """Index the pages a hit in flight takes (`ComputedBlocks.inflight`'s) as that
+        request's blocks; returns the hit as one of cached blocks."""
+        source = computed.inflight
+        assert source is not None
+        self._quiet.pop(source.request_id, None)  # its pages become shared
+        return self._coordinator.index_inflight(request, computed)
 
     def drop_lookup(self, request: Request) -> bool:
         """Forget what looking up a request that leaves the waiting queue without being

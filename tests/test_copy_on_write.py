@@ -147,10 +147,14 @@ class Harness:
                     block_id = table[p // BS]
                     assert block_id != 0, f"{req.request_id} writes position {p} into the null block"
                     block = pool.blocks[block_id]
-                    assert block.block_hash is None, f"write into cached full block {block_id}"
-                    assert block.ref_cnt - block.pin_cnt == 1, (
-                        f"{req.request_id} writes into block {block_id} shared by "
-                        f"{block.ref_cnt - block.pin_cnt} tables")
+                    writer = internals(self.manager).coordinator.pending_writer(block)
+                    if writer is not None:  # indexed for a hit in flight: its request writes it
+                        assert writer is req, f"{req.request_id} writes {writer.request_id}'s page"
+                    else:
+                        assert block.block_hash is None, f"write into cached full block {block_id}"
+                        assert block.ref_cnt - block.pin_cnt == 1, (
+                            f"{req.request_id} writes into block {block_id} shared by "
+                            f"{block.ref_cnt - block.pin_cnt} tables")
                     slots.append(block_id * BS + p % BS)
             assert len(set(slots)) == len(slots), "two writes of one step hit the same slot"
             group_slots.append(slots)
@@ -262,7 +266,18 @@ class Sim:
 
     def free(self, req: Request, batch: dict[str, tuple[Request, int]], preempt: bool) -> None:
         self.log.append(f"{'preempt' if preempt else 'free'} {req.request_id}")
-        self.h.manager.free(req)
+        mgr = self.h.manager
+        if req.request_id in batch:  # scheduled: refused once a hit in flight took its pages
+            before = internals(mgr).pool.block_states()
+            try:
+                mgr.free(req)
+            except RuntimeError as exc:
+                assert "before its step ran" in str(exc)
+                assert internals(mgr).pool.block_states() == before
+                self.log.append("  refused: a hit in flight holds its pages")
+                return
+        else:
+            mgr.free(req)
         self.running.remove(req)
         batch.pop(req.request_id, None)
         if preempt:
@@ -621,11 +636,15 @@ def test_salted_request_never_copies_another_salts_block() -> None:
     for rid, tokens in (("s1", [1, 2, 3, 4, 5, 6, 7]), ("s2", aligned), ("s3", [1, 2, 3, 4, 5, 6])):
         req = h.new_request(rid, tokens, salt="a")
         computed = mgr.get_computed_blocks(req)
-        assert computed.num_computed_tokens == 0
+        # s3 hits the block s1 computed, under the same salt (in flight: s1 has not been
+        # allocated since), never a block of the unsalted requests.
+        assert not {b.block_id for blocks in computed.blocks for b in blocks} & plain_blocks
+        assert computed.inflight is (mgr.requests["s1"] if rid == "s3" else None)
+        assert computed.num_computed_tokens == (4 if rid == "s3" else 0)
         assert computed.partial_sources == (None,) * groups
         assert h.admit(req)
         assert not set(i for t in mgr.block_table(rid) for i in t) & plain_blocks
-        h.step([(req, req.num_tokens)])
+        h.step([(req, req.num_tokens - req.num_computed_tokens)])
         h.check()
     assert mgr.stats.partial_hits == 0 and mgr.stats.copies_queued == 0
     salted_s1 = {t[1] for t in mgr.block_table("s1")}

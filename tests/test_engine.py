@@ -251,6 +251,34 @@ def test_preemption_and_eviction_match_hf(style: str, pairs: dict) -> None:
     assert small.manager.usage == 0.0
 
 
+@pytest.mark.parametrize("style", STYLES)
+def test_hits_in_flight_match_hf(style: str, pairs: dict) -> None:
+    """Prompts sharing a prefix admitted in one step hit the pages that step's forward
+    writes (hits in flight), and every token equals the engine's without prefix caching
+    and transformers', in a roomy pool and in one that preempts and evicts."""
+    hf, model = pairs[style]
+    w = window_of(model)
+    prefix = tokens(w + 3, seed=60)
+    prompts = [prefix + tokens(k + 2, seed=61 + k) for k in range(4)] + [tokens(5, seed=66)]
+    plain = make_engine(model, enable_caching=False, max_num_batched_tokens=256)
+    expected = sample_tokens(plain.generate(prompts, greedy(4)))
+    engine = make_engine(model, max_num_batched_tokens=256)
+    outs = engine.generate(prompts, greedy(4))
+    # All five are admitted in the first step: the later three hit the first one's pages.
+    assert engine.stats.hit_tokens >= 3 * (len(prefix) // BLOCK) * BLOCK
+    assert sample_tokens(outs) == expected
+    for out in outs:
+        check_against_hf(hf, out)
+    assert engine.manager.usage == 0.0
+    groups = len(engine.config.groups)
+    longest = len(prefix) + 5 + 4
+    small = make_engine(model, max_num_batched_tokens=32,
+                        num_blocks=1 + groups * -(-longest // BLOCK))
+    assert sample_tokens(small.generate(prompts, greedy(4))) == expected
+    assert small.stats.preemptions > 0
+    assert small.manager.usage == 0.0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("style", STYLES)
 def test_triton_kernel_matches_hf(style: str, pairs: dict) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -212,7 +212,15 @@ def best_whole_block_hit(manager: KVCacheManager, req: Request, cap_tokens: int)
 
 def check_hit(manager: KVCacheManager, req: Request, computed: ComputedBlocks, cap_tokens: int,
               partial: bool) -> None:
-    """The coordinator's hit is valid for every group, made of the right blocks, and maximal."""
+    """The coordinator's hit is valid for every group, made of the right blocks, and maximal
+    (a hit in flight: its cached part maximal, then its request's pages holding the
+    prompt's tokens)."""
+    if computed.num_inflight_blocks:
+        check_inflight(manager, req, computed)
+        k = computed.num_full_hit_tokens // BS - computed.num_inflight_blocks
+        computed = replace(computed, blocks=tuple(b[:k] for b in computed.blocks),
+                           num_full_hit_tokens=k * BS, inflight=None, num_inflight_blocks=0)
+        partial = False  # a hit in flight takes no partial block
     pool = internals(manager).pool
     windows = group_windows(manager)
     full = computed.num_full_hit_tokens
@@ -267,6 +275,20 @@ def check_hit(manager: KVCacheManager, req: Request, computed: ComputedBlocks, c
     assert p == expected, f"partial extension of {p} tokens, {expected} possible"
     if p == 0:
         assert all(s is None for s in computed.partial_sources)
+
+
+def check_inflight(manager: KVCacheManager, req: Request, computed: ComputedBlocks) -> None:
+    """The pages of a hit in flight are its request's, in every group, past its cached
+    blocks, and hold the prompt's tokens under the prompt's salt."""
+    source = computed.inflight
+    assert source is not None and source is not req and source.cache_salt == req.cache_salt
+    end = computed.num_full_hit_tokens // BS
+    first = end - computed.num_inflight_blocks
+    assert computed.num_partial_tokens == 0
+    assert source.token_ids[:end * BS] == req.token_ids[:end * BS], "wrong content"
+    for g, blocks in enumerate(computed.blocks):
+        owned = internals(manager).groups[g].table(source.request_id)
+        assert all(blocks[i] is owned[i] and not blocks[i].is_null for i in range(first, end))
 
 
 def held(manager: KVCacheManager, g: int, rid: str, i: int) -> bool:

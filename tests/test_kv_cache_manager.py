@@ -4,7 +4,7 @@ the hit cap, salts, forced hash collisions, stats, bad input and stale lookups."
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -121,8 +121,12 @@ class Device:
                 assert page[i] == (group, base + tokens[:i + 1]), f"block {block_id} slot {i}"
 
 
-def brute_force_hit(m: KVCacheManager, r: Request) -> tuple[int, int]:
-    """(full-block hit tokens, partial tokens) by scanning every block of the pool."""
+def brute_force_hit(m: KVCacheManager, r: Request,
+                    scheduled: Mapping[str, tuple[Request, int]] | None = None
+                    ) -> tuple[int, int]:
+    """(full-block hit tokens, partial tokens) by scanning every block of the pool, then the
+    pages `scheduled` requests (with the token count their last chunk was scheduled up to)
+    fill past their cached blocks (a hit in flight)."""
     pool, bs = internals(m).pool, m.block_size
     max_tokens = r.num_tokens - 1
     root = pool.root_serial(r.cache_salt)
@@ -143,6 +147,10 @@ def brute_force_hit(m: KVCacheManager, r: Request) -> tuple[int, int]:
             parent = found[0].serial
         chains.append(chain)
     k = min(len(c) for c in chains)
+    if scheduled and len(chains[0]) == k:
+        more = inflight_blocks(m, r, chains[0][:k], scheduled)
+        if more:
+            return (k + more) * bs, 0
     full = k * bs
     if not m.enable_partial_hits or max_tokens <= full:
         return full, 0
@@ -156,6 +164,32 @@ def brute_force_hit(m: KVCacheManager, r: Request) -> tuple[int, int]:
     return full, best
 
 
+def inflight_blocks(m: KVCacheManager, r: Request, chain: list[KVCacheBlock],
+                    scheduled: Mapping[str, tuple[Request, int]]) -> int:
+    """How many blocks past the cached `chain` (group 0's) a hit in flight adds: the most
+    that a scheduled request of r's salt, whose cached blocks in every group end with that
+    chain, holds uncached in every group with r's tokens, below its scheduled count."""
+    bs, k = m.block_size, len(chain)
+    limit = min((r.num_tokens - 1) // bs, len(r.block_hashes))
+    best = 0
+    for other, end in scheduled.values():
+        if other is r or other.cache_salt != r.cache_salt:
+            continue
+        groups = internals(m).groups
+        if any(g.num_cached_blocks(other.request_id) != k for g in groups):
+            continue
+        owned = tables(m, other)
+        if k and owned[0][k - 1] is not chain[-1]:
+            continue
+        n = k
+        while (n < min(limit, end // bs) and all(t[n].block_id and t[n].block_hash is None
+                                                 for t in owned)
+               and other.token_ids[n * bs:(n + 1) * bs] == r.token_ids[n * bs:(n + 1) * bs]):
+            n += 1
+        best = max(best, n - k)
+    return best
+
+
 def check_hit_blocks(m: KVCacheManager, r: Request, computed: ComputedBlocks) -> None:
     """Hit blocks hold exactly r's tokens and link by serial to the salt's root; a copy
     source holds r's next tokens under the last hit block."""
@@ -164,8 +198,14 @@ def check_hit_blocks(m: KVCacheManager, r: Request, computed: ComputedBlocks) ->
     full = computed.num_full_hit_tokens
     assert full % bs == 0
     assert computed.num_computed_tokens < r.num_tokens, "hit covers the last token"
+    source, cached = computed.inflight, full // bs - computed.num_inflight_blocks
     for g, blocks in enumerate(computed.blocks):
         assert len(blocks) == full // bs
+        for i, b in enumerate(blocks[cached:], cached):  # a hit in flight: its request's pages
+            assert source is not None and source.cache_salt == r.cache_salt
+            assert b is tables(m, source)[g][i] and b.group_id == g
+            assert source.token_ids[:(i + 1) * bs] == r.token_ids[:(i + 1) * bs], "wrong content"
+        blocks = blocks[:cached]
         parent = root
         for i, b in enumerate(blocks):
             assert b.block_hash is not None and b.group_id == g
@@ -223,6 +263,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.waiting: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
         self.early: dict[str, ComputedBlocks] = {}
+        # Running requests whose last chunk was more than one token, with the token count
+        # it was scheduled up to: lookups may hit the pages it filled (a hit in flight).
+        self.scheduled: dict[str, tuple[Request, int]] = {}
         self.counter = 0
         self.admissions = 0
 
@@ -247,7 +290,7 @@ class ManagerMachine(RuleBasedStateMachine):
             computed = m.get_computed_blocks(r)
             assert snapshot(m) == before, "get_computed_blocks changed state"
             assert (computed.num_full_hit_tokens, computed.num_partial_tokens) == \
-                brute_force_hit(m, r)
+                brute_force_hit(m, r, self.scheduled)
             check_hit_blocks(m, r, computed)
         n = data.draw(st.integers(1, r.num_tokens - computed.num_computed_tokens), label="chunk")
         before = snapshot(m)
@@ -284,6 +327,8 @@ class ManagerMachine(RuleBasedStateMachine):
         check_hit_blocks(m, r, computed)
         del self.waiting[r.request_id]
         self.running[r.request_id] = r
+        if n > 1:
+            self.scheduled[r.request_id] = (r, r.num_computed_tokens + n)
         self.after_allocation(r, n)
 
     # ---- rules -------------------------------------------------------------------------------
@@ -324,6 +369,10 @@ class ManagerMachine(RuleBasedStateMachine):
             n = data.draw(st.integers(1, r.num_tokens - r.num_computed_tokens), label="chunk")
         before = snapshot(self.m)
         out = self.m.allocate_slots(r, n)
+        if n == 1:
+            self.scheduled.pop(r.request_id, None)
+        elif out is not None:
+            self.scheduled[r.request_id] = (r, r.num_computed_tokens + n)
         if out is None:
             event("step: pool full")
             assert snapshot(self.m) == before, "a refused allocation changed state"
@@ -342,6 +391,7 @@ class ManagerMachine(RuleBasedStateMachine):
                        if r.num_computed_tokens % BS else True for t in held]
         m.free(r)
         del self.running[r.request_id]
+        self.scheduled.pop(r.request_id, None)
         # Freed pages join the queue deepest position first (across the groups, in group
         # order at one position): content to the tail, none to the head.
         expected = list(old_queue)
@@ -1158,3 +1208,104 @@ def test_a_request_larger_than_the_pool_raises_request_too_large() -> None:
     with pytest.raises(RequestTooLargeError) as info:
         m.allocate_slots(r, r.num_tokens, m.get_computed_blocks(r))
     assert info.value.blocks_needed == 4 and info.value.blocks_available == 3
+
+
+# ---- hits in flight --------------------------------------------------------------------------
+def test_a_request_admitted_in_the_step_computing_its_prefix_hits_those_pages() -> None:
+    m = KVCacheManager(config(20, 2), CacheConfig(enable_partial_hits=False))
+    prompt = list(range(100, 100 + 3 * BS + 2))
+    a = Request("a", prompt)
+    assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
+    b = Request("b", prompt[:3 * BS] + [7, 8, 9])
+    before = snapshot(m)
+    hit = m.get_computed_blocks(b)
+    assert snapshot(m) == before, "the lookup indexed something"
+    # A's three full blocks are filled by this step's forward: b takes them, not cached yet.
+    assert hit.num_computed_tokens == 3 * BS and hit.inflight is a
+    assert hit.num_inflight_blocks == 3 and hit.parent_serials == (hit.parent_serials[0],)
+    assert m.admit(b, b.num_tokens - hit.num_computed_tokens, hit) is not None
+    for g in range(2):
+        assert m.block_table("b")[g][:3] == m.block_table("a")[g][:3]
+    # Admitting indexed them as a's blocks: a third prompt finds them cached.
+    c = Request("c", prompt[:2 * BS] + [1])
+    found = m.get_computed_blocks(c)
+    assert found.num_computed_tokens == 2 * BS and found.inflight is None
+    check_manager(m)
+    a.num_computed_tokens = a.num_tokens
+    m.free(a)
+    check_manager(m)
+
+
+def test_no_hit_in_flight_under_another_salt_or_past_a_divergence() -> None:
+    m = KVCacheManager(config(20), CacheConfig(enable_partial_hits=False))
+    prompt = list(range(40, 40 + 3 * BS + 1))
+    a = Request("a", prompt)
+    assert m.admit(a, 2 * BS + 1, m.get_computed_blocks(a)) is not None  # a chunk of 2 blocks
+    assert m.get_computed_blocks(Request("s", prompt, cache_salt="t")).num_computed_tokens == 0
+    diverged = prompt[:BS] + [0] + prompt[BS + 1:]
+    assert m.get_computed_blocks(Request("d", diverged)).num_computed_tokens == BS
+    # Only the blocks the chunk fills: the third is not scheduled.
+    assert m.get_computed_blocks(Request("e", prompt)).num_computed_tokens == 2 * BS
+    # A decode step ends a's prefill: nothing of it is in flight any more once cached.
+    a.num_computed_tokens = 2 * BS + 1
+    assert m.grow(a, BS) is not None
+    a.num_computed_tokens = a.num_tokens
+    a.append_token_ids(5)
+    assert m.grow(a, 1) is not None
+    hit = m.get_computed_blocks(Request("f", prompt + [5, 6]))
+    assert hit.num_computed_tokens == 3 * BS and hit.inflight is None
+    check_manager(m)
+
+
+def test_free_before_the_step_ran_is_refused_while_a_hit_in_flight_holds_its_pages() -> None:
+    m = KVCacheManager(config(20), CacheConfig(enable_partial_hits=False))
+    prompt = list(range(70, 70 + 2 * BS + 1))
+    a = Request("a", prompt)
+    assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
+    b = Request("b", prompt)
+    hit = m.get_computed_blocks(b)
+    assert hit.num_computed_tokens == 2 * BS
+    assert m.admit(b, b.num_tokens - hit.num_computed_tokens, hit) is not None
+    before = snapshot(m)
+    with pytest.raises(RuntimeError, match="before its step ran"):
+        m.free(a)
+    assert snapshot(m) == before
+    a.num_computed_tokens = a.num_tokens  # the step ran: now a may go
+    m.free(a)
+    check_manager(m)
+
+
+def test_a_page_in_flight_is_no_copy_source_until_its_request_computed_it() -> None:
+    m = KVCacheManager(config(20))
+    prompt = list(range(10, 10 + 2 * BS + 1))
+    a = Request("a", prompt)
+    assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
+    b = Request("b", prompt[:2 * BS] + [1])
+    hit = m.get_computed_blocks(b)
+    assert hit.num_full_hit_tokens == 2 * BS and hit.num_partial_tokens == 0
+    assert m.admit(b, b.num_tokens - hit.num_computed_tokens, hit) is not None
+    # a's block 1 is indexed now, but not written: a prompt sharing part of it copies nothing.
+    c = Request("c", prompt[:BS + 2] + [0, 0, 0])
+    hit = m.get_computed_blocks(c)
+    assert hit.num_full_hit_tokens == BS and hit.num_partial_tokens == 0
+    a.num_computed_tokens = a.num_tokens  # the step ran
+    hit = m.get_computed_blocks(c)
+    assert hit.num_full_hit_tokens == BS and hit.num_partial_tokens == 2
+    check_manager(m)
+
+
+def test_a_stale_hit_in_flight_is_refused() -> None:
+    m = KVCacheManager(config(20), CacheConfig(enable_partial_hits=False))
+    prompt = list(range(90, 90 + 2 * BS + 1))
+    a = Request("a", prompt)
+    assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
+    b = Request("b", prompt)
+    hit = m.get_computed_blocks(b)
+    assert hit.inflight is a
+    a.num_computed_tokens = 0  # preempted before its step (no hit took its pages yet)
+    m.free(a)
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="stale"):
+        m.admit(b, b.num_tokens - hit.num_computed_tokens, hit)
+    assert snapshot(m) == before
+    assert m.get_computed_blocks(b).num_computed_tokens == 0
