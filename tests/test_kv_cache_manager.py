@@ -1257,15 +1257,23 @@ def test_no_hit_in_flight_under_another_salt_or_past_a_divergence() -> None:
     check_manager(m)
 
 
+def admit_in_flight(m: KVCacheManager, prompt: list[int], other: list[int]) -> Request:
+    """Admit `a` on `prompt`, its whole prefill scheduled, then `b` on `other` with a hit in
+    flight of two blocks of a's pages; returns a."""
+    a = Request("a", prompt)
+    assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
+    b = Request("b", other)
+    hit = m.get_computed_blocks(b)
+    assert hit.inflight is a and hit.num_partial_tokens == 0
+    assert m.admit(b, b.num_tokens - hit.num_computed_tokens, hit) is not None
+    assert b.num_computed_tokens == 2 * BS
+    return a
+
+
 def test_free_before_the_step_ran_is_refused_while_a_hit_in_flight_holds_its_pages() -> None:
     m = KVCacheManager(config(20), CacheConfig(enable_partial_hits=False))
     prompt = list(range(70, 70 + 2 * BS + 1))
-    a = Request("a", prompt)
-    assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
-    b = Request("b", prompt)
-    hit = m.get_computed_blocks(b)
-    assert hit.num_computed_tokens == 2 * BS
-    assert m.admit(b, b.num_tokens - hit.num_computed_tokens, hit) is not None
+    a = admit_in_flight(m, prompt, prompt)
     before = snapshot(m)
     with pytest.raises(RuntimeError, match="before its step ran"):
         m.free(a)
@@ -1278,12 +1286,7 @@ def test_free_before_the_step_ran_is_refused_while_a_hit_in_flight_holds_its_pag
 def test_a_page_in_flight_is_no_copy_source_until_its_request_computed_it() -> None:
     m = KVCacheManager(config(20))
     prompt = list(range(10, 10 + 2 * BS + 1))
-    a = Request("a", prompt)
-    assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
-    b = Request("b", prompt[:2 * BS] + [1])
-    hit = m.get_computed_blocks(b)
-    assert hit.num_full_hit_tokens == 2 * BS and hit.num_partial_tokens == 0
-    assert m.admit(b, b.num_tokens - hit.num_computed_tokens, hit) is not None
+    a = admit_in_flight(m, prompt, prompt[:2 * BS] + [1])
     # a's block 1 is indexed now, but not written: a prompt sharing part of it copies nothing.
     c = Request("c", prompt[:BS + 2] + [0, 0, 0])
     hit = m.get_computed_blocks(c)
