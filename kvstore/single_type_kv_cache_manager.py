@@ -1003,8 +1003,7 @@ class RecurrentManager(SingleTypeKVCacheManager):
                 plan.pop(0)
             if plan and plan[0] == num_computed_tokens:
                 return "planned"
-        every = self._every
-        if every and num_computed_tokens % every == 0:
+        if self._on_every_n(num_computed_tokens):
             return "every_n"
         return ("output" if num_computed_tokens > num_prompt_tokens
                 and num_computed_tokens % self.block_size == 0 else "")
