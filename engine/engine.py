@@ -527,8 +527,10 @@ class LLMEngine:
         for item in output.scheduled:
             # The step may have written part of a recurrent state: cache nothing of it.
             item.request.num_computed_tokens = 0
-        for rid in {self._samples[item.request.request_id].group.request_id
-                    for item in output.scheduled}:
+        # Latest scheduled first: a request admitted on pages another one's step was to
+        # compute (a hit in flight) lets go of them before that one is freed.
+        for rid in dict.fromkeys(self._samples[item.request.request_id].group.request_id
+                                 for item in reversed(output.scheduled)):
             self._abort(rid, "error")
         self._release_when_idle()
 

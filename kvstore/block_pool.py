@@ -534,6 +534,16 @@ class BlockPool:
         if not tracks:
             self._drop_content(blocks)
 
+    def uncache(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop the index entries and content of blocks in use that were indexed before their
+        tokens were computed and never will be (not counted as evictions)."""
+        if any(block.ref_cnt <= 0 or block.token_ids is None for block in blocks):
+            raise RuntimeError("only indexed blocks in use can be uncached")
+        self._evict(blocks)
+        self.stats.evictions -= len(blocks)
+        for block in blocks:
+            self.evicted_by_group[block.group_id] -= 1
+
     def _drop_content(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Remove pages' hash-index entries (announced as removed) and their content, each
         counted as an eviction of its group."""

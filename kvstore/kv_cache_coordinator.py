@@ -347,13 +347,13 @@ class KVCacheCoordinator:
         write = self._writes.get(block)
         return None if write is None or self._written(block) else write.request
 
-    def unwritten(self, request: Request) -> bool:
-        """Whether pages of `request` indexed for a hit in flight are still to be computed
-        (its step has not run)."""
+    def unwritten(self, request: Request) -> list[KVCacheBlock]:
+        """The pages of `request` indexed for a hit in flight that it has yet to compute (its
+        step has not run)."""
         writes = self._writes
-        return any(block in writes and writes[block].request is request
-                   and not self._written(block)
-                   for block in self._writers.get(request.request_id, ()))
+        return [block for block in self._writers.get(request.request_id, ())
+                if block in writes and writes[block].request is request
+                and not self._written(block)]
 
     def release_writes(self, request: Request) -> None:
         """Forget the pending writes of a request that ends (they are all written)."""

@@ -168,8 +168,9 @@ class KVCacheManager:
     keeps both: the worker writes every scheduled token's K/V of a layer before any
     attention of that layer reads (`kvstore.engine`'s runner does), and a request is not
     freed between being scheduled and its step running (preemption victims are requests
-    not yet scheduled in the step; aborts come between steps). `free` raises, changing
-    nothing, for a request whose pages such a hit took before its step ran.
+    not yet scheduled in the step; aborts come between steps). Freeing a request whose step
+    did not run drops the pages it had indexed that way; `free` raises, changing nothing,
+    while another request still holds one (free the requests admitted on them first).
     """
 
     __slots__ = ("config", "cache_config", "block_size", "enable_caching", "enable_partial_hits",
@@ -665,13 +666,17 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a finished or preempted request; its computed content stays cached.
-        RuntimeError, changing nothing, while pages that a hit in flight took from it are
-        not computed (its step has not run: see "Hits in flight")."""
+        Pages a hit in flight indexed from it that it has not computed (its step did not run)
+        leave the index; RuntimeError, changing nothing, while another request still holds
+        one of them (see "Hits in flight")."""
         self._check_admitted(request)
         self._check_progress(request)
-        if self._coordinator.unwritten(request):
+        unwritten = self._coordinator.unwritten(request)
+        if any(block.ref_cnt - block.pin_cnt > 1 for block in unwritten):
             raise RuntimeError(f"request {request.request_id!r} is freed before its step ran, "
-                               "and another request's hit took pages that step computes")
+                               "and another request's hit holds pages that step computes")
+        if unwritten:
+            self._pool.uncache(unwritten)
         request.update_block_hashes(self.block_size, self._hash_fn)
         self._quiet.pop(request.request_id, None)
         self._scheduled.pop(request.request_id, None)

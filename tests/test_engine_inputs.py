@@ -24,6 +24,7 @@ from kvstore.errors import RequestTooLargeError  # noqa: E402
 from kvstore.kernels._triton import HAS_TRITON  # noqa: E402
 from kvstore.models.hf import HFCausalLM  # noqa: E402
 from kvstore.models.presets import build_preset  # noqa: E402
+from kvstore.request import Request  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +193,31 @@ def test_a_step_that_raises_ends_its_requests(llama: HFCausalLM,
     assert engine.manager.usage == 0.0
     (out,) = engine.generate([tokens(5, 2)], SamplingParams(max_tokens=4))
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_a_step_that_raises_with_a_hit_in_flight_caches_nothing_of_it(
+        llama: HFCausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two prompts sharing a prefix in one step that raises: the second was admitted on the
+    pages the first's step was to compute; both end, and none of those pages stays indexed."""
+    engine = LLMEngine(llama, EngineConfig(num_blocks=64, block_size=4))
+    prefix = tokens(12, 5)
+    first = engine.add_request(prefix + [1, 2], SamplingParams(max_tokens=3))
+    second = engine.add_request(prefix + [3], SamplingParams(max_tokens=3))
+
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("the forward failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(llama, "forward", broken)
+        with pytest.raises(RuntimeError, match="the forward failed"):
+            engine.step()
+    assert engine.stats.hit_tokens == 12  # the second hit the first's pages in flight
+    assert {engine.scheduler.finished[r] for r in (first, second)} == {"error"}
+    assert engine.manager.usage == 0.0
+    probe = engine.manager.get_computed_blocks(Request("probe", prefix + [9]))
+    assert probe.num_computed_tokens == 0, "pages never written stayed indexed"
+    (out,) = engine.generate([prefix + [3]], SamplingParams(max_tokens=3))
+    assert len(out.outputs[0].token_ids) == 3
 
 
 def test_learned_positions_past_their_table_are_refused_before_queueing() -> None:

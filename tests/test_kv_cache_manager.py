@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from invariants import EventMirror, check_manager, group_state, internals
 
 from kvstore.block import KVCacheBlock
+from kvstore.block_pool import BlockRemoved
 from kvstore.errors import RequestTooLargeError
 from kvstore.hashing import hash_block
 from kvstore.kv_cache_coordinator import ComputedBlocks
@@ -1280,6 +1281,24 @@ def test_free_before_the_step_ran_is_refused_while_a_hit_in_flight_holds_its_pag
     assert snapshot(m) == before
     a.num_computed_tokens = a.num_tokens  # the step ran: now a may go
     m.free(a)
+    check_manager(m)
+
+
+def test_a_step_that_never_ran_leaves_nothing_of_a_hit_in_flight_in_the_index() -> None:
+    m = KVCacheManager(config(20), CacheConfig(enable_partial_hits=False, enable_events=True))
+    prompt = list(range(50, 50 + 2 * BS + 1))
+    a = admit_in_flight(m, prompt, prompt)
+    b = m.requests["b"]
+    m.take_events()
+    # The step raised: its requests end, the one admitted on a's pages first (as the engine
+    # does), with nothing of the step computed.
+    b.num_computed_tokens = 0
+    m.free(b)
+    m.free(a)
+    assert m.get_computed_blocks(Request("c", prompt)).num_computed_tokens == 0
+    assert m.stats.evictions == 0
+    removed = [e for e in m.take_events() if isinstance(e, BlockRemoved)]
+    assert len(removed) == 2  # a's two blocks, indexed for b's hit, leave the index
     check_manager(m)
 
 
