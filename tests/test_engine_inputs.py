@@ -175,19 +175,25 @@ def test_abort_reaches_a_preempted_sample(llama: HFCausalLM) -> None:
     assert engine.manager.usage == 0.0 and not engine._samples
 
 
+def step_with_a_failing_forward(engine: LLMEngine, model: HFCausalLM,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """One engine step whose model forward raises; the error reaches the caller."""
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("the forward failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(model, "forward", broken)
+        with pytest.raises(RuntimeError, match="the forward failed"):
+            engine.step()
+
+
 def test_a_step_that_raises_ends_its_requests(llama: HFCausalLM,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     engine = LLMEngine(llama, EngineConfig(num_blocks=64, block_size=4))
     a = engine.add_request(tokens(9, 1), SamplingParams(max_tokens=4, n=2))
     engine.step()  # a prefills and forks
     b = engine.add_request(tokens(5, 2), SamplingParams(max_tokens=4))
-    def broken(*args: object) -> torch.Tensor:
-        raise RuntimeError("the forward failed")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(llama, "forward", broken)
-        with pytest.raises(RuntimeError, match="the forward failed"):
-            engine.step()
+    step_with_a_failing_forward(engine, llama, monkeypatch)
     assert not engine.has_unfinished_requests and not engine._groups and not engine._samples
     assert {engine.scheduler.finished[r] for r in (a, a + "#1", b)} == {"error"}
     assert engine.manager.usage == 0.0
@@ -203,14 +209,7 @@ def test_a_step_that_raises_with_a_hit_in_flight_caches_nothing_of_it(
     prefix = tokens(12, 5)
     first = engine.add_request(prefix + [1, 2], SamplingParams(max_tokens=3))
     second = engine.add_request(prefix + [3], SamplingParams(max_tokens=3))
-
-    def broken(*args: object) -> torch.Tensor:
-        raise RuntimeError("the forward failed")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(llama, "forward", broken)
-        with pytest.raises(RuntimeError, match="the forward failed"):
-            engine.step()
+    step_with_a_failing_forward(engine, llama, monkeypatch)
     assert engine.stats.hit_tokens == 12  # the second hit the first's pages in flight
     assert {engine.scheduler.finished[r] for r in (first, second)} == {"error"}
     assert engine.manager.usage == 0.0
