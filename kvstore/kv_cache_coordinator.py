@@ -323,6 +323,9 @@ class KVCacheCoordinator:
         given = self._writers.setdefault(source.request_id, [])
         for manager in self.managers:
             for i, block in enumerate(manager.table(source.request_id)[first:end], first):
+                known = writes.get(block)
+                if known is not None and known.request is source and known.serial == block.serial:
+                    continue  # indexed for an earlier hit in flight on the same pages
                 writes[block] = PendingWrite(source, (i + 1) * bs, block.serial)
                 given.append(block)
         spine = self._cache_order[0].table(source.request_id)

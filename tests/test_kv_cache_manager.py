@@ -1258,11 +1258,17 @@ def test_no_hit_in_flight_under_another_salt_or_past_a_divergence() -> None:
     check_manager(m)
 
 
+def admit_prefill(m: KVCacheManager, prompt: list[int]) -> Request:
+    """Admit `a` on `prompt`, its whole prefill scheduled (the step not run yet)."""
+    a = Request("a", prompt)
+    assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
+    return a
+
+
 def admit_in_flight(m: KVCacheManager, prompt: list[int], other: list[int]) -> Request:
     """Admit `a` on `prompt`, its whole prefill scheduled, then `b` on `other` with a hit in
     flight of two blocks of a's pages; returns a."""
-    a = Request("a", prompt)
-    assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
+    a = admit_prefill(m, prompt)
     b = Request("b", other)
     hit = m.get_computed_blocks(b)
     assert hit.inflight is a and hit.num_partial_tokens == 0
@@ -1302,6 +1308,24 @@ def test_a_step_that_never_ran_leaves_nothing_of_a_hit_in_flight_in_the_index() 
     check_manager(m)
 
 
+def test_two_hits_in_flight_on_the_same_pages_then_a_step_that_never_ran() -> None:
+    m = KVCacheManager(config(20), CacheConfig(enable_partial_hits=False))
+    prompt = list(range(60, 60 + 2 * BS + 1))
+    a = admit_prefill(m, prompt)
+    b, c = Request("b", prompt), Request("c", prompt[:2 * BS] + [7])
+    hits = [m.get_computed_blocks(r) for r in (b, c)]  # both looked up before either is admitted
+    assert all(hit.inflight is a and hit.num_computed_tokens == 2 * BS for hit in hits)
+    for r, hit in zip((b, c), hits, strict=True):
+        assert m.admit(r, r.num_tokens - hit.num_computed_tokens, hit) is not None
+    for r in (c, b):  # the step raised: latest scheduled first, nothing computed
+        r.num_computed_tokens = 0
+        m.free(r)
+    a.num_computed_tokens = 0
+    m.free(a)
+    assert m.get_computed_blocks(Request("d", prompt)).num_computed_tokens == 0
+    check_manager(m)
+
+
 def test_a_page_in_flight_is_no_copy_source_until_its_request_computed_it() -> None:
     m = KVCacheManager(config(20))
     prompt = list(range(10, 10 + 2 * BS + 1))
@@ -1319,8 +1343,7 @@ def test_a_page_in_flight_is_no_copy_source_until_its_request_computed_it() -> N
 def test_a_stale_hit_in_flight_is_refused() -> None:
     m = KVCacheManager(config(20), CacheConfig(enable_partial_hits=False))
     prompt = list(range(90, 90 + 2 * BS + 1))
-    a = Request("a", prompt)
-    assert m.admit(a, a.num_tokens, m.get_computed_blocks(a)) is not None
+    a = admit_prefill(m, prompt)
     b = Request("b", prompt)
     hit = m.get_computed_blocks(b)
     assert hit.inflight is a
