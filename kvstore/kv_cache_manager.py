@@ -339,10 +339,11 @@ class KVCacheManager:
         for no hit), else `grow` it; see those."""
         if type(request) is Request and computed is None:
             # The decode hot path: a live request inside its quiet range (see `_quiet`) needs
-            # nothing; every check `grow` makes is made here too.
+            # nothing; every check `grow` makes is made here too. (A prefill chunk goes on to
+            # `grow`, which records it: "Hits in flight".)
             quiet = self._quiet.get(request.request_id)
             if quiet is not None and quiet[3] is request \
-                    and type(num_new_tokens) is int and num_new_tokens > 0 \
+                    and type(num_new_tokens) is int and num_new_tokens == 1 \
                     and type(num_lookahead_tokens) is int and num_lookahead_tokens >= 0:
                 num_computed = request.num_computed_tokens
                 if type(num_computed) is int and quiet[0] <= num_computed < quiet[1] \
@@ -499,6 +500,8 @@ class KVCacheManager:
         if quiet is not None and quiet[0] <= num_computed < quiet[1] and num_tokens <= quiet[2]:
             # Most decode steps: the pages exist, nothing to cache, drop or copy.
             self._quiet[rid] = quiet
+            if num_new_tokens > 1:  # a prefill chunk inside its pages (see "Hits in flight")
+                self._scheduled[rid] = (request, num_computed + num_new_tokens)
             return self._no_new_blocks
         # Past the quiet range (it ends where some group has work: a block to cache or to
         # add, a page leaving the window), or none known: the progress must lie within the

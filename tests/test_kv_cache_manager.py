@@ -1354,3 +1354,16 @@ def test_a_stale_hit_in_flight_is_refused() -> None:
         m.admit(b, b.num_tokens - hit.num_computed_tokens, hit)
     assert snapshot(m) == before
     assert m.get_computed_blocks(b).num_computed_tokens == 0
+
+
+def test_a_prefill_chunk_inside_the_pages_it_has_is_in_flight_too() -> None:
+    m = KVCacheManager(config(8))
+    a = Request("a", [7, 7, 7, 7], cache_salt="t")
+    assert m.allocate_slots(a, 1, m.get_computed_blocks(a)) is not None  # a page for 4 tokens
+    a.num_computed_tokens = 1
+    assert m.allocate_slots(a, 1) == ((),)
+    a.num_computed_tokens = 2
+    # A chunk of 2 needs no page (it fills the one a has) and completes it in this step.
+    assert m.allocate_slots(a, 2) == ((),)
+    hit = m.get_computed_blocks(Request("b", [7, 7, 7, 7, 7], cache_salt="t"))
+    assert hit.num_computed_tokens == 4 and hit.inflight is a
