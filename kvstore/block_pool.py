@@ -19,6 +19,7 @@ _group_of = attrgetter("group_id")
 # Drops remembered for `BlockPool.dropped_since`: a lookup older than the last half of
 # these is recomputed in full.
 _DROPPED_KEPT = 1 << 16
+_NO_BLOCKS = range(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,9 +507,10 @@ class BlockPool:
                     best, best_len = self.blocks[block_id], n
         return PartialMatch(best, best_len)
 
-    def _evict(self, blocks: list[KVCacheBlock]) -> None:
+    def _evict(self, blocks: list[KVCacheBlock], leaving: range = _NO_BLOCKS) -> None:
         """Drop cached blocks' content from every index, in order (telling a content-tracking
-        policy, and marking the children orphans when no twin keeps the content)."""
+        policy, and marking the children orphans when no twin keeps the content); pages whose
+        ids are in `leaving` are not marked (they leave the free queue with these)."""
         if not self._index_children:
             self._drop_content(blocks)
             return
@@ -529,7 +531,7 @@ class BlockPool:
                     hook(block)
                 if block.block_hash is not None and (chained is None
                                                      or block.group_id in chained):
-                    self._orphan_children(block, siblings)
+                    self._orphan_children(block, siblings, leaving)
                 self._drop_content((block,))
         if not tracks:
             self._drop_content(blocks)
@@ -581,10 +583,11 @@ class BlockPool:
         start = epoch - self._dropped_base
         return None if start < 0 else self._dropped[start:]
 
-    def _orphan_children(self, block: KVCacheBlock,
-                         siblings: list[tuple[tuple[int, ...], int]]) -> None:
+    def _orphan_children(self, block: KVCacheBlock, siblings: list[tuple[tuple[int, ...], int]],
+                         leaving: range = _NO_BLOCKS) -> None:
         """Mark the children of an evicted full block orphans unless a twin (same parent,
-        same tokens, same serial) still holds its content."""
+        same tokens, same serial) still holds its content (pages whose ids are in `leaving`
+        excepted)."""
         children = self._children.get((block.group_id, block.serial))
         if not children and len(self._unit_groups) < 2:
             return  # nothing to mark (most evictions: a chain's deepest cached block)
@@ -597,26 +600,27 @@ class BlockPool:
         queue = self.free_queue
         for g in self._unit_groups:
             if g != block.group_id:
-                self._orphan_twins(g, block)
+                self._orphan_twins(g, block, leaving)
         if not children:
             return
         for _, child_id in children:
             child = self.blocks[child_id]
-            if not child.orphan:
+            if not child.orphan and child_id not in leaving:
                 child.orphan = True
                 if child.ref_cnt == 0:
                     queue.orphaned(child)
 
-    def _orphan_twins(self, group_id: int, block: KVCacheBlock) -> None:
+    def _orphan_twins(self, group_id: int, block: KVCacheBlock, leaving: range) -> None:
         """Mark the full blocks of `group_id` holding `block`'s content (same parent, tokens
-        and serial) orphans."""
+        and serial) orphans (pages whose ids are in `leaving` excepted)."""
         siblings = self._children.get((group_id, block.parent_serial))
         if not siblings:
             return
         i = bisect_left(siblings, (block.token_ids,))
         while i < len(siblings) and siblings[i][0] == block.token_ids:
             twin = self.blocks[siblings[i][1]]
-            if twin.block_hash is not None and twin.serial == block.serial and not twin.orphan:
+            if (twin.block_hash is not None and twin.serial == block.serial and not twin.orphan
+                    and twin.block_id not in leaving):
                 twin.orphan = True
                 if twin.ref_cnt == 0:
                     self.free_queue.orphaned(twin)
@@ -1102,8 +1106,9 @@ class TwoSizeBlockPool(BlockPool):
         self._free_cached -= self._page_cached[j]
         self._page_cached[j] = 0
         blocks = self.blocks[j * k:(j + 1) * k]
-        # Evicted while still queued: an eviction can move another of them (an orphan).
-        self._evict([block for block in blocks if block.token_ids is not None])
+        # Evicted while still queued; none of them is marked an orphan (all leave the queue).
+        self._evict([block for block in blocks if block.token_ids is not None],
+                    range(j * k, (j + 1) * k))
         for block in blocks:
             queue.remove(block)
         self._split[j] = False
@@ -1285,12 +1290,12 @@ class TwoSizeBlockPool(BlockPool):
         self._large_cached.forget(page)
         self.stats.checkpoints_evicted += 1
 
-    def _orphan_children(self, block: KVCacheBlock,
-                         siblings: list[tuple[tuple[int, ...], int]]) -> None:
+    def _orphan_children(self, block: KVCacheBlock, siblings: list[tuple[tuple[int, ...], int]],
+                         leaving: range = _NO_BLOCKS) -> None:
         """See BlockPool._orphan_children; evicting the last block of a chain position also
         leaves the checkpoints of that position without their chain (told to the checkpoint
         order)."""
-        super()._orphan_children(block, siblings)
+        super()._orphan_children(block, siblings, leaving)
         serial = block.serial
         at = self._checkpoints_at.get(serial)
         if at is None or block.group_id not in self._chain_groups:
