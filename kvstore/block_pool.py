@@ -532,9 +532,8 @@ class BlockPool:
                 if block.block_hash is not None and (chained is None
                                                      or block.group_id in chained):
                     self._orphan_children(block, siblings, leaving)
-                self._drop_content((block,))
-        if not tracks:
-            self._drop_content(blocks)
+        # (Marking reads the children index alone, which each block already left.)
+        self._drop_content(blocks)
 
     def uncache(self, blocks: list[KVCacheBlock]) -> None:
         """Drop the index entries and content of blocks in use that were indexed before their
@@ -591,12 +590,8 @@ class BlockPool:
         children = self._children.get((block.group_id, block.serial))
         if not children and len(self._unit_groups) < 2:
             return  # nothing to mark (most evictions: a chain's deepest cached block)
-        i = bisect_left(siblings, (block.token_ids,))
-        while i < len(siblings) and siblings[i][0] == block.token_ids:
-            twin = self.blocks[siblings[i][1]]
-            if twin.block_hash is not None and twin.serial == block.serial:
-                return
-            i += 1
+        if self._twin_keeps(block, siblings):
+            return
         queue = self.free_queue
         for g in self._unit_groups:
             if g != block.group_id:
@@ -609,6 +604,17 @@ class BlockPool:
                 child.orphan = True
                 if child.ref_cnt == 0:
                     queue.orphaned(child)
+
+    def _twin_keeps(self, block: KVCacheBlock, siblings: list[tuple[tuple[int, ...], int]]) -> bool:
+        """Whether a full block among `siblings` (the cached children of `block`'s parent, less
+        `block`) holds `block`'s content: same tokens, same serial."""
+        i = bisect_left(siblings, (block.token_ids,))
+        while i < len(siblings) and siblings[i][0] == block.token_ids:
+            twin = self.blocks[siblings[i][1]]
+            if twin.block_hash is not None and twin.serial == block.serial:
+                return True
+            i += 1
+        return False
 
     def _orphan_twins(self, group_id: int, block: KVCacheBlock, leaving: range) -> None:
         """Mark the full blocks of `group_id` holding `block`'s content (same parent, tokens
@@ -1300,11 +1306,8 @@ class TwoSizeBlockPool(BlockPool):
         at = self._checkpoints_at.get(serial)
         if at is None or block.group_id not in self._chain_groups:
             return
-        block_hash = block.block_hash
-        assert block_hash is not None
         pages = [page for page in at if not page.orphan]
-        if not pages or any(b is not block and b.serial == serial
-                            for b in self.hash_index.blocks(block.group_id, block_hash)):
+        if not pages or self._twin_keeps(block, siblings):
             return  # no checkpoint there, or a twin keeps the chain
         for page in pages:
             page.orphan = True
