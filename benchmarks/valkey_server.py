@@ -99,8 +99,7 @@ class ValkeyServer:
 
     @property
     def url(self) -> str:
-        """``valkey://[:PASSWORD@]127.0.0.1:PORT/0`` (``valkey+cluster://...`` for a cluster
-        node). It holds the password: print ``redact_url(url)``."""
+        """``valkey://[:PASSWORD@]127.0.0.1:PORT/0`` (print ``redact_url(url)``: it holds the password)."""
         auth = f":{self.password}@" if self.password else ""
         if self.cluster:
             return f"valkey+cluster://{auth}{HOST}:{self.port}"
