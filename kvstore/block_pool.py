@@ -532,7 +532,8 @@ class BlockPool:
                 if block.block_hash is not None and (chained is None
                                                      or block.group_id in chained):
                     self._orphan_children(block, siblings, leaving)
-        # (Marking reads the children index alone, which each block already left.)
+        # Dropped after all the marking: marking finds twins and children through the
+        # children index, which each of these blocks has already left.
         self._drop_content(blocks)
 
     def uncache(self, blocks: list[KVCacheBlock]) -> None:
