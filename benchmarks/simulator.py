@@ -221,7 +221,7 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
              on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
              tiers: TierOptions | None = None, **cache_options: Any) -> SimResult:
     """Replay requests in arrival order, `step_time` seconds a step, until all have finished
-    (`cache_options`: ``CacheConfig`` fields); ValueError if one can never fit, RuntimeError on a leak."""
+    (`cache_options`: ``CacheConfig`` fields; `on_step`: sees each scheduled step)."""
     from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
 
     specs = workload.requests if isinstance(workload, Workload) else workload
