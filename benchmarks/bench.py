@@ -180,7 +180,8 @@ def _render(table: Any, width: int) -> str:
 
 
 def print_table(result: SweepResult, console: Any, wide: bool = False) -> list[str]:
-    """Print the sweep's table, its legend and the per-group table; returns the columns left out."""
+    """Print the sweep's table (narrow: what fits ``TABLE_WIDTH``, and a legend) and the
+    per-group table; returns the columns left out."""
     drop: list[str] = []
     while True:
         table = _table(result, wide, drop)
@@ -206,7 +207,8 @@ def print_table(result: SweepResult, console: Any, wide: bool = False) -> list[s
 
 
 def _group_table(result: SweepResult) -> Any:
-    """What each group kept and evicted per budget and policy; None without window groups."""
+    """What each group kept and evicted, per budget and policy with sliding-window groups
+    (and the all-full partial replay); None without such groups."""
     from rich import box
     from rich.table import Table
 
@@ -323,7 +325,8 @@ def write_figures(result: SweepResult, out: Path) -> list[Path]:
 
 
 def write_results(result: SweepResult, out: Path, run: RunInfo, figures: bool = True) -> list[Path]:
-    """``sweep.json``, ``sweep.csv``, ``tables.md``, ``table.txt`` and, with `figures`, the figures."""
+    """``sweep.json``, ``sweep.csv``, ``tables.md`` (wide and per-group), ``table.txt`` (wide)
+    and, with `figures`, the figures."""
     output.write_json(out / "sweep.json", {**result.as_dict(), "run": asdict(run)})
     output.write_csv(out / "sweep.csv", [r.as_dict() for r in [*result.rows, *result.unbounded.values()]])
     table, group = _table(result, wide=True), _group_table(result)
@@ -394,7 +397,8 @@ def _trace_help() -> str:
 
 
 class _Questions(argparse._SubParsersAction):
-    """``kvstore bench``'s subcommands: a sweep option before one is a usage error."""
+    """``kvstore bench``'s subcommands: a sweep option before one is a usage error (it would
+    be silently replaced)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:

@@ -273,7 +273,9 @@ MLA_CHECK_PLANS = [{}, {"num_splits": 5}, *(dict(block_h=bh, block_n=bn, num_war
 
 
 def run_check() -> bool:
-    """The correctness grid compiled on this GPU against the references; True when all pass."""
+    """Correctness grid compiled on this GPU against the reference (chunked cases, then every
+    other case without and with sinks), write_kv and copy_blocks bitwise, and MLA decode
+    against its reference; True when all pass."""
     from kvstore.kernels import copy_blocks, paged_attention, paged_attention_reference, write_kv
     from kvstore.kernels.mla import mla_attention_reference, mla_decode
     from kvstore.kernels.testing import (
@@ -381,7 +383,9 @@ MLA_PLANS = [(bh, bn, w) for bh in (16, 32, 64) for bn in (16, 32, 64) for w in 
 
 
 def run_mla_sweep(iters: int = 10) -> dict:
-    """MLA decode at DeepSeek-V3's shapes at the default plan and every plan in MLA_PLANS."""
+    """MLA decode at DeepSeek-V3's shapes (bf16, block size 16) at every launch plan in
+    MLA_PLANS beside the default plan: needed latent bytes (each token's once) / time, and
+    for the best plan that as a share of the read bandwidth and as TFLOP/s."""
     from kvstore.kernels.mla import mla_decode
 
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")

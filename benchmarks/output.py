@@ -88,7 +88,8 @@ def short_count(n: float) -> str:
 
 
 def run_folder(out: Path, in_place: bool = False) -> Path:
-    """The folder a run writes into, created: `out` with `in_place`, else ``out/YYYYMMDD-HHMMSS``."""
+    """The folder a run writes into, created: `out` itself with `in_place`, else a fresh
+    ``out/YYYYMMDD-HHMMSS`` (``-2``, ``-3``... when taken)."""
     out.mkdir(parents=True, exist_ok=True)
     if in_place:
         return out
@@ -123,7 +124,8 @@ def out_file(text: str) -> Path:
 
 
 def check_folder(path: Path, error: Callable[[str], NoReturn], flag: str = "--out") -> None:
-    """A usage error (`error`) naming `flag` unless the folder `path` can be created."""
+    """Before a run's work: a usage error (`error`) naming `flag` unless the folder `path` can
+    be created (it is, then the new folders are removed again)."""
     new = [p for p in (path, *path.parents) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -168,7 +170,8 @@ non_negative_int = int_at_least(0)  # argparse type: an int >= 0
 
 def text_table(head: Sequence[str], rows: Iterable[Sequence[Any]], left: Container[int] = (0,),
                width: int = 80) -> str:
-    """`rows` under `head` as aligned plain text, the columns in `left` left-aligned."""
+    """`rows` under `head` as aligned plain text: the columns in `left` left-aligned, the others
+    right-aligned; a first cell too long for `width` gets a line of its own."""
     cells = [[str(c) for c in head], *([str(c) for c in r] for r in rows)]
     widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
     widths[0] = max(len(head[0]), min(widths[0], width - sum(widths[1:]) - len(widths) + 1))

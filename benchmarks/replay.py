@@ -110,7 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the replays `args` ask for: files in ``--out``, tables and a headline on stdout."""
+    """Run the replays `args` ask for: figures, JSON and CSV in ``--out``, tables and a headline on
+    stdout. A bad row in a trace file is a usage error."""
     try:
         return _run(args)
     except ValueError as e:
@@ -166,7 +167,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _show(out: Path, stem: str, legend: str, head: list[str], rows: list[list[str]]) -> None:
-    """Print a table per trace and the legend; write them as one Markdown table to ``{stem}.md``."""
+    """Print a table per trace (at most 80 columns, the trace's name above it) and the legend; write
+    them all as one Markdown table, the legend under it, to ``{stem}.md``."""
     left = (0, head.index("policy") - 1) if "policy" in head else (0,)
     for name in dict.fromkeys(r[0] for r in rows):
         print(f"\n{name}:\n" + output.text_table(head[1:], [r[1:] for r in rows if r[0] == name], left))
@@ -183,7 +185,8 @@ def _by_time(requests: Iterable[MooncakeRequest]) -> list[MooncakeRequest]:
 def _curves(what: str, traces: dict[str, Path], capacities: Sequence[int], limit: int | None,
             row: Callable[[list[MooncakeRequest], int], Row], log: Any, jobs: int = 1,
             note: Callable[[list[Row]], str] = lambda rows: "") -> Curves:
-    """``row(trace rows, capacity)`` for each trace and capacity, over `jobs` processes."""
+    """``row(trace rows, capacity)`` for each trace and capacity (`jobs` processes), with a progress
+    line on stderr per capacity and one `log` line per trace."""
     curves: Curves = {}
     for name, path in traces.items():
         rows = _by_time(load_mooncake(path, limit))
@@ -212,7 +215,8 @@ def _curves(what: str, traces: dict[str, Path], capacities: Sequence[int], limit
 def write_panels(out: Path, stem: str, curves: Curves, lines: Sequence[Line], xlabel: str, title: str,
                  meta: dict[str, Any],
                  extra: Callable[[Any, str], None] = lambda ax, name: None) -> dict[str, Any]:
-    """``{stem}.png`` (a panel per trace, a line per entry of `lines`), ``.csv`` and ``.json``."""
+    """``{stem}.png`` (hit rate against capacity, a panel per trace, a line per entry of `lines`, plus
+    what `extra` draws), ``{stem}.csv`` and ``{stem}.json`` (`meta` + curves)."""
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = output.pyplot().subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
     for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
@@ -237,7 +241,8 @@ def _million(r: Row) -> str:
 
 
 def _tiers(name: str, path: Path, args: argparse.Namespace, limit: int | None) -> str:
-    """The LRU model alone, over a host tier and as instances sharing a store; a summary line."""
+    """The LRU model device-only, with a host tier below it and as instances sharing a store: printed,
+    written as JSON, summed up in one line."""
     rows = load_mooncake(path, limit)
     dev, host, n = args.device_tokens // BT, args.host_tokens // BT, args.instances
     if dev < n:
@@ -280,7 +285,9 @@ def default_capacities(quick: bool = False) -> list[int]:
 def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None,
                 eviction: str = "lru") -> dict[str, Any]:
     """Replay rows through a BlockPool of ``capacity_blocks`` usable blocks (None: unbounded) under
-    `eviction`: the LRU model's totals, link breaks, unlinked hits and the rate with partial tails."""
+    `eviction`: the LRU model's totals plus ``pool_blocks``, ``link_breaks`` (a leading id cached but
+    not linked to its parent), ``unlinked_present`` (ids cached after the hit run) and
+    ``token_hit_rate_with_tails`` (adding the previous turn's cached partial block)."""
     if capacity_blocks is not None and capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0 or None, got {capacity_blocks}")
     rows, cap = _by_time(requests), capacity_blocks
@@ -338,7 +345,8 @@ def pool_replay(requests: Iterable[MooncakeRequest], capacity_blocks: int | None
 
 
 def lru_row(rows: Sequence[MooncakeRequest], cap_tokens: int) -> Row:
-    """Pool replay and the LRU model at one capacity; ``agree`` when hits and evictions match."""
+    """Pool replay and the LRU model at one capacity; ``agree`` when they give the same hits per
+    request and the same eviction count."""
     res = pool_replay(rows, cap_tokens // BT)
     ref = tr.mooncake_lru_replay(rows, cap_tokens // BT)
     row = {k: v for k, v in res.items() if k != "per_request_hit_tokens"}
@@ -353,7 +361,9 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
                         capacities: Sequence[int] | None = None, limit: int | None = None,
                         paper_path: str | Path | None = None, quick: bool = False,
                         log: Any = print) -> dict[str, Any]:
-    """Replay each trace over the capacities; write and return ``mooncake_hit_rate.{png,json,csv}``."""
+    """Replay each trace over the capacities, write ``mooncake_hit_rate.{png,json,csv}`` into
+    `out_dir`, and return what was written: the curves, each trace's unbounded hit rate (``ceiling``),
+    the paper's points and the comparison with them."""
     caps = list(capacities) if capacities is not None else default_capacities(quick)
     try:
         paper = {k: v for k, v in tr.mooncake_paper_points(paper_path).items() if k in traces}
@@ -387,7 +397,8 @@ def run_mooncake_replay(out_dir: str | Path, traces: dict[str, Path],
 
 
 def format_paper(comparison: Sequence[Row]) -> Table:
-    """At each of the paper's capacities, its hit rate and the pool's, with the difference."""
+    """At each of the paper's capacities, its hit rate and the pool's (with and without the previous
+    turn's partial block), each with its difference to the paper."""
     legend = ("paper: the Mooncake paper's Fig. 9, read by eye; pool: kvstore's pool, equal to the LRU "
               "model; +tail: the pool with the previous turn's partial block cached (an estimate); diff: "
               "against the paper")
@@ -406,8 +417,9 @@ _NEVER = 1 << 62
 
 def _offline(requests: Iterable[MooncakeRequest], capacity_blocks: int, cache: Container[int],
              hold: Callable[[tuple[int, ...], list[int]], int]) -> dict[str, Any]:
-    """The request model of `mooncake_lru_replay` under an offline policy: ``hold(kept ids, each
-    one's next use)`` admits a row's first `capacity_blocks` ids and returns how many it evicted."""
+    """The request model of `mooncake_lru_replay` under an offline policy: each row (timestamp order)
+    hits its leading run in `cache`, then ``hold(kept ids, the row where each is next used)`` admits
+    its first `capacity_blocks` ids and returns how many it evicted."""
     if capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
     rows, cap = _by_time(requests), capacity_blocks
@@ -478,7 +490,8 @@ def gap_closed(rate: float, lru: float, opt: float) -> float | None:
 
 
 def policy_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap_tokens: int) -> Row:
-    """At one capacity: each policy's hit rate, the reuse oracle's, MIN's, and the gap each closes."""
+    """At one capacity: each policy's token hit rate, the reuse oracle's, MIN's, and the gap each
+    closes."""
     blocks = cap_tokens // BT
     opt = min_replay(rows, blocks)
     row: Row = {"capacity_tokens": cap_tokens, "min": opt["token_hit_rate"],
@@ -494,7 +507,8 @@ def policy_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap_tok
 
 def run_eviction_replay(out_dir: Path, traces: dict[str, Path], capacities: Sequence[int],
                         policies: Sequence[str], limit: int | None) -> dict[str, Any]:
-    """Replay each trace under every policy and MIN; write and return ``eviction_hit_rate.*``."""
+    """Replay each trace under every policy and MIN; write ``eviction_hit_rate.{png,json,csv}`` into
+    `out_dir` and return the curves."""
     curves = _curves("policies", traces, capacities, limit, partial(policy_row, policies), print)
     return write_panels(out_dir, "eviction_hit_rate", curves, [
         *((p, "-o", {"ms": 3}, p) for p in policies),
@@ -542,7 +556,8 @@ def _fast_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
                   eviction: str = "lru", layout: str = "hybrid") -> dict[str, Any]:
     """Replay rows through a KVCacheManager of `layout` at the bytes of an all-full cache of
-    `capacity_tokens` tokens: hit totals, ``cut_rate`` and per-group page counts."""
+    `capacity_tokens` tokens: hit totals, ``truncated`` rows, ``cut_rate`` (tokens whose full chain
+    was cached but not their window pages) and per-group page counts (``groups``)."""
     specs = layer_specs(layout)
     num_pages = capacity_tokens // BT * len(specs) // make_kv_cache_config(specs, num_blocks=2).num_slots
     config = make_kv_cache_config(specs, num_blocks=num_pages + 1)
@@ -585,7 +600,8 @@ def hybrid_replay(requests: Sequence[MooncakeRequest], capacity_tokens: int,
 
 
 def capacity_row(policies: Sequence[str], rows: Sequence[MooncakeRequest], cap: int) -> Row:
-    """At one budget: each hybrid policy's hit rate and groups, all-full LRU's, and the bound."""
+    """At one budget: each hybrid policy's hit rate (and per-group breakdown), all-full LRU's, and the
+    bound where windowed pages cost nothing (the full group holds every byte)."""
     row: Row = {"capacity_tokens": cap,
                 "full_lru": hybrid_replay(rows, cap, "lru", layout="full")["token_hit_rate"],
                 "bound": pool_replay(rows, cap // BT * LAYOUT.num_layers // FULL_LAYERS)["token_hit_rate"],
@@ -609,7 +625,8 @@ def format_layouts(curves: Curves, policies: Sequence[str]) -> Table:
 
 
 def format_groups(curves: Curves, policies: Sequence[str]) -> Table:
-    """Per trace, budget and policy: the full and window groups' pages, and the cut share."""
+    """Per trace, budget and policy, pages mean cached / evicted / hit for the full group and the
+    window groups, and the input share a window cut from a full-attention hit."""
     legend = ("pages of the full group and of the window groups: mean cached, evicted and hit (k/M: "
               "thousands/millions); cut: the input share a window cut from a full-attention hit")
 
@@ -626,7 +643,8 @@ def format_groups(curves: Curves, policies: Sequence[str]) -> Table:
 
 def run_hybrid_replay(out_dir: Path, traces: dict[str, Path], capacities: Sequence[int],
                       policies: Sequence[str], limit: int | None, jobs: int) -> dict[str, Any]:
-    """Replay each trace under every policy, all-full LRU and the bound; write and return them."""
+    """Replay each trace under every policy, all-full LRU and the bound (`jobs` processes); write
+    ``eviction_hybrid.{png,json,csv}`` into `out_dir` and return the curves."""
     row = partial(capacity_row, tuple(policies))
     curves = _curves("layouts", traces, capacities, limit, row, print, jobs)
     return write_panels(out_dir, "eviction_hybrid", curves, [

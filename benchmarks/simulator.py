@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TierOptions:
-    """Tiers below the pool for a replay: a host tier and a store (``mem[:SIZE]`` or a URL)."""
+    """Tiers below the pool for a replay (placeholder values): a host tier of ``host_bytes``
+    and a store (``mem``: in-process, ``mem:SIZE``: bounded, or a ``valkey://`` URL)."""
 
     host_bytes: int | None = None
     store: str | None = None
@@ -221,7 +222,8 @@ def simulate(workload: Workload | list[RequestSpec], config: KVCacheConfig, *,
              on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
              tiers: TierOptions | None = None, **cache_options: Any) -> SimResult:
     """Replay requests in arrival order, `step_time` seconds a step, until all have finished
-    (`cache_options`: ``CacheConfig`` fields; `on_step`: sees each scheduled step)."""
+    (`cache_options`: ``CacheConfig`` fields; `on_step`: sees each scheduled step; `tiers`:
+    below the pool). ValueError when a request can never fit, RuntimeError if pages leak."""
     from kvstore.benchmarks.tier_model import ModelTier, PlaceholderConnector
 
     specs = workload.requests if isinstance(workload, Workload) else workload

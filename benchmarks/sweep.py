@@ -245,7 +245,8 @@ def default_budgets(workload: Workload, shape: ModelShape, block_size: int,
 
 @dataclass
 class SweepRow:
-    """A policy at one budget (None: unbounded); no ``metrics`` when some request cannot fit."""
+    """A policy at one budget (None: unbounded); no ``metrics`` when the pool cannot hold some
+    request (the reason in ``error``); :func:`run_sweep` fills in the fields after them."""
 
     policy: str
     layout: str
@@ -339,7 +340,8 @@ class SweepResult:
 def run_point(workload: Workload, policy: Policy, shape: ModelShape, block_size: int,
               budget: int | None, sched: SchedulerConfig | None = None,
               index: int = 0, tiers: TierOptions | None = None) -> SweepRow:
-    """One policy at one budget (None: a pool that never evicts)."""
+    """One policy at one budget (None: a pool that never evicts); not ``feasible`` when the pool
+    holds fewer than 2 blocks or some request can never fit it."""
     if policy.tiered and not tiers:
         raise ValueError(f"policy {policy.name} needs tiers (TierOptions)")
     sched = replace(sched or SchedulerConfig(), reserve_full_output=policy.reserve_full_output)
@@ -437,7 +439,8 @@ def run_sweep(workload: Workload, *, shape: ModelShape | str = "llama-3-8b", blo
               progress: Callable[[SweepRow], None] | None = None,
               on_start: Callable[[int], None] | None = None,
               tiers: TierOptions | None = None, step_time: StepTime = DEFAULT_STEP_TIME) -> SweepResult:
-    """Replay `workload` under every policy at every budget and unbounded, over `jobs` processes."""
+    """Replay `workload` under every policy at every budget (bytes) and unbounded, over `jobs`
+    processes (`on_start(n)`: n replays; `progress(row)`: one finished; Ctrl-C: SweepInterrupted)."""
     from kvstore.tiers.valkey_store import redact_url
 
     if isinstance(shape, str):
@@ -531,7 +534,8 @@ def _score(meta: SweepMeta, rows: list[SweepRow], wall: float) -> SweepResult:
 
 
 def find_tension(result: SweepResult) -> dict[str, Any]:
-    """Per policy, the first budget with a preemption and the first below 95% of the unbounded hits."""
+    """Per policy, the first budget (largest first) with a preemption and, with caching, the
+    unbounded hit rate and the first budget below 95% of it."""
     out: dict[str, Any] = {}
     rows = [r for r in result.rows if r.metrics is not None]
     budgets = sorted({r.budget_bytes for r in rows if r.budget_bytes is not None}, reverse=True)

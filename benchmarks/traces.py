@@ -213,7 +213,9 @@ def mooncake_lru_replay(requests: Iterable[MooncakeRequest], capacity_blocks: in
                         block_tokens: int = MOONCAKE_BLOCK_TOKENS, *, instances: int = 1,
                         tier_blocks: int | None = 0, write_back: bool = False) -> dict[str, Any]:
     """Replay rows in timestamp order, dealt round-robin over `instances` LRUs of ``capacity_blocks``
-    ids (None: unbounded) above one shared LRU tier of ``tier_blocks`` (0: none, None: unbounded)."""
+    ids (None: unbounded) above one shared LRU tier of ``tier_blocks`` (0: none, None: unbounded), as
+    docs/tiers.md states: ``HitCount.totals``, ``evictions``, ``tier_hit_blocks``, ``device_hit_rate``,
+    ``per_instance_block_hit_rate``."""
     if capacity_blocks is not None and capacity_blocks < 0:
         raise ValueError(f"capacity_blocks must be >= 0 or None, got {capacity_blocks}")
     if instances < 1 or (tier_blocks is not None and tier_blocks < 0):

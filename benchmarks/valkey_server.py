@@ -99,7 +99,8 @@ class ValkeyServer:
 
     @property
     def url(self) -> str:
-        """``valkey://[:PASSWORD@]127.0.0.1:PORT/0`` (print ``redact_url(url)``: it holds the password)."""
+        """``valkey://[:PASSWORD@]127.0.0.1:PORT/0`` (``valkey+cluster://...`` for a cluster
+        node). It holds the password: print ``redact_url(url)``."""
         auth = f":{self.password}@" if self.password else ""
         if self.cluster:
             return f"valkey+cluster://{auth}{HOST}:{self.port}"

@@ -150,8 +150,9 @@ def multi_turn_chat(num_conversations: int = 20, turns: int | tuple[int, int] = 
                     output_median: float = 128, output_sigma: float = 1.2, output_max: int = 2048,
                     rate: float = 1.0, think_time: float = 5.0,
                     vocab_size: int = DEFAULT_VOCAB_SIZE, seed: int = 0) -> Workload:
-    """Conversations of ``turns`` (a count or an inclusive range) where turn k+1 is turn k's
-    prompt, its scripted output and a new user message, after an exponential think time."""
+    """Conversations of ``turns`` (a count or an inclusive range) opening with ``system_len``
+    shared tokens, where turn k+1 is turn k's prompt, its scripted output and a new user
+    message, arriving after that output and an exponential think time."""
     _check_common(num_conversations, vocab_size, "num_conversations")
     low, high = (turns, turns) if isinstance(turns, int) else (int(turns[0]), int(turns[1]))
     if low < 1 or high < low:
