@@ -483,3 +483,22 @@ def test_optional_checkpoints_take_cached_room_only_while_their_kind_is_hit() ->
     # A spare page (whole and empty) admits whatever the record says.
     pool.reset_prefix_cache()
     assert pool.has_spare_large_page() and pool.admit_checkpoint("prompt_end")
+
+
+def test_reclaiming_a_split_page_orphans_the_children_left_outside_it() -> None:
+    pool = TwoSizeBlockPool(8, 2, frozenset({RECURRENT}), eviction="worth",
+                            chained_groups=frozenset({0}), num_groups=2)
+    b1, b2, b3, b4, b5 = pool.get_new_blocks(5, 0)  # page 1 holds b2 and b3, page 2 b4 and b5
+    assert [b.block_id for b in (b2, b3, b4, b5)] == [2, 3, 4, 5]
+    pool.cache_full_block(b2, 12, (2,), 7, serial=5)
+    pool.cache_full_block(b3, 13, (3,), 5, serial=6)
+    pool.cache_full_block(b4, 14, (4,), 6, serial=8)  # the chain's third block, on page 2
+    pool.free_blocks([b3, b2])  # page 1 is emptied first
+    pool.free_blocks([b5, b4])
+    assert pool.get_large_pages(1, RECURRENT)[0].block_hash is None  # the whole empty page 3
+    page = pool.get_large_pages(1, RECURRENT)[0]  # page 1, reclaimed: b2 and b3 evicted
+    assert page.block_id == pool.num_blocks + 1
+    assert b2.block_hash is None and b3.block_hash is None and pool.stats.evictions == 2
+    assert b4.orphan and b4.block_hash == 14  # its parent went with the page
+    assert pool.get_new_blocks(2, 0) == [b5, b4]  # the empty block, then the orphan
+    check_two_size_pool(pool)
