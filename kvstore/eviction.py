@@ -304,10 +304,9 @@ class S3FIFOPolicy(EvictionPolicy):
         self._size += len(blocks)
 
     def _free_tag(self, block: KVCacheBlock) -> int:
-        """The list a freed page joins: empty, orphaned, main (reused, or its content was
-        evicted from probation, or with `adaptive` from main, recently), or probation."""
-        if block.token_ids is None:
-            return _EMPTY
+        """The list a freed page with content joins (`freed_all` puts empty ones on the empty
+        list): orphaned, main (reused, or its content was evicted from probation, or with
+        `adaptive` from main, recently), or probation."""
         if block.orphan:
             return _ORPHAN
         if block.uses:
@@ -408,7 +407,7 @@ class WindowPolicy(S3FIFOPolicy):
         far from any likely hit end joins the far list, and a tagged one (its full-attention
         twin still cached, in a layout with a full-attention group) the held lists unless a
         hit used it (never reused, or recomputed after its content was evicted)."""
-        if block.token_ids is not None and not block.orphan:
+        if not block.orphan:
             if block.hint == 0:
                 return _COLD
             if self._has_chain and block.hint == 1 and block.block_hash is not None:
