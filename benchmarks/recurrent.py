@@ -293,7 +293,7 @@ class Goal:
     where: str
     met: bool
     text: str
-    reachable: bool = True  # False where no cache could (2x vllm-align above the oracle)
+    reachable: bool = True  # False where no cache of its block size could (2x vllm-align above the ideal)
 
 
 def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[Goal]:
@@ -307,8 +307,9 @@ def goals(rows: Sequence[Row], ideal: dict[str, float]) -> list[Goal]:
         where = f"{layout} {workload} {budget / GiB:.3g} GiB"
         if v is not None:
             ok = r.hit_rate >= 2 * v.hit_rate if v.hit_rate > 0 else r.hit_rate > 0
-            beyond = (f"; 2x is above the oracle's {o.hit_rate:.3f}"
-                      if o is not None and 2 * v.hit_rate > o.hit_rate else "")
+            bound = ideal.get(workload)  # an infinite cache's: no cache of its block size gets more
+            beyond = (f"; 2x is above the ideal {bound:.3f}"
+                      if bound is not None and 2 * v.hit_rate > bound else "")
             out.append(Goal("vllm", where, ok, f"kvstore {r.hit_rate:.3f} vs vllm-align "
                             f"{v.hit_rate:.3f}{beyond}", reachable=not beyond))
         if o is not None and f is not None and workload in ideal and f.hit_rate >= 0.8 * ideal[workload]:
@@ -336,7 +337,8 @@ def summary(checked: Sequence[Goal], shown: int = 3) -> list[str]:
         missed = [f"{g.where} ({g.text})" for g in cells if not g.met and g.reachable]
         line = f"{what}: met in {len(cells) - len(missed) - beyond} of {len(cells)}"
         if beyond:
-            line += f" ({beyond} out of any cache's reach: 2x vllm-align above the oracle)"
+            line += (f" ({beyond} out of any cache's reach: 2x vllm-align above the ideal, an "
+                     f"infinite cache's in {BLOCK_SIZE}-token blocks)")
         if missed:
             more = f"; and {len(missed) - shown} more" if len(missed) > shown else ""
             line += "; missed at " + "; ".join(missed[:shown]) + more
@@ -404,6 +406,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mooncake:  # prompts without outputs: the trace has no output content
         trace = [replace(r, max_tokens=1)
                  for r in mooncake_to_workload(trace_path, limit=args.limit).requests]
+        ideal["mooncake_conversation"] = ideal_hit_tokens(trace, BLOCK_SIZE, include_outputs=True).rate
         layout = LAYOUTS["qwen3-next"]
         runs += [(trace, layout, layout.budget_of_tokens(int(tokens)), "mooncake_conversation",
                   systems(layout, args.eviction)[:3], "--mooncake") for tokens in args.mooncake]
